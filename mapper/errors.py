@@ -1,0 +1,80 @@
+"""The project's error types.
+
+Adapters translate foreign errors (NVML, gRPC, paho, SQLite) into these at their boundary, once.
+Loops decide what to do from the type alone:
+
+* ``TransientError``: try again later (capped backoff); ``retry_after_s`` is a hint.
+* ``PermanentError``: report it and stop retrying that action until the input changes.
+* ``UnsupportedError``: the capability is absent on this GPU/driver; mark it absent and log once.
+
+Messages name what failed: the GPU (by UUID), the call and the value.
+"""
+
+from __future__ import annotations
+
+
+class MapperError(Exception):
+    """Base class of every error the project raises on purpose."""
+
+    #: A short reason in the KubeEdge twin charset (``[a-zA-Z0-9-_.,:/@#]``), e.g. ``out-of-range``.
+    reason: str = "error"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class TransientError(MapperError):
+    """Worth retrying: the same call may succeed later."""
+
+    reason = "transient"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.retry_after_s = retry_after_s
+
+
+class PermanentError(MapperError):
+    """Retrying the same call with the same input will fail the same way."""
+
+    reason = "failed"
+
+
+class UnsupportedError(PermanentError):
+    """The GPU, its driver or the binding lacks the capability (NVML NotSupported / FunctionNotFound)."""
+
+    reason = "not-supported"
+
+
+class NoPermissionError(PermanentError):
+    """The process lacks the privilege (NVML NoPermission: setters need root)."""
+
+    reason = "no-permission"
+
+
+class InvalidValueError(PermanentError):
+    """A value was refused: wrong type, out of range, not in the supported list, ...
+
+    ``reason`` is one of a small set of twin-safe codes (see ``mapper.model.REJECT_REASONS``).
+    """
+
+    reason = "invalid"
+
+
+class GpuLostError(TransientError):
+    """The GPU fell off the bus (NVML GpuIsLost, XID 79) or its handle vanished. Needs a reboot in practice."""
+
+    reason = "gpu-lost"
+
+
+class NotFoundError(PermanentError):
+    """A GPU (by UUID), a device or a model that is not here."""
+
+    reason = "not-found"
+
+
+class ConfigError(MapperError):
+    """Bad configuration; the message names the key path (``policies.thermalThrottling.maxTemp``)."""
+
+    reason = "bad-config"

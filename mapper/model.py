@@ -1,0 +1,515 @@
+"""Pure domain types and the property catalog: the single source of truth for every GPU property.
+
+Nothing here does I/O. The catalog (``PROPERTIES``) names each property exactly as it appears in the
+DeviceModel, in twins, in telemetry and (through ``prom_name``) in Prometheus. Its names are public API.
+
+Values in a ``Sample`` are in the catalog unit (W, J, MHz, bytes, percent, celsius), typed by ``ptype``:
+INT -> int, FLOAT -> float, BOOLEAN -> bool, STRING -> str.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from mapper.errors import InvalidValueError
+
+PropertyType = Literal["INT", "FLOAT", "STRING", "BOOLEAN"]
+AccessMode = Literal["ReadOnly", "ReadWrite"]
+PromType = Literal["gauge", "counter"]
+Value = int | float | str | bool
+
+#: KubeEdge devicetwin validation (Go regexps anchored with ^...$; use fullmatch in Python).
+TWIN_KEY_RE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,128}")
+TWIN_VALUE_RE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,512}")
+_TWIN_UNSAFE = re.compile(r"[^a-zA-Z0-9\-_.,:/@#]+")
+
+#: Device states EdgeCore accepts (anything else is dropped silently by devicetwin).
+DEVICE_STATES = ("ok", "online", "offline", "unknown", "unhealthy")
+
+#: Compute modes by NVML code (EXCLUSIVE_THREAD=1 was removed from NVML).
+COMPUTE_MODES: Mapping[str, int] = {"default": 0, "prohibited": 2, "exclusive_process": 3}
+COMPUTE_MODE_NAMES: Mapping[int, str] = {v: k for k, v in COMPUTE_MODES.items()}
+
+#: Reasons a desired value is rejected; each fits the twin charset and reads after ``rejected-``.
+REJECT_REASONS = (
+    "wrong-type",
+    "not-a-number",
+    "nan",
+    "infinite",
+    "negative",
+    "empty",
+    "too-long",
+    "non-ascii",
+    "out-of-range",
+    "not-supported-clock",
+    "unpaired",
+    "unknown-value",
+    "read-only",
+    "unknown-property",
+    "not-supported",
+    "no-permission",
+)
+
+#: Longest raw desired value accepted before any parsing (twin values are at most 512 chars).
+MAX_RAW_VALUE_LEN = 512
+
+#: Clock-event-reason bits (nvmlClocksEventReason*), in bit order, with their twin-safe names.
+CLOCK_EVENT_REASONS: tuple[tuple[int, str], ...] = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+)
+
+
+@dataclass(frozen=True)
+class PropertySpec:
+    """One GPU property: how KubeEdge, Prometheus and NVML each see it."""
+
+    name: str
+    ptype: PropertyType
+    unit: str
+    access: AccessMode
+    description: str
+    #: The NVML call (or field id) that reads it; documentation for operators and the backend's checklist.
+    nvml_read: str
+    #: The NVML call that writes it (ReadWrite only).
+    nvml_write: str = ""
+    #: Prometheus metric name in base units, or "" when the property is exported another way (labels, info).
+    prom_name: str = ""
+    prom_type: PromType = "gauge"
+    #: Multiply the catalog value by this to get the Prometheus base unit (percent -> ratio: 0.01, MHz -> Hz: 1e6).
+    prom_scale: float = 1.0
+    minimum: str = ""
+    maximum: str = ""
+    #: Default collect cycle for generated Devices, in milliseconds.
+    collect_cycle_ms: int = 10_000
+
+    @property
+    def writable(self) -> bool:
+        return self.access == "ReadWrite"
+
+
+def _p(
+    name: str,
+    ptype: PropertyType,
+    unit: str,
+    description: str,
+    nvml_read: str,
+    *,
+    prom_name: str = "",
+    prom_type: PromType = "gauge",
+    prom_scale: float = 1.0,
+    minimum: str = "",
+    maximum: str = "",
+    collect_cycle_ms: int = 10_000,
+    nvml_write: str = "",
+) -> PropertySpec:
+    return PropertySpec(
+        name=name,
+        ptype=ptype,
+        unit=unit,
+        access="ReadWrite" if nvml_write else "ReadOnly",
+        description=description,
+        nvml_read=nvml_read,
+        nvml_write=nvml_write,
+        prom_name=prom_name,
+        prom_type=prom_type,
+        prom_scale=prom_scale,
+        minimum=minimum,
+        maximum=maximum,
+        collect_cycle_ms=collect_cycle_ms,
+    )
+
+
+PROPERTIES: tuple[PropertySpec, ...] = (
+    # --- identity -------------------------------------------------------------------------------
+    _p("uuid", "STRING", "", "GPU UUID (GPU-...): the GPU's identity", "nvmlDeviceGetUUID",
+       collect_cycle_ms=60_000),
+    _p("product_name", "STRING", "", "product name, made twin-safe (spaces become _)", "nvmlDeviceGetName",
+       collect_cycle_ms=60_000),
+    # --- load -----------------------------------------------------------------------------------
+    _p("utilization_gpu", "INT", "percent", "time a kernel ran over the driver's sample period",
+       "nvmlDeviceGetUtilizationRates.gpu", prom_name="gpu_utilization_ratio", prom_scale=0.01,
+       minimum="0", maximum="100", collect_cycle_ms=1_000),
+    _p("utilization_memory", "INT", "percent", "time device memory was read or written",
+       "nvmlDeviceGetUtilizationRates.memory", prom_name="gpu_memory_utilization_ratio", prom_scale=0.01,
+       minimum="0", maximum="100", collect_cycle_ms=1_000),
+    _p("memory_used", "INT", "bytes", "framebuffer memory in use", "nvmlDeviceGetMemoryInfo.used",
+       prom_name="gpu_memory_used_bytes", minimum="0", collect_cycle_ms=1_000),
+    _p("memory_total", "INT", "bytes", "framebuffer memory installed", "nvmlDeviceGetMemoryInfo.total",
+       prom_name="gpu_memory_total_bytes", minimum="0", collect_cycle_ms=60_000),
+    # --- thermal --------------------------------------------------------------------------------
+    _p("temperature", "INT", "celsius", "GPU core temperature",
+       "nvmlDeviceGetTemperatureV(NVML_TEMPERATURE_GPU)", prom_name="gpu_temperature_celsius",
+       minimum="0", maximum="120", collect_cycle_ms=1_000),
+    _p("temperature_memory", "INT", "celsius", "HBM temperature (HBM parts only)",
+       "nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)", prom_name="gpu_memory_temperature_celsius",
+       minimum="0", maximum="120", collect_cycle_ms=1_000),
+    _p("temperature_slowdown", "INT", "celsius", "hardware slowdown threshold",
+       "nvmlDeviceGetTemperatureThreshold(NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)",
+       prom_name="gpu_temperature_slowdown_threshold_celsius", collect_cycle_ms=60_000),
+    _p("temperature_shutdown", "INT", "celsius", "hardware shutdown threshold",
+       "nvmlDeviceGetTemperatureThreshold(NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)",
+       prom_name="gpu_temperature_shutdown_threshold_celsius", collect_cycle_ms=60_000),
+    _p("fan_speed", "INT", "percent", "fan speed in percent of maximum (absent on passive cards)",
+       "nvmlDeviceGetFanSpeed", prom_name="gpu_fan_speed_ratio", prom_scale=0.01, minimum="0",
+       collect_cycle_ms=5_000),
+    # --- power ----------------------------------------------------------------------------------
+    _p("power_usage", "FLOAT", "W", "board power draw", "nvmlDeviceGetPowerUsage (mW)",
+       prom_name="gpu_power_usage_watts", minimum="0", collect_cycle_ms=1_000),
+    _p("energy_consumption", "FLOAT", "J", "energy since the driver was loaded (resets on reload)",
+       "nvmlDeviceGetFieldValues(NVML_FI_DEV_ENERGY) (mJ)", prom_name="gpu_energy_consumption_joules_total",
+       prom_type="counter", minimum="0", collect_cycle_ms=1_000),
+    _p("power_limit_enforced", "FLOAT", "W", "power limit in force after every limiter",
+       "nvmlDeviceGetEnforcedPowerLimit (mW)", prom_name="gpu_power_limit_enforced_watts",
+       collect_cycle_ms=5_000),
+    _p("power_limit_min", "FLOAT", "W", "lowest power limit the GPU accepts",
+       "nvmlDeviceGetPowerManagementLimitConstraints[0] (mW)", prom_name="gpu_power_limit_min_watts",
+       collect_cycle_ms=60_000),
+    _p("power_limit_max", "FLOAT", "W", "highest power limit the GPU accepts",
+       "nvmlDeviceGetPowerManagementLimitConstraints[1] (mW)", prom_name="gpu_power_limit_max_watts",
+       collect_cycle_ms=60_000),
+    _p("power_limit_default", "FLOAT", "W", "power limit at boot",
+       "nvmlDeviceGetPowerManagementDefaultLimit (mW)", prom_name="gpu_power_limit_default_watts",
+       collect_cycle_ms=60_000),
+    # --- clocks ---------------------------------------------------------------------------------
+    _p("clock_sm", "INT", "MHz", "current SM clock", "nvmlDeviceGetClockInfo(NVML_CLOCK_SM)",
+       prom_name="gpu_clock_sm_hertz", prom_scale=1e6, minimum="0", collect_cycle_ms=1_000),
+    _p("clock_memory", "INT", "MHz", "current memory clock", "nvmlDeviceGetClockInfo(NVML_CLOCK_MEM)",
+       prom_name="gpu_clock_memory_hertz", prom_scale=1e6, minimum="0", collect_cycle_ms=1_000),
+    _p("clock_sm_max", "INT", "MHz", "highest SM clock", "nvmlDeviceGetMaxClockInfo(NVML_CLOCK_SM)",
+       prom_name="gpu_clock_sm_max_hertz", prom_scale=1e6, minimum="0", collect_cycle_ms=60_000),
+    _p("clock_event_reasons", "INT", "bitmask", "why clocks are held back (nvmlClocksEventReason* bits)",
+       "nvmlDeviceGetCurrentClocksEventReasons", prom_name="gpu_clock_event_reasons",
+       minimum="0", collect_cycle_ms=1_000),
+    _p("clock_event_reasons_text", "STRING", "", "the clock event reason bits by name, comma separated",
+       "nvmlDeviceGetCurrentClocksEventReasons", collect_cycle_ms=1_000),
+    _p("pstate", "INT", "", "performance state, 0 (fastest) to 15; 32 = unknown",
+       "nvmlDeviceGetPerformanceState", prom_name="gpu_pstate", minimum="0", maximum="32",
+       collect_cycle_ms=5_000),
+    # --- PCIe -----------------------------------------------------------------------------------
+    _p("pcie_tx", "INT", "bytes/s", "PCIe transmit throughput (20 ms window)",
+       "nvmlDeviceGetPcieThroughput(NVML_PCIE_UTIL_TX_BYTES) (KB/s)",
+       prom_name="gpu_pcie_tx_bytes_per_second", minimum="0", collect_cycle_ms=5_000),
+    _p("pcie_rx", "INT", "bytes/s", "PCIe receive throughput (20 ms window)",
+       "nvmlDeviceGetPcieThroughput(NVML_PCIE_UTIL_RX_BYTES) (KB/s)",
+       prom_name="gpu_pcie_rx_bytes_per_second", minimum="0", collect_cycle_ms=5_000),
+    # --- health ---------------------------------------------------------------------------------
+    _p("ecc_errors_corrected", "INT", "", "corrected ECC errors since driver load (volatile)",
+       "nvmlDeviceGetTotalEccErrors(CORRECTED, VOLATILE)", prom_name="gpu_ecc_errors_corrected_total",
+       prom_type="counter", minimum="0", collect_cycle_ms=10_000),
+    _p("ecc_errors_uncorrected", "INT", "", "uncorrected ECC errors since driver load (volatile)",
+       "nvmlDeviceGetTotalEccErrors(UNCORRECTED, VOLATILE)", prom_name="gpu_ecc_errors_uncorrected_total",
+       prom_type="counter", minimum="0", collect_cycle_ms=10_000),
+    _p("remapped_rows_uncorrectable", "INT", "", "rows remapped after uncorrectable errors (Ampere+)",
+       "nvmlDeviceGetRemappedRows[1]", prom_name="gpu_remapped_rows_uncorrectable", minimum="0",
+       collect_cycle_ms=60_000),
+    _p("remapped_rows_pending", "BOOLEAN", "", "a row remap waits for a GPU reset (Ampere+)",
+       "nvmlDeviceGetRemappedRows[2]", prom_name="gpu_remapped_rows_pending", collect_cycle_ms=60_000),
+    _p("xid_last", "INT", "", "the last XID event seen (0 = none since start)",
+       "nvmlEventSetWait(nvmlEventTypeXidCriticalError).eventData", minimum="0", collect_cycle_ms=1_000),
+    # --- writable -------------------------------------------------------------------------------
+    _p("power_limit", "FLOAT", "W", "board power cap (requested limit)",
+       "nvmlDeviceGetPowerManagementLimit (mW)", nvml_write="nvmlDeviceSetPowerManagementLimit (mW)",
+       prom_name="gpu_power_limit_watts", minimum="0", collect_cycle_ms=5_000),
+    _p("locked_gpu_clock_min", "INT", "MHz", "lower locked GPU clock, 0 = not locked",
+       "the value this mapper set since the driver loaded (NVML has no getter)",
+       nvml_write="nvmlDeviceSetGpuLockedClocks / nvmlDeviceResetGpuLockedClocks",
+       prom_name="gpu_locked_clock_min_hertz", prom_scale=1e6, minimum="0", collect_cycle_ms=5_000),
+    _p("locked_gpu_clock_max", "INT", "MHz", "upper locked GPU clock, 0 = not locked",
+       "the value this mapper set since the driver loaded (NVML has no getter)",
+       nvml_write="nvmlDeviceSetGpuLockedClocks / nvmlDeviceResetGpuLockedClocks",
+       prom_name="gpu_locked_clock_max_hertz", prom_scale=1e6, minimum="0", collect_cycle_ms=5_000),
+    _p("locked_memory_clock_min", "INT", "MHz", "lower locked memory clock, 0 = not locked (Ampere+)",
+       "the value this mapper set since the driver loaded (NVML has no getter)",
+       nvml_write="nvmlDeviceSetMemoryLockedClocks / nvmlDeviceResetMemoryLockedClocks",
+       prom_name="gpu_locked_memory_clock_min_hertz", prom_scale=1e6, minimum="0", collect_cycle_ms=5_000),
+    _p("locked_memory_clock_max", "INT", "MHz", "upper locked memory clock, 0 = not locked (Ampere+)",
+       "the value this mapper set since the driver loaded (NVML has no getter)",
+       nvml_write="nvmlDeviceSetMemoryLockedClocks / nvmlDeviceResetMemoryLockedClocks",
+       prom_name="gpu_locked_memory_clock_max_hertz", prom_scale=1e6, minimum="0", collect_cycle_ms=5_000),
+    _p("persistence_mode", "BOOLEAN", "", "keep the driver loaded with no client (Linux)",
+       "nvmlDeviceGetPersistenceMode", nvml_write="nvmlDeviceSetPersistenceMode",
+       prom_name="gpu_persistence_mode", collect_cycle_ms=10_000),
+    _p("compute_mode", "STRING", "", "default, exclusive_process or prohibited",
+       "nvmlDeviceGetComputeMode", nvml_write="nvmlDeviceSetComputeMode", collect_cycle_ms=10_000),
+)
+
+PROPERTY_BY_NAME: Mapping[str, PropertySpec] = {p.name: p for p in PROPERTIES}
+WRITABLE: tuple[str, ...] = tuple(p.name for p in PROPERTIES if p.writable)
+
+#: Writable properties that NVML sets together, as (min, max) pairs.
+CLOCK_PAIRS: Mapping[str, tuple[str, str]] = {
+    "locked_gpu_clocks": ("locked_gpu_clock_min", "locked_gpu_clock_max"),
+    "locked_memory_clocks": ("locked_memory_clock_min", "locked_memory_clock_max"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Domain types shared by the loops and the adapters
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """A GPU as enumerated on this node. ``uuid`` is the identity; ``index`` is only a label."""
+
+    uuid: str
+    index: int
+    name: str
+    pci_bus_id: str = ""
+    serial: str = ""
+    driver_version: str = ""
+    architecture: str = ""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The values read from one GPU at ``ts_ms``. A property NVML cannot report is absent, never zero."""
+
+    uuid: str
+    ts_ms: int
+    values: Mapping[str, Value]
+    #: Errors met while sampling, by property (absent properties that are not simply unsupported).
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the GPU accepts, read at runtime."""
+
+    power_limit_min_w: float | None = None
+    power_limit_max_w: float | None = None
+    power_limit_default_w: float | None = None
+    #: Supported memory clocks (MHz), highest first; empty when unknown.
+    memory_clocks_mhz: tuple[int, ...] = ()
+    #: Supported graphics clocks (MHz) across all memory clocks, highest first; empty when unknown.
+    graphics_clocks_mhz: tuple[int, ...] = ()
+    #: Writable properties this GPU cannot set (learnt from NotSupported), by name.
+    unsupported: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """Something that happened on a GPU between samples (XID, ECC, GPU lost)."""
+
+    uuid: str
+    ts_ms: int
+    kind: Literal["xid", "ecc_single", "ecc_double", "gpu_lost", "driver_reload"]
+    xid: int = 0
+    detail: str = ""
+
+
+class GpuBackend(Protocol):
+    """What the loops need from a GPU library. ``mapper.gpu.nvml.NvmlBackend`` is the implementation.
+
+    Every method is blocking (call it through ``asyncio.to_thread``), bounded by a timeout, and raises only
+    ``mapper.errors`` types. GPUs are addressed by UUID.
+    """
+
+    def init(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def driver_version(self) -> str: ...
+    def list_gpus(self) -> list[GpuInfo]: ...
+    def sample(self, uuid: str, properties: Iterable[str] | None = None) -> Sample: ...
+    def constraints(self, uuid: str) -> Constraints: ...
+    def set_power_limit(self, uuid: str, watts: float) -> float: ...
+    def set_locked_gpu_clocks(self, uuid: str, min_mhz: int, max_mhz: int) -> None: ...
+    def reset_locked_gpu_clocks(self, uuid: str) -> None: ...
+    def set_locked_memory_clocks(self, uuid: str, min_mhz: int, max_mhz: int) -> None: ...
+    def reset_locked_memory_clocks(self, uuid: str) -> None: ...
+    def set_persistence_mode(self, uuid: str, enabled: bool) -> None: ...
+    def set_compute_mode(self, uuid: str, mode: str) -> None: ...
+    def poll_events(self) -> list[GpuEvent]: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices and models as the mapper holds them (from DMI, from YAML files): plain, comparable values
+# --------------------------------------------------------------------------------------------------
+
+Scalar = str | float | int | bool
+
+
+@dataclass(frozen=True)
+class PushMqtt:
+    """A property's ``pushMethod.mqtt`` from the Device spec."""
+
+    address: str = ""
+    topic: str = ""
+    qos: int = 1
+    retained: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceProperty:
+    name: str
+    #: ``spec.properties[].desired.value``; None when the Device sets no desired value.
+    desired: str | None = None
+    desired_metadata: Mapping[str, str] = field(default_factory=dict)
+    #: Milliseconds; 0 = unset (the mapper's default applies).
+    collect_cycle_ms: int = 0
+    report_cycle_ms: int = 0
+    report_to_cloud: bool = True
+    push_mqtt: PushMqtt | None = None
+    visitor_config: Mapping[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """One KubeEdge Device of protocol ``gpu``: a GPU of this node, addressed by its UUID."""
+
+    namespace: str
+    name: str
+    model: str
+    uuid: str
+    properties: tuple[DeviceProperty, ...] = ()
+    protocol_config: Mapping[str, Scalar] = field(default_factory=dict)
+    #: Device-state reporting (v1.23 ``spec.stateReport``, <= v1.22 ``status.reportToCloud/reportCycle``).
+    state_report_to_cloud: bool = True
+    state_report_cycle_ms: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def property(self, name: str) -> DeviceProperty | None:
+        for p in self.properties:
+            if p.name == name:
+                return p
+        return None
+
+
+@dataclass(frozen=True)
+class ModelProperty:
+    name: str
+    ptype: str
+    access_mode: str = "ReadOnly"
+    unit: str = ""
+    minimum: str = ""
+    maximum: str = ""
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceModelConfig:
+    namespace: str
+    name: str
+    properties: tuple[ModelProperty, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Twin:
+    """One twin as reported to EdgeCore: both fields always present (EdgeCore crashes on a missing one)."""
+
+    name: str
+    observed_desired: str
+    reported: str
+
+
+# --------------------------------------------------------------------------------------------------
+# Values <-> twin strings
+# --------------------------------------------------------------------------------------------------
+
+
+def twin_safe(text: str) -> str:
+    """Make any text fit the twin value charset: runs of other characters become ``_``; at most 512 chars."""
+    safe = _TWIN_UNSAFE.sub("_", text.strip())
+    return safe[:512]
+
+
+def format_number(value: float) -> str:
+    """A float as a twin-safe decimal: no exponent, no ``+``, shortest form that round-trips to 3 decimals."""
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    text = f"{value:.3f}".rstrip("0").rstrip(".")
+    return text if text not in ("-0", "") else "0"
+
+
+def format_value(spec: PropertySpec, value: Value) -> str:
+    """A sample value as a twin string (fits ``TWIN_VALUE_RE`` or is empty)."""
+    if spec.ptype == "BOOLEAN":
+        return "true" if value else "false"
+    if spec.ptype == "INT":
+        return str(int(value))
+    if spec.ptype == "FLOAT":
+        return format_number(float(value))
+    return twin_safe(str(value))
+
+
+_TRUE = frozenset({"true", "1", "on", "yes", "enabled"})
+_FALSE = frozenset({"false", "0", "off", "no", "disabled"})
+
+
+def parse_value(spec: PropertySpec, raw: Scalar) -> Value:
+    """Parse a desired value (a twin string, or a number/bool from YAML or protobuf) by the property's type.
+
+    Raises ``InvalidValueError`` whose ``reason`` is one of ``REJECT_REASONS``. Range checks against the GPU's
+    own limits are the reconciler's job; this checks type and shape only.
+    """
+    name = spec.name
+    if isinstance(raw, str):
+        if raw == "" or raw.strip() == "":
+            raise InvalidValueError(f"{name}: empty value", reason="empty")
+        if len(raw) > MAX_RAW_VALUE_LEN:
+            raise InvalidValueError(f"{name}: value of {len(raw)} chars exceeds {MAX_RAW_VALUE_LEN}",
+                                    reason="too-long")
+        if not raw.isascii():
+            raise InvalidValueError(f"{name}: value {raw[:40]!r} is not ASCII", reason="non-ascii")
+        text = raw.strip()
+    else:
+        text = ""
+    if spec.ptype == "BOOLEAN":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and text.lower() in _TRUE:
+            return True
+        if isinstance(raw, str) and text.lower() in _FALSE:
+            return False
+        raise InvalidValueError(f"{name}: {raw!r} is not a boolean (true/false)", reason="wrong-type")
+    if spec.ptype == "STRING":
+        if not isinstance(raw, str):
+            raise InvalidValueError(f"{name}: {raw!r} is not a string", reason="wrong-type")
+        return text
+    # numbers
+    if isinstance(raw, bool):
+        raise InvalidValueError(f"{name}: {raw!r} is a boolean, not a number", reason="wrong-type")
+    if isinstance(raw, str):
+        try:
+            number = float(text)
+        except ValueError:
+            raise InvalidValueError(f"{name}: {raw!r} is not a number", reason="not-a-number") from None
+    else:
+        number = float(raw)
+    if math.isnan(number):
+        raise InvalidValueError(f"{name}: NaN is not a value", reason="nan")
+    if math.isinf(number):
+        raise InvalidValueError(f"{name}: {number} is not finite", reason="infinite")
+    if number < 0:
+        raise InvalidValueError(f"{name}: {format_number(number)} is negative", reason="negative")
+    if spec.ptype == "INT":
+        if number != int(number):
+            # FloatValue (float32) carries every CRD number: accept values that are integers after rounding.
+            if abs(number - round(number)) > 1e-3:
+                raise InvalidValueError(f"{name}: {format_number(number)} is not an integer", reason="wrong-type")
+        return round(number)
+    return number
+
+
+def clock_event_reasons_text(mask: int) -> str:
+    """``0x24`` -> ``sw_power_cap,sw_thermal_slowdown``; ``0`` -> ``none``."""
+    names = [n for bit, n in CLOCK_EVENT_REASONS if mask & bit]
+    return ",".join(names) if names else "none"

@@ -1,0 +1,247 @@
+"""The devices and models this mapper owns, whichever way they arrive (DMI, YAML files).
+
+Pure bookkeeping: validates a Device against the catalog and the GPUs of this node, diffs specs, and tells
+listeners what changed. EdgeCore <= 1.22 sends UpdateDevice on every status change with an unchanged spec:
+``upsert_device`` returns ``unchanged`` for those and notifies nobody, so no GPU is touched and no loop restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from mapper.errors import InvalidValueError, NotFoundError, PermanentError
+from mapper.model import (
+    PROPERTY_BY_NAME,
+    TWIN_KEY_RE,
+    DeviceConfig,
+    DeviceModelConfig,
+)
+
+ChangeKind = Literal["added", "updated", "removed", "unchanged"]
+
+
+class PreconditionError(PermanentError):
+    """The request is well-formed but cannot apply on this node (e.g. a GPU UUID that is not here)."""
+
+    reason = "precondition"
+
+
+@dataclass(frozen=True)
+class DeviceChange:
+    kind: ChangeKind
+    device: DeviceConfig
+    previous: DeviceConfig | None = None
+
+    @property
+    def desired_changed(self) -> bool:
+        """True when any desired value differs from the previous spec (or the device is new)."""
+        if self.previous is None:
+            return True
+        return desired_values(self.device) != desired_values(self.previous)
+
+    @property
+    def cycles_changed(self) -> bool:
+        """True when anything but the desired values changed (cycles, pushMethod, properties, uuid)."""
+        if self.previous is None:
+            return True
+        return _without_desired(self.device) != _without_desired(self.previous)
+
+
+def desired_values(device: DeviceConfig) -> dict[str, str]:
+    return {p.name: p.desired for p in device.properties if p.desired is not None}
+
+
+def _without_desired(device: DeviceConfig) -> tuple[object, ...]:
+    props = tuple(
+        sorted(
+            ((p.name, p.collect_cycle_ms, p.report_cycle_ms, p.report_to_cloud, p.push_mqtt,
+              tuple(sorted(p.visitor_config.items()))) for p in device.properties),
+            key=lambda t: t[0],
+        )
+    )
+    return (device.uuid, device.model, props, tuple(sorted(device.protocol_config.items())),
+            device.state_report_to_cloud, device.state_report_cycle_ms)
+
+
+def _spec_key(device: DeviceConfig) -> tuple[object, ...]:
+    # Property lists compare sorted by name (EdgeCore v1.23 does the same).
+    desired = tuple(sorted((p.name, p.desired, tuple(sorted(p.desired_metadata.items())))
+                           for p in device.properties))
+    return (_without_desired(device), desired)
+
+
+Listener = Callable[[DeviceChange], None]
+
+
+class Registry:
+    """Devices and models by ``namespace/name``. ``node_gpus`` returns the UUIDs present on this node."""
+
+    def __init__(self, node_gpus: Callable[[], Iterable[str]]) -> None:
+        self._node_gpus = node_gpus
+        self._devices: dict[str, DeviceConfig] = {}
+        self._models: dict[str, DeviceModelConfig] = {}
+        self._listeners: list[Listener] = []
+
+    # --- listeners ---------------------------------------------------------------------------------
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _emit(self, change: DeviceChange) -> None:
+        for listener in list(self._listeners):
+            listener(change)
+
+    # --- validation --------------------------------------------------------------------------------
+    def validate_device(self, device: DeviceConfig) -> None:
+        """Raise a ``mapper.errors`` type that says what is wrong; change nothing."""
+        if not device.name:
+            raise InvalidValueError("device has no name", reason="empty")
+        if not device.uuid:
+            raise InvalidValueError(
+                f"device {device.key}: protocol.configData.uuid is missing (the GPU's UUID, GPU-...)",
+                reason="empty",
+            )
+        if not device.uuid.startswith(("GPU-", "MIG-")):
+            raise InvalidValueError(
+                f"device {device.key}: configData.uuid {device.uuid!r} is not a GPU UUID (GPU-...)",
+                reason="wrong-type",
+            )
+        if device.uuid not in set(self._node_gpus()):
+            raise PreconditionError(f"device {device.key}: GPU {device.uuid} is not on this node")
+        for other in self._devices.values():
+            if other.uuid == device.uuid and other.key != device.key:
+                raise PreconditionError(
+                    f"device {device.key}: GPU {device.uuid} already belongs to device {other.key}"
+                )
+        seen: set[str] = set()
+        for prop in device.properties:
+            if prop.name in seen:
+                raise InvalidValueError(f"device {device.key}: property {prop.name!r} listed twice",
+                                        reason="wrong-type")
+            seen.add(prop.name)
+            if prop.name not in PROPERTY_BY_NAME:
+                raise InvalidValueError(
+                    f"device {device.key}: unknown property {prop.name!r} (not in the GPU catalog)",
+                    reason="unknown-property",
+                )
+            if prop.collect_cycle_ms < 0 or prop.report_cycle_ms < 0:
+                raise InvalidValueError(f"device {device.key}: property {prop.name}: negative cycle",
+                                        reason="negative")
+        model = self._models.get(f"{device.namespace}/{device.model}")
+        if model is not None:
+            names = {p.name for p in model.properties}
+            for prop in device.properties:
+                if prop.name not in names:
+                    raise InvalidValueError(
+                        f"device {device.key}: property {prop.name!r} is not in model {model.key}",
+                        reason="unknown-property",
+                    )
+
+    def validate_model(self, model: DeviceModelConfig) -> None:
+        if not model.name:
+            raise InvalidValueError("device model has no name", reason="empty")
+        for prop in model.properties:
+            if not TWIN_KEY_RE.fullmatch(prop.name):
+                raise InvalidValueError(f"model {model.key}: property name {prop.name!r} is not a valid twin key",
+                                        reason="wrong-type")
+            spec = PROPERTY_BY_NAME.get(prop.name)
+            if spec is None:
+                raise InvalidValueError(
+                    f"model {model.key}: unknown property {prop.name!r} (not in the GPU catalog)",
+                    reason="unknown-property",
+                )
+            ptype = prop.ptype.upper()
+            compatible = {spec.ptype} | ({"DOUBLE"} if spec.ptype == "FLOAT" else set())
+            if ptype and ptype not in compatible:
+                raise InvalidValueError(
+                    f"model {model.key}: property {prop.name} has type {prop.ptype}, the catalog says {spec.ptype}",
+                    reason="wrong-type",
+                )
+            if prop.access_mode and prop.access_mode != spec.access:
+                if prop.access_mode == "ReadWrite":
+                    raise InvalidValueError(
+                        f"model {model.key}: property {prop.name} is read-only on a GPU, not ReadWrite",
+                        reason="read-only",
+                    )
+
+    # --- devices -----------------------------------------------------------------------------------
+    def upsert_device(self, device: DeviceConfig) -> DeviceChange:
+        self.validate_device(device)
+        previous = self._devices.get(device.key)
+        if previous is not None and _spec_key(previous) == _spec_key(device):
+            return DeviceChange("unchanged", device, previous)
+        self._devices[device.key] = device
+        change = DeviceChange("added" if previous is None else "updated", device, previous)
+        self._emit(change)
+        return change
+
+    def remove_device(self, namespace: str, name: str) -> DeviceChange | None:
+        previous = self._devices.pop(f"{namespace}/{name}", None)
+        if previous is None:
+            return None
+        change = DeviceChange("removed", previous, previous)
+        self._emit(change)
+        return change
+
+    def get_device(self, namespace: str, name: str) -> DeviceConfig:
+        try:
+            return self._devices[f"{namespace}/{name}"]
+        except KeyError:
+            raise NotFoundError(f"device {namespace}/{name} is not known to this mapper") from None
+
+    def devices(self) -> list[DeviceConfig]:
+        return list(self._devices.values())
+
+    def device_by_uuid(self, uuid: str) -> DeviceConfig | None:
+        for device in self._devices.values():
+            if device.uuid == uuid:
+                return device
+        return None
+
+    # --- models ------------------------------------------------------------------------------------
+    def upsert_model(self, model: DeviceModelConfig) -> None:
+        self.validate_model(model)
+        self._models[model.key] = model
+
+    def remove_model(self, namespace: str, name: str) -> None:
+        self._models.pop(f"{namespace}/{name}", None)
+
+    def models(self) -> list[DeviceModelConfig]:
+        return list(self._models.values())
+
+    def model_of(self, device: DeviceConfig) -> DeviceModelConfig | None:
+        return self._models.get(f"{device.namespace}/{device.model}")
+
+    # --- full sync (MapperRegister reply, a re-read folder) ------------------------------------------
+    def sync(
+        self, devices: Iterable[DeviceConfig], models: Iterable[DeviceModelConfig]
+    ) -> tuple[list[DeviceChange], list[tuple[str, Exception]]]:
+        """Make the registry equal to the given lists: upsert each, remove what is absent.
+
+        Returns the changes and the devices/models refused (by key, with the error); one bad entry never
+        stops the others.
+        """
+        errors: list[tuple[str, Exception]] = []
+        for model in models:
+            try:
+                self.upsert_model(model)
+            except (InvalidValueError, PermanentError) as exc:
+                errors.append((model.key, exc))
+        changes: list[DeviceChange] = []
+        wanted: set[str] = set()
+        for device in devices:
+            wanted.add(device.key)
+            try:
+                change = self.upsert_device(device)
+            except (InvalidValueError, PermanentError) as exc:
+                errors.append((device.key, exc))
+                continue
+            if change.kind != "unchanged":
+                changes.append(change)
+        for key in [k for k in self._devices if k not in wanted]:
+            namespace, name = key.split("/", 1)
+            removed = self.remove_device(namespace, name)
+            if removed is not None:
+                changes.append(removed)
+        return changes, errors

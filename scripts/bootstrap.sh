@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Shared set-up for scripts/demo.sh and scripts/test.sh: a virtual environment in .venv with the project
+# installed (editable) and, with --test, everything the tests need (mosquitto, promtool, Python test deps).
+# Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+
+need_apt=()
+command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+if [ "$want_test" = 1 ]; then
+  command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
+  command -v promtool >/dev/null || need_apt+=(prometheus)
+fi
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  echo "installing Debian packages: ${need_apt[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.installed-$( (cat pyproject.toml; echo "$want_test") | sha1sum | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  if [ "$want_test" = 1 ]; then
+    .venv/bin/python -m pip install -q -e '.[test]'
+  else
+    .venv/bin/python -m pip install -q -e .
+  fi
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Runs the mapper on 4 simulated GPUs with the example Devices: no GPU, no EdgeCore and no broker needed.
+# Extra arguments go to `gpu-mapper run` (e.g. scripts/demo.sh --mqtt mqtt://127.0.0.1:1883).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+exec .venv/bin/gpu-mapper run --sim 4 --node-name demo-node --devices device-models/examples \
+  --data-dir .demo-data --socket .demo-data/gpu.sock --edgecore-socket .demo-data/no-edgecore.sock "$@"
