@@ -310,6 +310,16 @@ class GpuEvent:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class PolicyLimit:
+    """A local policy's cap on one GPU. Policies may tighten, never loosen, what the cloud asked for:
+    the reconciler applies ``min(cloud desired, every active limit)`` and reports ``overridden-<policy>``."""
+
+    policy: str  # "thermal", "power-saving", "health"
+    power_limit_w: float | None = None
+    reason: str = ""
+
+
 class GpuBackend(Protocol):
     """What the loops need from a GPU library. ``mapper.gpu.nvml.NvmlBackend`` is the implementation.
 

@@ -1,0 +1,45 @@
+"""Time, injected. Loops take a ``Clock`` so tests run on fake time instead of real sleeps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+    def wall_ms(self) -> int: ...
+
+
+class SystemClock:
+    """The real clock."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+
+@dataclass
+class FakeClock:
+    """A clock that moves only when told to (``advance``). Wall time starts at ``start_wall_ms``."""
+
+    now_s: float = 1000.0
+    start_wall_ms: int = 1_780_000_000_000
+    _start_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._start_s = self.now_s
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    def wall_ms(self) -> int:
+        return self.start_wall_ms + round((self.now_s - self._start_s) * 1000)
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("time does not run backwards")
+        self.now_s += seconds

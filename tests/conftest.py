@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mapper.clock import FakeClock
+from tests.brokers import Mosquitto
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    """A real mosquitto on a free port, private to the test; ``.stop()`` / ``.start()`` to cut the link."""
+    broker = Mosquitto(tmp_path)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
