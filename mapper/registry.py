@@ -56,19 +56,33 @@ def desired_values(device: DeviceConfig) -> dict[str, str]:
 def _without_desired(device: DeviceConfig) -> tuple[object, ...]:
     props = tuple(
         sorted(
-            ((p.name, p.collect_cycle_ms, p.report_cycle_ms, p.report_to_cloud, p.push_mqtt,
-              tuple(sorted(p.visitor_config.items()))) for p in device.properties),
+            (
+                (
+                    p.name,
+                    p.collect_cycle_ms,
+                    p.report_cycle_ms,
+                    p.report_to_cloud,
+                    p.push_mqtt,
+                    tuple(sorted(p.visitor_config.items())),
+                )
+                for p in device.properties
+            ),
             key=lambda t: t[0],
         )
     )
-    return (device.uuid, device.model, props, tuple(sorted(device.protocol_config.items())),
-            device.state_report_to_cloud, device.state_report_cycle_ms)
+    return (
+        device.uuid,
+        device.model,
+        props,
+        tuple(sorted(device.protocol_config.items())),
+        device.state_report_to_cloud,
+        device.state_report_cycle_ms,
+    )
 
 
 def _spec_key(device: DeviceConfig) -> tuple[object, ...]:
     # Property lists compare sorted by name (EdgeCore v1.23 does the same).
-    desired = tuple(sorted((p.name, p.desired, tuple(sorted(p.desired_metadata.items())))
-                           for p in device.properties))
+    desired = tuple(sorted((p.name, p.desired, tuple(sorted(p.desired_metadata.items()))) for p in device.properties))
     return (_without_desired(device), desired)
 
 
@@ -111,14 +125,13 @@ class Registry:
             raise PreconditionError(f"device {device.key}: GPU {device.uuid} is not on this node")
         for other in self._devices.values():
             if other.uuid == device.uuid and other.key != device.key:
-                raise PreconditionError(
-                    f"device {device.key}: GPU {device.uuid} already belongs to device {other.key}"
-                )
+                raise PreconditionError(f"device {device.key}: GPU {device.uuid} already belongs to device {other.key}")
         seen: set[str] = set()
         for prop in device.properties:
             if prop.name in seen:
-                raise InvalidValueError(f"device {device.key}: property {prop.name!r} listed twice",
-                                        reason="wrong-type")
+                raise InvalidValueError(
+                    f"device {device.key}: property {prop.name!r} listed twice", reason="wrong-type"
+                )
             seen.add(prop.name)
             if prop.name not in PROPERTY_BY_NAME:
                 raise InvalidValueError(
@@ -126,8 +139,7 @@ class Registry:
                     reason="unknown-property",
                 )
             if prop.collect_cycle_ms < 0 or prop.report_cycle_ms < 0:
-                raise InvalidValueError(f"device {device.key}: property {prop.name}: negative cycle",
-                                        reason="negative")
+                raise InvalidValueError(f"device {device.key}: property {prop.name}: negative cycle", reason="negative")
         model = self._models.get(f"{device.namespace}/{device.model}")
         if model is not None:
             names = {p.name for p in model.properties}
@@ -143,8 +155,9 @@ class Registry:
             raise InvalidValueError("device model has no name", reason="empty")
         for prop in model.properties:
             if not TWIN_KEY_RE.fullmatch(prop.name):
-                raise InvalidValueError(f"model {model.key}: property name {prop.name!r} is not a valid twin key",
-                                        reason="wrong-type")
+                raise InvalidValueError(
+                    f"model {model.key}: property name {prop.name!r} is not a valid twin key", reason="wrong-type"
+                )
             spec = PROPERTY_BY_NAME.get(prop.name)
             if spec is None:
                 raise InvalidValueError(
@@ -158,12 +171,11 @@ class Registry:
                     f"model {model.key}: property {prop.name} has type {prop.ptype}, the catalog says {spec.ptype}",
                     reason="wrong-type",
                 )
-            if prop.access_mode and prop.access_mode != spec.access:
-                if prop.access_mode == "ReadWrite":
-                    raise InvalidValueError(
-                        f"model {model.key}: property {prop.name} is read-only on a GPU, not ReadWrite",
-                        reason="read-only",
-                    )
+            if prop.access_mode == "ReadWrite" and spec.access != "ReadWrite":
+                raise InvalidValueError(
+                    f"model {model.key}: property {prop.name} is read-only on a GPU, not ReadWrite",
+                    reason="read-only",
+                )
 
     # --- devices -----------------------------------------------------------------------------------
     def upsert_device(self, device: DeviceConfig) -> DeviceChange:

@@ -16,13 +16,34 @@ from mapper.model import (
 
 REQUIRED = {
     "ReadOnly": [
-        "uuid", "product_name", "utilization_gpu", "utilization_memory", "memory_used", "memory_total",
-        "temperature", "power_usage", "energy_consumption", "clock_sm", "clock_memory", "clock_event_reasons",
-        "pstate", "fan_speed", "pcie_tx", "pcie_rx", "ecc_errors_corrected", "ecc_errors_uncorrected", "xid_last",
+        "uuid",
+        "product_name",
+        "utilization_gpu",
+        "utilization_memory",
+        "memory_used",
+        "memory_total",
+        "temperature",
+        "power_usage",
+        "energy_consumption",
+        "clock_sm",
+        "clock_memory",
+        "clock_event_reasons",
+        "pstate",
+        "fan_speed",
+        "pcie_tx",
+        "pcie_rx",
+        "ecc_errors_corrected",
+        "ecc_errors_uncorrected",
+        "xid_last",
     ],
     "ReadWrite": [
-        "power_limit", "locked_gpu_clock_min", "locked_gpu_clock_max", "locked_memory_clock_min",
-        "locked_memory_clock_max", "persistence_mode", "compute_mode",
+        "power_limit",
+        "locked_gpu_clock_min",
+        "locked_gpu_clock_max",
+        "locked_memory_clock_min",
+        "locked_memory_clock_max",
+        "persistence_mode",
+        "compute_mode",
     ],
 }
 
@@ -65,8 +86,16 @@ def test_formatted_floats_fit_the_twin_charset(value):
 
 @pytest.mark.parametrize(
     ("raw", "reason"),
-    [("", "empty"), ("abc", "not-a-number"), ("nan", "nan"), ("inf", "infinite"), ("-5", "negative"),
-     ("9" * 600, "too-long"), ("４５０", "non-ascii"), (True, "wrong-type")],
+    [
+        ("", "empty"),
+        ("abc", "not-a-number"),
+        ("nan", "nan"),
+        ("inf", "infinite"),
+        ("-5", "negative"),
+        ("9" * 600, "too-long"),
+        ("\uff14\uff15\uff10", "non-ascii"),
+        (True, "wrong-type"),
+    ],
 )
 def test_bad_numbers_are_rejected_with_a_reason(raw, reason):
     with pytest.raises(InvalidValueError) as err:

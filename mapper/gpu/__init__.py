@@ -1,0 +1,1 @@
+"""GPU access: the NVML backend and the simulated NVML."""
