@@ -93,6 +93,8 @@ class PropertySpec:
     maximum: str = ""
     #: Default collect cycle for generated Devices, in milliseconds.
     collect_cycle_ms: int = 10_000
+    #: "nvml": read from the GPU by the backend; "mapper": computed by the mapper itself (status twins).
+    source: Literal["nvml", "mapper"] = "nvml"
 
     @property
     def writable(self) -> bool:
@@ -113,6 +115,7 @@ def _p(
     maximum: str = "",
     collect_cycle_ms: int = 10_000,
     nvml_write: str = "",
+    source: Literal["nvml", "mapper"] = "nvml",
 ) -> PropertySpec:
     return PropertySpec(
         name=name,
@@ -128,6 +131,7 @@ def _p(
         minimum=minimum,
         maximum=maximum,
         collect_cycle_ms=collect_cycle_ms,
+        source=source,
     )
 
 
@@ -511,10 +515,31 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         nvml_write="nvmlDeviceSetComputeMode",
         collect_cycle_ms=10_000,
     ),
+    # --- computed by the mapper (status twins the cloud can read) --------------------------------------
+    _p(
+        "desired_status",
+        "STRING",
+        "",
+        "per writable property: applied, pending, rejected-<reason> or overridden-<policy>",
+        "computed by the reconciler",
+        collect_cycle_ms=1_000,
+        source="mapper",
+    ),
+    _p(
+        "policy_state",
+        "STRING",
+        "",
+        "what the local policies are doing now, e.g. normal or thermal:throttling-step2",
+        "computed by the policy engine",
+        collect_cycle_ms=1_000,
+        source="mapper",
+    ),
 )
 
 PROPERTY_BY_NAME: Mapping[str, PropertySpec] = {p.name: p for p in PROPERTIES}
 WRITABLE: tuple[str, ...] = tuple(p.name for p in PROPERTIES if p.writable)
+#: Properties the GPU backend reads (everything but the mapper's own status twins).
+NVML_PROPERTIES: tuple[PropertySpec, ...] = tuple(p for p in PROPERTIES if p.source == "nvml")
 
 #: Writable properties that NVML sets together, as (min, max) pairs.
 CLOCK_PAIRS: Mapping[str, tuple[str, str]] = {
