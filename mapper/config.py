@@ -1,0 +1,319 @@
+"""Settings: the YAML config file (the ConfigMap), overridden by ``GPU_MAPPER_*`` environment variables,
+overridden by command-line flags. Frozen dataclasses; every validation error names the key path.
+
+The file uses the camelCase keys of ``deploy/configmap.yaml``; the environment and flags use the names listed in
+``ENV_KEYS`` (``GPU_MAPPER_NODE_NAME``, ...). ``policies`` is kept as a mapping and parsed by ``mapper.policy``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mapper.errors import ConfigError
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 1000,
+    "kib": 1024,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    None: 1,
+}
+
+
+def parse_duration_s(value: Any, path: str) -> float:
+    """``30`` / ``"30s"`` / ``"5m"`` / ``"250ms"`` / ``"1h"`` -> seconds."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{path}: expected a duration such as 30s or 5m, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION_RE.match(str(value))
+        if not match:
+            raise ConfigError(f"{path}: expected a duration such as 30s, 5m or 250ms, got {value!r}")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if seconds < 0:
+        raise ConfigError(f"{path}: must not be negative, got {value!r}")
+    return seconds
+
+
+def parse_size_bytes(value: Any, path: str) -> int:
+    """``1048576`` / ``"256MiB"`` / ``"1GB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{path}: expected a size such as 256MiB, got {value!r}")
+    if isinstance(value, int | float):
+        size = float(value)
+    else:
+        match = _SIZE_RE.match(str(value))
+        if not match:
+            raise ConfigError(f"{path}: expected a size such as 256MiB or 1GB, got {value!r}")
+        unit = match.group(2).lower() if match.group(2) else None
+        size = float(match.group(1)) * _SIZE_UNITS[unit]
+    if size < 0:
+        raise ConfigError(f"{path}: must not be negative, got {value!r}")
+    return int(size)
+
+
+@dataclass(frozen=True)
+class MqttSettings:
+    #: ``mqtt://host:port`` or ``mqtts://host:port``; None = no broker (telemetry is buffered only).
+    url: str | None = None
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    client_id: str = ""
+    #: Publish KubeEdge EventBus twin/state updates. "auto": only when DMI is off (standalone mode).
+    eventbus: str = "auto"
+    qos: int = 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    node_name: str = field(default_factory=socket.gethostname)
+    #: Number of simulated GPUs; 0 = the real NVML (pynvml).
+    sim: int = 0
+    sim_profile: str = "H100"
+    sim_seed: int = 0
+    sim_scenario: str = "bursty_inference"
+    edgecore_socket: str = "/etc/kubeedge/dmi.sock"
+    socket: str = "/etc/kubeedge/gpu.sock"
+    mqtt: MqttSettings = field(default_factory=MqttSettings)
+    data_dir: str = "/var/lib/gpu-mapper"
+    #: Standalone mode: load Device/DeviceModel YAML from this folder instead of EdgeCore.
+    devices_dir: str | None = None
+    metrics_addr: str = "0.0.0.0:9410"
+    log_format: str = "text"
+    log_level: str = "INFO"
+    #: Defaults for a Device property whose cycle is 0 (unset), in milliseconds.
+    collect_cycle_ms: int = 1_000
+    report_cycle_ms: int = 20_000
+    state_report_cycle_ms: int = 60_000
+    telemetry_window_s: float = 10.0
+    telemetry_format: str = "binary"
+    buffer_max_bytes: int = 256 * 1024**2
+    buffer_max_age_s: float = 7 * 86400.0
+    replay_rate_bytes_per_s: int | None = None
+    #: DMI rate budget shared by every report of this mapper (EdgeCore allows 1/s, burst 100, node-wide).
+    dmi_rate_per_s: float = 0.8
+    dmi_burst: int = 10
+    #: Clamp out-of-range desired values to the GPU's limits instead of rejecting them.
+    clamp: bool = False
+    #: The ``policies`` mapping, validated by ``mapper.policy.parse_policies``.
+    policies: Mapping[str, Any] = field(default_factory=dict)
+    #: Print a live per-GPU table on stdout every ``print_interval_s`` (0 = off).
+    print_interval_s: float = 0.0
+    config_file: str | None = None
+
+    @property
+    def dmi_enabled(self) -> bool:
+        return self.devices_dir is None
+
+    @property
+    def eventbus_enabled(self) -> bool:
+        if self.mqtt.url is None:
+            return False
+        if self.mqtt.eventbus == "auto":
+            return not self.dmi_enabled
+        return self.mqtt.eventbus in ("true", "on", "yes", "1")
+
+
+# name in flags/env -> (file key path, converter)
+_FILE_KEYS: dict[str, tuple[str, str]] = {
+    "node_name": ("nodeName", "str"),
+    "sim": ("sim.count", "int"),
+    "sim_profile": ("sim.profile", "str"),
+    "sim_seed": ("sim.seed", "int"),
+    "sim_scenario": ("sim.scenario", "str"),
+    "edgecore_socket": ("edgecoreSocket", "str"),
+    "socket": ("socket", "str"),
+    "mqtt_url": ("mqtt.url", "str"),
+    "mqtt_username": ("mqtt.username", "str"),
+    "mqtt_password": ("mqtt.password", "str"),
+    "mqtt_ca_file": ("mqtt.caFile", "str"),
+    "mqtt_cert_file": ("mqtt.certFile", "str"),
+    "mqtt_key_file": ("mqtt.keyFile", "str"),
+    "mqtt_client_id": ("mqtt.clientId", "str"),
+    "mqtt_eventbus": ("mqtt.eventbus", "str"),
+    "mqtt_qos": ("mqtt.qos", "int"),
+    "data_dir": ("dataDir", "str"),
+    "devices_dir": ("devicesDir", "str"),
+    "metrics_addr": ("metricsAddr", "str"),
+    "log_format": ("log.format", "str"),
+    "log_level": ("log.level", "str"),
+    "collect_cycle_ms": ("defaults.collectCycle", "ms"),
+    "report_cycle_ms": ("defaults.reportCycle", "ms"),
+    "state_report_cycle_ms": ("defaults.stateReportCycle", "ms"),
+    "telemetry_window_s": ("telemetry.window", "duration"),
+    "telemetry_format": ("telemetry.format", "str"),
+    "buffer_max_bytes": ("buffer.maxBytes", "size"),
+    "buffer_max_age_s": ("buffer.maxAge", "duration"),
+    "replay_rate_bytes_per_s": ("buffer.replayRateLimit", "size"),
+    "dmi_rate_per_s": ("dmi.ratePerSecond", "float"),
+    "dmi_burst": ("dmi.burst", "int"),
+    "clamp": ("reconcile.clamp", "bool"),
+    "print_interval_s": ("console.printInterval", "duration"),
+}
+
+#: Environment variables read (each overrides the file, and is overridden by the flag of the same name).
+ENV_KEYS: dict[str, str] = {name: "GPU_MAPPER_" + name.upper() for name in _FILE_KEYS}
+
+_TOP_LEVEL_KEYS = {"policies"} | {path.split(".")[0] for path, _ in _FILE_KEYS.values()}
+
+
+def _convert(kind: str, value: Any, path: str) -> Any:
+    if value is None:
+        return None
+    if kind == "str":
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{path}: expected a string, got {type(value).__name__}")
+        return str(value)
+    if kind in ("int", "float"):
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        if number < 0:
+            raise ConfigError(f"{path}: must not be negative, got {value!r}")
+        return int(number) if kind == "int" else number
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if kind == "duration":
+        return parse_duration_s(value, path)
+    if kind == "ms":
+        return round(parse_duration_s(value, path) * 1000) if isinstance(value, str) else int(value)
+    if kind == "size":
+        return parse_size_bytes(value, path)
+    raise AssertionError(kind)
+
+
+def _lookup(mapping: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = mapping
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
+    # A ConfigMap manifest holds the config as text under data["config.yaml"].
+    if data.get("kind") == "ConfigMap" and isinstance(data.get("data"), dict):
+        inner = data["data"].get("config.yaml")
+        if inner is None:
+            raise ConfigError(f"config file {path}: ConfigMap has no data.config.yaml")
+        data = yaml.safe_load(inner) or {}
+    unknown = sorted(set(data) - _TOP_LEVEL_KEYS)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
+    return data
+
+
+def load_settings(
+    file_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Flags (non-None values) override the environment, which overrides the file, which overrides defaults."""
+    env = os.environ if env is None else env
+    flags = flags or {}
+    if file_path is None:
+        file_path = flags.get("config") or env.get("GPU_MAPPER_CONFIG")
+    file_data = read_file(file_path) if file_path else {}
+
+    values: dict[str, Any] = {}
+    for name, (key_path, kind) in _FILE_KEYS.items():
+        raw = _lookup(file_data, key_path)
+        if raw is not None:
+            values[name] = _convert(kind, raw, key_path)
+        env_name = ENV_KEYS[name]
+        if env.get(env_name, "") != "":
+            values[name] = _convert(kind, env[env_name], env_name)
+        if flags.get(name) is not None:
+            values[name] = _convert(kind, flags[name], "--" + name.replace("_", "-"))
+
+    mqtt = MqttSettings(
+        url=values.pop("mqtt_url", None),
+        username=values.pop("mqtt_username", None),
+        password=values.pop("mqtt_password", None),
+        ca_file=values.pop("mqtt_ca_file", None),
+        cert_file=values.pop("mqtt_cert_file", None),
+        key_file=values.pop("mqtt_key_file", None),
+        client_id=values.pop("mqtt_client_id", None) or "",
+        eventbus=(values.pop("mqtt_eventbus", None) or "auto").lower(),
+        qos=values.pop("mqtt_qos", None) if values.get("mqtt_qos") is not None else 1,
+    )
+    values.pop("mqtt_qos", None)
+    policies = file_data.get("policies") or {}
+    if not isinstance(policies, Mapping):
+        raise ConfigError("policies: must be a mapping")
+    settings = replace(Settings(), mqtt=mqtt, policies=dict(policies), config_file=file_path, **values)
+    validate(settings)
+    return settings
+
+
+def validate(settings: Settings) -> None:
+    if settings.mqtt.url is not None and not re.match(
+        r"^(mqtt|mqtts|tcp|ssl|tls)://[^/:]+(:\d+)?/?$", settings.mqtt.url
+    ):
+        raise ConfigError(f"mqtt.url: expected mqtt://host:port or mqtts://host:port, got {settings.mqtt.url!r}")
+    if settings.mqtt.qos not in (0, 1, 2):
+        raise ConfigError(f"mqtt.qos: must be 0, 1 or 2, got {settings.mqtt.qos}")
+    if settings.mqtt.eventbus not in ("auto", "true", "false", "on", "off", "yes", "no", "1", "0"):
+        raise ConfigError(f"mqtt.eventbus: must be auto, true or false, got {settings.mqtt.eventbus!r}")
+    if settings.log_format not in ("text", "json"):
+        raise ConfigError(f"log.format: must be text or json, got {settings.log_format!r}")
+    if settings.telemetry_format not in ("binary", "json"):
+        raise ConfigError(f"telemetry.format: must be binary or json, got {settings.telemetry_format!r}")
+    if not re.match(r"^[^:]*:\d+$", settings.metrics_addr):
+        raise ConfigError(f"metricsAddr: expected HOST:PORT (e.g. 0.0.0.0:9410), got {settings.metrics_addr!r}")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", settings.node_name):
+        raise ConfigError(f"nodeName: {settings.node_name!r} is not a valid Kubernetes node name")
+    if settings.telemetry_window_s <= 0:
+        raise ConfigError("telemetry.window: must be positive")
+    if settings.collect_cycle_ms <= 0 or settings.report_cycle_ms <= 0 or settings.state_report_cycle_ms <= 0:
+        raise ConfigError("defaults: cycles must be positive milliseconds")
+    if settings.dmi_rate_per_s <= 0 or settings.dmi_rate_per_s > 1.0:
+        raise ConfigError(f"dmi.ratePerSecond: must be in (0, 1] (EdgeCore allows 1/s), got {settings.dmi_rate_per_s}")
+    if settings.sim < 0 or settings.sim > 64:
+        raise ConfigError(f"sim.count: must be 0..64, got {settings.sim}")
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host or "0.0.0.0", int(port)

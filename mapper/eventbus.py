@@ -1,0 +1,125 @@
+"""KubeEdge EventBus (MQTT) device-twin protocol: topics and JSON payloads, pure.
+
+Twin updates go to ``$hw/events/device/{namespace}/{name}/twin/update`` with KubeEdge's JSON (``event_id``,
+``timestamp`` in integer milliseconds, ``twin.{property}.actual.value`` as a string, ``metadata.type``);
+device states to ``.../state/update``. Edge applications set desired values by publishing to
+``.../twin/update/delta``; ``parse_delta`` turns such a message into desired values, refusing malformed input
+with a ``ValueError`` that says what was wrong.
+
+Typing: devicetwin fixes a twin's type with the update that creates it and checks every later value against
+it. DMI reports carry no type (so ``string``) and send ``observedDesired == ""`` for read-only properties, which
+an ``int``-typed twin refuses. So every twin we publish here declares ``metadata.type = "string"``: whichever
+path creates a twin first, the other path's values stay valid.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mapper.model import DEVICE_STATES, TWIN_KEY_RE, TWIN_VALUE_RE
+
+DEVICE_PREFIX = "$hw/events/device"
+NODE_PREFIX = "$hw/events/node"
+#: Largest EventBus payload we parse (a twin delta for every catalog property is a few KiB).
+MAX_PAYLOAD_BYTES = 64 * 1024
+TWIN_TYPE = "string"
+
+_SEGMENT_RE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
+def twin_update_topic(namespace: str, name: str) -> str:
+    return f"{DEVICE_PREFIX}/{namespace}/{name}/twin/update"
+
+
+def state_update_topic(namespace: str, name: str) -> str:
+    return f"{DEVICE_PREFIX}/{namespace}/{name}/state/update"
+
+
+DELTA_FILTER = f"{DEVICE_PREFIX}/+/+/twin/update/delta"
+TWIN_RESULT_FILTER = f"{DEVICE_PREFIX}/+/+/twin/update/result"
+
+
+def membership_topic(node: str) -> str:
+    return f"{NODE_PREFIX}/{node}/membership/updated"
+
+
+def twin_update_payload(values: Mapping[str, str], timestamp_ms: int, event_id: str = "") -> bytes:
+    """``values``: property -> twin string (already formatted; empty values are left out)."""
+    twin = {
+        name: {"actual": {"value": value}, "metadata": {"type": TWIN_TYPE}}
+        for name, value in values.items()
+        if value != "" and TWIN_KEY_RE.fullmatch(name) and TWIN_VALUE_RE.fullmatch(value)
+    }
+    return json.dumps(
+        {"event_id": event_id, "timestamp": int(timestamp_ms), "twin": twin}, separators=(",", ":")
+    ).encode()
+
+
+def state_update_payload(state: str, timestamp_ms: int, event_id: str = "") -> bytes:
+    if state not in DEVICE_STATES:
+        raise ValueError(f"device state {state!r} is not one EdgeCore accepts ({', '.join(DEVICE_STATES)})")
+    return json.dumps(
+        {"event_id": event_id, "timestamp": int(timestamp_ms), "state": state}, separators=(",", ":")
+    ).encode()
+
+
+@dataclass(frozen=True)
+class Delta:
+    namespace: str
+    name: str
+    timestamp_ms: int
+    #: property -> desired value (a string, as KubeEdge sends it)
+    values: Mapping[str, str]
+
+
+def device_of_topic(topic: str) -> tuple[str, str]:
+    """``$hw/events/device/{ns}/{name}/...`` -> (ns, name); ValueError for anything else."""
+    parts = topic.split("/")
+    if len(parts) < 6 or "/".join(parts[:3]) != DEVICE_PREFIX:
+        raise ValueError(f"topic {topic!r} is not a two-segment KubeEdge device topic")
+    namespace, name = parts[3], parts[4]
+    if not _SEGMENT_RE.fullmatch(namespace) or not _SEGMENT_RE.fullmatch(name):
+        raise ValueError(f"topic {topic!r}: {namespace}/{name} is not a valid namespace/name")
+    return namespace, name
+
+
+def parse_delta(topic: str, payload: bytes) -> Delta:
+    """Parse a ``twin/update/delta`` message. Raises ValueError naming what is wrong."""
+    if len(topic.split("/")) != 8 or not topic.endswith("/twin/update/delta"):
+        raise ValueError(f"topic {topic!r} is not a two-segment KubeEdge twin/update/delta topic")
+    namespace, name = device_of_topic(topic)
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"delta for {namespace}/{name}: payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        doc = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"delta for {namespace}/{name}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"delta for {namespace}/{name}: the payload must be a JSON object")
+    timestamp = doc.get("timestamp", 0)
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int):
+        raise ValueError(f"delta for {namespace}/{name}: timestamp must be integer milliseconds, got {timestamp!r}")
+    delta = doc.get("delta")
+    if delta is None:
+        # Some publishers send only twin.{p}.expected.value.
+        twin = doc.get("twin")
+        if not isinstance(twin, dict):
+            raise ValueError(f"delta for {namespace}/{name}: neither 'delta' nor 'twin' is an object")
+        delta = {}
+        for prop, body in twin.items():
+            expected = body.get("expected") if isinstance(body, dict) else None
+            if isinstance(expected, dict) and "value" in expected:
+                delta[prop] = expected["value"]
+    if not isinstance(delta, dict):
+        raise ValueError(f"delta for {namespace}/{name}: 'delta' must be an object of property -> value")
+    values: dict[str, str] = {}
+    for prop, value in delta.items():
+        if not isinstance(prop, str) or not TWIN_KEY_RE.fullmatch(prop):
+            raise ValueError(f"delta for {namespace}/{name}: {prop!r} is not a valid twin name")
+        if not isinstance(value, str):
+            raise ValueError(f"delta for {namespace}/{name}: value of {prop} must be a string, got {value!r}")
+        values[prop] = value
+    return Delta(namespace, name, timestamp, values)

@@ -1,0 +1,75 @@
+from pathlib import Path
+
+import pytest
+
+from mapper.config import load_settings, parse_duration_s, parse_size_bytes
+from mapper.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_flags_override_environment_which_overrides_the_file(tmp_path):
+    cfg = write(tmp_path, "nodeName: from-file\nmqtt: {url: 'mqtt://file:1883'}\ndataDir: /file\n")
+    env = {"GPU_MAPPER_NODE_NAME": "from-env", "GPU_MAPPER_DATA_DIR": "/env"}
+    s = load_settings(cfg, env=env, flags={"node_name": "from-flag", "data_dir": None})
+    assert s.node_name == "from-flag"
+    assert s.data_dir == "/env"
+    assert s.mqtt.url == "mqtt://file:1883"
+
+
+def test_a_configmap_manifest_is_read_from_its_config_yaml_key(tmp_path):
+    cfg = write(
+        tmp_path,
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata:\n  config.yaml: |\n    nodeName: edge-1\n"
+        "    buffer: {maxBytes: 64MiB, maxAge: 2d}\n    telemetry: {window: 5s}\n",
+    )
+    s = load_settings(cfg, env={})
+    assert s.node_name == "edge-1"
+    assert s.buffer_max_bytes == 64 * 1024**2
+    assert s.buffer_max_age_s == 2 * 86400
+    assert s.telemetry_window_s == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("mqtt: {url: 'http://x'}\n", "mqtt.url"),
+        ("telemetry: {window: soon}\n", "telemetry.window"),
+        ("buffer: {maxBytes: lots}\n", "buffer.maxBytes"),
+        ("nodeName: Not_Valid\n", "nodeName"),
+        ("bogus: 1\n", "bogus"),
+        ("reconcile: {clamp: maybe}\n", "reconcile.clamp"),
+        ("- a list\n", "top level"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, text, needle):
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, text), env={})
+    assert needle in str(err.value)
+
+
+def test_a_bad_environment_value_names_the_variable():
+    with pytest.raises(ConfigError) as err:
+        load_settings(None, env={"GPU_MAPPER_SIM": "many", "GPU_MAPPER_NODE_NAME": "n"})
+    assert "GPU_MAPPER_SIM" in str(err.value)
+
+
+def test_durations_and_sizes():
+    assert parse_duration_s("250ms", "x") == 0.25
+    assert parse_duration_s("5m", "x") == 300
+    assert parse_duration_s(30, "x") == 30
+    assert parse_size_bytes("1GiB", "x") == 1024**3
+    with pytest.raises(ConfigError):
+        parse_duration_s("-1s", "x")
+
+
+def test_standalone_mode_turns_dmi_off_and_eventbus_on_with_a_broker(tmp_path):
+    s = load_settings(None, env={}, flags={"node_name": "n", "devices_dir": str(tmp_path), "mqtt_url": "mqtt://h:1"})
+    assert not s.dmi_enabled
+    assert s.eventbus_enabled
+    s2 = load_settings(None, env={}, flags={"node_name": "n", "mqtt_url": "mqtt://h:1"})
+    assert s2.dmi_enabled and not s2.eventbus_enabled

@@ -1,0 +1,57 @@
+import json
+
+import pytest
+
+from mapper.eventbus import (
+    DELTA_FILTER,
+    device_of_topic,
+    parse_delta,
+    state_update_payload,
+    twin_update_payload,
+    twin_update_topic,
+)
+
+
+def test_twin_update_follows_kubeedge_json():
+    doc = json.loads(twin_update_payload({"temperature": "61", "power_usage": "72.5", "bad": "a b"}, 1748764800000))
+    assert doc["event_id"] == ""
+    assert doc["timestamp"] == 1748764800000 and isinstance(doc["timestamp"], int)
+    assert doc["twin"]["temperature"] == {"actual": {"value": "61"}, "metadata": {"type": "string"}}
+    assert "bad" not in doc["twin"], "values outside the twin charset are never published"
+    assert twin_update_topic("default", "gpu0") == "$hw/events/device/default/gpu0/twin/update"
+
+
+def test_state_update_refuses_states_edgecore_drops():
+    assert json.loads(state_update_payload("online", 5))["state"] == "online"
+    with pytest.raises(ValueError, match="disconnected"):
+        state_update_payload("disconnected", 5)
+
+
+def test_delta_values_become_desired_values():
+    topic = "$hw/events/device/default/gpu0-edge1/twin/update/delta"
+    payload = json.dumps({"event_id": "e", "timestamp": 17, "twin": {}, "delta": {"power_limit": "300"}}).encode()
+    delta = parse_delta(topic, payload)
+    assert (delta.namespace, delta.name, delta.timestamp_ms) == ("default", "gpu0-edge1", 17)
+    assert delta.values == {"power_limit": "300"}
+    assert DELTA_FILTER == "$hw/events/device/+/+/twin/update/delta"
+
+
+@pytest.mark.parametrize(
+    ("topic", "payload", "needle"),
+    [
+        ("$hw/events/device/default/g/twin/update/delta", b"{not json", "not valid JSON"),
+        ("$hw/events/device/default/g/twin/update/delta", b"[1]", "JSON object"),
+        ("$hw/events/device/default/g/twin/update/delta", b'{"timestamp":"1","delta":{}}', "timestamp"),
+        ("$hw/events/device/default/g/twin/update/delta", b'{"timestamp":1,"delta":{"power_limit":300}}', "string"),
+        ("$hw/events/device/default/g/twin/update/delta", b'{"timestamp":1,"delta":{"a b":"1"}}', "twin name"),
+        ("$hw/events/device/default/g/twin/update/delta", b"{" + b" " * 70000 + b"}", "exceeds"),
+        ("$hw/events/device/g/twin/update/delta", b"{}", "two-segment"),
+    ],
+)
+def test_malformed_deltas_are_refused_with_a_reason(topic, payload, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_delta(topic, payload)
+
+
+def test_device_of_topic():
+    assert device_of_topic("$hw/events/device/ns1/dev-1/state/update") == ("ns1", "dev-1")
