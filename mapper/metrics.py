@@ -1,1 +1,666 @@
-"""(to be written)"""
+"""Prometheus metrics and the health endpoints: the only module that imports prometheus_client.
+
+``GpuCollector`` builds every metric at scrape time from one ``MapperSnapshot`` (a callable the composition
+root provides): no NVML call per scrape, and a GPU that left the snapshot leaves no stale series. It lives in
+a fresh ``CollectorRegistry`` (``build_registry``), never in the global one.
+
+``MetricsServer`` serves, from a daemon thread (stdlib ``http.server``):
+
+* ``/metrics``  Prometheus text format
+* ``/healthz``  200 while every registered loop beats; 503 naming the stalled loop (liveness probe)
+* ``/readyz``   200 when NVML is initialised and the mapper is registered with EdgeCore or standalone
+* ``/status``   the snapshot as JSON (``?format=text``: the ``gpu-mapper status`` table)
+
+Every request is bounded: the socket has a timeout, and the callables are run on the app's event loop (when
+one is given, so they read the app's state from its own thread) or on a worker thread, and waited for at most
+``snapshot_timeout_s``; a callable that does not answer in time gives 503, never a hung scrape.
+
+Also here: reading a snapshot back for ``gpu-mapper status`` (``fetch_status`` over HTTP, or
+``read_status_file``/``write_status_file`` in the data directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import os
+import socket
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.utils import floatToGoString
+
+from mapper.errors import ConfigError, NotFoundError, TransientError
+from mapper.model import CLOCK_EVENT_REASONS, COMPUTE_MODES, DEVICE_STATES, PROPERTIES, GpuInfo, Sample
+from mapper.stats import (
+    STATUS_FILE_NAME,
+    GpuSnapshot,
+    LoopHeartbeat,
+    MapperSnapshot,
+    Readiness,
+    SnapshotFormatError,
+    check_liveness,
+)
+from mapper.statusview import render_status
+
+log = logging.getLogger(__name__)
+
+#: Labels of every per-GPU series.
+GPU_LABELS = ("uuid", "gpu", "device", "node")
+
+#: Catalog properties exported as one numeric series each (those with a Prometheus name).
+EXPORTED_PROPERTIES = tuple(p for p in PROPERTIES if p.prom_name)
+
+
+# --------------------------------------------------------------------------------------------------
+# The collector
+# --------------------------------------------------------------------------------------------------
+
+
+class GpuCollector:
+    """A prometheus_client custom collector: every metric comes from ``snapshot()`` at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], MapperSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        # Nothing up front: registration must not take a snapshot.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from snapshot_metrics(self._snapshot())
+
+
+def build_registry(snapshot: Callable[[], MapperSnapshot]) -> CollectorRegistry:
+    """A fresh registry holding only a ``GpuCollector`` over ``snapshot``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GpuCollector(snapshot))
+    return registry
+
+
+def render_metrics(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of ``registry``."""
+    return generate_latest(registry)
+
+
+def metric_names() -> frozenset[str]:
+    """Every metric family name the collector can emit (for dashboards and alert rules to be checked
+    against). Counters are listed with their ``_total`` sample name, histograms with ``_bucket/_sum/_count``."""
+    names: set[str] = set()
+    for fam in snapshot_metrics(_FULL_EXAMPLE()):
+        if fam.type == "counter":
+            names.add(fam.name + "_total")
+        elif fam.type == "histogram":
+            names.update({fam.name + "_bucket", fam.name + "_sum", fam.name + "_count"})
+        else:
+            names.add(fam.name)
+    return frozenset(names)
+
+
+def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
+    """Build every metric family for one snapshot (pure apart from the prometheus_client types)."""
+    out: list[Metric] = []
+    per_prop: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for spec in EXPORTED_PROPERTIES:
+        doc = f"{spec.description} ({spec.name}" + (f", {spec.unit}" if spec.unit else "") + ")"
+        fam: GaugeMetricFamily | CounterMetricFamily
+        if spec.prom_type == "counter":
+            fam = CounterMetricFamily(spec.prom_name, doc, labels=GPU_LABELS)
+        else:
+            fam = GaugeMetricFamily(spec.prom_name, doc, labels=GPU_LABELS)
+        per_prop[spec.name] = fam
+
+    info = GaugeMetricFamily(
+        "gpu_info",
+        "GPU identity: always 1, labelled with the product name, driver version and PCI bus id",
+        labels=(*GPU_LABELS, "product_name", "driver_version", "pci_bus_id"),
+    )
+    reasons = GaugeMetricFamily(
+        "gpu_clock_event_reason_active",
+        "1 while the clock event reason holds the clocks back (one series per nvmlClocksEventReason bit)",
+        labels=(*GPU_LABELS, "reason"),
+    )
+    compute = GaugeMetricFamily(
+        "gpu_compute_mode", "1 for the compute mode in force, 0 for the others", labels=(*GPU_LABELS, "mode")
+    )
+    xids = CounterMetricFamily(
+        "gpu_xid_errors",
+        "XID events seen on the GPU since the mapper started, by XID code",
+        labels=(*GPU_LABELS, "xid"),
+    )
+    desired_cap = GaugeMetricFamily(
+        "gpu_power_limit_desired_watts",
+        "power cap asked for by the cloud or an edge application, before local policies",
+        labels=GPU_LABELS,
+    )
+    state = GaugeMetricFamily(
+        "gpu_mapper_device_state",
+        "1 for the device state last reported to EdgeCore, 0 for the others",
+        labels=(*GPU_LABELS, "state"),
+    )
+    policy_state = GaugeMetricFamily(
+        "gpu_mapper_policy_state",
+        "1, labelled with what the local policies are doing on the GPU (the policy_state twin)",
+        labels=(*GPU_LABELS, "state"),
+    )
+    sample_ts = GaugeMetricFamily(
+        "gpu_mapper_sample_timestamp_seconds", "Unix time of the GPU's latest sample", labels=GPU_LABELS
+    )
+
+    driver = snap.driver_version
+    for g in snap.gpus:
+        labels = [g.info.uuid, str(g.info.index), g.device_name, g.node or snap.node]
+        info.add_metric(
+            [*labels, g.info.name, g.info.driver_version or driver, g.info.pci_bus_id],
+            1,
+        )
+        for s in DEVICE_STATES:
+            state.add_metric([*labels, s], 1 if g.state == s else 0)
+        if g.policy_state:
+            policy_state.add_metric([*labels, g.policy_state], 1)
+        if g.desired_power_limit_w is not None:
+            desired_cap.add_metric(labels, g.desired_power_limit_w)
+        for code, n in sorted(g.xid_errors.items()):
+            xids.add_metric([*labels, str(code)], n)
+        if g.sample is None:
+            continue
+        sample_ts.add_metric(labels, g.sample.ts_ms / 1000.0)
+        values = g.sample.values
+        for spec in EXPORTED_PROPERTIES:
+            v = values.get(spec.name)
+            number = _number(v)
+            if number is None:
+                continue
+            per_prop[spec.name].add_metric(labels, number * spec.prom_scale)
+        mask = _number(values.get("clock_event_reasons"))
+        if mask is not None:
+            for bit, name in CLOCK_EVENT_REASONS:
+                reasons.add_metric([*labels, name], 1 if int(mask) & bit else 0)
+        mode = values.get("compute_mode")
+        if isinstance(mode, str) and mode in COMPUTE_MODES:
+            for m in COMPUTE_MODES:
+                compute.add_metric([*labels, m], 1 if m == mode else 0)
+
+    out.extend(per_prop.values())
+    out.extend([info, reasons, compute, xids, desired_cap, state, policy_state, sample_ts])
+    out.extend(_self_metrics(snap))
+    return out
+
+
+def _number(v: object) -> float | None:
+    if isinstance(v, bool):
+        return 1.0 if v else 0.0
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    doc: str,
+    labels: tuple[str, ...],
+    counts: Iterable[tuple[tuple[str, ...], float]],
+) -> Metric:
+    fam = kind(name, doc, labels=labels)
+    for key, n in sorted(counts):
+        fam.add_metric(list(key), n)
+    return fam
+
+
+def _keyed(counts: Mapping[str, int]) -> list[tuple[tuple[str, ...], float]]:
+    return [((k,), v) for k, v in counts.items()]
+
+
+def _self_metrics(s: MapperSnapshot) -> list[Metric]:
+    hist = HistogramMetricFamily("gpu_mapper_collect_duration_seconds", "time to sample every GPU of the node once")
+    hist.add_metric(
+        [],
+        [(floatToGoString(le), float(n)) for le, n in s.collect_duration.cumulative()],
+        sum_value=s.collect_duration.sum_s,
+    )
+    return [
+        _labelled(
+            GaugeMetricFamily,
+            "gpu_mapper_build_info",
+            "always 1, labelled with the mapper version, mode and node",
+            ("version", "mode", "node"),
+            [((s.version, s.mode, s.node), 1)],
+        ),
+        _gauge("gpu_mapper_gpus", "GPUs the mapper sees on this node", len(s.gpus)),
+        _gauge("gpu_mapper_buffer_bytes", "bytes of telemetry batches waiting in the offline buffer", s.buffer_bytes),
+        _gauge("gpu_mapper_buffer_batches", "telemetry batches waiting in the offline buffer", s.buffer_batches),
+        _gauge("gpu_mapper_buffer_max_bytes", "size cap of the offline buffer", s.buffer_max_bytes),
+        _gauge(
+            "gpu_mapper_buffer_oldest_unsent_age_seconds",
+            "age of the oldest batch not yet acknowledged by the broker (0 when the buffer is empty)",
+            s.buffer_oldest_age_s or 0.0,
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_buffer_dropped_batches",
+            "telemetry batches dropped from the offline buffer, by reason",
+            ("reason",),
+            _keyed(s.buffer_drops),
+        ),
+        _gauge(
+            "gpu_mapper_replay_remaining_batches",
+            "batches still to replay after a reconnect",
+            s.replay_remaining_batches,
+        ),
+        _gauge(
+            "gpu_mapper_replay_remaining_bytes", "bytes still to replay after a reconnect", s.replay_remaining_bytes
+        ),
+        _counter(
+            "gpu_mapper_telemetry_published_batches",
+            "telemetry batches acknowledged by the broker",
+            s.telemetry_published_batches,
+        ),
+        _counter(
+            "gpu_mapper_telemetry_published_bytes",
+            "bytes of telemetry batches acknowledged by the broker",
+            s.telemetry_published_bytes,
+        ),
+        _gauge("gpu_mapper_mqtt_enabled", "1 when a broker is configured", 1 if s.mqtt_enabled else 0),
+        _gauge("gpu_mapper_mqtt_connected", "1 while the MQTT session is up", 1 if s.mqtt_connected else 0),
+        _counter("gpu_mapper_mqtt_reconnects", "MQTT reconnects since the mapper started", s.mqtt_reconnects),
+        _gauge(
+            "gpu_mapper_dmi_registered",
+            "1 while registered with EdgeCore over DMI (always 0 in standalone mode)",
+            1 if s.dmi_registered else 0,
+        ),
+        _gauge(
+            "gpu_mapper_standalone", "1 in standalone mode (Devices from files)", 1 if s.mode == "standalone" else 0
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_dmi_rpcs",
+            "DMI calls to EdgeCore by method and result",
+            ("method", "result"),
+            s.dmi_rpcs.items(),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_reconcile_actions",
+            "desired-state actions by property and result",
+            ("property", "result"),
+            s.reconcile_actions.items(),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_drift_reapplies",
+            "settings found changed behind the mapper's back and applied again, by property",
+            ("property",),
+            _keyed(s.drift_reapplies),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_desired_rejections",
+            "desired values refused, by reason",
+            ("reason",),
+            _keyed(s.desired_rejections),
+        ),
+        _labelled(
+            GaugeMetricFamily,
+            "gpu_mapper_policy_overrides_active",
+            "GPUs on which a local policy holds an override now, by policy",
+            ("policy",),
+            _keyed(s.policy_overrides_active),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_policy_events",
+            "local policy decisions by policy and action",
+            ("policy", "action"),
+            s.policy_events.items(),
+        ),
+        hist,
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_collect_errors",
+            "failed GPU samples, by reason",
+            ("reason",),
+            _keyed(s.collect_errors),
+        ),
+    ]
+
+
+def _FULL_EXAMPLE() -> MapperSnapshot:
+    """A snapshot with every field set, so ``metric_names`` sees every family with samples."""
+    values: dict[str, Any] = {p.name: 1 for p in EXPORTED_PROPERTIES}
+    values["compute_mode"] = "default"
+    gpu = GpuSnapshot(
+        info=GpuInfo(uuid="GPU-0", index=0, name="x"),
+        device="default/x",
+        sample=Sample(uuid="GPU-0", ts_ms=1, values=values),
+        policy_state="normal",
+        xid_errors={79: 1},
+        desired_power_limit_w=1.0,
+    )
+    return MapperSnapshot(node="n", gpus=(gpu,))
+
+
+# --------------------------------------------------------------------------------------------------
+# Address parsing
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_metrics_addr(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port). ``:9100`` binds every interface; ``[::1]:9100`` is IPv6; port 0 lets
+    the OS choose (tests). Raises ``ConfigError`` naming the bad part."""
+    text = addr.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ConfigError(f"metrics addr {addr!r}: expected [IPV6]:PORT")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ConfigError(f"metrics addr {addr!r}: expected HOST:PORT (e.g. 0.0.0.0:9100 or :9100)")
+        if ":" in host:
+            raise ConfigError(f"metrics addr {addr!r}: write an IPv6 host in brackets, e.g. [::1]:9100")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"metrics addr {addr!r}: port {port_text!r} is not a number from 0 to 65535")
+    return (host or "0.0.0.0", int(port_text))
+
+
+# --------------------------------------------------------------------------------------------------
+# The HTTP server
+# --------------------------------------------------------------------------------------------------
+
+_R = TypeVar("_R")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    owner: MetricsServer
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "gpu-mapper"
+
+    def setup(self) -> None:
+        # Every read and write on the connection is bounded (a stuck client cannot hold a thread forever).
+        self.request.settimeout(self.server.owner.request_timeout_s)
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http %s " + format, self.client_address[0], *args)
+
+    def do_GET(self) -> None:
+        owner = self.server.owner
+        url = urlsplit(self.path)
+        try:
+            status, ctype, body = owner.handle(url.path, parse_qs(url.query))
+        except Exception:
+            log.exception("http %s failed", url.path)
+            status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error\n"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+
+_TEXT = "text/plain; charset=utf-8"
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz``, ``/readyz`` and ``/status`` on ``addr`` (``HOST:PORT``), in a daemon thread.
+
+    ``snapshot`` builds the current ``MapperSnapshot``; ``heartbeats`` lists the loops' last beats (monotonic
+    seconds, compared with ``monotonic()``); ``readiness`` says whether NVML is up and EdgeCore registered.
+    With ``loop`` given, the three callables run on that asyncio loop (thread-safe reads of the app's state;
+    an event loop that does not answer within ``snapshot_timeout_s`` fails ``/healthz``).
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        snapshot: Callable[[], MapperSnapshot],
+        heartbeats: Callable[[], Iterable[LoopHeartbeat]] = lambda: (),
+        readiness: Callable[[], Readiness] = lambda: Readiness(nvml_initialised=True, dmi_registered=False),
+        loop: asyncio.AbstractEventLoop | None = None,
+        monotonic: Callable[[], float] | None = None,
+        request_timeout_s: float = 10.0,
+        snapshot_timeout_s: float = 5.0,
+        stall_periods: float = 5.0,
+        min_stall_s: float = 10.0,
+    ) -> None:
+        self.host, self._port = parse_metrics_addr(addr)
+        self._snapshot = snapshot
+        self._heartbeats = heartbeats
+        self._readiness = readiness
+        self._loop = loop
+        self._monotonic = monotonic or _monotonic
+        self.request_timeout_s = request_timeout_s
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self.stall_periods = stall_periods
+        self.min_stall_s = min_stall_s
+        self._registry = build_registry(lambda: self._call(self._snapshot))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="metrics-call")
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        if self._httpd is not None:
+            return
+        cls = _Server6 if ":" in self.host else _Server
+        try:
+            httpd = cls((self.host, self._port), _Handler, bind_and_activate=False)
+            httpd.owner = self
+            httpd.allow_reuse_address = True
+            httpd.server_bind()
+            httpd.server_activate()
+        except OSError as exc:
+            raise ConfigError(f"metrics addr {self.host}:{self._port}: cannot listen ({exc.strerror or exc})") from None
+        self._httpd = httpd
+        self._port = httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="metrics-http", daemon=True
+        )
+        self._thread.start()
+        log.info("metrics: serving /metrics /healthz /readyz /status on %s", self.url)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> MetricsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        """The bound port (the OS's choice when started with port 0)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = self.host
+        if host in ("0.0.0.0", ""):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self._port}"
+
+    # --- requests (run on the server's threads) ---
+
+    def _call(self, fn: Callable[[], _R]) -> _R:
+        """Run ``fn`` on the app's loop (or a worker thread) and wait at most ``snapshot_timeout_s``."""
+        fut: concurrent.futures.Future[_R]
+        if self._loop is not None:
+            fut = concurrent.futures.Future()
+
+            def run() -> None:
+                if not fut.set_running_or_notify_cancel():
+                    return
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+
+            try:
+                self._loop.call_soon_threadsafe(run)
+            except RuntimeError as exc:  # loop closed
+                raise TransientError(f"the event loop is not running ({exc})") from None
+        else:
+            fut = self._pool.submit(fn)
+        try:
+            return fut.result(timeout=self.snapshot_timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            where = "the event loop" if self._loop is not None else "the snapshot callable"
+            raise TransientError(f"{where} did not answer within {self.snapshot_timeout_s:g} s") from None
+
+    def handle(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
+        """Answer one GET: (status, content type, body)."""
+        if path == "/metrics":
+            try:
+                return 200, CONTENT_TYPE_LATEST, render_metrics(self._registry)
+            except TransientError as exc:
+                return 503, _TEXT, f"metrics unavailable: {exc}\n".encode()
+        if path == "/healthz":
+            try:
+                beats = list(self._call(self._heartbeats))
+            except TransientError as exc:
+                return 503, _TEXT, f"unhealthy: {exc}\n".encode()
+            live = check_liveness(
+                beats, self._monotonic(), stall_periods=self.stall_periods, min_stall_s=self.min_stall_s
+            )
+            head = "ok" if live.ok else "unhealthy: stalled loop(s): " + ", ".join(live.stalled)
+            body = "\n".join((head, *live.lines)) + "\n"
+            return (200 if live.ok else 503), _TEXT, body.encode()
+        if path == "/readyz":
+            try:
+                ready = self._call(self._readiness)
+            except TransientError as exc:
+                return 503, _TEXT, f"not ready: {exc}\n".encode()
+            problems = ready.problems()
+            if problems:
+                return 503, _TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
+            mode = "standalone" if ready.standalone else "registered with EdgeCore"
+            return 200, _TEXT, f"ready ({mode})\n".encode()
+        if path == "/status":
+            try:
+                snap = self._call(self._snapshot)
+            except TransientError as exc:
+                return 503, _TEXT, f"status unavailable: {exc}\n".encode()
+            if query.get("format", [""])[0] == "text":
+                return 200, _TEXT, render_status(snap).encode()
+            return 200, "application/json", snap.to_json().encode()
+        if path == "/":
+            return 200, _TEXT, b"gpu-mapper: /metrics /healthz /readyz /status\n"
+        return int(HTTPStatus.NOT_FOUND), _TEXT, f"not found: {path}\n".encode()
+
+
+def _monotonic() -> float:
+    return time.monotonic()
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a snapshot back (gpu-mapper status)
+# --------------------------------------------------------------------------------------------------
+
+
+def fetch_status(url: str, *, timeout_s: float = 5.0) -> MapperSnapshot:
+    """GET ``<url>/status`` from a running mapper (``url`` like ``http://127.0.0.1:9100``).
+
+    Raises ``TransientError`` when the mapper cannot be reached, ``SnapshotFormatError`` on a bad answer."""
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise ConfigError(f"status url {url!r}: expected http://HOST:PORT")
+    target = base if base.endswith("/status") else base + "/status"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout_s) as resp:
+            body = resp.read(64 * 1024 * 1024)
+    except urllib.error.HTTPError as exc:
+        raise TransientError(f"{target}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TransientError(f"{target}: cannot reach the mapper ({reason})") from None
+    return MapperSnapshot.from_json(body)
+
+
+def status_file_path(data_dir: str | os.PathLike[str]) -> Path:
+    return Path(data_dir) / STATUS_FILE_NAME
+
+
+def write_status_file(data_dir: str | os.PathLike[str], snap: MapperSnapshot) -> Path:
+    """Write the snapshot atomically (temp file + rename) to ``<data_dir>/status.json``."""
+    path = status_file_path(data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".status-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(snap.to_json(indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def read_status_file(data_dir: str | os.PathLike[str]) -> MapperSnapshot:
+    """Read ``<data_dir>/status.json``; ``NotFoundError`` names the path when there is none."""
+    path = status_file_path(data_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise NotFoundError(f"{path}: no status file (is the mapper running with --data-dir {data_dir}?)") from None
+    try:
+        return MapperSnapshot.from_json(text)
+    except SnapshotFormatError as exc:
+        raise SnapshotFormatError(f"{path}: {exc}") from None

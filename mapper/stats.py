@@ -1,0 +1,538 @@
+"""What the running mapper looks like right now: plain, frozen values, no I/O.
+
+The composition root builds a ``MapperSnapshot`` on demand (a callable handed to ``mapper.metrics``); the
+Prometheus collector, the ``/status`` endpoint, the data-dir status file and ``gpu-mapper status`` all read it.
+Every self-metric the mapper exports has a field here, so nothing is ever read twice from the hardware.
+
+Also here, because they are pure decisions on plain values: the liveness rule (``check_liveness``: a loop
+that has not beaten for N times its period is stalled) and the readiness rule (``Readiness.problems``).
+
+JSON (``to_json``/``from_json``) is the wire format of ``/status`` and the at-rest format of the status file.
+Counters keyed by a tuple (``dmi_rpcs[(method, result)]``) are written as lists ``[method, result, count]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mapper.model import DEVICE_STATES, GpuInfo, Sample, Value
+
+#: Version of the JSON layout written by ``MapperSnapshot.to_json``.
+SNAPSHOT_FORMAT = 1
+
+#: File name of the snapshot the app writes into its data directory (read by ``gpu-mapper status --data-dir``).
+STATUS_FILE_NAME = "status.json"
+
+#: Default bucket bounds of the collect-duration histogram, in seconds (one GPU sample is ~100 us on the
+#: simulator and a few ms on real NVML; a slow or hung call shows up in the top buckets).
+DEFAULT_DURATION_BOUNDS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class SnapshotFormatError(ValueError):
+    """A status document that is not a valid ``MapperSnapshot`` JSON; the message names the field."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DurationHistogram:
+    """A small fixed-bucket histogram. ``counts[i]`` counts observations ``<= bounds_s[i]`` and above the
+    previous bound (not cumulative); ``counts[-1]`` counts those above the last bound."""
+
+    bounds_s: tuple[float, ...] = DEFAULT_DURATION_BOUNDS_S
+    counts: tuple[int, ...] = ()
+    sum_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if list(self.bounds_s) != sorted(set(self.bounds_s)) or any(not math.isfinite(b) for b in self.bounds_s):
+            raise ValueError(f"histogram bounds must be finite and strictly increasing, got {self.bounds_s}")
+        if not self.counts:
+            object.__setattr__(self, "counts", (0,) * (len(self.bounds_s) + 1))
+        if len(self.counts) != len(self.bounds_s) + 1:
+            raise ValueError(f"histogram needs {len(self.bounds_s) + 1} counts, got {len(self.counts)}")
+        if any(c < 0 for c in self.counts):
+            raise ValueError("histogram counts must not be negative")
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, seconds: float) -> DurationHistogram:
+        """A new histogram with one more observation (the original is unchanged)."""
+        i = bisect.bisect_left(self.bounds_s, seconds)
+        counts = list(self.counts)
+        counts[i] += 1
+        return replace(self, counts=tuple(counts), sum_s=self.sum_s + seconds)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """Prometheus-style ``(upper bound, cumulative count)`` pairs, ending with ``inf``."""
+        out: list[tuple[float, int]] = []
+        running = 0
+        for bound, c in zip((*self.bounds_s, math.inf), self.counts, strict=True):
+            running += c
+            out.append((bound, running))
+        return out
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    """One GPU of this node as the mapper sees it now."""
+
+    info: GpuInfo
+    #: The KubeEdge Device bound to this GPU as ``namespace/name``; "" when no Device names its UUID.
+    device: str = ""
+    node: str = ""
+    #: The latest sample (values in catalog units); None before the first one.
+    sample: Sample | None = None
+    #: The ``desired_status`` twin value ("" when nothing is desired).
+    desired_status: str = ""
+    #: The ``policy_state`` twin value ("" or e.g. ``normal``, ``thermal:throttling-step2``).
+    policy_state: str = ""
+    #: Device state last reported to EdgeCore: one of ``mapper.model.DEVICE_STATES``.
+    state: str = "unknown"
+    #: XID events seen on this GPU since the mapper started, by XID code.
+    xid_errors: Mapping[int, int] = field(default_factory=dict)
+    #: The power cap the cloud (or the edge) asked for, before any policy override; None when unset.
+    desired_power_limit_w: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.state not in DEVICE_STATES:
+            raise ValueError(f"GPU {self.info.uuid}: state {self.state!r} is not one of {', '.join(DEVICE_STATES)}")
+
+    @property
+    def device_name(self) -> str:
+        """The Device name without its namespace ("" when unbound)."""
+        return self.device.rsplit("/", 1)[-1]
+
+    def value(self, name: str) -> Value | None:
+        if self.sample is None:
+            return None
+        return self.sample.values.get(name)
+
+
+@dataclass(frozen=True)
+class MapperSnapshot:
+    """Everything ``/metrics``, ``/status`` and ``gpu-mapper status`` show, taken at ``taken_at_ms``."""
+
+    node: str
+    taken_at_ms: int = 0
+    version: str = ""
+    #: ``dmi`` (registered with EdgeCore) or ``standalone`` (Devices from files).
+    mode: str = "dmi"
+    driver_version: str = ""
+    gpus: tuple[GpuSnapshot, ...] = ()
+    # --- offline buffer (issue 5) ---
+    buffer_bytes: int = 0
+    buffer_batches: int = 0
+    buffer_max_bytes: int = 0
+    #: Age of the oldest batch not yet acknowledged by the broker; None when the buffer is empty.
+    buffer_oldest_age_s: float | None = None
+    #: Batches dropped from the buffer, by reason (``max-bytes``, ``max-age``, ``disk-full``, ``corrupt``...).
+    buffer_drops: Mapping[str, int] = field(default_factory=dict)
+    replay_remaining_batches: int = 0
+    replay_remaining_bytes: int = 0
+    telemetry_published_batches: int = 0
+    telemetry_published_bytes: int = 0
+    # --- MQTT ---
+    mqtt_enabled: bool = False
+    mqtt_connected: bool = False
+    mqtt_reconnects: int = 0
+    # --- DMI (issue 3) ---
+    dmi_registered: bool = False
+    #: RPCs by (method, result); result is ``ok`` or a short error code (``unavailable``, ``rate-limited``...).
+    dmi_rpcs: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # --- desired state (issue 4) ---
+    #: Reconcile actions by (property, result): ``applied``, ``failed``, ``rejected``, ``unsupported``...
+    reconcile_actions: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    #: Settings found changed behind the mapper's back and applied again, by property.
+    drift_reapplies: Mapping[str, int] = field(default_factory=dict)
+    #: Desired values refused, by reason (``mapper.model.REJECT_REASONS``).
+    desired_rejections: Mapping[str, int] = field(default_factory=dict)
+    # --- local policies (issue 6) ---
+    #: GPUs on which each policy holds an override now (gauge), by policy.
+    policy_overrides_active: Mapping[str, int] = field(default_factory=dict)
+    #: Policy decisions by (policy, action): ``engage``, ``step``, ``release``, ``dry-run``...
+    policy_events: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # --- collection ---
+    collect_duration: DurationHistogram = field(default_factory=DurationHistogram)
+    #: Failed samples by error reason (``transient``, ``gpu-lost``, ``timeout``...).
+    collect_errors: Mapping[str, int] = field(default_factory=dict)
+
+    def gpu(self, uuid: str) -> GpuSnapshot | None:
+        for g in self.gpus:
+            if g.info.uuid == uuid:
+                return g
+        return None
+
+    # ----------------------------------------------------------------------------------------------
+    # JSON
+    # ----------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "node": self.node,
+            "taken_at_ms": self.taken_at_ms,
+            "version": self.version,
+            "mode": self.mode,
+            "driver_version": self.driver_version,
+            "gpus": [_gpu_to_dict(g) for g in self.gpus],
+            "buffer": {
+                "bytes": self.buffer_bytes,
+                "batches": self.buffer_batches,
+                "max_bytes": self.buffer_max_bytes,
+                "oldest_age_s": self.buffer_oldest_age_s,
+                "drops": dict(self.buffer_drops),
+                "replay_remaining_batches": self.replay_remaining_batches,
+                "replay_remaining_bytes": self.replay_remaining_bytes,
+                "published_batches": self.telemetry_published_batches,
+                "published_bytes": self.telemetry_published_bytes,
+            },
+            "mqtt": {
+                "enabled": self.mqtt_enabled,
+                "connected": self.mqtt_connected,
+                "reconnects": self.mqtt_reconnects,
+            },
+            "dmi": {"registered": self.dmi_registered, "rpcs": _pairs_out(self.dmi_rpcs)},
+            "desired": {
+                "reconcile_actions": _pairs_out(self.reconcile_actions),
+                "drift_reapplies": dict(self.drift_reapplies),
+                "rejections": dict(self.desired_rejections),
+            },
+            "policy": {
+                "overrides_active": dict(self.policy_overrides_active),
+                "events": _pairs_out(self.policy_events),
+            },
+            "collect": {
+                "duration": {
+                    "bounds_s": list(self.collect_duration.bounds_s),
+                    "counts": list(self.collect_duration.counts),
+                    "sum_s": self.collect_duration.sum_s,
+                },
+                "errors": dict(self.collect_errors),
+            },
+        }
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> MapperSnapshot:
+        r = _Reader(doc, "status")
+        fmt = r.count("format")
+        if fmt != SNAPSHOT_FORMAT:
+            raise SnapshotFormatError(f"status.format: version {fmt} is not supported (expected {SNAPSHOT_FORMAT})")
+        buf = r.obj("buffer")
+        mqtt = r.obj("mqtt")
+        dmi = r.obj("dmi")
+        desired = r.obj("desired")
+        policy = r.obj("policy")
+        collect = r.obj("collect")
+        dur = collect.obj("duration")
+        try:
+            histogram = DurationHistogram(
+                bounds_s=tuple(dur.numbers("bounds_s")),
+                counts=tuple(dur.counts_list("counts")),
+                sum_s=dur.number("sum_s"),
+            )
+        except ValueError as exc:
+            raise SnapshotFormatError(f"{dur.path}: {exc}") from None
+        return cls(
+            node=r.text("node"),
+            taken_at_ms=r.count("taken_at_ms"),
+            version=r.text("version"),
+            mode=r.text("mode"),
+            driver_version=r.text("driver_version"),
+            gpus=tuple(_gpu_from_reader(g) for g in r.objs("gpus")),
+            buffer_bytes=buf.count("bytes"),
+            buffer_batches=buf.count("batches"),
+            buffer_max_bytes=buf.count("max_bytes"),
+            buffer_oldest_age_s=buf.opt_number("oldest_age_s"),
+            buffer_drops=buf.count_map("drops"),
+            replay_remaining_batches=buf.count("replay_remaining_batches"),
+            replay_remaining_bytes=buf.count("replay_remaining_bytes"),
+            telemetry_published_batches=buf.count("published_batches"),
+            telemetry_published_bytes=buf.count("published_bytes"),
+            mqtt_enabled=mqtt.flag("enabled"),
+            mqtt_connected=mqtt.flag("connected"),
+            mqtt_reconnects=mqtt.count("reconnects"),
+            dmi_registered=dmi.flag("registered"),
+            dmi_rpcs=dmi.pairs("rpcs"),
+            reconcile_actions=desired.pairs("reconcile_actions"),
+            drift_reapplies=desired.count_map("drift_reapplies"),
+            desired_rejections=desired.count_map("rejections"),
+            policy_overrides_active=policy.count_map("overrides_active"),
+            policy_events=policy.pairs("events"),
+            collect_duration=histogram,
+            collect_errors=collect.count_map("errors"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> MapperSnapshot:
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SnapshotFormatError(f"status: not JSON ({exc})") from None
+        return cls.from_dict(doc)
+
+
+def _pairs_out(counts: Mapping[tuple[str, str], int]) -> list[list[str | int]]:
+    return [[a, b, n] for (a, b), n in sorted(counts.items())]
+
+
+def _gpu_to_dict(g: GpuSnapshot) -> dict[str, Any]:
+    i = g.info
+    sample = None
+    if g.sample is not None:
+        sample = {
+            "ts_ms": g.sample.ts_ms,
+            "values": {k: _json_value(v) for k, v in g.sample.values.items()},
+            "errors": dict(g.sample.errors),
+        }
+    return {
+        "uuid": i.uuid,
+        "index": i.index,
+        "name": i.name,
+        "pci_bus_id": i.pci_bus_id,
+        "serial": i.serial,
+        "driver_version": i.driver_version,
+        "architecture": i.architecture,
+        "device": g.device,
+        "node": g.node,
+        "state": g.state,
+        "desired_status": g.desired_status,
+        "policy_state": g.policy_state,
+        "desired_power_limit_w": g.desired_power_limit_w,
+        "xid_errors": {str(k): v for k, v in sorted(g.xid_errors.items())},
+        "sample": sample,
+    }
+
+
+def _json_value(v: Value) -> Value | None:
+    # JSON has no NaN/Infinity; a non-finite reading becomes null and is dropped on the way back.
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _gpu_from_reader(r: _Reader) -> GpuSnapshot:
+    info = GpuInfo(
+        uuid=r.text("uuid"),
+        index=r.count("index"),
+        name=r.text("name"),
+        pci_bus_id=r.text("pci_bus_id"),
+        serial=r.text("serial"),
+        driver_version=r.text("driver_version"),
+        architecture=r.text("architecture"),
+    )
+    sample = None
+    if r.get("sample") is not None:
+        s = r.obj("sample")
+        values: dict[str, Value] = {}
+        raw_values = s.obj("values")
+        for key, v in raw_values.items():
+            if v is None:
+                continue
+            if not isinstance(v, int | float | str | bool):
+                raise SnapshotFormatError(f"{raw_values.path}.{key}: {v!r} is not a number, string or boolean")
+            values[key] = v
+        errors = s.obj("errors")
+        sample = Sample(
+            uuid=info.uuid,
+            ts_ms=s.count("ts_ms"),
+            values=values,
+            errors={k: errors.text(k) for k in errors.names()},
+        )
+    xids_r = r.obj("xid_errors")
+    xids: dict[int, int] = {}
+    for key in xids_r.names():
+        try:
+            code = int(key)
+        except ValueError:
+            raise SnapshotFormatError(f"{xids_r.path}: key {key!r} is not an XID number") from None
+        xids[code] = xids_r.count(key)
+    state = r.text("state")
+    if state not in DEVICE_STATES:
+        raise SnapshotFormatError(f"{r.path}.state: {state!r} is not one of {', '.join(DEVICE_STATES)}")
+    return GpuSnapshot(
+        info=info,
+        device=r.text("device"),
+        node=r.text("node"),
+        sample=sample,
+        desired_status=r.text("desired_status"),
+        policy_state=r.text("policy_state"),
+        state=state,
+        xid_errors=xids,
+        desired_power_limit_w=r.opt_number("desired_power_limit_w"),
+    )
+
+
+class _Reader:
+    """Typed access to a JSON object with error messages that name the path."""
+
+    def __init__(self, doc: Any, path: str) -> None:
+        if not isinstance(doc, dict):
+            raise SnapshotFormatError(f"{path}: expected an object, got {type(doc).__name__}")
+        self.doc: dict[str, Any] = doc
+        self.path = path
+
+    def names(self) -> list[str]:
+        return list(self.doc)
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self.doc.items())
+
+    def get(self, key: str) -> Any:
+        return self.doc.get(key)
+
+    def _need(self, key: str) -> Any:
+        if key not in self.doc:
+            raise SnapshotFormatError(f"{self.path}.{key}: missing")
+        return self.doc[key]
+
+    def _typed(self, key: str, check: Callable[[Any], bool], what: str) -> Any:
+        v = self._need(key)
+        if not check(v):
+            raise SnapshotFormatError(f"{self.path}.{key}: expected {what}, got {v!r}")
+        return v
+
+    def text(self, key: str) -> str:
+        return str(self._typed(key, lambda v: isinstance(v, str), "a string"))
+
+    def count(self, key: str) -> int:
+        return int(self._typed(key, _is_count, "a non-negative integer"))
+
+    def flag(self, key: str) -> bool:
+        return bool(self._typed(key, lambda v: isinstance(v, bool), "true or false"))
+
+    def number(self, key: str) -> float:
+        return float(self._typed(key, _is_number, "a number"))
+
+    def opt_number(self, key: str) -> float | None:
+        v = self.doc.get(key)
+        return None if v is None else self.number(key)
+
+    def numbers(self, key: str) -> list[float]:
+        return [float(x) for x in self._list(key, _is_number, "numbers")]
+
+    def counts_list(self, key: str) -> list[int]:
+        return [int(x) for x in self._list(key, _is_count, "non-negative integers")]
+
+    def _list(self, key: str, check: Callable[[Any], bool], what: str) -> list[Any]:
+        v = self._typed(key, lambda v: isinstance(v, list), "a list")
+        for i, x in enumerate(v):
+            if not check(x):
+                raise SnapshotFormatError(f"{self.path}.{key}[{i}]: expected {what}, got {x!r}")
+        return list(v)
+
+    def obj(self, key: str) -> _Reader:
+        return _Reader(self._need(key), f"{self.path}.{key}")
+
+    def objs(self, key: str) -> list[_Reader]:
+        v = self._typed(key, lambda v: isinstance(v, list), "a list")
+        return [_Reader(x, f"{self.path}.{key}[{i}]") for i, x in enumerate(v)]
+
+    def count_map(self, key: str) -> dict[str, int]:
+        o = self.obj(key)
+        return {k: o.count(k) for k in o.names()}
+
+    def pairs(self, key: str) -> dict[tuple[str, str], int]:
+        v = self._typed(key, lambda v: isinstance(v, list), "a list")
+        out: dict[tuple[str, str], int] = {}
+        for i, row in enumerate(v):
+            ok = (
+                isinstance(row, list)
+                and len(row) == 3
+                and isinstance(row[0], str)
+                and isinstance(row[1], str)
+                and _is_count(row[2])
+            )
+            if not ok:
+                raise SnapshotFormatError(f"{self.path}.{key}[{i}]: expected [label, label, count], got {row!r}")
+            out[(row[0], row[1])] = int(row[2])
+        return out
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# --------------------------------------------------------------------------------------------------
+# Liveness and readiness (pure rules; mapper.metrics serves them)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoopHeartbeat:
+    """A long-lived loop's last sign of life: ``last_beat_s`` on the monotonic clock, expected every
+    ``period_s`` seconds."""
+
+    name: str
+    last_beat_s: float
+    period_s: float
+
+
+@dataclass(frozen=True)
+class Liveness:
+    ok: bool
+    #: Human-readable lines, one per loop: ``collect: last beat 0.4 s ago (period 1 s)``.
+    lines: tuple[str, ...] = ()
+    #: Names of the stalled loops.
+    stalled: tuple[str, ...] = ()
+
+
+def check_liveness(
+    beats: Iterable[LoopHeartbeat],
+    now_s: float,
+    *,
+    stall_periods: float = 5.0,
+    min_stall_s: float = 10.0,
+) -> Liveness:
+    """A loop is stalled when its last beat is older than ``max(stall_periods * period_s, min_stall_s)``.
+
+    No loops at all is alive (the process answered); the app registers its loops as it starts them.
+    """
+    lines: list[str] = []
+    stalled: list[str] = []
+    for b in sorted(beats, key=lambda b: b.name):
+        age = now_s - b.last_beat_s
+        limit = max(stall_periods * b.period_s, min_stall_s)
+        line = f"{b.name}: last beat {age:.1f} s ago (period {b.period_s:g} s, stalled after {limit:g} s)"
+        if age > limit:
+            stalled.append(b.name)
+            line = "STALLED " + line
+        lines.append(line)
+    return Liveness(ok=not stalled, lines=tuple(lines), stalled=tuple(stalled))
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What ``/readyz`` needs: NVML initialised, and registered with EdgeCore unless in standalone mode."""
+
+    nvml_initialised: bool
+    dmi_registered: bool
+    standalone: bool = False
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if not self.nvml_initialised:
+            out.append("NVML is not initialised")
+        if not self.standalone and not self.dmi_registered:
+            out.append("not registered with EdgeCore (DMI) and not in standalone mode")
+        return out
+
+    @property
+    def ready(self) -> bool:
+        return not self.problems()

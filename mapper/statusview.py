@@ -1,0 +1,142 @@
+"""``gpu-mapper status``: this node's GPUs and the mapper's backlog as a readable table. Pure text.
+
+The snapshot comes from the running mapper's ``/status`` (``mapper.metrics.fetch_status``) or from the
+status file in its data directory (``mapper.metrics.read_status_file``); this module only renders it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Sequence
+
+from mapper.model import Value
+from mapper.stats import GpuSnapshot, MapperSnapshot
+
+_COLUMNS = ("DEVICE", "UUID", "POWER / CAP", "TEMP", "UTIL", "MEM", "SM CLOCK", "STATE", "DESIRED", "POLICY")
+
+
+def render_status(snapshot: MapperSnapshot) -> str:
+    """A table of the node's GPUs (device, uuid, power vs cap, temperature, utilisation, desired status,
+    policy state) followed by the buffer backlog and the links (MQTT, EdgeCore)."""
+    s = snapshot
+    lines: list[str] = []
+    head = f"gpu-mapper {s.version or '?'} on node {s.node or '?'} ({s.mode})"
+    if s.driver_version:
+        head += f", NVIDIA driver {s.driver_version}"
+    if s.taken_at_ms:
+        head += f", as of {_utc(s.taken_at_ms)}"
+    lines.append(head)
+    lines.append("")
+    if s.gpus:
+        rows = [_gpu_row(g) for g in sorted(s.gpus, key=lambda g: (g.info.index, g.info.uuid))]
+        lines.extend(_table(_COLUMNS, rows))
+    else:
+        lines.append("no GPUs")
+    lines.append("")
+    lines.extend(_backlog(s))
+    return "\n".join(lines) + "\n"
+
+
+def _gpu_row(g: GpuSnapshot) -> list[str]:
+    device = g.device or "(no Device)"
+    power = _num(g.value("power_usage"), 1)
+    cap_value = g.value("power_limit_enforced")
+    if cap_value is None:
+        cap_value = g.value("power_limit")
+    cap = _num(cap_value, 0)
+    power_cap = f"{power} / {cap} W"
+    desired = g.desired_power_limit_w
+    if desired is not None and isinstance(cap_value, int | float) and abs(desired - float(cap_value)) >= 0.5:
+        power_cap += f" (asked {_num(g.desired_power_limit_w, 0)})"
+    temp = _unit(g.value("temperature"), " C")
+    util = _unit(g.value("utilization_gpu"), " %")
+    used, total = g.value("memory_used"), g.value("memory_total")
+    mem = "-"
+    if isinstance(used, int | float) and isinstance(total, int | float) and total:
+        mem = f"{used / 2**30:.1f}/{total / 2**30:.0f} GiB"
+    sm = _unit(g.value("clock_sm"), " MHz")
+    state = g.state + " (no sample yet)" if g.sample is None else g.state
+    return [
+        device,
+        g.info.uuid,
+        power_cap,
+        temp,
+        util,
+        mem,
+        sm,
+        state,
+        g.desired_status or "-",
+        g.policy_state or "-",
+    ]
+
+
+def _backlog(s: MapperSnapshot) -> list[str]:
+    out: list[str] = []
+    buf = f"buffer: {s.buffer_batches} batches, {_bytes(s.buffer_bytes)}"
+    if s.buffer_max_bytes:
+        buf += f" of {_bytes(s.buffer_max_bytes)} ({100.0 * s.buffer_bytes / s.buffer_max_bytes:.0f}% full)"
+    if s.buffer_oldest_age_s is not None:
+        buf += f", oldest unsent {_duration(s.buffer_oldest_age_s)} old"
+    out.append(buf)
+    drops = sum(s.buffer_drops.values())
+    if drops:
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(s.buffer_drops.items()))
+        out.append(f"dropped: {drops} batches ({detail})")
+    if s.replay_remaining_batches:
+        out.append(f"replay: {s.replay_remaining_batches} batches ({_bytes(s.replay_remaining_bytes)}) to send")
+    if s.mqtt_enabled:
+        mqtt = "connected" if s.mqtt_connected else "DISCONNECTED"
+        out.append(f"mqtt: {mqtt}, {s.mqtt_reconnects} reconnects, {s.telemetry_published_batches} batches published")
+    else:
+        out.append("mqtt: off (no broker configured)")
+    if s.mode == "standalone":
+        out.append("edgecore: standalone mode (Devices from files)")
+    else:
+        out.append("edgecore: " + ("registered" if s.dmi_registered else "NOT REGISTERED"))
+    rejected = sum(s.desired_rejections.values())
+    if rejected:
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(s.desired_rejections.items()))
+        out.append(f"desired values rejected: {rejected} ({detail})")
+    return out
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [line(columns), *(line(r) for r in rows)]
+
+
+def _num(v: Value | float | None, decimals: int) -> str:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return "-"
+    return f"{float(v):.{decimals}f}"
+
+
+def _unit(v: Value | None, unit: str) -> str:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return "-"
+    return f"{v:g}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _utc(ms: int) -> str:
+    return _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
