@@ -1,0 +1,1 @@
+"""Generated DMI v1beta1 stubs (scripts/gen-proto.sh); do not edit by hand."""
