@@ -1,1 +1,866 @@
-"""(to be written)"""
+"""Edge-autonomous local policies: thermal throttling, power saving and GPU health. Pure: no I/O.
+
+Two halves:
+
+* **Configuration**: ``parse_policies(mapping)`` turns the ``policies:`` section of the mapper's YAML config
+  into frozen dataclasses; ``merge_override(config, text)`` lays a Device's ``policy`` configData (a JSON or
+  YAML mapping held in a string) over it. Every error is a ``ConfigError`` whose message starts with the key
+  path (``policies.thermalThrottling.releaseTemp: ...``).
+* **Decisions**: ``decide(state, sample_values, ctx, config, now_s) -> (state, Decision)``. The state is a
+  frozen value the caller keeps per GPU (by UUID) and hands back at the next sample; it survives a config
+  swap. The decision carries the ``PolicyLimit``s for the reconciler (which applies
+  ``min(cloud desired, limits)``: policies only ever tighten), one twin-safe ``policy_state`` string, the
+  device state (``ok``/``unhealthy``/``offline``) and the events to publish, log and count.
+
+``PolicyEngine`` wraps both for the composition root: it holds the node config, the per-device overrides
+and one state per GPU.
+
+Times are monotonic seconds (``Clock.monotonic()``), temperatures degrees Celsius, caps watts, utilisation
+percent. Thermal thresholds compare strictly: throttling starts above ``maxTemp`` (``T > maxTemp``), the
+cool-down runs below ``releaseTemp`` (``T < releaseTemp``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import yaml
+
+from mapper.errors import ConfigError
+from mapper.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
+
+__all__ = [
+    "DEFAULT_CRITICAL_XIDS",
+    "Amount",
+    "Decision",
+    "HealthConfig",
+    "HealthState",
+    "PolicyConfig",
+    "PolicyContext",
+    "PolicyEngine",
+    "PolicyEvent",
+    "PolicyState",
+    "PowerSavingConfig",
+    "PowerSavingState",
+    "ThermalConfig",
+    "ThermalState",
+    "decide",
+    "format_duration",
+    "merge_override",
+    "parse_amount",
+    "parse_duration",
+    "parse_policies",
+]
+
+#: XIDs after which NVIDIA advises a GPU reset or a reboot (nvml-facts.md section 6).
+DEFAULT_CRITICAL_XIDS: frozenset[int] = frozenset({48, 62, 64, 74, 79, 95, 119, 120})
+
+HealthAction = Literal["none", "min-power"]
+HEALTH_ACTIONS: tuple[str, ...] = ("none", "min-power")
+
+#: Policy names as they appear in PolicyLimit.policy, events and ``overridden-<policy>``.
+THERMAL = "thermal"
+POWER_SAVING = "power-saving"
+HEALTH = "health"
+
+# --------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Amount:
+    """A power amount: ``percent`` of a reference cap, absolute ``watts``, or the GPU's ``min`` limit."""
+
+    kind: Literal["percent", "watts", "min"]
+    value: float = 0.0
+
+    def text(self) -> str:
+        """The config spelling: ``10%``, ``25W``, ``min``."""
+        if self.kind == "min":
+            return "min"
+        return f"{format_number(self.value)}{'%' if self.kind == 'percent' else 'W'}"
+
+
+@dataclass(frozen=True)
+class ThermalConfig:
+    enabled: bool = True
+    max_temp_c: float = 85.0
+    release_temp_c: float = 80.0
+    cool_down_s: float = 300.0
+    #: One step down: a percent of the current effective cap, or watts.
+    step: Amount = Amount("percent", 10.0)
+
+
+@dataclass(frozen=True)
+class PowerSavingConfig:
+    enabled: bool = False
+    threshold_pct: float = 10.0
+    idle_for_s: float = 120.0
+    #: The idle cap: ``min`` (the GPU's minimum), watts, or a percent of the GPU's default limit.
+    idle_power_limit: Amount = Amount("min")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    enabled: bool = True
+    critical_xids: frozenset[int] = DEFAULT_CRITICAL_XIDS
+    ecc_uncorrected: bool = True
+    #: ``none``: report only. ``min-power``: also cap the unhealthy GPU at its minimum power limit.
+    action: HealthAction = "none"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    dry_run: bool = False
+    #: At most one policy cap change per GPU per interval (the first thermal step and a power-saving
+    #: restore are exempt: they must act at once).
+    min_change_interval_s: float = 30.0
+    thermal: ThermalConfig = field(default_factory=ThermalConfig)
+    power_saving: PowerSavingConfig = field(default_factory=PowerSavingConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The config in its YAML shape (``parse_policies(c.to_mapping()) == c``)."""
+        t, p, h = self.thermal, self.power_saving, self.health
+        return {
+            "dryRun": self.dry_run,
+            "minChangeInterval": format_duration(self.min_change_interval_s),
+            "thermalThrottling": {
+                "enabled": t.enabled,
+                "maxTemp": t.max_temp_c,
+                "releaseTemp": t.release_temp_c,
+                "coolDownPeriod": format_duration(t.cool_down_s),
+                "step": t.step.text(),
+            },
+            "powerSaving": {
+                "enabled": p.enabled,
+                "threshold": p.threshold_pct,
+                "idleFor": format_duration(p.idle_for_s),
+                "idlePowerLimit": p.idle_power_limit.text(),
+            },
+            "health": {
+                "enabled": h.enabled,
+                "criticalXids": sorted(h.critical_xids),
+                "eccUncorrected": h.ecc_uncorrected,
+                "action": h.action,
+            },
+        }
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_AMOUNT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|w|W)")
+
+
+def parse_duration(raw: object, path: str) -> float:
+    """``250ms``, ``30s``, ``5m``, ``1h``, ``1m30s`` -> seconds. A bare number is refused (which unit?)."""
+    if isinstance(raw, bool) or not isinstance(raw, str):
+        raise ConfigError(f"{path}: expected a duration with a unit such as 30s, 5m, 1h or 250ms, got {raw!r}")
+    text = raw.strip()
+    pos, total = 0, 0.0
+    for m in _DURATION_PART.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _DURATION_UNITS_S[m.group(2)]
+        pos = m.end()
+    if pos == 0 or pos != len(text):
+        raise ConfigError(f"{path}: expected a duration with a unit such as 30s, 5m, 1h or 250ms, got {raw!r}")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds -> the shortest config spelling (``300.0`` -> ``5m``, ``0.25`` -> ``250ms``)."""
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{int(seconds // 3600)}h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{int(seconds // 60)}m"
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    return f"{format_number(seconds * 1000)}ms"
+
+
+def parse_amount(raw: object, path: str, *, allow_min: bool) -> Amount:
+    """``10%`` -> percent, ``25W`` -> watts, ``min`` (where allowed). A bare number is refused (% or W?)."""
+    expected = "a percent such as 10%, watts such as 25W" + (" or min" if allow_min else "")
+    if isinstance(raw, bool) or not isinstance(raw, str):
+        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
+    text = raw.strip()
+    if allow_min and text.lower() == "min":
+        return Amount("min")
+    m = _AMOUNT_RE.fullmatch(text)
+    if m is None:
+        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
+    value = float(m.group(1))
+    if m.group(2) == "%":
+        if not 0 < value < 100:
+            raise ConfigError(f"{path}: a percent must lie between 0% and 100% (exclusive), got {raw!r}")
+        return Amount("percent", value)
+    if value <= 0:
+        raise ConfigError(f"{path}: watts must be above 0, got {raw!r}")
+    return Amount("watts", value)
+
+
+def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any] | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}.{key}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(raw: Mapping[str, Any], allowed: Iterable[str], path: str) -> None:
+    allowed_list = list(allowed)
+    for key in raw:
+        if not isinstance(key, str) or key not in allowed_list:
+            raise ConfigError(f"{path}.{key}: unknown key (expected one of {', '.join(allowed_list)})")
+
+
+def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}.{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _number(raw: Mapping[str, Any], key: str, path: str, default: float, lo: float, hi: float, unit: str) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{path}.{key}: expected a number ({unit}), got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or not lo <= number <= hi:
+        raise ConfigError(
+            f"{path}.{key}: must lie between {format_number(lo)} and {format_number(hi)} {unit}, got {value!r}"
+        )
+    return number
+
+
+def _duration(raw: Mapping[str, Any], key: str, path: str, default: float) -> float:
+    if key not in raw:
+        return default
+    return parse_duration(raw[key], f"{path}.{key}")
+
+
+def _parse_thermal(raw: Mapping[str, Any] | None, path: str) -> ThermalConfig:
+    if raw is None:
+        return ThermalConfig()
+    _check_keys(raw, ("enabled", "maxTemp", "releaseTemp", "coolDownPeriod", "step"), path)
+    d = ThermalConfig()
+    max_temp = _number(raw, "maxTemp", path, d.max_temp_c, 1, 150, "celsius")
+    release = _number(raw, "releaseTemp", path, d.release_temp_c, 0, 150, "celsius")
+    if release >= max_temp:
+        raise ConfigError(
+            f"{path}.releaseTemp: must be below maxTemp ({format_number(max_temp)}), got {format_number(release)}"
+        )
+    step = parse_amount(raw["step"], f"{path}.step", allow_min=False) if "step" in raw else d.step
+    return ThermalConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        max_temp_c=max_temp,
+        release_temp_c=release,
+        cool_down_s=_duration(raw, "coolDownPeriod", path, d.cool_down_s),
+        step=step,
+    )
+
+
+def _parse_power_saving(raw: Mapping[str, Any] | None, path: str) -> PowerSavingConfig:
+    if raw is None:
+        return PowerSavingConfig()
+    _check_keys(raw, ("enabled", "threshold", "idleFor", "idlePowerLimit"), path)
+    d = PowerSavingConfig()
+    limit = d.idle_power_limit
+    if "idlePowerLimit" in raw:
+        limit = parse_amount(raw["idlePowerLimit"], f"{path}.idlePowerLimit", allow_min=True)
+    return PowerSavingConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        threshold_pct=_number(raw, "threshold", path, d.threshold_pct, 0, 100, "percent"),
+        idle_for_s=_duration(raw, "idleFor", path, d.idle_for_s),
+        idle_power_limit=limit,
+    )
+
+
+def _parse_health(raw: Mapping[str, Any] | None, path: str) -> HealthConfig:
+    if raw is None:
+        return HealthConfig()
+    _check_keys(raw, ("enabled", "criticalXids", "eccUncorrected", "action"), path)
+    d = HealthConfig()
+    xids = d.critical_xids
+    if "criticalXids" in raw:
+        items = raw["criticalXids"]
+        if isinstance(items, str) or not isinstance(items, Sequence):
+            raise ConfigError(f"{path}.criticalXids: expected a list of XID numbers, got {items!r}")
+        for i, x in enumerate(items):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise ConfigError(f"{path}.criticalXids[{i}]: expected a non-negative integer XID, got {x!r}")
+        xids = frozenset(items)
+    action = raw.get("action", d.action)
+    if action not in HEALTH_ACTIONS:
+        raise ConfigError(f"{path}.action: expected one of {', '.join(HEALTH_ACTIONS)}, got {action!r}")
+    return HealthConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        critical_xids=xids,
+        ecc_uncorrected=_bool(raw, "eccUncorrected", path, d.ecc_uncorrected),
+        action=action,
+    )
+
+
+def parse_policies(mapping: Mapping[str, Any] | None, path: str = "policies") -> PolicyConfig:
+    """The ``policies`` section (None or absent keys -> defaults) -> ``PolicyConfig``; ``ConfigError`` names the
+    key path of the first problem."""
+    if mapping is None:
+        return PolicyConfig()
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(mapping).__name__}")
+    _check_keys(mapping, ("dryRun", "minChangeInterval", "thermalThrottling", "powerSaving", "health"), path)
+    d = PolicyConfig()
+    return PolicyConfig(
+        dry_run=_bool(mapping, "dryRun", path, d.dry_run),
+        min_change_interval_s=_duration(mapping, "minChangeInterval", path, d.min_change_interval_s),
+        thermal=_parse_thermal(_section(mapping, "thermalThrottling", path), f"{path}.thermalThrottling"),
+        power_saving=_parse_power_saving(_section(mapping, "powerSaving", path), f"{path}.powerSaving"),
+        health=_parse_health(_section(mapping, "health", path), f"{path}.health"),
+    )
+
+
+def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def merge_override(
+    config: PolicyConfig, override: str | Mapping[str, Any] | None, path: str = "policy"
+) -> PolicyConfig:
+    """A per-device override (a Device's protocol configData ``policy``: a JSON or YAML mapping, as text or
+    already parsed) merged key by key over the node ``config`` and validated like the node config.
+
+    An empty override returns ``config`` unchanged. Errors name ``path`` (``policy.thermalThrottling.maxTemp``).
+    """
+    if override is None:
+        return config
+    if isinstance(override, str):
+        if not override.strip():
+            return config
+        try:
+            loaded = yaml.safe_load(override)
+        except yaml.YAMLError as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"{path}: not a JSON or YAML mapping ({first_line})") from None
+        if loaded is None:
+            return config
+    else:
+        loaded = override
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(
+            f'{path}: expected a mapping such as {{"thermalThrottling": {{"maxTemp": 80}}}}, got {loaded!r}'
+        )
+    # Check the override's own keys first so a typo is reported against the override, not the merge.
+    _check_keys(loaded, ("dryRun", "minChangeInterval", "thermalThrottling", "powerSaving", "health"), path)
+    for key, value in loaded.items():
+        if (
+            key in ("thermalThrottling", "powerSaving", "health")
+            and value is not None
+            and not isinstance(value, Mapping)
+        ):
+            raise ConfigError(f"{path}.{key}: expected a mapping, got {type(value).__name__}")
+    overridden = {k: v for k, v in loaded.items() if v is not None}
+    return parse_policies(_deep_merge(config.to_mapping(), overridden), path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decision state, context and results
+# --------------------------------------------------------------------------------------------------
+
+ThermalPhase = Literal["normal", "throttling", "holding", "cooldown", "releasing"]
+
+
+@dataclass(frozen=True)
+class ThermalState:
+    """``throttling``: above maxTemp, stepping down. ``holding``: at or below maxTemp but not below releaseTemp,
+    the cap held. ``cooldown``: below releaseTemp since ``below_since_s``. ``releasing``: the cool-down is done,
+    stepping back up one step per interval."""
+
+    phase: ThermalPhase = "normal"
+    cap_w: float | None = None
+    steps: int = 0
+    below_since_s: float | None = None
+    last_change_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PowerSavingState:
+    idle_since_s: float | None = None
+    active: bool = False
+    cap_w: float | None = None
+
+
+@dataclass(frozen=True)
+class HealthState:
+    status: Literal["ok", "unhealthy", "offline"] = "ok"
+    #: Twin-safe cause: ``xid79``, ``ecc``, ``gpu-lost``.
+    cause: str = ""
+    last_xid: int = 0
+    ecc_uncorrected: int | None = None
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Everything ``decide`` remembers about one GPU. Start with ``PolicyState()``."""
+
+    thermal: ThermalState = field(default_factory=ThermalState)
+    power_saving: PowerSavingState = field(default_factory=PowerSavingState)
+    health: HealthState = field(default_factory=HealthState)
+    #: The GPU's own power limit the last time no policy cap was in force (the ceiling when the cloud sets none).
+    baseline_w: float | None = None
+    #: When a policy last changed this GPU's cap (monotonic seconds).
+    last_change_s: float | None = None
+    #: The tightest cap the last decisions imposed, kept until the GPU's reading moves off it.
+    applied_w: float | None = None
+    #: The last decision emitted at least one PolicyLimit.
+    capped: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What ``decide`` needs to know beyond the sample."""
+
+    constraints: Constraints = field(default_factory=Constraints)
+    #: The cloud's desired ``power_limit`` in watts; None when the Device sets none.
+    desired_power_limit_w: float | None = None
+    #: The GPU's requested power limit now (the ``power_limit`` property); None: taken from the sample.
+    current_power_limit_w: float | None = None
+    #: Events the backend reported for this GPU since the last decision (``poll_events``).
+    events: tuple[GpuEvent, ...] = ()
+    #: The backend raised GpuLostError for this GPU, or it is no longer enumerated (no sample).
+    gpu_lost: bool = False
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
+class PolicyEvent:
+    """One thing a policy did (or, in dry run, would have done): published on MQTT, logged, counted."""
+
+    policy: str
+    #: ``step-down``, ``step-up``, ``release``, ``engage``, ``restore``, ``unhealthy``, ``offline``,
+    #: ``recovered``, ``xid``, ``disabled``.
+    action: str
+    reason: str
+    uuid: str = ""
+    ts_s: float = 0.0
+    temperature_c: float | None = None
+    utilization_pct: float | None = None
+    old_cap_w: float | None = None
+    new_cap_w: float | None = None
+    dry_run: bool = False
+
+    @property
+    def changes_cap(self) -> bool:
+        return self.old_cap_w != self.new_cap_w and (self.old_cap_w is not None or self.new_cap_w is not None)
+
+    def to_payload(self) -> dict[str, Any]:
+        """A JSON-ready mapping for the MQTT event (None values omitted)."""
+        payload: dict[str, Any] = {
+            "policy": self.policy,
+            "action": self.action,
+            "reason": self.reason,
+            "uuid": self.uuid,
+            "dryRun": self.dry_run,
+        }
+        for key, value in (
+            ("temperature", self.temperature_c),
+            ("utilization", self.utilization_pct),
+            ("oldPowerLimit", self.old_cap_w),
+            ("newPowerLimit", self.new_cap_w),
+        ):
+            if value is not None:
+                payload[key] = value
+        return payload
+
+
+@dataclass(frozen=True)
+class Decision:
+    #: The limits for the reconciler: at most one per policy, each strictly below the ceiling. Empty in dry run.
+    limits: tuple[PolicyLimit, ...] = ()
+    #: One twin value: ``normal``, ``thermal:throttling-step2``, ``power-saving:active``,
+    #: ``health:unhealthy-xid79``, comma-joined when several apply; prefixed ``dry-run:`` in dry run.
+    policy_state: str = "normal"
+    #: ``ok``, ``unhealthy`` or ``offline`` (mapper.model.DEVICE_STATES).
+    device_state: str = "ok"
+    events: tuple[PolicyEvent, ...] = ()
+    dry_run: bool = False
+    #: The limit the GPU had before the policies acted, set on the decision where the last policy limit goes
+    #: away: the reconciler restores it when the cloud has no desired power_limit of its own.
+    restore_power_limit_w: float | None = None
+
+    @property
+    def power_limit_w(self) -> float | None:
+        """The tightest policy cap, or None."""
+        return min((lim.power_limit_w for lim in self.limits if lim.power_limit_w is not None), default=None)
+
+    def limit_for(self, policy: str) -> PolicyLimit | None:
+        return next((lim for lim in self.limits if lim.policy == policy), None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decisions
+# --------------------------------------------------------------------------------------------------
+
+
+def _num(values: Mapping[str, Value], name: str) -> float | None:
+    v = values.get(name)
+    if v is None or isinstance(v, bool | str):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _ceiling(state: PolicyState, ctx: PolicyContext, current_w: float | None) -> float | None:
+    """The cap the GPU would run at with no policy: the cloud's desired limit, else the pre-policy limit."""
+    c = ctx.constraints
+    ceiling = ctx.desired_power_limit_w
+    if ceiling is None:
+        ceiling = state.baseline_w if state.baseline_w is not None else current_w
+    if ceiling is None:
+        ceiling = c.power_limit_default_w if c.power_limit_default_w is not None else c.power_limit_max_w
+    if ceiling is None:
+        return None
+    if c.power_limit_max_w is not None:
+        ceiling = min(ceiling, c.power_limit_max_w)
+    if c.power_limit_min_w is not None:
+        ceiling = max(ceiling, c.power_limit_min_w)
+    return ceiling
+
+
+def _floor_w(ctx: PolicyContext) -> float:
+    return ctx.constraints.power_limit_min_w if ctx.constraints.power_limit_min_w is not None else 0.0
+
+
+def _step_down(cap_w: float, step: Amount, floor_w: float) -> float:
+    new = cap_w * (1 - step.value / 100) if step.kind == "percent" else cap_w - step.value
+    return max(floor_w, float(math.floor(new + 1e-9)))
+
+
+def _step_up(cap_w: float, step: Amount) -> float:
+    # The inverse of a step down, so a release retraces the caps of the throttle (700 -> 630 -> 567 -> 630 -> 700).
+    new = cap_w / (1 - step.value / 100) if step.kind == "percent" else cap_w + step.value
+    return float(math.ceil(new - 1e-9))
+
+
+@dataclass
+class _Run:
+    """Scratch space for one decision."""
+
+    config: PolicyConfig
+    ctx: PolicyContext
+    now_s: float
+    temperature_c: float | None
+    utilization_pct: float | None
+    events: list[PolicyEvent] = field(default_factory=list)
+    changed: bool = False
+
+    def event(self, policy: str, action: str, reason: str, old: float | None = None, new: float | None = None) -> None:
+        self.events.append(
+            PolicyEvent(
+                policy=policy,
+                action=action,
+                reason=twin_safe(reason),
+                uuid=self.ctx.uuid,
+                ts_s=self.now_s,
+                temperature_c=self.temperature_c,
+                utilization_pct=self.utilization_pct,
+                old_cap_w=old,
+                new_cap_w=new,
+                dry_run=self.config.dry_run,
+            )
+        )
+
+    def interval_passed(self, last_change_s: float | None) -> bool:
+        return last_change_s is None or self.now_s - last_change_s >= self.config.min_change_interval_s
+
+
+def _thermal(st: ThermalState, run: _Run, ceiling: float | None, last_change_s: float | None) -> ThermalState:
+    cfg = run.config.thermal
+    if not cfg.enabled:
+        if st.phase != "normal":
+            run.event(THERMAL, "disabled", "policy-disabled", st.cap_w, None)
+            run.changed = True
+        return ThermalState()
+    temp = run.temperature_c
+    if temp is None or ceiling is None:
+        return st
+    floor = _floor_w(run.ctx)
+    effective = min(ceiling, st.cap_w) if st.cap_w is not None else ceiling
+    max_txt = format_number(cfg.max_temp_c)
+    if temp > cfg.max_temp_c:
+        st = replace(st, below_since_s=None)
+        first = st.phase == "normal"
+        if (first or run.interval_passed(last_change_s)) and effective > floor:
+            new = _step_down(effective, cfg.step, floor)
+            run.event(THERMAL, "step-down", f"temperature-{format_number(temp)}-above-{max_txt}", effective, new)
+            run.changed = True
+            return ThermalState("throttling", new, st.steps + 1, None, run.now_s)
+        return replace(st, phase="throttling", cap_w=effective if first else st.cap_w, steps=max(st.steps, 1))
+    if st.phase == "normal":
+        return st
+    if temp >= cfg.release_temp_c:
+        return replace(st, phase="holding", below_since_s=None)
+    below_since = st.below_since_s if st.below_since_s is not None else run.now_s
+    st = replace(st, below_since_s=below_since, phase="cooldown" if st.phase != "releasing" else "releasing")
+    if run.now_s - below_since < cfg.cool_down_s or not run.interval_passed(last_change_s):
+        return st
+    new = _step_up(effective, cfg.step)
+    reason = f"below-{format_number(cfg.release_temp_c)}-for-{format_duration(cfg.cool_down_s)}"
+    run.changed = True
+    if new >= ceiling or st.steps <= 1:
+        run.event(THERMAL, "release", reason, effective, None)
+        return ThermalState(last_change_s=run.now_s)
+    run.event(THERMAL, "step-up", reason, effective, new)
+    return ThermalState("releasing", new, st.steps - 1, below_since, run.now_s)
+
+
+def _idle_cap(cfg: PowerSavingConfig, ctx: PolicyContext, ceiling: float) -> float:
+    c = ctx.constraints
+    amount = cfg.idle_power_limit
+    if amount.kind == "min":
+        cap = _floor_w(ctx)
+    elif amount.kind == "watts":
+        cap = amount.value
+    else:
+        reference = c.power_limit_default_w if c.power_limit_default_w is not None else ceiling
+        cap = reference * amount.value / 100
+    return min(ceiling, max(_floor_w(ctx), cap))
+
+
+def _power_saving(
+    st: PowerSavingState, run: _Run, ceiling: float | None, last_change_s: float | None
+) -> PowerSavingState:
+    cfg = run.config.power_saving
+    if not cfg.enabled:
+        if st.active:
+            run.event(POWER_SAVING, "disabled", "policy-disabled", st.cap_w, None)
+            run.changed = True
+        return PowerSavingState()
+    util = run.utilization_pct
+    if util is None:
+        return st
+    threshold = format_number(cfg.threshold_pct)
+    if util >= cfg.threshold_pct:
+        if st.active:
+            run.event(
+                POWER_SAVING, "restore", f"utilization-{format_number(util)}-at-or-above-{threshold}", st.cap_w, None
+            )
+            run.changed = True
+        return PowerSavingState()
+    idle_since = st.idle_since_s if st.idle_since_s is not None else run.now_s
+    st = replace(st, idle_since_s=idle_since)
+    if st.active or ceiling is None:
+        return st
+    if run.now_s - idle_since >= cfg.idle_for_s and run.interval_passed(last_change_s):
+        cap = _idle_cap(cfg, run.ctx, ceiling)
+        reason = f"utilization-below-{threshold}-for-{format_duration(cfg.idle_for_s)}"
+        run.event(POWER_SAVING, "engage", reason, ceiling, cap)
+        run.changed = True
+        return PowerSavingState(idle_since, True, cap)
+    return st
+
+
+def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthState:
+    cfg = run.config.health
+    ctx = run.ctx
+    lost = ctx.gpu_lost or any(e.kind == "gpu_lost" for e in ctx.events)
+    reset = any(e.kind == "driver_reload" for e in ctx.events)
+    xids = [e.xid for e in ctx.events if e.kind == "xid"]
+    xid_now = _num(values, "xid_last")
+    last_xid = st.last_xid
+    if xid_now is not None and int(xid_now) != st.last_xid:
+        last_xid = int(xid_now)
+        if last_xid != 0:
+            xids.append(last_xid)
+    ecc_now = _num(values, "ecc_errors_uncorrected")
+    ecc_rise = any(e.kind == "ecc_double" for e in ctx.events)
+    if ecc_now is not None and st.ecc_uncorrected is not None:
+        if ecc_now > st.ecc_uncorrected:
+            ecc_rise = True
+        elif ecc_now < st.ecc_uncorrected:
+            reset = True  # volatile counters restart on a driver reload or GPU reset
+    ecc = int(ecc_now) if ecc_now is not None else st.ecc_uncorrected
+    new = replace(st, last_xid=last_xid, ecc_uncorrected=ecc)
+
+    if lost:
+        if st.status != "offline":
+            run.event(HEALTH, "offline", "gpu-lost")
+        return replace(new, status="offline", cause="gpu-lost")
+    if st.status == "offline" and values:
+        run.event(HEALTH, "recovered", "gpu-back")
+        new = replace(new, status="ok", cause="")
+    if not cfg.enabled:
+        if new.status == "unhealthy":
+            run.event(HEALTH, "disabled", "policy-disabled")
+            new = replace(new, status="ok", cause="")
+        return new
+    if reset and new.status == "unhealthy":
+        run.event(HEALTH, "recovered", "gpu-reset")
+        new = replace(new, status="ok", cause="")
+    cause = ""
+    for xid in xids:
+        if xid in cfg.critical_xids:
+            cause = f"xid{xid}"
+        else:
+            run.event(HEALTH, "xid", f"xid{xid}-not-critical")
+    if not cause and ecc_rise and cfg.ecc_uncorrected:
+        cause = "ecc"
+    if cause:
+        if new.status != "unhealthy" or new.cause != cause:
+            run.event(HEALTH, "unhealthy", cause)
+        return replace(new, status="unhealthy", cause=cause)
+    return new
+
+
+def decide(
+    state: PolicyState,
+    sample_values: Mapping[str, Value],
+    ctx: PolicyContext,
+    config: PolicyConfig,
+    now_s: float,
+) -> tuple[PolicyState, Decision]:
+    """One decision for one GPU from its latest sample values (catalog names and units).
+
+    Missing values hold the policy that needs them (no temperature: no thermal change). The state returned
+    replaces ``state``; keep it per GPU across config swaps.
+    """
+    run = _Run(config, ctx, now_s, _num(sample_values, "temperature"), _num(sample_values, "utilization_gpu"))
+    current_w = ctx.current_power_limit_w
+    if current_w is None:
+        current_w = _num(sample_values, "power_limit")
+    ceiling = _ceiling(state, ctx, current_w)
+
+    health = _health(state.health, run, sample_values)
+    thermal = _thermal(state.thermal, run, ceiling, state.last_change_s)
+    # One change per interval: a thermal change this decision holds back a power-saving engagement.
+    power = _power_saving(state.power_saving, run, ceiling, now_s if run.changed else state.last_change_s)
+    last_change_s = now_s if run.changed else state.last_change_s
+
+    limits: list[PolicyLimit] = []
+    if ceiling is not None:
+        if thermal.cap_w is not None and thermal.phase != "normal" and thermal.cap_w < ceiling:
+            reason = f"step{thermal.steps}-max-temp-{format_number(config.thermal.max_temp_c)}"
+            limits.append(PolicyLimit(THERMAL, thermal.cap_w, reason))
+        if power.active and power.cap_w is not None and power.cap_w < ceiling:
+            limits.append(PolicyLimit(POWER_SAVING, power.cap_w, "idle"))
+        floor = _floor_w(ctx)
+        if health.status == "unhealthy" and config.health.action == "min-power" and floor < ceiling:
+            limits.append(PolicyLimit(HEALTH, floor, f"unhealthy-{health.cause}"))
+
+    emitted = () if config.dry_run else tuple(limits)
+    tightest = min((lim.power_limit_w for lim in emitted if lim.power_limit_w is not None), default=None)
+    # Remember the cap we imposed until the GPU's reading moves off it (the reconciler may lag a cycle), so
+    # the pre-policy baseline is never learnt from our own cap.
+    applied = tightest
+    if (
+        applied is None
+        and state.applied_w is not None
+        and current_w is not None
+        and abs(current_w - state.applied_w) < 0.5
+    ):
+        applied = state.applied_w
+    baseline = state.baseline_w if state.baseline_w is not None else current_w
+    if applied is None and current_w is not None:
+        baseline = current_w
+    restore = state.baseline_w if state.capped and not emitted else None
+
+    parts: list[str] = []
+    if health.status == "offline":
+        parts.append("health:offline-gpu-lost")
+    elif health.status == "unhealthy":
+        parts.append(f"health:unhealthy-{health.cause}")
+    if thermal.phase != "normal":
+        parts.append(f"thermal:{thermal.phase}-step{thermal.steps}")
+    if power.active:
+        parts.append("power-saving:active")
+    policy_state = ",".join(parts) if parts else "normal"
+    if config.dry_run:
+        policy_state = f"dry-run:{policy_state}"
+    assert TWIN_VALUE_RE.fullmatch(policy_state), policy_state
+
+    new_state = PolicyState(thermal, power, health, baseline, last_change_s, applied, bool(emitted))
+    decision = Decision(
+        limits=emitted,
+        policy_state=policy_state,
+        device_state=health.status,
+        events=tuple(run.events),
+        dry_run=config.dry_run,
+        restore_power_limit_w=restore,
+    )
+    return new_state, decision
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine: config + overrides + per-GPU state, for the composition root
+# --------------------------------------------------------------------------------------------------
+
+
+class PolicyEngine:
+    """Holds the node config, the per-device overrides (by GPU UUID) and one ``PolicyState`` per GPU.
+
+    ``configure`` swaps configs without touching the decision state: cool-down timers and caps carry on unless
+    a policy is switched off. Not thread-safe: call it from the event loop.
+    """
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self._config = config if config is not None else PolicyConfig()
+        self._override_raw: dict[str, str | Mapping[str, Any]] = {}
+        self._overrides: dict[str, PolicyConfig] = {}
+        self._states: dict[str, PolicyState] = {}
+
+    @property
+    def config(self) -> PolicyConfig:
+        return self._config
+
+    def configure(
+        self, config: PolicyConfig, overrides: Mapping[str, str | Mapping[str, Any] | None] | None = None
+    ) -> None:
+        """Swap in a new node config and, when given, the whole set of per-GPU overrides (by UUID; otherwise the
+        current overrides are merged again over the new config). Everything is validated before anything
+        changes: on ``ConfigError`` the engine keeps its old configs."""
+        raw = dict(self._override_raw) if overrides is None else {u: o for u, o in overrides.items() if o}
+        merged = {uuid: merge_override(config, text, f"devices[{uuid}].policy") for uuid, text in raw.items()}
+        self._config = config
+        self._override_raw = raw
+        self._overrides = merged
+
+    def set_override(self, uuid: str, override: str | Mapping[str, Any] | None) -> None:
+        """Set (or clear, with None or "") one GPU's override; on ``ConfigError`` the old one stays."""
+        if not override:
+            self._override_raw.pop(uuid, None)
+            self._overrides.pop(uuid, None)
+            return
+        self._overrides[uuid] = merge_override(self._config, override, f"devices[{uuid}].policy")
+        self._override_raw[uuid] = override
+
+    def config_for(self, uuid: str) -> PolicyConfig:
+        return self._overrides.get(uuid, self._config)
+
+    def state(self, uuid: str) -> PolicyState:
+        return self._states.get(uuid, PolicyState())
+
+    def forget(self, uuid: str) -> None:
+        """Drop a GPU that left the node (its Device was deleted)."""
+        self._states.pop(uuid, None)
+        self._override_raw.pop(uuid, None)
+        self._overrides.pop(uuid, None)
+
+    def decide(self, uuid: str, sample_values: Mapping[str, Value], ctx: PolicyContext, now_s: float) -> Decision:
+        """``decide`` for one GPU with its own config and state; the new state is kept."""
+        if not ctx.uuid:
+            ctx = replace(ctx, uuid=uuid)
+        state, decision = decide(self.state(uuid), sample_values, ctx, self.config_for(uuid), now_s)
+        self._states[uuid] = state
+        return decision
