@@ -32,6 +32,7 @@ from typing import Any, Literal, cast
 
 from mapper.errors import InvalidValueError
 from mapper.model import (
+    COMPUTE_MODES,
     PROPERTY_BY_NAME,
     Scalar,
     Value,
@@ -80,6 +81,18 @@ def make_desired(prop: str, raw: Scalar, source: Source, version_ms: int) -> Des
         value = parse_value(spec, raw)
     except InvalidValueError as exc:
         return DesiredValue(prop, raw, source, version_ms, reason=exc.reason, message=str(exc))
+    if prop == "compute_mode":
+        mode = str(value).lower().replace("-", "_")
+        if mode not in COMPUTE_MODES:
+            return DesiredValue(
+                prop,
+                raw,
+                source,
+                version_ms,
+                reason="unknown-value",
+                message=f"compute_mode {str(value)[:40]!r} is not one of {', '.join(COMPUTE_MODES)}",
+            )
+        value = mode
     return DesiredValue(prop, raw, source, version_ms, value=value)
 
 
