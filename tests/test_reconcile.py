@@ -124,7 +124,7 @@ def test_nothing_desired_plans_nothing() -> None:
         ({"power_limit": "-300"}, "power_limit", "negative"),
         ({"power_limit": "  "}, "power_limit", "empty"),
         ({"power_limit": "4" * 513}, "power_limit", "too-long"),
-        ({"power_limit": "４５０"}, "power_limit", "non-ascii"),
+        ({"power_limit": "\uff14\uff15\uff10"}, "power_limit", "non-ascii"),
         ({"locked_gpu_clock_min": "0", "locked_gpu_clock_max": "1755"}, "locked_gpu_clock_max", "unpaired"),
         ({"locked_gpu_clock_min": "1200", "locked_gpu_clock_max": "0"}, "locked_gpu_clock_min", "unpaired"),
         ({"locked_gpu_clock_min": "1755", "locked_gpu_clock_max": "1200"}, "locked_gpu_clock_min", "out-of-range"),
