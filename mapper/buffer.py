@@ -1,1 +1,496 @@
-"""(to be written)"""
+"""The offline buffer: encoded telemetry batches in SQLite (through sqlite-utils), bounded and crash-safe.
+
+A batch is committed here BEFORE it is published and deleted only after the broker acknowledged it, so a crash
+at any moment loses nothing that was stored. Durability: WAL journal with ``synchronous=NORMAL``. A process
+crash (SIGKILL, OOM kill, exception) loses nothing committed; a power loss or kernel crash can lose the
+transactions committed since the last WAL sync (at most the last checkpoint interval, about 1000 pages = 4 MiB
+of batches, typically the last few seconds to minutes of telemetry). ``synchronous="FULL"`` closes that
+window at the cost of one fsync per batch. See docs/telemetry.md.
+
+Bounds: ``max_bytes`` (payload bytes plus ``ROW_OVERHEAD_BYTES`` per batch) and ``max_age_s`` (by the batch's
+last sample time); the OLDEST batches go first and every drop is counted by reason (``size``, ``age``,
+``disk_full``, ``corrupt``). A corrupt or unreadable file is renamed ``<file>.corrupt-<wall ms>`` and a fresh
+one started (logged at ERROR). A full disk drops the oldest batches and retries.
+
+All calls are quick, synchronous SQLite statements; call them from one thread (the asyncio loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import sqlite_utils
+
+from mapper.clock import Clock, SystemClock
+from mapper.errors import ConfigError, PermanentError, TransientError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+#: Bytes counted against ``max_bytes`` for each stored batch on top of its payload (row, index and page slack).
+ROW_OVERHEAD_BYTES = 48
+DROP_REASONS = ("size", "age", "disk_full", "corrupt")
+Synchronous = Literal["OFF", "NORMAL", "FULL"]
+
+_SQLITE_CORRUPT = 11
+_SQLITE_FULL = 13
+_SQLITE_NOTADB = 26
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class StoredBatch:
+    id: int
+    device: str
+    uuid: str
+    boot_id: str
+    seq: int
+    ts_first_ms: int
+    ts_last_ms: int
+    topic: str
+    qos: int
+    retain: bool
+    payload: bytes
+    size: int
+    #: Broker URL for a property's own ``pushMethod.mqtt.address``; "" = the mapper's default broker.
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    bytes: int
+    batches: int
+    oldest_ts_ms: int | None
+    oldest_age_s: float | None
+    drops_by_reason: dict[str, int] = field(default_factory=dict)
+    files_moved_aside: int = 0
+
+
+def _is_corrupt(exc: sqlite3.DatabaseError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+        return True
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text or "file is encrypted" in text
+
+
+def _is_full(exc: sqlite3.DatabaseError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF == _SQLITE_FULL:
+        return True
+    return "database or disk is full" in str(exc).lower()
+
+
+def _stored(r: Sequence[Any]) -> StoredBatch:
+    return StoredBatch(
+        id=int(r[0]),
+        device=r[1],
+        uuid=r[2],
+        boot_id=r[3],
+        seq=int(r[4]),
+        ts_first_ms=int(r[5]),
+        ts_last_ms=int(r[6]),
+        topic=r[7],
+        qos=int(r[8]),
+        retain=bool(r[9]),
+        payload=bytes(r[10]),
+        size=int(r[11]),
+        address=r[12],
+    )
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class Buffer:
+    """Encoded batches waiting for a PUBACK, plus the latest state snapshot of every device."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_bytes: int,
+        max_age_s: float,
+        clock: Clock | None = None,
+        synchronous: Synchronous = "NORMAL",
+        check_on_open: bool = True,
+        max_page_count: int | None = None,
+    ) -> None:
+        if max_bytes <= 0:
+            raise ConfigError(f"buffer max_bytes must be > 0, got {max_bytes}")
+        if not max_age_s > 0:
+            raise ConfigError(f"buffer max_age_s must be > 0, got {max_age_s}")
+        if synchronous not in ("OFF", "NORMAL", "FULL"):
+            raise ConfigError(f"buffer synchronous must be OFF, NORMAL or FULL, got {synchronous!r}")
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self.clock: Clock = clock or SystemClock()
+        self.synchronous = synchronous
+        self.check_on_open = check_on_open
+        self.max_page_count = max_page_count
+        self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+        self.files_moved_aside = 0
+        self._conn: sqlite3.Connection | None = None
+        self._closed = False
+        self._last_drop_log: float | None = None
+        self._streams: dict[tuple[str, str, str, str, int, bool, str], int] = {}
+        self._bytes = 0
+        self._batches = 0
+        self._open()
+
+    # ------------------------------------------------------------------------------------------ open / reset
+
+    def _open(self) -> None:
+        try:
+            self._connect()
+        except _Corrupt as exc:
+            self._move_aside(str(exc))
+            try:
+                self._connect()
+            except (_Corrupt, sqlite3.Error) as exc2:
+                raise PermanentError(f"buffer {self.path}: a fresh database does not open either: {exc2}") from None
+        except sqlite3.Error as exc:
+            raise PermanentError(f"buffer {self.path}: cannot open: {exc}") from None
+
+    def _connect(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
+        try:
+            try:
+                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    log.warning("buffer %s: journal mode is %s, not wal", self.path, mode)
+                conn.execute(f"PRAGMA synchronous={self.synchronous}")
+                conn.execute("PRAGMA journal_size_limit=8388608")
+                if self.max_page_count is not None:
+                    conn.execute(f"PRAGMA max_page_count={int(self.max_page_count)}")
+                if self.check_on_open:
+                    verdict = conn.execute("PRAGMA quick_check").fetchone()[0]
+                    if verdict != "ok":
+                        raise _Corrupt(f"quick_check says {verdict}")
+                self._create_schema(conn)
+                row = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM batches").fetchone()
+            except sqlite3.DatabaseError as exc:
+                if _is_corrupt(exc):
+                    raise _Corrupt(str(exc)) from None
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self._batches, self._bytes = int(row[0]), int(row[1])
+        self._streams = {}
+
+    @staticmethod
+    def _create_schema(conn: sqlite3.Connection) -> None:
+        db = sqlite_utils.Database(conn, execute_plugins=False)
+        if "streams" not in db.table_names():
+            db.execute(
+                "CREATE TABLE streams (id INTEGER PRIMARY KEY, device TEXT NOT NULL, uuid TEXT NOT NULL, "
+                "boot_id TEXT NOT NULL, topic TEXT NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, "
+                "address TEXT NOT NULL, UNIQUE (device, uuid, boot_id, topic, qos, retain, address))"
+            )
+        if "batches" not in db.table_names():
+            # AUTOINCREMENT: ids never come back after the newest row was deleted, so id order is arrival order
+            # and a replay cursor (after_id) never skips a new batch.
+            db.execute(
+                "CREATE TABLE batches (id INTEGER PRIMARY KEY AUTOINCREMENT, stream INTEGER NOT NULL "
+                "REFERENCES streams(id), seq INTEGER NOT NULL, ts_first_ms INTEGER NOT NULL, "
+                "ts_last_ms INTEGER NOT NULL, size INTEGER NOT NULL, payload BLOB NOT NULL)"
+            )
+            db.table("batches").create_index(["ts_last_ms"], index_name="batches_ts_last", if_not_exists=True)
+        if "latest" not in db.table_names():
+            db.table("latest").create({"device": str, "ts_ms": int, "payload": bytes}, pk="device")
+        if "meta" not in db.table_names():
+            db.table("meta").create({"key": str, "value": str}, pk="key")
+            db.table("meta").insert({"key": "schema_version", "value": str(SCHEMA_VERSION)})
+
+    def _move_aside(self, why: str) -> None:
+        lost = self._batches
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+            self._conn = None
+        stamp = self.clock.wall_ms()
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(str(self.path) + suffix)
+            if src.exists():
+                try:
+                    os.replace(src, Path(str(target) + suffix))
+                except OSError as exc:
+                    log.error("buffer: cannot move %s aside (%s); deleting it", src, exc)
+                    src.unlink(missing_ok=True)
+        self.files_moved_aside += 1
+        self.drops["corrupt"] += lost
+        self._batches = self._bytes = 0
+        log.error(
+            "buffer %s is corrupt or unreadable (%s): moved aside to %s, starting a new one (%d batches known lost)",
+            self.path,
+            why,
+            target,
+            lost,
+        )
+
+    def _run(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run one operation; a corrupt file is moved aside and the operation retried once on a fresh one."""
+        if self._closed:
+            raise PermanentError(f"buffer {self.path} is closed")
+        for attempt in (1, 2):
+            if self._conn is None:
+                self._open()
+            assert self._conn is not None
+            try:
+                return op(self._conn)
+            except sqlite3.DatabaseError as exc:
+                self._rollback()
+                if _is_corrupt(exc) and attempt == 1:
+                    self._move_aside(str(exc))
+                    self._open()
+                    continue
+                if _is_corrupt(exc):
+                    raise PermanentError(f"buffer {self.path}: corrupt again after a reset: {exc}") from None
+                raise
+        raise AssertionError("unreachable")
+
+    def _rollback(self) -> None:
+        if self._conn is not None and self._conn.in_transaction:
+            try:
+                self._conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+
+    # ------------------------------------------------------------------------------------------ writes
+
+    def put(
+        self,
+        *,
+        device: str,
+        uuid: str,
+        boot_id: str,
+        seq: int,
+        ts_first_ms: int,
+        ts_last_ms: int,
+        topic: str,
+        payload: bytes,
+        qos: int = 1,
+        retain: bool = False,
+        address: str = "",
+    ) -> int:
+        """Store one batch (committed when this returns) and return its id; then enforce the bounds."""
+        if not topic:
+            raise ValueError(f"batch {device} seq {seq}: empty topic")
+        if qos not in (0, 1, 2):
+            raise ValueError(f"batch {device} seq {seq}: qos must be 0, 1 or 2, got {qos}")
+        key = (device, uuid, boot_id, topic, qos, bool(retain), address)
+        size = len(payload) + ROW_OVERHEAD_BYTES
+
+        def insert(conn: sqlite3.Connection) -> int:
+            conn.execute("BEGIN IMMEDIATE")
+            stream = self._streams.get(key)
+            if stream is None:
+                conn.execute(
+                    "INSERT OR IGNORE INTO streams (device, uuid, boot_id, topic, qos, retain, address) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    key,
+                )
+                stream = int(
+                    conn.execute(
+                        "SELECT id FROM streams WHERE device=? AND uuid=? AND boot_id=? AND topic=? AND qos=? "
+                        "AND retain=? AND address=?",
+                        key,
+                    ).fetchone()[0]
+                )
+            cur = conn.execute(
+                "INSERT INTO batches (stream, seq, ts_first_ms, ts_last_ms, size, payload) VALUES (?, ?, ?, ?, ?, ?)",
+                (stream, seq, ts_first_ms, ts_last_ms, size, payload),
+            )
+            conn.execute("COMMIT")
+            self._streams[key] = stream
+            return int(cur.lastrowid or 0)
+
+        new_id = 0
+        for _attempt in range(8):
+            try:
+                new_id = self._run(insert)
+                break
+            except sqlite3.OperationalError as exc:
+                self._rollback()
+                if not _is_full(exc):
+                    raise TransientError(f"buffer {self.path}: cannot store batch: {exc}") from None
+                if self._batches == 0:
+                    self.drops["disk_full"] += 1
+                    raise TransientError(
+                        f"buffer {self.path}: disk full and nothing left to drop; batch lost"
+                    ) from None
+                n = max(1, self._batches // 10)
+                log.warning("buffer %s: disk full; dropping the %d oldest batches", self.path, n)
+                self._drop_oldest(n, "disk_full")
+        else:
+            self.drops["disk_full"] += 1
+            raise TransientError(f"buffer {self.path}: disk still full after dropping; batch lost")
+        self._batches += 1
+        self._bytes += size
+        self.enforce_bounds()
+        return new_id
+
+    def enforce_bounds(self) -> None:
+        """Drop batches older than ``max_age_s``, then the oldest until within ``max_bytes``."""
+        cutoff = self.clock.wall_ms() - round(self.max_age_s * 1000)
+        self._drop_where("ts_last_ms < ?", (cutoff,), "age")
+        if self._bytes > self.max_bytes:
+            excess = self._bytes - self.max_bytes
+
+            def last_id_to_drop(conn: sqlite3.Connection) -> int | None:
+                total, last = 0, None
+                for row_id, size in conn.execute("SELECT id, size FROM batches ORDER BY id"):
+                    total += size
+                    last = row_id
+                    if total >= excess:
+                        break
+                return last
+
+            last = self._run(last_id_to_drop)
+            if last is not None:
+                self._drop_where("id <= ?", (last,), "size")
+
+    def _drop_oldest(self, n: int, reason: str) -> None:
+        def nth(conn: sqlite3.Connection) -> int | None:
+            row = conn.execute("SELECT id FROM batches ORDER BY id LIMIT 1 OFFSET ?", (n - 1,)).fetchone()
+            if row is None:
+                row = conn.execute("SELECT MAX(id) FROM batches").fetchone()
+            return None if row is None or row[0] is None else int(row[0])
+
+        last = self._run(nth)
+        if last is not None:
+            self._drop_where("id <= ?", (last,), reason)
+
+    def _drop_where(self, where: str, params: Sequence[Any], reason: str) -> int:
+        def delete(conn: sqlite3.Connection) -> tuple[int, int]:
+            rows = conn.execute(f"DELETE FROM batches WHERE {where} RETURNING size", tuple(params)).fetchall()
+            return len(rows), sum(int(r[0]) for r in rows)
+
+        count, size = self._run(delete)
+        if count:
+            self._batches -= count
+            self._bytes -= size
+            self.drops[reason] += count
+            now = self.clock.monotonic()
+            if self._last_drop_log is None or now - self._last_drop_log >= 60.0:
+                self._last_drop_log = now
+                log.warning(
+                    "buffer %s: dropping the oldest batches (%d now, %s so far by reason; logged once a minute)",
+                    self.path,
+                    count,
+                    self.drops,
+                )
+        return count
+
+    def ack(self, batch_id: int) -> None:
+        """The broker has the batch: forget it. Unknown ids (already dropped or acked) are ignored."""
+        self.ack_many((batch_id,))
+
+    def ack_many(self, batch_ids: Iterable[int]) -> None:
+        ids = list(batch_ids)
+        if not ids:
+            return
+
+        def delete(conn: sqlite3.Connection) -> tuple[int, int]:
+            conn.execute("BEGIN IMMEDIATE")
+            count = size = 0
+            for i in ids:
+                row = conn.execute("DELETE FROM batches WHERE id = ? RETURNING size", (i,)).fetchone()
+                if row is not None:
+                    count += 1
+                    size += int(row[0])
+            conn.execute("COMMIT")
+            return count, size
+
+        count, size = self._run(delete)
+        self._batches -= count
+        self._bytes -= size
+
+    def put_latest(self, device: str, payload: bytes, ts_ms: int | None = None) -> None:
+        """Keep the newest state snapshot of a device (replaces the previous one)."""
+        ts = self.clock.wall_ms() if ts_ms is None else ts_ms
+
+        def upsert(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO latest (device, ts_ms, payload) VALUES (?, ?, ?) "
+                "ON CONFLICT(device) DO UPDATE SET ts_ms=excluded.ts_ms, payload=excluded.payload",
+                (device, ts, payload),
+            )
+
+        self._run(upsert)
+
+    def forget_latest(self, device: str) -> None:
+        self._run(lambda conn: conn.execute("DELETE FROM latest WHERE device = ?", (device,)))
+
+    # ------------------------------------------------------------------------------------------ reads
+
+    def pending(self, limit: int = 100, after_id: int | None = None) -> list[StoredBatch]:
+        """Up to ``limit`` stored batches with id > ``after_id``, oldest first (so per-device order holds)."""
+        if limit <= 0:
+            raise ValueError(f"pending limit must be > 0, got {limit}")
+
+        def select(conn: sqlite3.Connection) -> list[StoredBatch]:
+            rows = conn.execute(
+                "SELECT b.id, s.device, s.uuid, s.boot_id, b.seq, b.ts_first_ms, b.ts_last_ms, s.topic, s.qos, "
+                "s.retain, b.payload, b.size, s.address FROM batches b JOIN streams s ON s.id = b.stream "
+                "WHERE b.id > ? ORDER BY b.id LIMIT ?",
+                (after_id if after_id is not None else -1, limit),
+            ).fetchall()
+            return [_stored(r) for r in rows]
+
+        return self._run(select)
+
+    def latest(self) -> dict[str, bytes]:
+        """The newest state snapshot of every device."""
+        rows = self._run(lambda conn: conn.execute("SELECT device, payload FROM latest ORDER BY device").fetchall())
+        return {str(r[0]): bytes(r[1]) for r in rows}
+
+    def stats(self) -> BufferStats:
+        row = self._run(lambda conn: conn.execute("SELECT ts_first_ms FROM batches ORDER BY id LIMIT 1").fetchone())
+        oldest = None if row is None else int(row[0])
+        age = None if oldest is None else max(0.0, (self.clock.wall_ms() - oldest) / 1000)
+        return BufferStats(
+            bytes=self._bytes,
+            batches=self._batches,
+            oldest_ts_ms=oldest,
+            oldest_age_s=age,
+            drops_by_reason=dict(self.drops),
+            files_moved_aside=self.files_moved_aside,
+        )
+
+    def file_bytes(self) -> int:
+        """Bytes on disk: the database file plus its WAL."""
+        total = 0
+        for suffix in ("", "-wal"):
+            p = Path(str(self.path) + suffix)
+            if p.exists():
+                total += p.stat().st_size
+        return total
+
+    def checkpoint(self) -> None:
+        """Move the WAL into the database file and truncate it."""
+        self._run(lambda conn: conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
+
+    def close(self) -> None:
+        self._closed = True
+        if self._conn is not None:
+            try:
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error as exc:
+                log.warning("buffer %s: checkpoint at close failed: %s", self.path, exc)
+            self._conn.close()
+            self._conn = None

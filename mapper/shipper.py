@@ -1,0 +1,457 @@
+"""The publish/replay loop: encoded batches -> buffer (committed) -> MQTT (PUBACK) -> buffer ack.
+
+Pure loop logic over Protocols: it sees the buffer (``BufferLike``) and publishers (``PublishFn``), never paho
+or SQLite. There is no separate "live" path: every batch is stored first and sent from the buffer in id order,
+so a batch is removed only after the broker acknowledged it, whatever happens in between.
+
+* Up to ``max_in_flight`` publishes wait for their PUBACK at once (throughput on slow links).
+* A failed publish blocks its broker address: the rows of that broker are skipped (other brokers go on) until
+  ``notify_connected(address)`` or ``retry_s`` later, then sending resumes from the oldest unacked row of it.
+  A cut during replay can reorder up to ``max_in_flight`` batches; consumers restore order and drop
+  duplicates with (device, boot_id, seq), which every batch carries.
+* On (re)connect of a broker the latest state snapshot of every device goes first (retained), then the
+  backlog oldest first. An optional ``rate_limit_bytes_per_s`` caps what is sent (payload + topic bytes).
+* Progress of a replay (percent, remaining, ETA) is logged every ``progress_log_s`` and kept in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mapper.clock import Clock
+from mapper.errors import MapperError, PermanentError, TransientError
+from mapper.telemetry import EncodedBatch, Route, default_topic, state_topic
+
+log = logging.getLogger(__name__)
+
+
+class StoredBatchLike(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def topic(self) -> str: ...
+    @property
+    def qos(self) -> int: ...
+    @property
+    def retain(self) -> bool: ...
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def address(self) -> str: ...
+
+
+class BufferStatsLike(Protocol):
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def batches(self) -> int: ...
+
+
+class BufferLike(Protocol):
+    """What the shipper needs from ``mapper.buffer.Buffer``."""
+
+    def put(
+        self,
+        *,
+        device: str,
+        uuid: str,
+        boot_id: str,
+        seq: int,
+        ts_first_ms: int,
+        ts_last_ms: int,
+        topic: str,
+        payload: bytes,
+        qos: int = 1,
+        retain: bool = False,
+        address: str = "",
+    ) -> int: ...
+    def pending(self, limit: int = 100, after_id: int | None = None) -> Sequence[StoredBatchLike]: ...
+    def ack(self, batch_id: int) -> None: ...
+    def put_latest(self, device: str, payload: bytes, ts_ms: int | None = None) -> None: ...
+    def latest(self) -> Mapping[str, bytes]: ...
+    def stats(self) -> BufferStatsLike: ...
+
+
+class PublishFn(Protocol):
+    """``MqttSession.publish``: resolves on PUBACK, raises ``TransientError`` when it cannot."""
+
+    def __call__(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
+    ) -> Awaitable[None]: ...
+
+
+Sleep = Callable[[float], Awaitable[None]]
+PublishTo = Callable[[str], Awaitable[PublishFn]]
+
+
+@dataclass(frozen=True)
+class ShipperStats:
+    submitted_batches: int
+    published_batches: int
+    published_bytes: int
+    publish_failures: int
+    replayed_batches: int
+    replayed_bytes: int
+    replay_remaining_batches: int
+    replay_active: bool
+    states_published: int
+    buffer_failures: int
+    in_flight: int
+
+
+class TelemetryShipper:
+    def __init__(
+        self,
+        buffer: BufferLike,
+        publish: PublishFn,
+        *,
+        node: str,
+        clock: Clock,
+        rate_limit_bytes_per_s: float | None = None,
+        max_in_flight: int = 20,
+        page_size: int = 200,
+        publish_timeout_s: float = 10.0,
+        retry_s: float = 5.0,
+        progress_log_s: float = 10.0,
+        publish_to: PublishTo | None = None,
+        sleep: Sleep | None = None,
+    ) -> None:
+        if rate_limit_bytes_per_s is not None and not rate_limit_bytes_per_s > 0:
+            raise ValueError(f"rate_limit_bytes_per_s must be > 0 or None, got {rate_limit_bytes_per_s}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.buffer = buffer
+        self.node = node
+        self.clock = clock
+        self.rate_limit_bytes_per_s = rate_limit_bytes_per_s
+        self.max_in_flight = max_in_flight
+        self.page_size = page_size
+        self.publish_timeout_s = publish_timeout_s
+        self.retry_s = retry_s
+        self.progress_log_s = progress_log_s
+        self._publishers: dict[str, PublishFn] = {"": publish}
+        self._publish_to = publish_to
+        self._sleep: Sleep = sleep or asyncio.sleep
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._in_flight: dict[int, asyncio.Task[None]] = {}
+        #: Broker address -> the smallest row id that failed there (sending to it is paused).
+        self._blocked: dict[str, int | None] = {}
+        self._blocked_since: dict[str, float] = {}
+        self._states_due: set[str] = {""}
+        self._dirty_states: set[str] = set()
+        self._cursor: int | None = None
+        self._closing = False
+        self._next_send_at = 0.0
+        # counters
+        self.submitted_batches = 0
+        self.published_batches = 0
+        self.published_bytes = 0
+        self.publish_failures = 0
+        self.replayed_batches = 0
+        self.replayed_bytes = 0
+        self.states_published = 0
+        self.buffer_failures = 0
+        # replay progress
+        self._replay_active = False
+        self._replay_total = 0
+        self._replay_started = 0.0
+        self._replay_last_log = 0.0
+
+    # ------------------------------------------------------------------------------------------ inputs
+
+    def submit(self, batch: EncodedBatch, route: Route | None = None) -> int | None:
+        """Store a batch (committed before this returns) for publishing; returns its buffer id.
+
+        ``route`` None = the device's default topic on the default broker, QoS 1, not retained. Returns None
+        when the buffer could not store it (counted in ``buffer_failures``).
+        """
+        topic = route.topic if route else default_topic(self.node, batch.device)
+        try:
+            batch_id = self.buffer.put(
+                device=batch.device,
+                uuid=batch.uuid,
+                boot_id=batch.boot_id,
+                seq=batch.seq,
+                ts_first_ms=batch.ts_first_ms,
+                ts_last_ms=batch.ts_last_ms,
+                topic=topic,
+                payload=batch.payload,
+                qos=route.qos if route else 1,
+                retain=route.retain if route else False,
+                address=route.address if route else "",
+            )
+        except TransientError as exc:
+            self.buffer_failures += 1
+            log.error("telemetry: batch %s seq %d not stored: %s", batch.device, batch.seq, exc)
+            return None
+        self.submitted_batches += 1
+        self._wake.set()
+        return batch_id
+
+    def update_state(self, device: str, payload: bytes) -> None:
+        """Keep a device's latest state snapshot (published retained first on every reconnect, and soon now)."""
+        self.buffer.put_latest(device, payload)
+        self._dirty_states.add(device)
+        self._wake.set()
+
+    def notify_connected(self, address: str = "") -> None:
+        """A broker (re)connected: send it the state snapshots, then resume its backlog. Wire it to
+        ``MqttSession.add_on_connect``."""
+        self._unblock(address)
+        if address == "":
+            self._states_due.add("")
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Send forever (until ``stop``). Supervise it as a long-lived task."""
+        self._start_replay_if_backlog()
+        while not self._closing:
+            self._retry_blocked()
+            if "" in self._states_due and "" not in self._blocked:
+                self._states_due.discard("")
+                await self._send_states(all_devices=True)
+                continue
+            if self._dirty_states and "" not in self._blocked:
+                await self._send_states(all_devices=False)
+            rows = self.buffer.pending(self.page_size, self._cursor)
+            sent_any = False
+            for row in rows:
+                self._cursor = row.id
+                if self._closing:
+                    break
+                if row.id in self._in_flight:
+                    continue
+                if row.address in self._blocked:
+                    self._block(row.address, row.id)
+                    continue
+                await self._throttle(len(row.payload) + len(row.topic))
+                await self._slots.acquire()
+                if row.address in self._blocked or self._closing:
+                    self._slots.release()
+                    if row.address in self._blocked:
+                        self._block(row.address, row.id)
+                    continue
+                task = asyncio.ensure_future(self._send(row))
+                self._in_flight[row.id] = task
+                sent_any = True
+            self._log_progress()
+            idle = not rows or (not sent_any and len(rows) < self.page_size)
+            if idle and not self._closing:
+                self._wake.clear()
+                await self._wait_for_work()
+        await self._drain()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop taking rows; wait up to ``timeout_s`` for in-flight publishes (unacked rows stay stored)."""
+        self._closing = True
+        self._wake.set()
+        tasks = list(self._in_flight.values())
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+
+    async def _wait_for_work(self) -> None:
+        """Until a submit/connect wakes us, or ``retry_s`` passes while some broker is blocked."""
+        if not self._blocked:
+            await self._wake.wait()
+            return
+        waiter = asyncio.ensure_future(self._wake.wait())
+        sleeper = asyncio.ensure_future(self._sleep(self.retry_s))
+        try:
+            await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            sleeper.cancel()
+
+    async def _drain(self) -> None:
+        tasks = list(self._in_flight.values())
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def _publisher(self, address: str) -> PublishFn:
+        pub = self._publishers.get(address)
+        if pub is None:
+            if self._publish_to is None:
+                raise PermanentError(f"no publisher for broker {address!r}: the shipper was built without publish_to")
+            pub = await self._publish_to(address)
+            self._publishers[address] = pub
+        return pub
+
+    async def _send(self, row: StoredBatchLike) -> None:
+        try:
+            publish = await self._publisher(row.address)
+            await publish(row.topic, row.payload, row.qos, row.retain, self.publish_timeout_s)
+        except MapperError as exc:
+            self.publish_failures += 1
+            self._block(row.address, row.id)
+            log.debug("telemetry: publish of %s seq %d failed: %s", row.device, row.seq, exc)
+        except Exception:
+            self.publish_failures += 1
+            self._block(row.address, row.id)
+            log.exception("telemetry: publish of %s seq %d raised", row.device, row.seq)
+        else:
+            try:
+                self.buffer.ack(row.id)
+            except MapperError as exc:
+                log.error("telemetry: ack of buffer row %d failed (it will be sent again): %s", row.id, exc)
+            size = len(row.payload)
+            self.published_batches += 1
+            self.published_bytes += size
+            if self._replay_active:
+                self.replayed_batches += 1
+                self.replayed_bytes += size
+        finally:
+            self._in_flight.pop(row.id, None)
+            self._slots.release()
+            self._wake.set()
+
+    async def _send_states(self, *, all_devices: bool) -> None:
+        try:
+            snapshots = self.buffer.latest()
+        except MapperError as exc:
+            log.error("telemetry: cannot read state snapshots: %s", exc)
+            return
+        devices = sorted(snapshots) if all_devices else sorted(self._dirty_states & snapshots.keys())
+        self._dirty_states.difference_update(devices)
+        if not devices:
+            return
+        publish = self._publishers[""]
+        for device in devices:
+            payload = snapshots[device]
+            await self._throttle(len(payload))
+            try:
+                await publish(state_topic(self.node, device), payload, 1, True, self.publish_timeout_s)
+            except MapperError as exc:
+                self.publish_failures += 1
+                self._dirty_states.update(devices)
+                self._block("", None)
+                log.debug("telemetry: state of %s not published: %s", device, exc)
+                return
+            self.states_published += 1
+
+    # ------------------------------------------------------------------------------------------ blocking
+
+    def _block(self, address: str, row_id: int | None) -> None:
+        """Pause a broker; remember the oldest row that failed or was skipped there (resent on unblock)."""
+        if address not in self._blocked:
+            self._blocked[address] = row_id
+            self._blocked_since[address] = self.clock.monotonic()
+            log.info("telemetry: broker %r unreachable; buffering its batches", address or "default")
+        else:
+            first = self._blocked[address]
+            if row_id is not None and (first is None or row_id < first):
+                self._blocked[address] = row_id
+        if address == "":
+            self._states_due.add("")
+
+    def _unblock(self, address: str) -> None:
+        if address not in self._blocked:
+            return
+        first = self._blocked.pop(address)
+        self._blocked_since.pop(address, None)
+        if first is not None and (self._cursor is None or first - 1 < self._cursor):
+            # Resume from the oldest row of that broker that was not acked.
+            self._cursor = first - 1
+        self._start_replay()
+
+    def _retry_blocked(self) -> None:
+        now = self.clock.monotonic()
+        for address, since in list(self._blocked_since.items()):
+            if now - since >= self.retry_s:
+                self._unblock(address)
+
+    # ------------------------------------------------------------------------------------------ pacing, progress
+
+    async def _throttle(self, nbytes: int) -> None:
+        rate = self.rate_limit_bytes_per_s
+        if rate is None:
+            return
+        now = self.clock.monotonic()
+        if self._next_send_at > now:
+            await self._sleep(self._next_send_at - now)
+            now = self.clock.monotonic()
+        self._next_send_at = max(now, self._next_send_at) + nbytes / rate
+
+    def _backlog(self) -> int:
+        try:
+            return int(self.buffer.stats().batches)
+        except MapperError:
+            return 0
+
+    def _start_replay_if_backlog(self) -> None:
+        if self._backlog() > self.max_in_flight:
+            self._start_replay()
+
+    def _start_replay(self) -> None:
+        backlog = self._backlog()
+        if self._replay_active or backlog <= self.max_in_flight:
+            return
+        self._replay_active = True
+        self._replay_total = backlog
+        self._replay_started = self.clock.monotonic()
+        self._replay_last_log = self._replay_started
+        log.info("telemetry: replay of %d buffered batches starts", backlog)
+
+    @property
+    def replay_remaining_batches(self) -> int:
+        return self._backlog() if self._replay_active else 0
+
+    def _log_progress(self) -> None:
+        if not self._replay_active:
+            return
+        remaining = self._backlog()
+        now = self.clock.monotonic()
+        if remaining <= self.max_in_flight:
+            self._replay_active = False
+            log.info(
+                "telemetry: replay done: %d batches (%d bytes) in %.1fs",
+                self.replayed_batches,
+                self.replayed_bytes,
+                now - self._replay_started,
+            )
+            return
+        if now - self._replay_last_log < self.progress_log_s:
+            return
+        self._replay_last_log = now
+        total = max(self._replay_total, remaining)
+        done = total - remaining
+        elapsed = max(now - self._replay_started, 1e-9)
+        rate = done / elapsed
+        eta = f"{remaining / rate:.0f}s" if rate > 0 else "unknown"
+        log.info(
+            "telemetry: replay %.0f%% (%d of %d batches remaining, %.0f batches/s, ETA %s)",
+            100.0 * done / total,
+            remaining,
+            total,
+            rate,
+            eta,
+        )
+
+    def stats(self) -> ShipperStats:
+        return ShipperStats(
+            submitted_batches=self.submitted_batches,
+            published_batches=self.published_batches,
+            published_bytes=self.published_bytes,
+            publish_failures=self.publish_failures,
+            replayed_batches=self.replayed_batches,
+            replayed_bytes=self.replayed_bytes,
+            replay_remaining_batches=self.replay_remaining_batches,
+            replay_active=self._replay_active,
+            states_published=self.states_published,
+            buffer_failures=self.buffer_failures,
+            in_flight=len(self._in_flight),
+        )
