@@ -614,16 +614,29 @@ class BatchEncoder:
         self._samples.append(sample)
 
     def flush_due(self, now_ms: int) -> EncodedBatch | None:
+        """The batch of the window ``[start, start + window_s)`` once ``now_ms`` reached its end; samples
+        stamped later stay for the next window."""
         if self._window_start_ms is None or now_ms - self._window_start_ms < self.window_ms:
             return None
-        return self.flush()
+        end = self._window_start_ms + self.window_ms
+        inside = [s for s in self._samples if s.ts_ms < end]
+        later = [s for s in self._samples if s.ts_ms >= end]
+        batch = self._cut(inside)
+        self._samples = later
+        self._window_start_ms = min(s.ts_ms for s in later) if later else None
+        return batch
 
     def flush(self) -> EncodedBatch | None:
-        if not self._samples:
-            return None
-        samples = sorted(self._samples, key=lambda s: s.ts_ms)
+        """Everything pending as one batch (at shutdown), or None."""
+        batch = self._cut(self._samples)
         self._samples = []
         self._window_start_ms = None
+        return batch
+
+    def _cut(self, samples: list[Sample]) -> EncodedBatch | None:
+        if not samples:
+            return None
+        samples = sorted(samples, key=lambda s: s.ts_ms)
         batch = encode_batch(
             samples,
             node=self.node,

@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
+from mapper.clock import FakeClock
+from mapper.errors import ConfigError, PermanentError
+
+
+def _put(buf: Buffer, clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200) -> int:
+    now = clock.wall_ms()
+    return buf.put(
+        device=device,
+        uuid="GPU-1",
+        boot_id="boot-a",
+        seq=seq,
+        ts_first_ms=now - 10_000,
+        ts_last_ms=now,
+        topic=f"gpu-mapper/n/{device}/telemetry",
+        payload=bytes([seq % 256]) * size,
+    )
+
+
+def _open(path: Path, clock: FakeClock, **kw: object) -> Buffer:
+    opts: dict[str, object] = {"max_bytes": 10_000_000, "max_age_s": 86_400.0, "clock": clock}
+    opts.update(kw)
+    return Buffer(path, **opts)  # type: ignore[arg-type]
+
+
+def test_batches_come_back_oldest_first_across_devices_and_pages(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    for seq in range(10):
+        _put(buf, fake_clock, seq, device=f"default/gpu{seq % 3}")
+    first = buf.pending(4)
+    rest = buf.pending(100, after_id=first[-1].id)
+    rows = first + rest
+    assert [r.seq for r in rows] == list(range(10))
+    assert [r.device for r in rows][:3] == ["default/gpu0", "default/gpu1", "default/gpu2"]
+    assert rows[0].payload == bytes([0]) * 200
+    assert (rows[0].qos, rows[0].retain, rows[0].address, rows[0].boot_id) == (1, False, "", "boot-a")
+
+
+def test_an_acked_batch_is_gone_and_stats_follow(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    ids = [_put(buf, fake_clock, seq) for seq in range(3)]
+    buf.ack(ids[1])
+    buf.ack(ids[1])  # twice is harmless
+    assert [r.seq for r in buf.pending(10)] == [0, 2]
+    stats = buf.stats()
+    assert (stats.batches, stats.bytes) == (2, 2 * (200 + ROW_OVERHEAD_BYTES))
+
+
+def test_stored_batches_survive_closing_and_reopening(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    for seq in range(5):
+        _put(buf, fake_clock, seq)
+    buf.put_latest("default/gpu0", b'{"temperature":61}')
+    buf.close()
+    again = _open(tmp_path / "b.db", fake_clock)
+    assert [r.seq for r in again.pending(10)] == [0, 1, 2, 3, 4]
+    assert again.stats().batches == 5
+    assert again.latest() == {"default/gpu0": b'{"temperature":61}'}
+
+
+def test_new_ids_keep_growing_after_the_newest_batch_was_acked(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    last = _put(buf, fake_clock, 0)
+    buf.ack(last)
+    assert _put(buf, fake_clock, 1) > last
+
+
+def test_the_size_cap_drops_the_oldest_batches_and_counts_them(tmp_path: Path, fake_clock: FakeClock) -> None:
+    per_batch = 200 + ROW_OVERHEAD_BYTES
+    buf = _open(tmp_path / "b.db", fake_clock, max_bytes=10 * per_batch)
+    for seq in range(25):
+        _put(buf, fake_clock, seq)
+    assert [r.seq for r in buf.pending(100)] == list(range(15, 25))
+    stats = buf.stats()
+    assert stats.bytes <= 10 * per_batch
+    assert stats.drops_by_reason["size"] == 15
+
+
+def test_the_age_cap_drops_batches_older_than_max_age(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock, max_age_s=60.0)
+    for seq in range(5):
+        _put(buf, fake_clock, seq)
+        fake_clock.advance(20)
+    # now: batch 0 ended 100 s ago, batch 1 80 s ago, batch 2 60 s, 3 40 s, 4 20 s
+    buf.enforce_bounds()
+    assert [r.seq for r in buf.pending(10)] == [2, 3, 4]
+    assert buf.stats().drops_by_reason["age"] == 2
+    assert buf.stats().oldest_age_s == pytest.approx(70.0)
+
+
+def test_a_corrupt_file_is_moved_aside_loudly_and_a_new_one_works(
+    tmp_path: Path, fake_clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "b.db"
+    path.write_bytes(b"this is not sqlite at all" * 200)
+    with caplog.at_level(logging.ERROR, logger="mapper.buffer"):
+        buf = _open(path, fake_clock)
+    moved = list(tmp_path.glob("b.db.corrupt-*"))
+    assert len(moved) == 1
+    assert moved[0].read_bytes().startswith(b"this is not sqlite")
+    assert any("corrupt" in r.message and r.levelno == logging.ERROR for r in caplog.records)
+    assert buf.stats().files_moved_aside == 1
+    _put(buf, fake_clock, 1)
+    assert [r.seq for r in buf.pending(10)] == [1]
+
+
+def test_a_file_that_goes_bad_while_open_is_replaced_and_the_write_retried(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    path = tmp_path / "b.db"
+    buf = _open(path, fake_clock)
+    for seq in range(3):
+        _put(buf, fake_clock, seq)
+    buf.close()
+    data = bytearray(path.read_bytes())
+    data[0:16] = b"garbage garbage!"
+    path.write_bytes(bytes(data))
+    buf = _open(path, fake_clock, check_on_open=False)
+    _put(buf, fake_clock, 9)
+    assert [r.seq for r in buf.pending(10)] == [9]
+    assert buf.stats().files_moved_aside == 1
+
+
+def test_a_full_disk_drops_the_oldest_and_the_new_batch_is_stored(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock, max_page_count=40)
+    stored = 0
+    for seq in range(300):
+        _put(buf, fake_clock, seq, size=1000)
+        stored += 1
+    rows = buf.pending(1000)
+    assert rows[-1].seq == 299
+    assert buf.stats().drops_by_reason["disk_full"] > 0
+    assert len(rows) + buf.stats().drops_by_reason["disk_full"] == stored
+    assert [r.seq for r in rows] == list(range(300 - len(rows), 300))
+
+
+def test_the_latest_snapshot_per_device_replaces_the_previous_one(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    buf.put_latest("default/gpu0", b"a")
+    buf.put_latest("default/gpu1", b"b")
+    buf.put_latest("default/gpu0", b"c")
+    assert buf.latest() == {"default/gpu0": b"c", "default/gpu1": b"b"}
+    buf.forget_latest("default/gpu1")
+    assert buf.latest() == {"default/gpu0": b"c"}
+
+
+def test_the_database_runs_in_wal_mode_with_synchronous_normal(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    _put(buf, fake_clock, 0)
+    conn = sqlite3.connect(tmp_path / "b.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    assert buf.synchronous == "NORMAL"
+
+
+def test_bad_settings_and_bad_batches_are_refused_with_a_clear_error(tmp_path: Path, fake_clock: FakeClock) -> None:
+    with pytest.raises(ConfigError, match="max_bytes"):
+        _open(tmp_path / "b.db", fake_clock, max_bytes=0)
+    with pytest.raises(ConfigError, match="max_age_s"):
+        _open(tmp_path / "b.db", fake_clock, max_age_s=-1)
+    buf = _open(tmp_path / "b.db", fake_clock)
+    with pytest.raises(ValueError, match="qos"):
+        buf.put(device="d", uuid="u", boot_id="b", seq=0, ts_first_ms=0, ts_last_ms=0, topic="t", payload=b"", qos=3)
+    buf.close()
+    with pytest.raises(PermanentError, match="closed"):
+        buf.pending(1)

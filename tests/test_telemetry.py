@@ -1,0 +1,267 @@
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mapper.model import DeviceConfig, DeviceProperty, PushMqtt, Sample
+from mapper.telemetry import (
+    BatchEncoder,
+    BatchFormatError,
+    DeviceTelemetry,
+    batch_json_lines,
+    decode_batch,
+    decode_command,
+    encode_batch,
+    encode_file,
+    records_equal,
+    state_payload,
+)
+
+T0 = 1_780_000_000_000
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+
+
+def _encode(samples: list[Sample], fmt: str = "binary", seq: int = 7) -> bytes:
+    return encode_batch(
+        samples, node="edge-1", device="default/gpu0", uuid=UUID, boot_id="boot-a", seq=seq, fmt=fmt
+    ).payload  # type: ignore[arg-type]
+
+
+def _assert_same(samples: list[Sample], payload: bytes) -> None:
+    decoded = decode_batch(payload)
+    assert len(decoded.samples) == len(samples)
+    for want, got in zip(samples, decoded.samples, strict=True):
+        assert got.ts_ms == want.ts_ms
+        assert records_equal(want.values, got.values), (want.values, got.values)
+
+
+# Values as the NVML backend produces them: ints (big ones too), W = mW/1000, J = mJ/1000, strings, bools.
+nvml_floats = st.one_of(
+    st.integers(0, 2_000_000).map(lambda mw: mw / 1000),
+    st.integers(0, 10**15).map(lambda mj: mj / 1000),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([72.531, 0.1, -0.0, 1e-300, 5e-324, 1.7976931348623157e308]),
+)
+values = st.one_of(
+    st.integers(-(2**70), 2**70),
+    nvml_floats,
+    st.text(max_size=12),
+    st.booleans(),
+)
+names = st.sampled_from(["power_usage", "temperature", "memory_used", "compute_mode", "x.custom", "ünicode"])
+
+
+@st.composite
+def sample_lists(draw: st.DrawFn) -> list[Sample]:
+    n = draw(st.integers(1, 25))
+    regular = draw(st.booleans())
+    ts = T0
+    out = []
+    for _ in range(n):
+        ts += 1000 if regular else draw(st.integers(0, 5000))
+        out.append(Sample(UUID, ts, draw(st.dictionaries(names, values, max_size=6))))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(sample_lists())
+def test_decoding_an_encoded_batch_gives_back_every_value_exactly(samples: list[Sample]) -> None:
+    _assert_same(samples, _encode(samples))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sample_lists())
+def test_the_json_format_is_lossless_too(samples: list[Sample]) -> None:
+    _assert_same(samples, _encode(samples, fmt="json"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(nvml_floats, st.just(float("nan")), st.just(float("inf"))), min_size=1, max_size=30))
+def test_float_columns_keep_their_exact_bits(floats: list[float]) -> None:
+    samples = [Sample(UUID, T0 + i * 1000, {"power_usage": v}) for i, v in enumerate(floats)]
+    decoded = decode_batch(_encode(samples))
+    for want, got in zip(floats, decoded.samples, strict=True):
+        g = got.values["power_usage"]
+        assert isinstance(g, float)
+        assert math.copysign(1.0, g) == math.copysign(1.0, want)
+        assert (math.isnan(g) and math.isnan(want)) or g == want
+
+
+def test_a_property_absent_in_some_samples_stays_absent_after_decoding() -> None:
+    samples = [
+        Sample(UUID, T0, {"temperature": 61, "fan_speed": 30}),
+        Sample(UUID, T0 + 1000, {"temperature": 62}),
+        Sample(UUID, T0 + 2000, {}),
+        Sample(UUID, T0 + 3000, {"fan_speed": 31, "remapped_rows_pending": True}),
+    ]
+    decoded = decode_batch(_encode(samples))
+    assert [dict(s.values) for s in decoded.samples] == [dict(s.values) for s in samples]
+    assert "fan_speed" not in decoded.samples[1].values
+
+
+def test_a_property_that_changes_type_keeps_each_value_type() -> None:
+    samples = [Sample(UUID, T0, {"p": 1}), Sample(UUID, T0 + 1, {"p": 1.5}), Sample(UUID, T0 + 2, {"p": True})]
+    got = [s.values["p"] for s in decode_batch(_encode(samples)).samples]
+    assert [type(v) for v in got] == [int, float, bool]
+    assert got == [1, 1.5, True]
+
+
+def test_the_header_carries_node_device_uuid_boot_id_sequence_and_time_range() -> None:
+    samples = [Sample(UUID, T0 + 500, {"temperature": 50}), Sample(UUID, T0 + 9500, {"temperature": 51})]
+    batch = decode_batch(_encode(samples, seq=42))
+    assert (batch.version, batch.node, batch.device, batch.uuid, batch.boot_id, batch.seq) == (
+        1,
+        "edge-1",
+        "default/gpu0",
+        UUID,
+        "boot-a",
+        42,
+    )
+    assert (batch.ts_first_ms, batch.ts_last_ms) == (T0 + 500, T0 + 9500)
+
+
+def test_a_ten_second_window_of_a_realistic_gpu_packs_into_a_few_bytes_per_value() -> None:
+    samples = []
+    energy_mj = 123_456_789_012
+    for i in range(10):
+        power_mw = 300_000 + (i * 7919) % 4000
+        energy_mj += power_mw
+        samples.append(
+            Sample(
+                UUID,
+                T0 + i * 1000,
+                {
+                    "power_usage": power_mw / 1000,
+                    "energy_consumption": energy_mj / 1000,
+                    "temperature": 70 + i % 3,
+                    "memory_total": 85_899_345_920,
+                    "memory_used": 40_000_000_000 + i * 1_048_576,
+                    "clock_sm": 1980,
+                    "compute_mode": "default",
+                    "persistence_mode": True,
+                    "power_limit": 700.0,
+                    "product_name": "NVIDIA_H100_80GB_HBM3",
+                },
+            )
+        )
+    payload = _encode(samples)
+    assert len(payload) / 100 < 3.0  # 100 values, header of ~80 bytes included
+    _assert_same(samples, payload)
+
+
+def test_json_lines_name_ts_device_property_and_the_exact_value() -> None:
+    samples = [Sample(UUID, T0, {"power_usage": 72.531, "memory_used": 2**40 + 3, "compute_mode": "default"})]
+    lines = [json.loads(line) for line in batch_json_lines(decode_batch(_encode(samples)))]
+    assert lines == [
+        {"ts_ms": T0, "device": "default/gpu0", "property": "power_usage", "value": 72.531},
+        {"ts_ms": T0, "device": "default/gpu0", "property": "memory_used", "value": 2**40 + 3},
+        {"ts_ms": T0, "device": "default/gpu0", "property": "compute_mode", "value": "default"},
+    ]
+
+
+def test_decode_command_reads_several_framed_batches_from_stdin() -> None:
+    a = _encode([Sample(UUID, T0, {"temperature": 61})], seq=1)
+    b = _encode([Sample(UUID, T0 + 10_000, {"temperature": 62})], fmt="json", seq=2)
+    out = io.StringIO()
+    rc = decode_command(["-"], io.BytesIO(encode_file([a, b])), out, io.StringIO())
+    assert rc == 0
+    assert [json.loads(line)["value"] for line in out.getvalue().splitlines()] == [61, 62]
+
+
+def test_decode_command_reads_a_single_bare_batch_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "one.gmt"
+    path.write_bytes(_encode([Sample(UUID, T0, {"persistence_mode": False})]))
+    out = io.StringIO()
+    assert decode_command(str(path), io.BytesIO(), out, io.StringIO()) == 0
+    assert json.loads(out.getvalue()) == {
+        "ts_ms": T0,
+        "device": "default/gpu0",
+        "property": "persistence_mode",
+        "value": False,
+    }
+
+
+def test_decode_command_names_the_broken_batch_and_fails(tmp_path: Path) -> None:
+    good = _encode([Sample(UUID, T0, {"temperature": 61})])
+    err = io.StringIO()
+    rc = decode_command(["-"], io.BytesIO(encode_file([good, b"GMT\x01\x01garbage"])), io.StringIO(), err)
+    assert rc == 1
+    assert "batch #2" in err.getvalue()
+    missing = tmp_path / "nope"
+    err = io.StringIO()
+    assert decode_command([str(missing)], io.BytesIO(), io.StringIO(), err) == 2
+    assert "cannot read" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"hello", "not a telemetry batch"),
+        (b"GMT\x09\x00", "version 9 is not supported"),
+        (b"GMT\x01\x00\x05ab", "truncated"),
+        (b'{"format": "other"}', "not a gpu-mapper-telemetry batch"),
+        (b"{not json", "does not parse"),
+    ],
+)
+def test_bad_input_gets_an_error_that_says_what_is_wrong(data: bytes, message: str) -> None:
+    with pytest.raises(BatchFormatError, match=message):
+        decode_batch(data)
+
+
+def test_the_encoder_cuts_one_batch_per_window_with_growing_sequence_numbers() -> None:
+    enc = BatchEncoder("edge-1", "default/gpu0", UUID, "boot-a", window_s=10, start_seq=5)
+    batches = []
+    for i in range(35):
+        enc.add(Sample(UUID, T0 + i * 1000, {"temperature": 60 + i % 5}))
+        batch = enc.flush_due(T0 + i * 1000 + 1)
+        if batch:
+            batches.append(batch)
+    last = enc.flush()
+    assert last is not None
+    batches.append(last)
+    assert [b.seq for b in batches] == [5, 6, 7, 8]
+    assert [b.samples for b in batches] == [10, 10, 10, 5]
+    assert enc.flush() is None
+    decoded = [decode_batch(b.payload) for b in batches]
+    assert [s.ts_ms for d in decoded for s in d.samples] == [T0 + i * 1000 for i in range(35)]
+
+
+def test_the_encoder_refuses_a_bad_window_or_format() -> None:
+    with pytest.raises(ValueError, match="window_s"):
+        BatchEncoder("n", "d", UUID, "b", window_s=0)
+    with pytest.raises(ValueError, match="format"):
+        BatchEncoder("n", "d", UUID, "b", fmt="xml")  # type: ignore[arg-type]
+
+
+def test_properties_with_their_own_push_method_get_their_own_batches_and_topic() -> None:
+    device = DeviceConfig(
+        namespace="default",
+        name="gpu0",
+        model="nvidia-gpu",
+        uuid=UUID,
+        properties=(
+            DeviceProperty("temperature"),
+            DeviceProperty("power_usage", push_mqtt=PushMqtt("tcp://10.0.0.9:1883", "site/power", 0, True)),
+        ),
+    )
+    tel = DeviceTelemetry("edge-1", device, "boot-a", window_s=10)
+    tel.add(Sample(UUID, T0, {"temperature": 60, "power_usage": 100.5, "clock_sm": 1980}))
+    out = tel.flush()
+    assert [(r.address, r.topic, r.qos, r.retain) for r, _ in out] == [
+        ("", "gpu-mapper/edge-1/default/gpu0/telemetry", 1, False),
+        ("tcp://10.0.0.9:1883", "site/power", 0, True),
+    ]
+    assert [b.seq for _, b in out] == [0, 1]
+    assert dict(decode_batch(out[0][1].payload).samples[0].values) == {"temperature": 60, "clock_sm": 1980}
+    assert dict(decode_batch(out[1][1].payload).samples[0].values) == {"power_usage": 100.5}
+
+
+def test_the_state_snapshot_is_one_json_object_of_the_latest_values() -> None:
+    doc = json.loads(state_payload("default/gpu0", Sample(UUID, T0, {"temperature": 61})))
+    assert doc == {"device": "default/gpu0", "uuid": UUID, "ts_ms": T0, "values": {"temperature": 61}}
