@@ -143,7 +143,7 @@ class DmiClient:
         self.channels_opened = 0
 
         self._needs_register = True
-        self._registered_socket: tuple[int, int] | None = None
+        self._registered_socket: tuple[int, int, int] | None = None
         self._next_register_at = 0.0
         self._retry_at = 0.0
         self._failures = 0
@@ -158,6 +158,8 @@ class DmiClient:
             self._channel = grpc.aio.insecure_channel(
                 self.target,
                 options=[
+                    # a fresh channel must really dial again, not inherit a shared subchannel in backoff
+                    ("grpc.use_local_subchannel_pool", 1),
                     ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.min_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -196,8 +198,10 @@ class DmiClient:
             self.last_error = str(err)
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 # EdgeCore went away: when it comes back it may not know us any more (<= 1.22 never redials).
+                # The channel is broken too: a fresh one dials at once instead of waiting out its backoff.
                 self.registered = False
                 self._needs_register = True
+                await self._reset_channel()
             raise err from None
         self._count(method, "ok")
         return response
@@ -245,19 +249,21 @@ class DmiClient:
         await self._call("ReportDeviceStates", request)
 
     # --- supervision ----------------------------------------------------------------------------------
-    def _socket_identity(self) -> tuple[int, int] | None:
+    def _socket_identity(self) -> tuple[int, int, int] | None:
+        """Which socket file is there now: (device, inode, ctime). A freed inode number is often reused at once
+        by the next file, so the change time tells a re-created socket apart."""
         try:
             st = os.stat(self.edgecore_socket)
         except OSError:
             return None
-        return (st.st_dev, st.st_ino)
+        return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
     def request_reregister(self) -> None:
         """Make ``run()`` register again at its next step (e.g. after a device RPC failed mysteriously)."""
         self._needs_register = True
         self._retry_at = 0.0
 
-    async def _register_and_notify(self, identity: tuple[int, int]) -> None:
+    async def _register_and_notify(self, identity: tuple[int, int, int]) -> None:
         self.bucket.take_forced()
         reply = await self.register()
         self.registered = True
@@ -289,8 +295,10 @@ class DmiClient:
             if self.registered:
                 log.warning("EdgeCore socket %s vanished; will re-register when it is back", self.edgecore_socket)
                 self.last_error = f"EdgeCore socket {self.edgecore_socket} is missing"
+                await self._reset_channel()
             self.registered = False
             self._needs_register = True
+            self._registered_socket = None
             return
         if self._registered_socket is not None and identity != self._registered_socket:
             log.warning("EdgeCore socket %s was replaced (EdgeCore restarted); re-registering", self.edgecore_socket)

@@ -1,0 +1,147 @@
+"""The node-wide budget and the coalescing report queue, on fake time."""
+
+from __future__ import annotations
+
+import pytest
+
+from mapper.clock import FakeClock
+from mapper.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
+from mapper.model import Twin
+
+
+def test_bucket_starts_full_then_refills_at_its_rate(fake_clock: FakeClock) -> None:
+    bucket = TokenBucket(fake_clock, rate_per_s=0.5, burst=3)
+    assert [bucket.try_take() for _ in range(4)] == [True, True, True, False]
+    assert bucket.wait_s() == pytest.approx(2.0)
+    fake_clock.advance(1.9)
+    assert not bucket.try_take()
+    fake_clock.advance(0.1)
+    assert bucket.try_take()
+
+
+def test_bucket_never_holds_more_than_its_burst(fake_clock: FakeClock) -> None:
+    bucket = TokenBucket(fake_clock, rate_per_s=1.0, burst=2)
+    fake_clock.advance(1000)
+    assert bucket.tokens == 2
+
+
+def test_a_forced_take_puts_the_bucket_in_debt_that_later_takes_repay(fake_clock: FakeClock) -> None:
+    bucket = TokenBucket(fake_clock, rate_per_s=1.0, burst=1)
+    assert bucket.try_take()
+    bucket.take_forced()
+    assert bucket.wait_s() == pytest.approx(2.0)
+    fake_clock.advance(1.5)
+    assert not bucket.try_take()
+
+
+@pytest.mark.parametrize(("rate", "burst"), [(0, 10), (-1, 10), (1, 0)])
+def test_bucket_refuses_a_nonsense_budget(fake_clock: FakeClock, rate: float, burst: int) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        TokenBucket(fake_clock, rate_per_s=rate, burst=burst)
+
+
+def test_a_newer_offer_replaces_the_pending_value_instead_of_queueing_it(fake_clock: FakeClock) -> None:
+    scheduler = ReportScheduler(TokenBucket(fake_clock, rate_per_s=1, burst=10))
+    scheduler.offer_status("default", "gpu0", [Twin("temperature", "", "60"), Twin("power_usage", "", "100")])
+    scheduler.offer_status("default", "gpu0", [Twin("temperature", "", "61")])
+    scheduler.offer_state("default", "gpu0", "online")
+    scheduler.offer_state("default", "gpu0", "unhealthy")
+    assert scheduler.pending == 2
+    assert scheduler.stats.coalesced == 2
+    state = scheduler.pop_ready()
+    status = scheduler.pop_ready()
+    assert state == StateReport("default", "gpu0", "unhealthy")
+    assert isinstance(status, StatusReport)
+    assert {t.name: t.reported for t in status.twins} == {"temperature": "61", "power_usage": "100"}
+    assert scheduler.pop_ready() is None
+
+
+def test_states_go_before_twins_and_devices_take_turns(fake_clock: FakeClock) -> None:
+    scheduler = ReportScheduler(TokenBucket(fake_clock, rate_per_s=1, burst=10))
+    for i in range(3):
+        scheduler.offer_status("default", f"gpu{i}", [Twin("temperature", "", str(i))])
+    scheduler.offer_status("default", "gpu0", [Twin("temperature", "", "99")])  # keeps gpu0's turn
+    scheduler.offer_state("default", "gpu2", "offline")
+    order = []
+    while (report := scheduler.pop_ready()) is not None:
+        order.append((type(report).__name__, report.name))
+    assert order == [
+        ("StateReport", "gpu2"),
+        ("StatusReport", "gpu0"),
+        ("StatusReport", "gpu1"),
+        ("StatusReport", "gpu2"),
+    ]
+
+
+def test_a_failed_report_is_requeued_only_where_nothing_newer_arrived(fake_clock: FakeClock) -> None:
+    scheduler = ReportScheduler(TokenBucket(fake_clock, rate_per_s=1, burst=10))
+    scheduler.offer_status("default", "gpu0", [Twin("temperature", "", "60"), Twin("power_usage", "", "100")])
+    failed = scheduler.pop_ready()
+    assert isinstance(failed, StatusReport)
+    scheduler.offer_status("default", "gpu0", [Twin("temperature", "", "62")])
+    scheduler.requeue(failed)
+    again = scheduler.pop_ready()
+    assert isinstance(again, StatusReport)
+    assert {t.name: t.reported for t in again.twins} == {"temperature": "62", "power_usage": "100"}
+
+    scheduler.offer_state("default", "gpu0", "online")
+    failed_state = scheduler.pop_ready()
+    assert isinstance(failed_state, StateReport)
+    scheduler.offer_state("default", "gpu0", "offline")
+    scheduler.requeue(failed_state)
+    assert scheduler.pop_ready() == StateReport("default", "gpu0", "offline")
+
+
+def test_forgetting_a_device_drops_its_pending_reports(fake_clock: FakeClock) -> None:
+    scheduler = ReportScheduler(TokenBucket(fake_clock, rate_per_s=1, burst=10))
+    scheduler.offer_status("default", "gpu0", [Twin("temperature", "", "60")])
+    scheduler.offer_state("default", "gpu0", "online")
+    scheduler.forget("default", "gpu0")
+    assert scheduler.pending == 0
+    assert scheduler.wait_s() is None
+    assert scheduler.pop_ready() is None
+
+
+def test_eight_gpus_reporting_every_second_for_an_hour_stay_within_edgecores_limit(fake_clock: FakeClock) -> None:
+    """8 devices offer twins every second and a state every 30 s for an hour of fake time; every 100 ms the
+    sender takes what the budget allows. EdgeCore's own bucket (1/s, burst 100) must never run dry, and every
+    report sent must carry the newest value offered for that device."""
+    scheduler = ReportScheduler(TokenBucket(fake_clock, rate_per_s=0.8, burst=10))
+    edge_tokens, edge_at = 100.0, fake_clock.monotonic()
+    latest: dict[str, str] = {}
+    sent_per_device: dict[str, int] = {}
+    sent_times: list[float] = []
+    window_s = 3600
+    for tick in range(window_s * 10):
+        if tick % 10 == 0:
+            second = tick // 10
+            for d in range(8):
+                value = str(second * 10 + d)
+                latest[f"gpu{d}"] = value
+                scheduler.offer_status("default", f"gpu{d}", [Twin("temperature", "", value)])
+                if second % 30 == d:
+                    scheduler.offer_state("default", f"gpu{d}", "online")
+        while (report := scheduler.pop_ready()) is not None:
+            now = fake_clock.monotonic()
+            edge_tokens = min(100.0, edge_tokens + (now - edge_at))
+            edge_at = now
+            assert edge_tokens >= 1.0, f"EdgeCore would refuse a call at t={now}"
+            edge_tokens -= 1.0
+            sent_times.append(now)
+            if isinstance(report, StatusReport):
+                assert report.twins[0].reported == latest[report.name], "a stale value was sent"
+                sent_per_device[report.name] = sent_per_device.get(report.name, 0) + 1
+        fake_clock.advance(0.1)
+    assert len(sent_times) <= 0.8 * window_s + 10
+    assert len(sent_times) >= 0.8 * window_s - 1
+    # no 100 s window holds more than the burst plus the refill
+    for i in range(len(sent_times)):
+        j = i
+        while j < len(sent_times) and sent_times[j] - sent_times[i] < 100:
+            j += 1
+        assert j - i <= 10 + 80 + 1
+    # round-robin: every GPU gets its share (states take 8/30 of the calls)
+    counts = sorted(sent_per_device.values())
+    assert len(counts) == 8
+    assert counts[-1] - counts[0] <= 1
+    assert scheduler.pending <= 16
