@@ -1,0 +1,1033 @@
+"""NvmlBackend: the GpuBackend over NVML, and the only module that calls NVML.
+
+It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in production, a
+``mapper.gpu.simnvml.SimNvml`` instance in tests and demos. Nothing here asks which one it has.
+
+* GPUs by UUID; handles cached by UUID for the current NVML session (the index is only a label).
+* ``sample()`` reads every catalog property in catalog units with one NVML call per value
+  (``nvmlDeviceGetFieldValues`` for energy and memory temperature). A value NVML reports as NotSupported or
+  FunctionNotFound is absent from the sample, remembered per (GPU, call) and asked again only every
+  ``unsupported_retry_s``.
+* NVML errors are translated once, in ``_translate``, into ``mapper.errors`` types whose messages name the GPU,
+  the call and the value.
+* Lazy init; re-init with capped exponential backoff after Unknown, Uninitialized, GpuIsLost, a timeout or a
+  detected driver reload. Every public call runs on one worker thread and is bounded by ``call_timeout_s``;
+  a call that hangs makes later calls fail fast (TransientError) until it returns, then NVML is re-initialised.
+* A GPU lost in the middle of a sample: ``sample()`` raises ``GpuLostError`` (nothing partial is returned), the
+  GPU is marked lost, a ``gpu_lost`` event is queued for ``poll_events()``, and later calls for that GPU raise
+  ``GpuLostError`` at once without touching NVML, probing again every ``lost_retry_s``.
+* Locked clocks have no NVML getter: the backend reports what it set itself since the current NVML init
+  (0/0 = not locked); a re-init or a detected driver reload resets that memory to 0 so a reconciler sees drift.
+* A driver reload is detected from Uninitialized errors on a live session and from an energy counter that went
+  backwards, and reported as ``driver_reload`` events (one per GPU) from ``poll_events()``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar
+
+from mapper.clock import Clock, SystemClock
+from mapper.errors import (
+    GpuLostError,
+    InvalidValueError,
+    MapperError,
+    NoPermissionError,
+    NotFoundError,
+    PermanentError,
+    TransientError,
+    UnsupportedError,
+)
+from mapper.model import (
+    COMPUTE_MODE_NAMES,
+    COMPUTE_MODES,
+    NVML_PROPERTIES,
+    PROPERTY_BY_NAME,
+    Constraints,
+    GpuEvent,
+    GpuInfo,
+    Sample,
+    Value,
+    clock_event_reasons_text,
+)
+
+T = TypeVar("T")
+
+LIBRARY_NAME = "libnvidia-ml.so.1"
+
+ARCHITECTURES: Mapping[int, str] = MappingProxyType(
+    {
+        2: "kepler",
+        3: "maxwell",
+        4: "pascal",
+        5: "volta",
+        6: "turing",
+        7: "ampere",
+        8: "ada",
+        9: "hopper",
+        10: "blackwell",
+    }
+)
+
+# NVML return codes (pynvml.NVML_ERROR_*; stable across binding versions).
+_UNINITIALIZED = 1
+_INVALID_ARGUMENT = 2
+_NOT_SUPPORTED = 3
+_NO_PERMISSION = 4
+_NOT_FOUND = 6
+_DRIVER_NOT_LOADED = 9
+_TIMEOUT = 10
+_LIBRARY_NOT_FOUND = 12
+_FUNCTION_NOT_FOUND = 13
+_GPU_IS_LOST = 15
+_LIB_RM_VERSION_MISMATCH = 18
+_FREQ_NOT_SUPPORTED = 24
+_DEPRECATED = 26
+_GPU_NOT_FOUND = 28
+_UNKNOWN = 999
+
+#: Errors after which the NVML session is not trusted any more: re-initialise before the next call.
+_SESSION_ERRORS = frozenset({_UNINITIALIZED, _DRIVER_NOT_LOADED, _LIB_RM_VERSION_MISMATCH, _UNKNOWN})
+
+# Field ids and value types (pynvml constants).
+_FI_MEMORY_TEMP = 82
+_FI_ENERGY = 191
+_FIELDS: tuple[tuple[int, str], ...] = ((_FI_MEMORY_TEMP, "temperature_memory"), (_FI_ENERGY, "energy_consumption"))
+_FIELD_PROPS: Mapping[int, str] = MappingProxyType(dict(_FIELDS))
+
+# Event types (pynvml.nvmlEventType*).
+_EV_SBE = 0x1
+_EV_DBE = 0x2
+_EV_XID = 0x8
+_EV_WANTED = _EV_SBE | _EV_DBE | _EV_XID
+
+#: A reload is assumed when the energy counter drops by more than this (joules); a counter never decreases.
+_ENERGY_BACKWARDS_J = 1.0
+#: Accepted difference between a power limit set and the one read back (some boards round to the watt).
+_READ_BACK_TOLERANCE_MW = 500
+
+
+class _FunctionMissing(UnsupportedError):
+    """The binding or the driver lacks the function (FunctionNotFound / no such attribute)."""
+
+
+class NvmlBackend:
+    """The ``mapper.model.GpuBackend`` over an nvml module (``pynvml`` or ``SimNvml``).
+
+    ``clock`` times backoffs, the NotSupported cache and sample timestamps. ``call_timeout_s`` bounds every
+    public call; ``init_timeout_s`` bounds a call that has to (re-)initialise NVML first (the first call after a
+    driver load can take seconds). Re-init backoff starts at ``reinit_backoff_s`` and doubles up to
+    ``reinit_backoff_max_s``.
+    """
+
+    def __init__(
+        self,
+        nvml: Any,
+        *,
+        clock: Clock | None = None,
+        call_timeout_s: float = 5.0,
+        init_timeout_s: float = 30.0,
+        unsupported_retry_s: float = 600.0,
+        reinit_backoff_s: float = 1.0,
+        reinit_backoff_max_s: float = 60.0,
+        lost_retry_s: float = 60.0,
+        init_flags: int = 0,
+    ) -> None:
+        if call_timeout_s <= 0 or init_timeout_s <= 0:
+            raise ValueError("call_timeout_s and init_timeout_s must be > 0")
+        self._nvml = nvml
+        self._nvml_error: type[Exception] = nvml.NVMLError
+        self._clock: Clock = clock if clock is not None else SystemClock()
+        self._call_timeout_s = call_timeout_s
+        self._init_timeout_s = init_timeout_s
+        self._unsupported_retry_s = unsupported_retry_s
+        self._backoff_s = reinit_backoff_s
+        self._backoff_max_s = reinit_backoff_max_s
+        self._lost_retry_s = lost_retry_s
+        self._init_flags = init_flags
+        # worker thread and hang detection (touched by callers)
+        self._submit_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._hung: Future[Any] | None = None
+        self._hung_what = ""
+        self._hung_since_s = 0.0
+        # NVML session (touched only on the worker thread, apart from _needs_reinit)
+        self._initialized = False
+        self._needs_reinit = False
+        self._reload_suspected = False
+        self._init_attempts = 0
+        self._last_init_attempt_s = 0.0
+        self._last_init_error = ""
+        self._handles: dict[str, Any] = {}
+        self._names: dict[str, str] = {}
+        self._infos: dict[str, GpuInfo] = {}
+        self._event_set: Any = None
+        self._events_supported = True
+        self._registered: set[str] = set()
+        self._enumerated = False
+        self._locked_gpu: dict[str, tuple[int, int]] = {}
+        self._locked_memory: dict[str, tuple[int, int]] = {}
+        # knowledge that outlives a session
+        self._unsupported: dict[tuple[str, str], float] = {}
+        self._unsupported_writes: dict[str, set[str]] = {}
+        self._legacy_temperature = False
+        self._lost: dict[str, float] = {}
+        self._energy_j: dict[str, float] = {}
+        self._xid_last: dict[str, int] = {}
+        self._pending: list[GpuEvent] = []
+
+    # ==============================================================================================
+    # Public API (GpuBackend)
+    # ==============================================================================================
+    def init(self) -> None:
+        """Initialise NVML now (otherwise the first call does). LibraryNotFound -> PermanentError."""
+        self._call("nvmlInit", lambda: None)
+
+    def shutdown(self) -> None:
+        """Release NVML and the worker thread; a later call initialises again."""
+        try:
+            self._call("nvmlShutdown", self._shutdown_session, needs_session=False)
+        finally:
+            with self._submit_lock:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False, cancel_futures=True)
+                    self._executor = None
+
+    def driver_version(self) -> str:
+        return self._call("nvmlSystemGetDriverVersion", lambda: _text(self._nv("nvmlSystemGetDriverVersion")))
+
+    def list_gpus(self) -> list[GpuInfo]:
+        """Every GPU NVML enumerates now, plus GPUs this backend saw before that are now lost (so their devices
+        stay known and can be reported unhealthy)."""
+        return self._call("list_gpus", self._list_gpus)
+
+    def sample(self, uuid: str, properties: Iterable[str] | None = None) -> Sample:
+        wanted = _wanted(properties)
+        return self._call(f"sample of GPU {uuid}", lambda: self._sample(uuid, wanted))
+
+    def constraints(self, uuid: str) -> Constraints:
+        return self._call(f"constraints of GPU {uuid}", lambda: self._constraints(uuid))
+
+    def set_power_limit(self, uuid: str, watts: float) -> float:
+        """Set the power limit (v1 setter, mW), read it back, return the limit now in force in W."""
+        value_w = _number("power_limit", watts)
+        limit_mw = round(value_w * 1000)
+        return self._call(f"set_power_limit({uuid}, {value_w} W)", lambda: self._set_power_limit(uuid, limit_mw))
+
+    def set_locked_gpu_clocks(self, uuid: str, min_mhz: int, max_mhz: int) -> None:
+        """Lock the GPU clock into [min, max] MHz (both from the supported list); 0/0 unlocks."""
+        lo, hi = _clock_pair("locked_gpu_clock", min_mhz, max_mhz)
+        if (lo, hi) == (0, 0):
+            self.reset_locked_gpu_clocks(uuid)
+            return
+        self._call(f"set_locked_gpu_clocks({uuid}, {lo}, {hi})", lambda: self._set_locked(uuid, "gpu", lo, hi))
+
+    def reset_locked_gpu_clocks(self, uuid: str) -> None:
+        self._call(f"reset_locked_gpu_clocks({uuid})", lambda: self._reset_locked(uuid, "gpu"))
+
+    def set_locked_memory_clocks(self, uuid: str, min_mhz: int, max_mhz: int) -> None:
+        """Lock the memory clock into [min, max] MHz (both from the supported list); 0/0 unlocks."""
+        lo, hi = _clock_pair("locked_memory_clock", min_mhz, max_mhz)
+        if (lo, hi) == (0, 0):
+            self.reset_locked_memory_clocks(uuid)
+            return
+        self._call(f"set_locked_memory_clocks({uuid}, {lo}, {hi})", lambda: self._set_locked(uuid, "memory", lo, hi))
+
+    def reset_locked_memory_clocks(self, uuid: str) -> None:
+        self._call(f"reset_locked_memory_clocks({uuid})", lambda: self._reset_locked(uuid, "memory"))
+
+    def set_persistence_mode(self, uuid: str, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise InvalidValueError(f"persistence_mode: {enabled!r} is not a boolean (true/false)", reason="wrong-type")
+        mode = 1 if enabled else 0
+        self._call(
+            f"set_persistence_mode({uuid}, {enabled})",
+            lambda: self._write(uuid, "persistence_mode", "nvmlDeviceSetPersistenceMode", mode, str(mode)),
+        )
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        """Set the compute mode by name: default, exclusive_process or prohibited."""
+        if not isinstance(mode, str) or mode.strip().lower() not in COMPUTE_MODES:
+            raise InvalidValueError(
+                f"compute_mode: {mode!r} is not one of {', '.join(sorted(COMPUTE_MODES))}", reason="unknown-value"
+            )
+        code = COMPUTE_MODES[mode.strip().lower()]
+        self._call(
+            f"set_compute_mode({uuid}, {mode})",
+            lambda: self._write(uuid, "compute_mode", "nvmlDeviceSetComputeMode", code, f"{mode} ({code})"),
+        )
+
+    def poll_events(self) -> list[GpuEvent]:
+        """XID, ECC, GPU-lost and driver-reload events since the last poll (never blocks on NVML)."""
+        return self._call("poll_events", self._poll_events)
+
+    # --- introspection for tests and the composition root -----------------------------------------
+    def locked_clocks(self, uuid: str) -> dict[str, int]:
+        """The locked clocks this backend set since the current NVML init (0 = not locked)."""
+        gpu = self._locked_gpu.get(uuid, (0, 0))
+        mem = self._locked_memory.get(uuid, (0, 0))
+        return {
+            "locked_gpu_clock_min": gpu[0],
+            "locked_gpu_clock_max": gpu[1],
+            "locked_memory_clock_min": mem[0],
+            "locked_memory_clock_max": mem[1],
+        }
+
+    def is_lost(self, uuid: str) -> bool:
+        return uuid in self._lost
+
+    # ==============================================================================================
+    # Worker thread, timeouts, init
+    # ==============================================================================================
+    def _call(self, what: str, fn: Callable[[], T], *, needs_session: bool = True) -> T:
+        with self._submit_lock:
+            hung = self._hung
+            if hung is not None:
+                if not hung.done():
+                    waited = self._clock.monotonic() - self._hung_since_s
+                    raise TransientError(
+                        f"{what} not attempted: NVML has not answered {self._hung_what} for {waited:.1f} s",
+                        retry_after_s=self._call_timeout_s,
+                    )
+                self._hung = None
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+            fresh = not self._initialized or self._needs_reinit
+            timeout_s = max(self._call_timeout_s, self._init_timeout_s) if fresh else self._call_timeout_s
+            future = self._executor.submit(self._guarded, fn, needs_session)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            if future.cancel():
+                raise TransientError(
+                    f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s
+                ) from None
+            with self._submit_lock:
+                self._hung = future
+                self._hung_what = what
+                self._hung_since_s = self._clock.monotonic() - timeout_s
+                self._needs_reinit = True
+            raise TransientError(
+                f"{what}: no answer from NVML within {timeout_s} s; NVML will be re-initialised",
+                retry_after_s=timeout_s,
+            ) from None
+
+    def _guarded(self, fn: Callable[[], T], needs_session: bool) -> T:
+        if needs_session:
+            self._ensure_init()
+        try:
+            result = fn()
+        except GpuLostError:
+            raise
+        except TransientError:
+            # The session died under this call (e.g. Uninitialized after a driver reload). When no re-init has
+            # failed recently, re-initialise at once and try the call once more, so one reload costs one error
+            # at most; otherwise the backoff in _ensure_init applies to the next call.
+            if not (needs_session and self._needs_reinit and self._init_attempts <= 1):
+                raise
+            self._init_attempts = 0
+            self._ensure_init()
+            result = fn()
+        self._init_attempts = 0  # a call succeeded: the next re-init may start at once
+        return result
+
+    def _ensure_init(self) -> None:
+        if self._initialized and not self._needs_reinit:
+            return
+        now = self._clock.monotonic()
+        if self._init_attempts:
+            wait_s = min(self._backoff_max_s, self._backoff_s * 2 ** (self._init_attempts - 1))
+            left_s = self._last_init_attempt_s + wait_s - now
+            if left_s > 0:
+                raise TransientError(
+                    f"NVML re-initialisation backs off {left_s:.1f} s more (last problem: {self._last_init_error})",
+                    retry_after_s=left_s,
+                )
+        if self._initialized:
+            self._shutdown_session()
+        self._init_attempts += 1
+        self._last_init_attempt_s = now
+        self._reset_session()
+        try:
+            self._nv("nvmlInitWithFlags", self._init_flags)
+        except MapperError as exc:
+            self._last_init_error = str(exc)
+            raise
+        self._initialized = True
+        self._needs_reinit = False
+        if self._reload_suspected:
+            self._reload_suspected = False
+            self._report_reload("NVML reported Uninitialized on a live session")
+
+    def _reset_session(self) -> None:
+        self._handles.clear()
+        self._registered.clear()
+        self._event_set = None
+        self._enumerated = False
+        self._locked_gpu.clear()
+        self._locked_memory.clear()
+
+    def _shutdown_session(self) -> None:
+        if not self._initialized:
+            return
+        self._initialized = False
+        nvml = self._nvml
+        if self._event_set is not None:
+            try:
+                nvml.nvmlEventSetFree(self._event_set)
+            except self._nvml_error:
+                pass
+            self._event_set = None
+        try:
+            nvml.nvmlShutdown()
+        except self._nvml_error:
+            pass
+
+    def _report_reload(self, why: str) -> None:
+        """A driver reload happened: forget what we set, probe lost GPUs again, tell the loops."""
+        self._locked_gpu.clear()
+        self._locked_memory.clear()
+        self._lost.clear()
+        self._energy_j.clear()
+        ts = self._clock.wall_ms()
+        for uuid in sorted(set(self._infos) | set(self._names)):
+            self._pending.append(GpuEvent(uuid=uuid, ts_ms=ts, kind="driver_reload", detail=why))
+
+    # ==============================================================================================
+    # The choke point: every NVML call, every translation
+    # ==============================================================================================
+    def _nv(
+        self,
+        fname: str,
+        *args: Any,
+        uuid: str = "",
+        value: object = None,
+        invalid_reason: str = "out-of-range",
+    ) -> Any:
+        fn = getattr(self._nvml, fname, None)
+        if fn is None:
+            raise _FunctionMissing(f"{_where(uuid)}{fname} is not in this NVML binding")
+        try:
+            return fn(*args)
+        except self._nvml_error as exc:
+            raise self._translate(exc, fname, uuid, value, invalid_reason) from exc
+
+    def _translate(self, exc: Exception, fname: str, uuid: str, value: object, invalid_reason: str) -> MapperError:
+        code = int(getattr(exc, "value", _UNKNOWN))
+        shown = "" if value is None else str(value)
+        text = f"{_where(uuid)}{fname}({shown}) failed: {exc} (NVML error {code})"
+        if code in _SESSION_ERRORS:
+            if code == _UNINITIALIZED and self._initialized:
+                self._reload_suspected = True
+            self._needs_reinit = True
+            return TransientError(text + "; NVML will be re-initialised", retry_after_s=self._backoff_s)
+        if code == _TIMEOUT:
+            return TransientError(text)
+        if code == _GPU_IS_LOST:
+            self._mark_lost(uuid, f"{fname} reported GpuIsLost")
+            return GpuLostError(text + "; the GPU fell off the bus (needs a reboot)")
+        if code == _INVALID_ARGUMENT:
+            return InvalidValueError(text, reason=invalid_reason)
+        if code == _FREQ_NOT_SUPPORTED:
+            return InvalidValueError(text, reason="not-supported-clock")
+        if code == _FUNCTION_NOT_FOUND:
+            return _FunctionMissing(text + " (the driver is older than the binding)")
+        if code in (_NOT_SUPPORTED, _DEPRECATED):
+            return UnsupportedError(text)
+        if code == _NO_PERMISSION:
+            return NoPermissionError(text + " (NVML setters need root)")
+        if code == _LIBRARY_NOT_FOUND:
+            return PermanentError(
+                f"NVML library {LIBRARY_NAME} not found: {fname} failed ({exc}). Install the NVIDIA driver, or make "
+                f"{LIBRARY_NAME} visible to this container (NVIDIA container toolkit); use --sim for simulated GPUs"
+            )
+        if code in (_NOT_FOUND, _GPU_NOT_FOUND):
+            return NotFoundError(text)
+        return PermanentError(text)
+
+    def _mark_lost(self, uuid: str, why: str) -> None:
+        if not uuid:
+            return
+        first = uuid not in self._lost
+        self._lost[uuid] = self._clock.monotonic()
+        self._handles.pop(uuid, None)
+        if first:
+            self._needs_reinit = True  # once for the session; later probes do not re-init again
+            self._pending.append(GpuEvent(uuid=uuid, ts_ms=self._clock.wall_ms(), kind="gpu_lost", detail=why))
+
+    # ==============================================================================================
+    # Handles, enumeration, events
+    # ==============================================================================================
+    def _handle(self, uuid: str) -> Any:
+        lost_at = self._lost.get(uuid)
+        if lost_at is not None and self._clock.monotonic() < lost_at + self._lost_retry_s:
+            raise GpuLostError(f"GPU {uuid} is lost (fell off the bus); probing again every {self._lost_retry_s:.0f} s")
+        handle = self._handles.get(uuid)
+        if handle is not None:
+            return handle
+        try:
+            handle = self._nv("nvmlDeviceGetHandleByUUID", uuid, uuid=uuid, value=uuid)
+        except NotFoundError:
+            raise NotFoundError(f"GPU {uuid} is not on this node (nvmlDeviceGetHandleByUUID: not found)") from None
+        except InvalidValueError:
+            raise NotFoundError(f"GPU {uuid!r} is not a GPU UUID NVML knows (nvmlDeviceGetHandleByUUID)") from None
+        if uuid not in self._names:
+            self._names[uuid] = _text(self._nv("nvmlDeviceGetName", handle, uuid=uuid))
+        self._handles[uuid] = handle
+        self._lost.pop(uuid, None)
+        self._register_events(uuid, handle)
+        return handle
+
+    def _list_gpus(self) -> list[GpuInfo]:
+        driver = _text(self._nv("nvmlSystemGetDriverVersion"))
+        count = int(self._nv("nvmlDeviceGetCount"))
+        seen: list[GpuInfo] = []
+        for index in range(count):
+            try:
+                handle = self._nv("nvmlDeviceGetHandleByIndex", index, value=index)
+                uuid = _text(self._nv("nvmlDeviceGetUUID", handle, value=f"index {index}"))
+            except (GpuLostError, PermanentError):
+                continue  # a lost GPU cannot tell its UUID; it is listed below from what we knew
+            name = _text(self._nv("nvmlDeviceGetName", handle, uuid=uuid))
+            info = GpuInfo(
+                uuid=uuid,
+                index=index,
+                name=name,
+                pci_bus_id=self._optional_text("nvmlDeviceGetPciInfo", handle, uuid, "busId"),
+                serial=self._optional_text("nvmlDeviceGetSerial", handle, uuid),
+                driver_version=driver,
+                architecture=self._architecture(handle, uuid),
+            )
+            self._infos[uuid] = info
+            self._names[uuid] = name
+            if uuid not in self._handles:
+                self._handles[uuid] = handle
+                self._register_events(uuid, handle)
+            self._lost.pop(uuid, None)
+            seen.append(info)
+        self._enumerated = True
+        listed = {g.uuid for g in seen}
+        seen.extend(info for uuid, info in self._infos.items() if uuid not in listed and uuid in self._lost)
+        return seen
+
+    def _optional_text(self, call: str, handle: Any, uuid: str, attribute: str = "") -> str:
+        try:
+            result = self._nv(call, handle, uuid=uuid)
+        except UnsupportedError:
+            return ""
+        return _text(getattr(result, attribute) if attribute else result)
+
+    def _architecture(self, handle: Any, uuid: str) -> str:
+        try:
+            return ARCHITECTURES.get(int(self._nv("nvmlDeviceGetArchitecture", handle, uuid=uuid)), "")
+        except UnsupportedError:
+            return ""
+
+    def _ensure_event_set(self) -> Any:
+        if self._event_set is None and self._events_supported:
+            try:
+                self._event_set = self._nv("nvmlEventSetCreate")
+            except UnsupportedError:
+                self._events_supported = False
+        return self._event_set
+
+    def _register_events(self, uuid: str, handle: Any) -> None:
+        if uuid in self._registered:
+            return
+        event_set = self._ensure_event_set()
+        if event_set is None:
+            return
+        try:
+            supported = int(self._nv("nvmlDeviceGetSupportedEventTypes", handle, uuid=uuid))
+            mask = supported & _EV_WANTED
+            if mask:
+                self._nv("nvmlDeviceRegisterEvents", handle, mask, event_set, uuid=uuid, value=hex(mask))
+        except (UnsupportedError, NoPermissionError):
+            pass
+        self._registered.add(uuid)
+
+    def _poll_events(self) -> list[GpuEvent]:
+        if not self._enumerated:
+            self._list_gpus()
+        event_set = self._ensure_event_set()
+        nvml = self._nvml
+        if event_set is not None:
+            for _ in range(10_000):
+                try:
+                    data = nvml.nvmlEventSetWait(event_set, 0)
+                except self._nvml_error as exc:
+                    if int(getattr(exc, "value", 0)) == _TIMEOUT:
+                        break
+                    raise self._translate(exc, "nvmlEventSetWait", "", "0 ms", "out-of-range") from exc
+                self._on_event(data)
+        events, self._pending = self._pending, []
+        return events
+
+    def _on_event(self, data: Any) -> None:
+        try:
+            uuid = _text(self._nv("nvmlDeviceGetUUID", data.device))
+        except MapperError:
+            uuid = ""
+        ts = self._clock.wall_ms()
+        event_type = int(data.eventType)
+        if event_type & _EV_XID:
+            xid = int(data.eventData)
+            if uuid:
+                self._xid_last[uuid] = xid
+            self._pending.append(GpuEvent(uuid=uuid, ts_ms=ts, kind="xid", xid=xid, detail=f"XID {xid}"))
+            if xid == 79 and uuid:
+                self._mark_lost(uuid, "XID 79: GPU fell off the bus")
+        elif event_type & _EV_DBE:
+            self._pending.append(GpuEvent(uuid=uuid, ts_ms=ts, kind="ecc_double", detail="double-bit ECC error"))
+        elif event_type & _EV_SBE:
+            self._pending.append(GpuEvent(uuid=uuid, ts_ms=ts, kind="ecc_single", detail="single-bit ECC error"))
+
+    # ==============================================================================================
+    # Sampling
+    # ==============================================================================================
+    def _sample(self, uuid: str, wanted: frozenset[str]) -> Sample:
+        handle = self._handle(uuid)
+        values: dict[str, Value] = {}
+        errors: dict[str, str] = {}
+        now = self._clock.monotonic()
+        unsupported = self._unsupported
+        for group, props, reader in _GROUPS:
+            if wanted.isdisjoint(props):
+                continue
+            key = (uuid, group)
+            retry_at = unsupported.get(key)
+            if retry_at is not None:
+                if now < retry_at:
+                    continue
+                del unsupported[key]
+            try:
+                reader(self, handle, uuid, values, errors)
+            except UnsupportedError:
+                unsupported[key] = now + self._unsupported_retry_s
+            except (TransientError, NotFoundError):
+                raise
+            except PermanentError as exc:
+                for prop in props:
+                    errors[prop] = f"{exc.reason}: {exc}"
+        return Sample(
+            uuid=uuid,
+            ts_ms=self._clock.wall_ms(),
+            values={k: v for k, v in values.items() if k in wanted},
+            errors={k: v for k, v in errors.items() if k in wanted},
+        )
+
+    # Each reader makes ONE NVML call (or none) and fills ``out`` in catalog units.
+    def _r_identity(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        out["uuid"] = uuid
+        out["product_name"] = self._names.get(uuid, "")
+
+    def _r_util(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        rates = self._nv("nvmlDeviceGetUtilizationRates", h, uuid=uuid)
+        out["utilization_gpu"] = int(rates.gpu)
+        out["utilization_memory"] = int(rates.memory)
+
+    def _r_memory(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        info = self._nv("nvmlDeviceGetMemoryInfo", h, uuid=uuid)
+        out["memory_used"] = int(info.used)
+        out["memory_total"] = int(info.total)
+
+    def _r_temperature(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        sensor = self._nvml.NVML_TEMPERATURE_GPU
+        if not self._legacy_temperature:
+            try:
+                out["temperature"] = int(self._nv("nvmlDeviceGetTemperatureV", h, sensor, uuid=uuid))
+                return
+            except _FunctionMissing:
+                self._legacy_temperature = True  # driver older than nvmlDeviceGetTemperatureV
+        out["temperature"] = int(self._nv("nvmlDeviceGetTemperature", h, sensor, uuid=uuid))
+
+    def _r_fields(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        now = self._clock.monotonic()
+        ids: list[int] = []
+        for field_id, _prop in _FIELDS:
+            retry_at = self._unsupported.get((uuid, f"field:{field_id}"))
+            if retry_at is None or now >= retry_at:
+                ids.append(field_id)
+        if not ids:
+            return
+        items = self._nv("nvmlDeviceGetFieldValues", h, ids, uuid=uuid, value=ids)
+        for item in items:
+            field_id = int(item.fieldId)
+            prop = _FIELD_PROPS[field_id]
+            status = int(item.nvmlReturn)
+            if status == 0:
+                self._unsupported.pop((uuid, f"field:{field_id}"), None)
+                number = _field_number(item)
+                if field_id == _FI_ENERGY:
+                    self._check_energy(uuid, number / 1000.0)
+                    out[prop] = number / 1000.0
+                else:
+                    out[prop] = int(number)
+            elif status in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED):
+                self._unsupported[(uuid, f"field:{field_id}")] = now + self._unsupported_retry_s
+            elif status == _GPU_IS_LOST:
+                raise self._translate(self._nvml_error(status), "nvmlDeviceGetFieldValues", uuid, field_id, "")
+            else:
+                errors[prop] = f"nvmlDeviceGetFieldValues field {field_id}: NVML error {status}"
+
+    def _check_energy(self, uuid: str, energy_j: float) -> None:
+        last = self._energy_j.get(uuid)
+        self._energy_j[uuid] = energy_j
+        if last is not None and energy_j < last - _ENERGY_BACKWARDS_J:
+            self._report_reload(f"energy counter of GPU {uuid} went backwards ({last:.0f} J -> {energy_j:.0f} J)")
+            self._energy_j[uuid] = energy_j
+
+    def _r_locked_gpu(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        lo, hi = self._locked_gpu.get(uuid, (0, 0))
+        out["locked_gpu_clock_min"] = lo
+        out["locked_gpu_clock_max"] = hi
+
+    def _r_locked_memory(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        if "locked_memory_clock_min" in self._unsupported_writes.get(uuid, ()):
+            raise UnsupportedError(f"GPU {uuid}: memory clocks cannot be locked")
+        lo, hi = self._locked_memory.get(uuid, (0, 0))
+        out["locked_memory_clock_min"] = lo
+        out["locked_memory_clock_max"] = hi
+
+    def _r_xid(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        out["xid_last"] = self._xid_last.get(uuid, 0)
+
+    # ==============================================================================================
+    # Constraints and setters
+    # ==============================================================================================
+    def _constraints(self, uuid: str) -> Constraints:
+        h = self._handle(uuid)
+        lo_w = hi_w = default_w = None
+        try:
+            lo_mw, hi_mw = self._nv("nvmlDeviceGetPowerManagementLimitConstraints", h, uuid=uuid)
+            lo_w, hi_w = lo_mw / 1000.0, hi_mw / 1000.0
+        except UnsupportedError:
+            pass
+        try:
+            default_w = self._nv("nvmlDeviceGetPowerManagementDefaultLimit", h, uuid=uuid) / 1000.0
+        except UnsupportedError:
+            pass
+        memory: tuple[int, ...] = ()
+        graphics: set[int] = set()
+        try:
+            memory = tuple(
+                sorted((int(c) for c in self._nv("nvmlDeviceGetSupportedMemoryClocks", h, uuid=uuid)), reverse=True)
+            )
+            for mem in memory:
+                clocks = self._nv("nvmlDeviceGetSupportedGraphicsClocks", h, mem, uuid=uuid, value=f"{mem} MHz")
+                graphics.update(int(c) for c in clocks)
+        except UnsupportedError:
+            pass
+        return Constraints(
+            power_limit_min_w=lo_w,
+            power_limit_max_w=hi_w,
+            power_limit_default_w=default_w,
+            memory_clocks_mhz=memory,
+            graphics_clocks_mhz=tuple(sorted(graphics, reverse=True)),
+            unsupported=frozenset(self._unsupported_writes.get(uuid, ())),
+        )
+
+    def _learn_unsupported(self, uuid: str, *props: str) -> None:
+        self._unsupported_writes.setdefault(uuid, set()).update(props)
+
+    def _set_power_limit(self, uuid: str, limit_mw: int) -> float:
+        h = self._handle(uuid)
+        call = "nvmlDeviceSetPowerManagementLimit"
+        try:
+            self._nv(call, h, limit_mw, uuid=uuid, value=f"{limit_mw} mW")
+        except UnsupportedError:
+            self._learn_unsupported(uuid, "power_limit")
+            raise
+        except InvalidValueError as exc:
+            raise InvalidValueError(f"{exc}{self._power_range(h, uuid)}", reason=exc.reason) from exc
+        got_mw = int(self._nv("nvmlDeviceGetPowerManagementLimit", h, uuid=uuid))
+        if abs(got_mw - limit_mw) > _READ_BACK_TOLERANCE_MW:
+            raise PermanentError(
+                f"GPU {uuid}: {call}({limit_mw} mW) reported success but the limit reads back as {got_mw} mW",
+                reason="read-back-mismatch",
+            )
+        return got_mw / 1000.0
+
+    def _power_range(self, h: Any, uuid: str) -> str:
+        try:
+            lo_mw, hi_mw = self._nv("nvmlDeviceGetPowerManagementLimitConstraints", h, uuid=uuid)
+        except MapperError:
+            return ""
+        return f"; the GPU accepts {lo_mw / 1000:g}-{hi_mw / 1000:g} W"
+
+    def _set_locked(self, uuid: str, which: Literal["gpu", "memory"], lo: int, hi: int) -> None:
+        h = self._handle(uuid)
+        call = "nvmlDeviceSetGpuLockedClocks" if which == "gpu" else "nvmlDeviceSetMemoryLockedClocks"
+        props = (f"locked_{which}_clock_min", f"locked_{which}_clock_max")
+        try:
+            self._nv(call, h, lo, hi, uuid=uuid, value=f"{lo} MHz, {hi} MHz", invalid_reason="not-supported-clock")
+        except UnsupportedError:
+            self._learn_unsupported(uuid, *props)
+            raise
+        except InvalidValueError as exc:
+            raise InvalidValueError(
+                f"{exc}: each clock must be one of the GPU's supported {which} clocks (see constraints()) "
+                "and min <= max",
+                reason=exc.reason,
+            ) from exc
+        (self._locked_gpu if which == "gpu" else self._locked_memory)[uuid] = (lo, hi)
+
+    def _reset_locked(self, uuid: str, which: Literal["gpu", "memory"]) -> None:
+        h = self._handle(uuid)
+        call = "nvmlDeviceResetGpuLockedClocks" if which == "gpu" else "nvmlDeviceResetMemoryLockedClocks"
+        try:
+            self._nv(call, h, uuid=uuid)
+        except UnsupportedError:
+            self._learn_unsupported(uuid, f"locked_{which}_clock_min", f"locked_{which}_clock_max")
+            raise
+        (self._locked_gpu if which == "gpu" else self._locked_memory).pop(uuid, None)
+
+    def _write(self, uuid: str, prop: str, call: str, code: int, shown: str) -> None:
+        h = self._handle(uuid)
+        try:
+            self._nv(call, h, code, uuid=uuid, value=shown, invalid_reason="unknown-value")
+        except UnsupportedError:
+            self._learn_unsupported(uuid, prop)
+            raise
+
+
+# --------------------------------------------------------------------------------------------------
+# Readers that are one plain getter each, and the reading plan
+# --------------------------------------------------------------------------------------------------
+
+Reader = Callable[[NvmlBackend, Any, str, dict[str, Value], dict[str, str]], None]
+
+
+def _simple(prop: str, call: str, convert: Callable[[Any], Value], *args: str) -> Reader:
+    """A reader for ``prop`` = ``convert(nvml.<call>(handle, *constants))``; args name nvml constants."""
+
+    def read(backend: NvmlBackend, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        nvml = backend._nvml
+        out[prop] = convert(backend._nv(call, h, *(getattr(nvml, a) for a in args), uuid=uuid))
+
+    return read
+
+
+def _pair(props: tuple[str, str], call: str, convert: Callable[[Any], tuple[Value, Value]]) -> Reader:
+    def read(backend: NvmlBackend, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        first, second = convert(backend._nv(call, h, uuid=uuid))
+        out[props[0]] = first
+        out[props[1]] = second
+
+    return read
+
+
+def _mw_to_w(value: Any) -> float:
+    return int(value) / 1000.0
+
+
+def _reasons(backend: NvmlBackend, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+    mask = int(backend._nv("nvmlDeviceGetCurrentClocksEventReasons", h, uuid=uuid))
+    out["clock_event_reasons"] = mask
+    out["clock_event_reasons_text"] = clock_event_reasons_text(mask)
+
+
+def _compute_mode(value: Any) -> Value:
+    return COMPUTE_MODE_NAMES.get(int(value), f"mode{int(value)}")
+
+
+_GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
+    (name, frozenset(props), reader)
+    for name, props, reader in (
+        ("identity", ("uuid", "product_name"), NvmlBackend._r_identity),
+        ("utilization", ("utilization_gpu", "utilization_memory"), NvmlBackend._r_util),
+        ("memory", ("memory_used", "memory_total"), NvmlBackend._r_memory),
+        ("temperature", ("temperature",), NvmlBackend._r_temperature),
+        ("fields", ("temperature_memory", "energy_consumption"), NvmlBackend._r_fields),
+        (
+            "temperature_slowdown",
+            ("temperature_slowdown",),
+            _simple(
+                "temperature_slowdown",
+                "nvmlDeviceGetTemperatureThreshold",
+                int,
+                "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN",
+            ),
+        ),
+        (
+            "temperature_shutdown",
+            ("temperature_shutdown",),
+            _simple(
+                "temperature_shutdown",
+                "nvmlDeviceGetTemperatureThreshold",
+                int,
+                "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN",
+            ),
+        ),
+        ("fan_speed", ("fan_speed",), _simple("fan_speed", "nvmlDeviceGetFanSpeed", int)),
+        ("power_usage", ("power_usage",), _simple("power_usage", "nvmlDeviceGetPowerUsage", _mw_to_w)),
+        (
+            "power_limit_enforced",
+            ("power_limit_enforced",),
+            _simple("power_limit_enforced", "nvmlDeviceGetEnforcedPowerLimit", _mw_to_w),
+        ),
+        (
+            "power_limit_constraints",
+            ("power_limit_min", "power_limit_max"),
+            _pair(
+                ("power_limit_min", "power_limit_max"),
+                "nvmlDeviceGetPowerManagementLimitConstraints",
+                lambda v: (_mw_to_w(v[0]), _mw_to_w(v[1])),
+            ),
+        ),
+        (
+            "power_limit_default",
+            ("power_limit_default",),
+            _simple("power_limit_default", "nvmlDeviceGetPowerManagementDefaultLimit", _mw_to_w),
+        ),
+        ("power_limit", ("power_limit",), _simple("power_limit", "nvmlDeviceGetPowerManagementLimit", _mw_to_w)),
+        ("clock_sm", ("clock_sm",), _simple("clock_sm", "nvmlDeviceGetClockInfo", int, "NVML_CLOCK_SM")),
+        ("clock_memory", ("clock_memory",), _simple("clock_memory", "nvmlDeviceGetClockInfo", int, "NVML_CLOCK_MEM")),
+        (
+            "clock_sm_max",
+            ("clock_sm_max",),
+            _simple("clock_sm_max", "nvmlDeviceGetMaxClockInfo", int, "NVML_CLOCK_SM"),
+        ),
+        ("clock_event_reasons", ("clock_event_reasons", "clock_event_reasons_text"), _reasons),
+        ("pstate", ("pstate",), _simple("pstate", "nvmlDeviceGetPerformanceState", int)),
+        (
+            "pcie_tx",
+            ("pcie_tx",),
+            _simple("pcie_tx", "nvmlDeviceGetPcieThroughput", lambda v: int(v) * 1024, "NVML_PCIE_UTIL_TX_BYTES"),
+        ),
+        (
+            "pcie_rx",
+            ("pcie_rx",),
+            _simple("pcie_rx", "nvmlDeviceGetPcieThroughput", lambda v: int(v) * 1024, "NVML_PCIE_UTIL_RX_BYTES"),
+        ),
+        (
+            "ecc_errors_corrected",
+            ("ecc_errors_corrected",),
+            _simple(
+                "ecc_errors_corrected",
+                "nvmlDeviceGetTotalEccErrors",
+                int,
+                "NVML_MEMORY_ERROR_TYPE_CORRECTED",
+                "NVML_VOLATILE_ECC",
+            ),
+        ),
+        (
+            "ecc_errors_uncorrected",
+            ("ecc_errors_uncorrected",),
+            _simple(
+                "ecc_errors_uncorrected",
+                "nvmlDeviceGetTotalEccErrors",
+                int,
+                "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
+                "NVML_VOLATILE_ECC",
+            ),
+        ),
+        (
+            "remapped_rows",
+            ("remapped_rows_uncorrectable", "remapped_rows_pending"),
+            _pair(
+                ("remapped_rows_uncorrectable", "remapped_rows_pending"),
+                "nvmlDeviceGetRemappedRows",
+                lambda v: (int(v[1]), bool(v[2])),
+            ),
+        ),
+        ("xid_last", ("xid_last",), NvmlBackend._r_xid),
+        ("locked_gpu_clocks", ("locked_gpu_clock_min", "locked_gpu_clock_max"), NvmlBackend._r_locked_gpu),
+        (
+            "locked_memory_clocks",
+            ("locked_memory_clock_min", "locked_memory_clock_max"),
+            NvmlBackend._r_locked_memory,
+        ),
+        (
+            "persistence_mode",
+            ("persistence_mode",),
+            _simple("persistence_mode", "nvmlDeviceGetPersistenceMode", lambda v: int(v) == 1),
+        ),
+        ("compute_mode", ("compute_mode",), _simple("compute_mode", "nvmlDeviceGetComputeMode", _compute_mode)),
+    )
+)
+
+_ALL_NVML = frozenset(p.name for p in NVML_PROPERTIES)
+
+
+def _wanted(properties: Iterable[str] | None) -> frozenset[str]:
+    """The NVML properties to read; mapper-computed ones are skipped, unknown names are an error."""
+    if properties is None:
+        return _ALL_NVML
+    if isinstance(properties, str):
+        properties = (properties,)
+    names = set()
+    for name in properties:
+        spec = PROPERTY_BY_NAME.get(name)
+        if spec is None:
+            raise InvalidValueError(
+                f"sample: unknown property {name!r} (not in the GPU catalog)", reason="unknown-property"
+            )
+        if spec.source == "nvml":
+            names.add(name)
+    return frozenset(names)
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _where(uuid: str) -> str:
+    return f"GPU {uuid}: " if uuid else "NVML: "
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _field_number(item: Any) -> float:
+    """The value of one ``nvmlDeviceGetFieldValues`` item by its value type."""
+    value_type = int(item.valueType)
+    union = item.value
+    return {
+        0: lambda: float(union.dVal),
+        1: lambda: int(union.uiVal),
+        2: lambda: int(union.ulVal),
+        3: lambda: int(union.ullVal),
+        4: lambda: int(union.sllVal),
+        5: lambda: int(union.siVal),
+        6: lambda: int(union.usVal),
+    }.get(value_type, lambda: int(union.ullVal))()
+
+
+def _number(prop: str, value: object) -> float:
+    """A finite, non-negative number, or InvalidValueError naming what is wrong."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, str):
+            raise InvalidValueError(f"{prop}: {value!r} is a string, not a number", reason="not-a-number")
+        raise InvalidValueError(f"{prop}: {value!r} is not a number", reason="wrong-type")
+    number = float(value)
+    if math.isnan(number):
+        raise InvalidValueError(f"{prop}: NaN is not a value", reason="nan")
+    if math.isinf(number):
+        raise InvalidValueError(f"{prop}: {number} is not finite", reason="infinite")
+    if number < 0:
+        raise InvalidValueError(f"{prop}: {number:g} is negative", reason="negative")
+    return number
+
+
+def _clock_pair(prop: str, min_mhz: object, max_mhz: object) -> tuple[int, int]:
+    values = []
+    for suffix, raw in (("min", min_mhz), ("max", max_mhz)):
+        number = _number(f"{prop}_{suffix}", raw)
+        if number != int(number):
+            raise InvalidValueError(f"{prop}_{suffix}: {number:g} MHz is not a whole number", reason="wrong-type")
+        values.append(int(number))
+    lo, hi = values
+    if lo > hi:
+        raise InvalidValueError(f"{prop}: min {lo} MHz is above max {hi} MHz", reason="out-of-range")
+    if (lo == 0) != (hi == 0):
+        raise InvalidValueError(
+            f"{prop}: {lo}/{hi} MHz: 0 (unlock) must be given for both or neither", reason="unpaired"
+        )
+    return lo, hi

@@ -1,0 +1,1085 @@
+"""A simulated NVML with the pynvml surface the backend uses.
+
+``SimNvml`` instances look like the ``pynvml`` module: the same function names and argument orders, the same
+units (mW, mJ, MHz, KB/s, bytes), struct-like results with the same attribute names, the same module constants
+(copied from the real binding) and the REAL ``pynvml.NVMLError`` subclasses. So ``NvmlBackend(SimNvml(...))``
+runs exactly the code it runs over ``pynvml`` on a real GPU.
+
+Everything is deterministic from ``seed`` and the injected ``clock`` (a callable returning seconds). Physics is
+integrated lazily on each read from the clock delta (steps of at most 0.5 s):
+
+* utilisation comes from a workload scenario (``SCENARIOS``) or a fixed value (``set_utilization``);
+* power ``P = P_idle + (P_load - P_idle) * u * (f / f_max)^3`` is held under the enforced limit by lowering the
+  SM clock (``SwPowerCap``); Ampere and newer (except GA100) report a 1 s average, older parts the instant value;
+* first-order thermal model ``tau * dT/dt = ambient + P * R - T``;
+* throttle ladder: ``SwThermalSlowdown`` at max-operating temperature (power held so the GPU settles there),
+  ``HwThermalSlowdown + HwSlowdown`` at slowdown (clock halved), GPU lost + XID 79 at shutdown;
+* ``GpuIdle`` at idle (idle clock, idle P-state), an energy counter in mJ since the (simulated) driver loaded.
+
+The control surface for tests and demos (not pynvml names) is at the end of the class: ``gpus``, ``gpu(uuid)``,
+``set_scenario``, ``set_utilization``, ``set_ambient_c``, ``set_cooling``, ``set_external_power_limit_w``,
+``driver_reload``, ``inject_gpu_lost``, ``inject_xid``, ``inject_ecc``, ``inject_errors``, ``set_call_delay_s``,
+``set_as_root`` and the ``calls`` counter (calls per pynvml function name).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid as uuidlib
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import pynvml
+
+from mapper.gpu.profiles import GpuProfile
+from mapper.gpu.profiles import profile as lookup_profile
+
+#: Workload scenarios that drive utilisation. "heat" is a full load with poor cooling: under the default power
+#: limit it heats the GPU up to its max-operating temperature (H100: 87 C), so a thermal policy has something
+#: to fight; a lower power limit brings it down. "oscillating" swings the load (and the temperature) on a 120 s
+#: period around the middle of that range.
+SCENARIOS = ("idle", "steady", "inference", "training", "heat", "oscillating")
+
+# Bits and codes used internally (the same numbers as pynvml's constants).
+_IDLE = pynvml.nvmlClocksEventReasonGpuIdle
+_SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+_HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
+_SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown
+_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+_REASONS_SUPPORTED = 0x1FF
+_EV_SBE = pynvml.nvmlEventTypeSingleBitEccError
+_EV_DBE = pynvml.nvmlEventTypeDoubleBitEccError
+_EV_PSTATE = pynvml.nvmlEventTypePState
+_EV_XID = pynvml.nvmlEventTypeXidCriticalError
+_EV_CLOCK = pynvml.nvmlEventTypeClock
+_CLOCK_TDP = pynvml.NVML_CLOCK_LIMIT_ID_TDP
+_CLOCK_UNLIMITED = pynvml.NVML_CLOCK_LIMIT_ID_UNLIMITED
+_SYMBOLIC = (_CLOCK_TDP, _CLOCK_UNLIMITED)
+_NO_INSTANCE = 0xFFFFFFFF
+
+_STEP_S = 0.5
+_MAX_STEPS = 2000
+_MIN_ADVANCE_S = 0.001
+
+#: Oldest driver branch that has each function (assumed); a simulated older driver raises FunctionNotFound.
+_MIN_DRIVER_MAJOR: Mapping[str, int] = MappingProxyType(
+    {
+        "nvmlDeviceGetTemperatureV": 565,
+        "nvmlDeviceGetCurrentClocksEventReasons": 535,
+        "nvmlDeviceGetSupportedClocksEventReasons": 535,
+        "nvmlDeviceSetMemoryLockedClocks": 460,
+        "nvmlDeviceResetMemoryLockedClocks": 460,
+        "nvmlDeviceGetRemappedRows": 450,
+    }
+)
+
+
+def _copy_binding_constants() -> dict[str, Any]:
+    """The binding's constants and exception classes, so ``sim.NVML_CLOCK_SM`` equals ``pynvml.NVML_CLOCK_SM``."""
+    out: dict[str, Any] = {}
+    for name in dir(pynvml):
+        value = getattr(pynvml, name)
+        if (name.startswith(("NVML_", "nvml")) and isinstance(value, int) and not isinstance(value, bool)) or (
+            name.startswith("NVMLError") and isinstance(value, type) and issubclass(value, Exception)
+        ):
+            out[name] = value
+    return out
+
+
+def _hash01(*parts: int) -> float:
+    """A deterministic number in [0, 1) from integers (splitmix-style mixing; no RNG objects on the hot path)."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h ^= part & 0xFFFFFFFFFFFFFFFF
+        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 29
+    return (h & 0xFFFFFFFF) / 4294967296.0
+
+
+def _error(code: int) -> pynvml.NVMLError:
+    return pynvml.NVMLError(code)
+
+
+# --------------------------------------------------------------------------------------------------
+# Struct-like results (the attribute names of the pynvml structs)
+# --------------------------------------------------------------------------------------------------
+
+
+class SimUtilization:
+    __slots__ = ("gpu", "memory")
+
+    def __init__(self, gpu: int, memory: int) -> None:
+        self.gpu = gpu
+        self.memory = memory
+
+
+class SimMemory:
+    __slots__ = ("free", "reserved", "total", "used", "version")
+
+    def __init__(self, total: int, free: int, used: int, reserved: int = 0, version: int = 0) -> None:
+        self.total = total
+        self.free = free
+        self.used = used
+        self.reserved = reserved
+        self.version = version
+
+
+class SimPciInfo:
+    __slots__ = ("bus", "busId", "busIdLegacy", "device", "domain", "pciDeviceId", "pciSubSystemId")
+
+    def __init__(self, bus: int, device_id: int) -> None:
+        self.domain = 0
+        self.bus = bus
+        self.device = 0
+        self.busId = f"00000000:{bus:02X}:00.0"
+        self.busIdLegacy = f"0000:{bus:02X}:00.0"
+        self.pciDeviceId = device_id
+        self.pciSubSystemId = 0
+
+
+class SimEventData:
+    __slots__ = ("computeInstanceId", "device", "eventData", "eventType", "gpuInstanceId", "timeStamp")
+
+    def __init__(self, device: SimHandle, event_type: int, event_data: int, ts_us: int) -> None:
+        self.device = device
+        self.eventType = event_type
+        self.eventData = event_data
+        self.timeStamp = ts_us
+        self.gpuInstanceId = _NO_INSTANCE
+        self.computeInstanceId = _NO_INSTANCE
+
+
+class SimHandle:
+    """A device handle: valid for the driver generation it was made in."""
+
+    __slots__ = ("generation", "gpu")
+
+    def __init__(self, gpu: SimGpu, generation: int) -> None:
+        self.gpu = gpu
+        self.generation = generation
+
+    def __repr__(self) -> str:
+        return f"<SimHandle {self.gpu.uuid} gen {self.generation}>"
+
+
+class SimEventSet:
+    __slots__ = ("freed", "generation", "queue", "registrations")
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.registrations: dict[str, int] = {}
+        self.queue: deque[SimEventData] = deque()
+        self.freed = False
+
+
+# --------------------------------------------------------------------------------------------------
+# One simulated GPU: settings, physics and counters
+# --------------------------------------------------------------------------------------------------
+
+
+class SimGpu:
+    """One simulated GPU. Read its attributes in tests; change it through ``SimNvml``'s control methods."""
+
+    def __init__(self, prof: GpuProfile, index: int, seed: int, now_s: float) -> None:
+        self.profile = prof
+        self.index = index
+        self.seed = seed
+        self.uuid = "GPU-" + str(uuidlib.UUID(int=int(_hash01(seed, index, 1) * 2**32) << 96 | _bits(seed, index)))
+        self.serial = str(1320000000000 + int(_hash01(seed, index, 2) * 9_999_999_999))
+        self.pci = SimPciInfo(bus=(0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)[index % 8] + index // 8, device_id=0)
+        self.graphics_clocks_mhz = prof.graphics_clocks_mhz()
+        self._graphics_set = frozenset(self.graphics_clocks_mhz)
+        self.t0 = now_s
+        # workload and environment
+        self.scenario = "idle"
+        self.utilization_override: float | None = None
+        self.ambient_override_c: float | None = None
+        self.cooling_override: float | None = None
+        self.external_limit_w: float | None = None
+        # health
+        self.lost = False
+        self.ecc_corrected = 0
+        self.ecc_uncorrected = 0
+        self.ecc_aggregate_corrected = 0
+        self.ecc_aggregate_uncorrected = 0
+        self.remapped_rows = (0, 0, 0, 0)
+        self.reset_settings()
+        self.energy_mj = 0.0
+        self._reset_physics(now_s)
+
+    # --- settings lost on a driver reload ---------------------------------------------------------
+    def reset_settings(self) -> None:
+        self.power_limit_mw = round(self.profile.power_limit_default_w * 1000)
+        self.locked_gpu_clocks: tuple[int, int] | None = None
+        self.locked_memory_clocks: tuple[int, int] | None = None
+        self.persistence_mode = 0
+        self.compute_mode = pynvml.NVML_COMPUTEMODE_DEFAULT
+
+    def _reset_physics(self, now_s: float) -> None:
+        prof = self.profile
+        self.t_last = now_s
+        self.utilization = 0.0
+        self.power_w = prof.idle_power_w
+        self.power_avg_w = prof.idle_power_w
+        self.temperature_c = self.ambient_c + prof.idle_power_w * self.thermal_r
+        self.sm_clock_mhz = prof.idle_sm_mhz
+        self.memory_clock_mhz = prof.memory_clocks_mhz[-1] if prof.idle_pstate else prof.memory_clocks_mhz[0]
+        self.pstate = prof.idle_pstate
+        self.reasons = _IDLE
+        self.memory_used_bytes = self._memory_used(0.0)
+        self.utilization_memory = 0.0
+        self.pcie_tx_kbs = 0
+        self.pcie_rx_kbs = 0
+
+    # --- derived figures --------------------------------------------------------------------------
+    @property
+    def ambient_c(self) -> float:
+        return self.ambient_override_c if self.ambient_override_c is not None else self.profile.ambient_c
+
+    @property
+    def cooling_factor(self) -> float:
+        """Multiplies the thermal resistance: 1 = nominal cooling, 2 = half as good."""
+        if self.cooling_override is not None:
+            return self.cooling_override
+        if self.scenario in ("heat", "oscillating"):
+            prof = self.profile
+            full_w = min(prof.load_power_w, prof.power_limit_default_w)
+            # steady state at full load under the default limit: 6 C above max-operating (so SwThermal holds it)
+            wanted_r = (prof.max_operating_c + 6 - self.ambient_c) / full_w
+            return max(1.0, wanted_r / prof.thermal_r_c_per_w)
+        return 1.0
+
+    @property
+    def thermal_r(self) -> float:
+        return self.profile.thermal_r_c_per_w * self.cooling_factor
+
+    @property
+    def power_limit_w(self) -> float:
+        return self.power_limit_mw / 1000.0
+
+    @property
+    def enforced_limit_mw(self) -> int:
+        if self.external_limit_w is None:
+            return self.power_limit_mw
+        return min(self.power_limit_mw, round(self.external_limit_w * 1000))
+
+    @property
+    def energy_j(self) -> float:
+        return self.energy_mj / 1000.0
+
+    @property
+    def reported_power_w(self) -> float:
+        return self.power_avg_w if self.profile.power_averaged else self.power_w
+
+    @property
+    def fan_speed_pct(self) -> int:
+        return int(min(100.0, max(30.0, 30.0 + (self.temperature_c - 40.0) * 1.5)))
+
+    @property
+    def memory_temperature_c(self) -> float:
+        return self.temperature_c + 3.0 + 5.0 * self.utilization_memory
+
+    def handle_key(self) -> str:
+        return self.uuid
+
+    # --- workload ---------------------------------------------------------------------------------
+    def utilization_at(self, t: float) -> float:
+        if self.utilization_override is not None:
+            return self.utilization_override
+        scenario = self.scenario
+        if scenario == "idle":
+            return 0.0
+        if scenario == "steady":
+            return 0.7
+        if scenario == "heat":
+            return 1.0
+        if scenario == "oscillating":
+            return 0.55 + 0.45 * math.sin(2.0 * math.pi * t / 120.0)
+        if scenario == "inference":
+            slot = int(t / 0.5)
+            if _hash01(self.seed, self.index, slot, 11) < 0.4:
+                return 0.75 + 0.25 * _hash01(self.seed, self.index, slot, 12)
+            return 0.0
+        # training: 285 s of near-full load, then a 15 s checkpoint at low load
+        phase = t % 300.0
+        if phase >= 285.0:
+            return 0.05
+        return 0.93 + 0.07 * _hash01(self.seed, self.index, int(t), 13)
+
+    def _memory_used(self, u: float) -> int:
+        total = self.profile.memory_total_bytes
+        base = 0.006
+        scenario = self.scenario if self.utilization_override is None else "steady"
+        share = {
+            "idle": base,
+            "inference": 0.4,
+            "training": self.profile.memory_busy_fraction,
+            "heat": 0.5,
+            "oscillating": 0.5,
+        }.get(scenario, base + 0.5 * u)
+        return int(total * share) // 4096 * 4096
+
+    # --- physics ----------------------------------------------------------------------------------
+    def advance(self, now_s: float) -> bool:
+        """Integrate up to ``now_s``. Returns True when the GPU crossed its shutdown temperature."""
+        dt = now_s - self.t_last
+        if dt < _MIN_ADVANCE_S or self.lost:
+            return False
+        steps = min(_MAX_STEPS, max(1, math.ceil(dt / _STEP_S)))
+        h = dt / steps
+        t = self.t_last - self.t0
+        for _ in range(steps):
+            self._step(t, h)
+            t += h
+            if self.temperature_c >= self.profile.shutdown_c:
+                self.t_last = now_s
+                return True
+        self.t_last = now_s
+        return False
+
+    def _step(self, t: float, h: float) -> None:
+        prof = self.profile
+        u = self.utilization_at(t)
+        idle_w = prof.idle_power_w
+        f_max = float(prof.sm_max_mhz)
+        floor = prof.idle_sm_mhz
+        idle = u < 0.01
+        freq = float(floor if idle else prof.sm_max_mhz)
+        locked = self.locked_gpu_clocks
+        if locked is not None:
+            freq = min(max(freq, locked[0]), locked[1])
+        dyn_w = (prof.load_power_w - idle_w) * u
+        power = idle_w + dyn_w * (freq / f_max) ** 3
+        reasons = _IDLE if idle else 0
+        cap_w = self.enforced_limit_mw / 1000.0
+        if power > cap_w and dyn_w > 0:
+            reasons |= _SW_POWER_CAP
+            power = max(cap_w, idle_w)
+            freq = min(freq, f_max * ((power - idle_w) / dyn_w) ** (1.0 / 3.0))
+        r = self.thermal_r
+        ambient = self.ambient_c
+        hold_w = (prof.max_operating_c - ambient) / r
+        if self.temperature_c >= prof.max_operating_c and power > hold_w and dyn_w > 0:
+            reasons |= _SW_THERMAL
+            power = max(hold_w, idle_w)
+            freq = min(freq, f_max * ((power - idle_w) / dyn_w) ** (1.0 / 3.0))
+        if self.temperature_c >= prof.slowdown_c:
+            reasons |= _HW_THERMAL | _HW_SLOWDOWN
+            freq /= 2.0
+            power = idle_w + (power - idle_w) / 8.0
+        snapped = prof.sm_max_mhz - 15 * round((f_max - freq) / 15.0)
+        self.sm_clock_mhz = max(floor, min(prof.sm_max_mhz, snapped))
+        self.reasons = reasons
+        self.utilization = u
+        self.pstate = prof.idle_pstate if idle else 0
+        mem_clocks = prof.memory_clocks_mhz
+        mem = mem_clocks[-1] if (idle and prof.idle_pstate) else mem_clocks[0]
+        if self.locked_memory_clocks is not None:
+            mem = min(max(mem, self.locked_memory_clocks[0]), self.locked_memory_clocks[1])
+        self.memory_clock_mhz = mem
+        # thermal (exact solution of the first-order model over the step) and energy
+        steady_c = ambient + power * r
+        self.temperature_c = steady_c + (self.temperature_c - steady_c) * math.exp(-h / prof.thermal_tau_s)
+        self.energy_mj += power * h * 1000.0
+        self.power_w = power
+        self.power_avg_w += (power - self.power_avg_w) * (1.0 - math.exp(-h))
+        # load-dependent counters
+        mem_ratio = 0.6 if self.scenario == "training" else 0.4
+        self.utilization_memory = u * mem_ratio
+        self.memory_used_bytes = self._memory_used(u)
+        noise = 0.8 + 0.4 * _hash01(self.seed, self.index, int(t * 10), 21)
+        rx_share = 0.35 if self.scenario == "inference" else 0.05
+        self.pcie_rx_kbs = int(prof.pcie_max_kbs * rx_share * u * noise)
+        self.pcie_tx_kbs = int(prof.pcie_max_kbs * rx_share * 0.3 * u * noise)
+
+
+def _bits(seed: int, index: int) -> int:
+    out = 0
+    for i in range(3):
+        out = (out << 32) | int(_hash01(seed, index, 100 + i) * 2**32)
+    # RFC 4122 variant/version bits keep the UUID looking like a real one
+    out &= ~(0xF << 76)
+    out |= 0x4 << 76
+    out &= ~(0x3 << 62)
+    out |= 0x2 << 62
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The simulated library
+# --------------------------------------------------------------------------------------------------
+
+
+class SimNvml:
+    """A simulated NVML. Build it with ``SimNvml(count, profile, ...)`` or ``SimNvml.from_profiles([...])``.
+
+    ``clock`` returns seconds (``FakeClock().monotonic`` in tests); ``sleep`` is used only for injected delays
+    (``set_call_delay_s``, a slow first call after ``driver_reload``), which are real waits so that the
+    backend's timeouts see them. ``as_root=False`` makes every setter raise NoPermission. A ``driver_version``
+    whose branch is older than a function (see ``_MIN_DRIVER_MAJOR``) makes that function raise FunctionNotFound.
+    """
+
+    NVMLError = pynvml.NVMLError
+    nvmlExceptionClass = staticmethod(pynvml.nvmlExceptionClass)
+
+    def __init__(
+        self,
+        count: int = 1,
+        profile: str = "H100",
+        *,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        as_root: bool = True,
+        driver_version: str = "590.48.01",
+        scenario: str = "idle",
+        profiles: Sequence[str] | None = None,
+    ) -> None:
+        keys = list(profiles) if profiles is not None else [profile] * count
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.RLock()
+        self._as_root = as_root
+        self._driver_version = driver_version
+        major = int(driver_version.split(".", 1)[0])
+        self._missing = frozenset(f for f, m in _MIN_DRIVER_MAJOR.items() if major < m)
+        now = clock()
+        self._gpus = [SimGpu(lookup_profile(k), i, seed, now) for i, k in enumerate(keys)]
+        self._by_uuid = {g.uuid: g for g in self._gpus}
+        for g in self._gpus:
+            g.scenario = scenario
+        self._generation = 1
+        self._handles = {g.uuid: SimHandle(g, 1) for g in self._gpus}
+        self._init_count = 0
+        self._event_sets: list[SimEventSet] = []
+        self._faults: dict[str, list[list[Any]]] = {}
+        self._delays: dict[str, float] = {}
+        self._first_call_delay_s = 0.0
+        #: Calls per pynvml function name (tests assert how often NVML was asked).
+        self.calls: Counter[str] = Counter()
+
+    @classmethod
+    def from_profiles(cls, profiles: Iterable[str], **kwargs: Any) -> SimNvml:
+        """``SimNvml.from_profiles(["H100", "T4"], seed=0, clock=clock.monotonic)``."""
+        return cls(profiles=list(profiles), **kwargs)
+
+    # ----------------------------------------------------------------------------------------------
+    # Call prologue: counting, injected delays and faults, init state, handle validity, capability
+    # ----------------------------------------------------------------------------------------------
+    def _prologue(self, fname: str) -> None:
+        self.calls[fname] += 1
+        if self._first_call_delay_s:
+            delay, self._first_call_delay_s = self._first_call_delay_s, 0.0
+            self._sleep(delay)
+        if self._delays:
+            delay = self._delays.get(fname, self._delays.get("*", 0.0))
+            if delay:
+                self._sleep(delay)
+        if fname in self._missing:
+            raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    def _fault(self, fname: str, uuid: str | None) -> None:
+        for key in (fname, "*"):
+            for fault in self._faults.get(key, ()):
+                code, remaining, target = fault
+                if remaining > 0 and (target is None or target == uuid):
+                    fault[1] = remaining - 1
+                    raise _error(code)
+
+    def _system(self, fname: str, *, needs_init: bool = True) -> None:
+        self._prologue(fname)
+        if self._faults:
+            self._fault(fname, None)
+        if needs_init and self._init_count <= 0:
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+
+    def _device(self, handle: SimHandle, fname: str) -> SimGpu:
+        self._prologue(fname)
+        if self._init_count <= 0 or not isinstance(handle, SimHandle) or handle.generation != self._generation:
+            if not isinstance(handle, SimHandle):
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        gpu = handle.gpu
+        if self._faults:
+            self._fault(fname, gpu.uuid)
+        if gpu.lost:
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if gpu.advance(self._clock()):
+            self._fall_off(gpu)
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
+    def _setter(self, handle: SimHandle, fname: str) -> SimGpu:
+        gpu = self._device(handle, fname)
+        if not self._as_root:
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+        return gpu
+
+    def _fall_off(self, gpu: SimGpu) -> None:
+        gpu.lost = True
+        self._emit(gpu, _EV_XID, 79)
+
+    def _emit(self, gpu: SimGpu, event_type: int, data: int) -> None:
+        ts_us = int(self._clock() * 1e6)
+        handle = self._handles[gpu.uuid]
+        for es in self._event_sets:
+            if not es.freed and es.generation == self._generation and es.registrations.get(gpu.uuid, 0) & event_type:
+                es.queue.append(SimEventData(handle, event_type, data, ts_us))
+
+    # ----------------------------------------------------------------------------------------------
+    # pynvml surface: system
+    # ----------------------------------------------------------------------------------------------
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        self._init("nvmlInitWithFlags", flags)
+
+    def nvmlInit(self) -> None:
+        self._init("nvmlInit", 0)
+
+    def _init(self, fname: str, flags: int) -> None:
+        self._system(fname, needs_init=False)
+        if not self._gpus and not flags & pynvml.NVML_INIT_FLAG_NO_GPUS:
+            raise _error(pynvml.NVML_ERROR_GPU_NOT_FOUND)
+        with self._lock:
+            self._init_count += 1
+
+    def nvmlShutdown(self) -> None:
+        self._system("nvmlShutdown")
+        with self._lock:
+            self._init_count -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._system("nvmlSystemGetDriverVersion")
+        return self._driver_version
+
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        self._system("nvmlSystemGetNVMLVersion")
+        return "13." + self._driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._system("nvmlDeviceGetCount")
+        return len(self._gpus)
+
+    def _handle_of(self, gpu: SimGpu) -> SimHandle:
+        if gpu.lost:
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self._handles[gpu.uuid]
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:
+        self._system("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self._gpus):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._handle_of(self._gpus[index])
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> SimHandle:
+        self._system("nvmlDeviceGetHandleByUUID")
+        gpu = self._by_uuid.get(uuid)
+        if gpu is None:
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        return self._handle_of(gpu)
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> SimHandle:
+        self._system("nvmlDeviceGetHandleByPciBusId")
+        for gpu in self._gpus:
+            if bus_id.upper() in (gpu.pci.busId.upper(), gpu.pci.busIdLegacy.upper()):
+                return self._handle_of(gpu)
+        raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    # ----------------------------------------------------------------------------------------------
+    # pynvml surface: identity
+    # ----------------------------------------------------------------------------------------------
+    def nvmlDeviceGetName(self, handle: SimHandle) -> str:
+        return self._device(handle, "nvmlDeviceGetName").profile.name
+
+    def nvmlDeviceGetUUID(self, handle: SimHandle) -> str:
+        return self._device(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetSerial(self, handle: SimHandle) -> str:
+        return self._device(handle, "nvmlDeviceGetSerial").serial
+
+    def nvmlDeviceGetIndex(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetIndex").index
+
+    def nvmlDeviceGetPciInfo(self, handle: SimHandle) -> SimPciInfo:
+        return self._device(handle, "nvmlDeviceGetPciInfo").pci
+
+    def nvmlDeviceGetArchitecture(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetArchitecture").profile.architecture
+
+    # ----------------------------------------------------------------------------------------------
+    # pynvml surface: readings
+    # ----------------------------------------------------------------------------------------------
+    def nvmlDeviceGetUtilizationRates(self, handle: SimHandle) -> SimUtilization:
+        gpu = self._device(handle, "nvmlDeviceGetUtilizationRates")
+        return SimUtilization(round(gpu.utilization * 100), round(gpu.utilization_memory * 100))
+
+    def nvmlDeviceGetMemoryInfo(self, handle: SimHandle, version: int | None = None) -> SimMemory:
+        gpu = self._device(handle, "nvmlDeviceGetMemoryInfo")
+        total = gpu.profile.memory_total_bytes
+        used = gpu.memory_used_bytes
+        if version:
+            reserved = 512 * 1024 * 1024
+            return SimMemory(total, total - used - reserved, used, reserved, version)
+        return SimMemory(total, total - used, used)
+
+    def nvmlDeviceGetTemperatureV(self, handle: SimHandle, sensor: int, version: int = 0) -> int:
+        gpu = self._device(handle, "nvmlDeviceGetTemperatureV")
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(gpu.temperature_c)
+
+    def nvmlDeviceGetTemperature(self, handle: SimHandle, sensor: int) -> int:
+        gpu = self._device(handle, "nvmlDeviceGetTemperature")
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(gpu.temperature_c)
+
+    def _threshold(self, gpu: SimGpu, kind: int) -> int:
+        prof = gpu.profile
+        if kind == pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
+            return prof.shutdown_c
+        if kind == pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            return prof.slowdown_c
+        if kind == pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX:
+            return prof.max_operating_c
+        if kind == pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX and prof.memory_max_c is not None:
+            return prof.memory_max_c
+        raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: SimHandle, threshold: int) -> int:
+        return self._threshold(self._device(handle, "nvmlDeviceGetTemperatureThreshold"), threshold)
+
+    def nvmlDeviceGetPowerUsage(self, handle: SimHandle) -> int:
+        return round(self._device(handle, "nvmlDeviceGetPowerUsage").reported_power_w * 1000)
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetPowerManagementLimit").power_limit_mw
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: SimHandle) -> list[int]:
+        prof = self._device(handle, "nvmlDeviceGetPowerManagementLimitConstraints").profile
+        return [round(prof.power_limit_min_w * 1000), round(prof.power_limit_max_w * 1000)]
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: SimHandle) -> int:
+        prof = self._device(handle, "nvmlDeviceGetPowerManagementDefaultLimit").profile
+        return round(prof.power_limit_default_w * 1000)
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetEnforcedPowerLimit").enforced_limit_mw
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: SimHandle) -> int:
+        return int(self._device(handle, "nvmlDeviceGetTotalEnergyConsumption").energy_mj)
+
+    def _clock_of(self, gpu: SimGpu, clock_type: int, maximum: bool) -> int:
+        if clock_type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            return gpu.profile.sm_max_mhz if maximum else gpu.sm_clock_mhz
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return gpu.profile.memory_clocks_mhz[0] if maximum else gpu.memory_clock_mhz
+        if clock_type == pynvml.NVML_CLOCK_VIDEO:
+            return int((gpu.profile.sm_max_mhz if maximum else gpu.sm_clock_mhz) * 0.9)
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetClockInfo(self, handle: SimHandle, type: int) -> int:
+        return self._clock_of(self._device(handle, "nvmlDeviceGetClockInfo"), type, False)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: SimHandle, type: int) -> int:
+        return self._clock_of(self._device(handle, "nvmlDeviceGetMaxClockInfo"), type, True)
+
+    def nvmlDeviceGetSupportedMemoryClocks(self, handle: SimHandle) -> list[int]:
+        return list(self._device(handle, "nvmlDeviceGetSupportedMemoryClocks").profile.memory_clocks_mhz)
+
+    def nvmlDeviceGetSupportedGraphicsClocks(self, handle: SimHandle, memoryClockMHz: int) -> list[int]:
+        gpu = self._device(handle, "nvmlDeviceGetSupportedGraphicsClocks")
+        if memoryClockMHz not in gpu.profile.memory_clocks_mhz:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return list(gpu.graphics_clocks_mhz)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetCurrentClocksEventReasons").reasons
+
+    def nvmlDeviceGetSupportedClocksEventReasons(self, handle: SimHandle) -> int:
+        self._device(handle, "nvmlDeviceGetSupportedClocksEventReasons")
+        return _REASONS_SUPPORTED
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetCurrentClocksThrottleReasons").reasons
+
+    def nvmlDeviceGetPerformanceState(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetPerformanceState").pstate
+
+    def nvmlDeviceGetFanSpeed(self, handle: SimHandle) -> int:
+        gpu = self._device(handle, "nvmlDeviceGetFanSpeed")
+        if not gpu.profile.has_fan:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.fan_speed_pct
+
+    def nvmlDeviceGetPcieThroughput(self, device: SimHandle, counter: int) -> int:
+        gpu = self._device(device, "nvmlDeviceGetPcieThroughput")
+        if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
+            return gpu.pcie_tx_kbs
+        if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES:
+            return gpu.pcie_rx_kbs
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: SimHandle, errorType: int, counterType: int) -> int:
+        gpu = self._device(handle, "nvmlDeviceGetTotalEccErrors")
+        if not gpu.profile.ecc:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        corrected = errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        if errorType not in (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        volatile = gpu.ecc_corrected if corrected else gpu.ecc_uncorrected
+        if counterType == pynvml.NVML_VOLATILE_ECC:
+            return volatile
+        if counterType == pynvml.NVML_AGGREGATE_ECC:
+            return volatile + (gpu.ecc_aggregate_corrected if corrected else gpu.ecc_aggregate_uncorrected)
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetRemappedRows(self, device: SimHandle) -> tuple[int, int, int, int]:
+        gpu = self._device(device, "nvmlDeviceGetRemappedRows")
+        if not gpu.profile.remapped_rows:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.remapped_rows
+
+    def nvmlDeviceGetPersistenceMode(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetPersistenceMode").persistence_mode
+
+    def nvmlDeviceGetComputeMode(self, handle: SimHandle) -> int:
+        return self._device(handle, "nvmlDeviceGetComputeMode").compute_mode
+
+    def nvmlDeviceGetFieldValues(self, handle: SimHandle, fieldIds: Sequence[int]) -> Any:
+        """Real ``c_nvmlFieldValue_t`` items, each with its own ``nvmlReturn`` (NotSupported per field)."""
+        gpu = self._device(handle, "nvmlDeviceGetFieldValues")
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        ts_us = int(self._clock() * 1e6)
+        for item, field_id in zip(values, fieldIds, strict=True):
+            item.fieldId = field_id
+            item.timestamp = ts_us
+            value_type, value = self._field(gpu, field_id)
+            if value_type < 0:
+                item.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            item.valueType = value_type
+            if value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                item.value.uiVal = value
+            elif value_type == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
+                item.value.ullVal = value
+            else:
+                item.value.siVal = value
+        return values
+
+    def _field(self, gpu: SimGpu, field_id: int) -> tuple[int, int]:
+        uint = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+        prof = gpu.profile
+        if field_id == pynvml.NVML_FI_DEV_ENERGY:
+            return pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, int(gpu.energy_mj)
+        if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+            return (uint, int(gpu.memory_temperature_c)) if prof.hbm else (-1, 0)
+        if field_id == pynvml.NVML_FI_DEV_POWER_AVERAGE:
+            return uint, round(gpu.power_avg_w * 1000)
+        if field_id == pynvml.NVML_FI_DEV_POWER_INSTANT:
+            return uint, round(gpu.power_w * 1000)
+        limits = {
+            pynvml.NVML_FI_DEV_POWER_MIN_LIMIT: round(prof.power_limit_min_w * 1000),
+            pynvml.NVML_FI_DEV_POWER_MAX_LIMIT: round(prof.power_limit_max_w * 1000),
+            pynvml.NVML_FI_DEV_POWER_DEFAULT_LIMIT: round(prof.power_limit_default_w * 1000),
+            pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT: gpu.enforced_limit_mw,
+            pynvml.NVML_FI_DEV_POWER_REQUESTED_LIMIT: gpu.power_limit_mw,
+        }
+        if field_id in limits:
+            return uint, limits[field_id]
+        tlimits = {
+            pynvml.NVML_FI_DEV_TEMPERATURE_SHUTDOWN_TLIMIT: prof.shutdown_c,
+            pynvml.NVML_FI_DEV_TEMPERATURE_SLOWDOWN_TLIMIT: prof.slowdown_c,
+            pynvml.NVML_FI_DEV_TEMPERATURE_GPU_MAX_TLIMIT: prof.max_operating_c,
+        }
+        if field_id in tlimits:
+            return pynvml.NVML_VALUE_TYPE_SIGNED_INT, tlimits[field_id]
+        return -1, 0
+
+    # ----------------------------------------------------------------------------------------------
+    # pynvml surface: setters (root only)
+    # ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _c_uint(value: Any) -> int:
+        # ctypes.c_uint(x) refuses anything but an int, with a TypeError; do the same.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"int expected instead of {type(value).__name__}")
+        return value
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: SimHandle, limit: int) -> None:
+        gpu = self._setter(handle, "nvmlDeviceSetPowerManagementLimit")
+        self._set_power_limit(gpu, self._c_uint(limit))
+
+    def _set_power_limit(self, gpu: SimGpu, limit_mw: int) -> None:
+        prof = gpu.profile
+        if not round(prof.power_limit_min_w * 1000) <= limit_mw <= round(prof.power_limit_max_w * 1000):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            gpu.power_limit_mw = limit_mw
+
+    def nvmlDeviceSetPowerManagementLimit_v2(
+        self,
+        device: SimHandle,
+        powerScope: int,
+        powerLimit: int,
+        version: int = 0,
+    ) -> int:
+        """Reproduces the nvidia-ml-py 13.615.71 bug: the driver's error is ignored, the call always "succeeds"."""
+        try:
+            gpu = self._setter(device, "nvmlDeviceSetPowerManagementLimit_v2")
+            self._set_power_limit(gpu, self._c_uint(powerLimit))
+        except pynvml.NVMLError:
+            pass
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceSetGpuLockedClocks(self, handle: SimHandle, minGpuClockMHz: int, maxGpuClockMHz: int) -> None:
+        gpu = self._setter(handle, "nvmlDeviceSetGpuLockedClocks")
+        lo, hi = self._c_uint(minGpuClockMHz), self._c_uint(maxGpuClockMHz)
+        symbolic = (lo in _SYMBOLIC, hi in _SYMBOLIC)
+        if symbolic == (True, True):
+            tdp = gpu.profile.sm_max_mhz - 15 * round(gpu.profile.sm_max_mhz * 0.2 / 15)  # base clock (assumed)
+            resolved = (
+                gpu.profile.idle_sm_mhz if lo == _CLOCK_UNLIMITED else tdp,
+                gpu.profile.sm_max_mhz if hi == _CLOCK_UNLIMITED else tdp,
+            )
+            with self._lock:
+                gpu.locked_gpu_clocks = (
+                    None if resolved == (gpu.profile.idle_sm_mhz, gpu.profile.sm_max_mhz) else resolved
+                )
+            return
+        if any(symbolic) or lo > hi or lo not in gpu._graphics_set or hi not in gpu._graphics_set:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            gpu.locked_gpu_clocks = (lo, hi)
+
+    def nvmlDeviceResetGpuLockedClocks(self, handle: SimHandle) -> None:
+        gpu = self._setter(handle, "nvmlDeviceResetGpuLockedClocks")
+        with self._lock:
+            gpu.locked_gpu_clocks = None
+
+    def nvmlDeviceSetMemoryLockedClocks(self, handle: SimHandle, minMemClockMHz: int, maxMemClockMHz: int) -> None:
+        gpu = self._device(handle, "nvmlDeviceSetMemoryLockedClocks")
+        if not gpu.profile.memory_locked_clocks:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not self._as_root:
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+        lo, hi = self._c_uint(minMemClockMHz), self._c_uint(maxMemClockMHz)
+        clocks = gpu.profile.memory_clocks_mhz
+        if lo > hi or lo not in clocks or hi not in clocks:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            gpu.locked_memory_clocks = (lo, hi)
+
+    def nvmlDeviceResetMemoryLockedClocks(self, handle: SimHandle) -> None:
+        gpu = self._device(handle, "nvmlDeviceResetMemoryLockedClocks")
+        if not gpu.profile.memory_locked_clocks:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not self._as_root:
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+        with self._lock:
+            gpu.locked_memory_clocks = None
+
+    def nvmlDeviceSetPersistenceMode(self, handle: SimHandle, mode: int) -> None:
+        gpu = self._setter(handle, "nvmlDeviceSetPersistenceMode")
+        if self._c_uint(mode) not in (pynvml.NVML_FEATURE_DISABLED, pynvml.NVML_FEATURE_ENABLED):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            gpu.persistence_mode = mode
+
+    def nvmlDeviceSetComputeMode(self, handle: SimHandle, mode: int) -> None:
+        gpu = self._setter(handle, "nvmlDeviceSetComputeMode")
+        valid = (
+            pynvml.NVML_COMPUTEMODE_DEFAULT,
+            pynvml.NVML_COMPUTEMODE_PROHIBITED,
+            pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+        )
+        if self._c_uint(mode) not in valid:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            gpu.compute_mode = mode
+
+    # ----------------------------------------------------------------------------------------------
+    # pynvml surface: events
+    # ----------------------------------------------------------------------------------------------
+    def nvmlEventSetCreate(self) -> SimEventSet:
+        self._system("nvmlEventSetCreate")
+        es = SimEventSet(self._generation)
+        with self._lock:
+            self._event_sets.append(es)
+        return es
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: SimHandle) -> int:
+        gpu = self._device(handle, "nvmlDeviceGetSupportedEventTypes")
+        return _EV_XID | _EV_PSTATE | _EV_CLOCK | ((_EV_SBE | _EV_DBE) if gpu.profile.ecc else 0)
+
+    def nvmlDeviceRegisterEvents(self, handle: SimHandle, eventTypes: int, eventSet: SimEventSet) -> None:
+        gpu = self._device(handle, "nvmlDeviceRegisterEvents")
+        supported = _EV_XID | _EV_PSTATE | _EV_CLOCK | ((_EV_SBE | _EV_DBE) if gpu.profile.ecc else 0)
+        if eventSet.freed or eventSet.generation != self._generation:
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        if eventTypes & ~supported:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        with self._lock:
+            eventSet.registrations[gpu.uuid] = eventSet.registrations.get(gpu.uuid, 0) | eventTypes
+
+    def nvmlEventSetWait(self, eventSet: SimEventSet, timeoutms: int) -> SimEventData:
+        """Returns the oldest queued event; raises Timeout at once when none is queued (no real wait)."""
+        self._system("nvmlEventSetWait")
+        if eventSet.freed or eventSet.generation != self._generation:
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        for gpu in self._gpus:
+            if gpu.advance(self._clock()):
+                self._fall_off(gpu)
+        with self._lock:
+            if eventSet.queue:
+                return eventSet.queue.popleft()
+        raise _error(pynvml.NVML_ERROR_TIMEOUT)
+
+    def nvmlEventSetFree(self, eventSet: SimEventSet) -> None:
+        self._system("nvmlEventSetFree", needs_init=False)
+        with self._lock:
+            eventSet.freed = True
+            if eventSet in self._event_sets:
+                self._event_sets.remove(eventSet)
+
+    # ==============================================================================================
+    # Control surface for tests and demos (not pynvml names)
+    # ==============================================================================================
+    @property
+    def gpus(self) -> list[SimGpu]:
+        """The simulated GPUs in index order (``.uuid``, ``.profile``, ``.temperature_c``, ``.power_w`` ...)."""
+        return list(self._gpus)
+
+    def gpu(self, uuid: str) -> SimGpu:
+        """A simulated GPU by UUID, brought up to the clock's time."""
+        gpu = self._by_uuid.get(uuid)
+        if gpu is None:
+            raise KeyError(f"no simulated GPU {uuid}; GPUs: {', '.join(self._by_uuid)}")
+        with self._lock:
+            if gpu.advance(self._clock()):
+                self._fall_off(gpu)
+        return gpu
+
+    def _targets(self, uuid: str | None) -> list[SimGpu]:
+        if uuid is None:
+            return list(self._gpus)
+        return [self.gpu(uuid)]
+
+    def set_scenario(self, uuid: str | None, name: str) -> None:
+        """Drive utilisation from a scenario (``SCENARIOS``); ``uuid=None`` means every GPU. Clears set_utilization."""
+        if name not in SCENARIOS:
+            raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+        for gpu in self._targets(uuid):
+            gpu.scenario = name
+            gpu.utilization_override = None
+
+    def set_utilization(self, uuid: str | None, percent: float | None) -> None:
+        """Hold utilisation at ``percent`` (0..100); ``None`` gives control back to the scenario."""
+        if percent is not None and not 0 <= percent <= 100:
+            raise ValueError(f"utilization must be within 0..100 percent, got {percent}")
+        for gpu in self._targets(uuid):
+            gpu.utilization_override = None if percent is None else percent / 100.0
+
+    def set_ambient_c(self, uuid: str | None, celsius: float | None) -> None:
+        """The temperature the GPU settles at with no power; ``None`` restores the profile's value."""
+        for gpu in self._targets(uuid):
+            gpu.ambient_override_c = celsius
+
+    def set_cooling(self, uuid: str | None, factor: float | None) -> None:
+        """Multiply the thermal resistance (2.0 = half as good cooling); ``None`` restores the scenario's."""
+        if factor is not None and factor <= 0:
+            raise ValueError(f"cooling factor must be > 0, got {factor}")
+        for gpu in self._targets(uuid):
+            gpu.cooling_override = factor
+
+    def set_external_power_limit_w(self, uuid: str, watts: float | None) -> None:
+        """An out-of-band limiter (enforced limit = min(requested, this)); ``None`` removes it."""
+        self.gpu(uuid).external_limit_w = watts
+
+    def driver_reload(self, *, first_call_delay_s: float = 0.0, recover_lost: bool = False) -> None:
+        """Simulate a driver reload: every setting back to default, energy counters to 0, NVML uninitialised
+        (old handles and event sets raise Uninitialized), volatile ECC counters cleared. With
+        ``first_call_delay_s`` the first call afterwards (normally nvmlInit) takes that long, as without
+        persistence mode. Lost GPUs stay lost unless ``recover_lost`` (a reboot)."""
+        now = self._clock()
+        with self._lock:
+            for gpu in self._gpus:
+                gpu.advance(now)
+                gpu.reset_settings()
+                gpu.energy_mj = 0.0
+                gpu.ecc_aggregate_corrected += gpu.ecc_corrected
+                gpu.ecc_aggregate_uncorrected += gpu.ecc_uncorrected
+                gpu.ecc_corrected = gpu.ecc_uncorrected = 0
+                if recover_lost and gpu.lost:
+                    gpu.lost = False
+                    gpu._reset_physics(now)
+            self._generation += 1
+            self._handles = {g.uuid: SimHandle(g, self._generation) for g in self._gpus}
+            self._init_count = 0
+            for es in self._event_sets:
+                es.freed = True
+            self._event_sets.clear()
+            self._first_call_delay_s = first_call_delay_s
+
+    def inject_gpu_lost(self, uuid: str) -> None:
+        """The GPU falls off the bus: every call on it raises GpuIsLost; an XID 79 event is queued."""
+        gpu = self.gpu(uuid)
+        with self._lock:
+            self._fall_off(gpu)
+
+    def inject_xid(self, uuid: str, xid: int) -> None:
+        """Queue an XID critical-error event for the GPU (seen by event sets registered for XIDs)."""
+        with self._lock:
+            self._emit(self.gpu(uuid), _EV_XID, xid)
+
+    def inject_ecc(self, uuid: str, *, corrected: int = 0, uncorrected: int = 0) -> None:
+        """Add ECC errors to the volatile counters and queue single/double-bit ECC events."""
+        gpu = self.gpu(uuid)
+        with self._lock:
+            gpu.ecc_corrected += corrected
+            gpu.ecc_uncorrected += uncorrected
+            for _ in range(corrected):
+                self._emit(gpu, _EV_SBE, 0)
+            for _ in range(uncorrected):
+                self._emit(gpu, _EV_DBE, 0)
+
+    def inject_errors(self, function_name: str, code: int, count: int = 1, *, uuid: str | None = None) -> None:
+        """The next ``count`` calls of ``function_name`` (a pynvml name, or ``*`` for any) raise NVMLError(code);
+        with ``uuid`` only calls on that GPU do."""
+        if function_name != "*" and not hasattr(self, function_name):
+            raise ValueError(f"{function_name!r} is not a function of the simulated NVML")
+        pynvml.nvmlExceptionClass(code)  # a clear KeyError for an unknown code, now rather than later
+        with self._lock:
+            self._faults.setdefault(function_name, []).append([code, count, uuid])
+
+    def set_call_delay_s(self, seconds: float, function_name: str | None = None) -> None:
+        """Every call (or every call of ``function_name``) takes ``seconds`` longer (a real sleep); 0 clears."""
+        key = function_name or "*"
+        with self._lock:
+            if seconds > 0:
+                self._delays[key] = seconds
+            else:
+                self._delays.pop(key, None)
+
+    def set_as_root(self, as_root: bool) -> None:
+        """False: every setter raises NoPermission, as for a non-root process."""
+        self._as_root = as_root
+
+    @property
+    def initialized(self) -> bool:
+        return self._init_count > 0
+
+
+for _name, _value in _copy_binding_constants().items():
+    if not hasattr(SimNvml, _name):
+        setattr(SimNvml, _name, _value)
+del _name, _value
