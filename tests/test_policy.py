@@ -662,3 +662,20 @@ def test_event_payloads_are_json_ready_and_omit_unknown_values() -> None:
         "oldPowerLimit": 700.0,
         "newPowerLimit": 630.0,
     }
+
+
+def test_the_engine_takes_a_whole_set_of_overrides_with_a_new_config() -> None:
+    engine = PolicyEngine(config())
+    engine.set_override("GPU-a", '{"dryRun": true}')
+    engine.configure(config(), {"GPU-b": {"powerSaving": {"enabled": False}}, "GPU-c": ""})
+    assert engine.config_for("GPU-a") == engine.config, "a full set replaces the old overrides"
+    assert engine.config_for("GPU-b").power_saving.enabled is False
+    assert engine.config_for("GPU-c") == engine.config
+
+
+def test_a_critical_xid_arriving_both_as_event_and_in_the_sample_is_reported_once() -> None:
+    gpu = Gpu(config())
+    d1 = gpu.step(0.0, events=(GpuEvent("GPU-test", 0, "xid", xid=74),), xid_last=0)
+    d2 = gpu.step(1.0, xid_last=74)
+    assert [e.action for e in d1.events] == ["unhealthy"] and d2.events == ()
+    assert d2.policy_state == "health:unhealthy-xid74"
