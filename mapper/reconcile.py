@@ -811,6 +811,10 @@ class Reconciler:
             self._count(group, "rejected")
             return ActionOutcome(action, "rejected", str(exc))
         except PermanentError as exc:
+            if exc.reason in ("read-back-mismatch", "readback-mismatch"):  # the setter said yes, the GPU says no
+                self._fail(group, target.value, Status("pending"), now_s, self._backoff_s(group))
+                self._count(group, "readback-mismatch")
+                return ActionOutcome(action, "readback-mismatch", str(exc))
             self._fail(group, target.value, Status("rejected", _reason(exc.reason)), now_s, self.unsupported_retry_s)
             self._count(group, "rejected")
             return ActionOutcome(action, "rejected", str(exc))
@@ -879,7 +883,8 @@ class Reconciler:
             previous = self._acked.get(prop)
             if status is None and d is None:
                 if prop in restored:
-                    status = Status("applied", "default-restored")
+                    restored_default = target is not None and target.origin == "default"
+                    status = Status("applied", "default-restored" if restored_default else "released")
                 elif previous is not None and previous[1] not in _TERMINAL:
                     status = Status("applied", "released")  # removed; nothing to restore (modes left as they are)
                 else:

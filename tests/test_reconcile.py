@@ -4,22 +4,31 @@ driving the simulated NVML (the only stand-in)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
+import pynvml
 import pytest
 
+from mapper.clock import FakeClock
 from mapper.desired import DesiredState, DesiredValue, make_desired
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.simnvml import SimGpu, SimNvml
 from mapper.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Scalar, Value
 from mapper.reconcile import (
     GROUPS,
     Ack,
     Action,
+    Reconciler,
+    ReconcileResult,
     Status,
     ack_to_json,
     desired_status_twin,
     parse_desired_status,
     plan,
 )
+from mapper.store import DesiredStore
 
 H100 = Constraints(
     power_limit_min_w=200.0,
@@ -344,3 +353,462 @@ def test_desired_values_come_from_desired_state_unchanged() -> None:
     state.set("power_limit", "450", "edge", 5)
     p = plan(state.effective(), AT_DEFAULT, H100)
     assert p.actions == (Action("power_limit", "set", (450.0,), "desired"),)
+
+
+# ==================================================================================================
+# The Reconciler over the real NvmlBackend driving the simulated NVML
+# ==================================================================================================
+
+
+@dataclass
+class Rig:
+    clock: FakeClock
+    sim: SimNvml
+    backend: NvmlBackend
+    uuid: str
+    reconciler: Reconciler
+    state: DesiredState
+
+    def cycle(self, limits: Iterable[PolicyLimit] = (), constraints: Constraints | None = None) -> ReconcileResult:
+        """One collect cycle as the lead runs it: sample, step, then forget restored removals."""
+        sample = self.backend.sample(self.uuid)
+        result = self.reconciler.step(
+            self.state.effective(), sample, limits, restore=self.state.pending_restore(), constraints=constraints
+        )
+        for prop in result.restored:
+            self.state.mark_restored(prop)
+        return result
+
+    @property
+    def gpu(self) -> SimGpu:
+        return self.sim.gpu(self.uuid)
+
+    def calls(self, fname: str) -> int:
+        return self.sim.calls[fname]
+
+
+def make_rig(clock: FakeClock, profile: str = "H100", **reconciler_kwargs: object) -> Rig:
+    sim = SimNvml(1, profile, seed=3, clock=clock.monotonic, sleep=lambda s: None)
+    backend = NvmlBackend(sim, clock=clock)
+    uuid = sim.gpus[0].uuid
+    options: dict[str, object] = {
+        "backoff_min_s": 1.0,
+        "backoff_max_s": 4.0,
+        "unsupported_retry_s": 300.0,
+        "no_permission_retry_s": 120.0,
+    }
+    options.update(reconciler_kwargs)
+    reconciler = Reconciler(backend, uuid, clock=clock, **options)  # type: ignore[arg-type]
+    return Rig(clock, sim, backend, uuid, reconciler, DesiredState())
+
+
+def setter_calls(rig: Rig) -> int:
+    return sum(n for f, n in rig.sim.calls.items() if f.startswith(("nvmlDeviceSet", "nvmlDeviceReset")))
+
+
+@pytest.fixture
+def rig(fake_clock: FakeClock) -> Iterator[Rig]:
+    r = make_rig(fake_clock)
+    try:
+        yield r
+    finally:
+        r.backend.shutdown()
+
+
+@pytest.fixture
+def t4(fake_clock: FakeClock) -> Iterator[Rig]:
+    r = make_rig(fake_clock, "T4")
+    try:
+        yield r
+    finally:
+        r.backend.shutdown()
+
+
+def test_a_desired_power_limit_is_applied_read_back_and_acked_in_one_step(rig: Rig) -> None:
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    result = rig.cycle()
+    assert rig.gpu.power_limit_mw == 450_000
+    assert result.statuses["power_limit"].text == "applied"
+    assert [o.outcome for o in result.actions] == ["ok"]
+    (ack,) = result.acks
+    assert (ack.property, ack.result, ack.source, ack.version_ms) == ("power_limit", "applied", "cloud", 1_000)
+    assert ack.effective_value == "450" and ack.reported_value == "450"
+    assert ack.applied_at_ms == rig.clock.wall_ms()
+    assert result.desired_status == "power_limit:applied"
+    # Level-triggered: the next cycle compares again, finds nothing to do, and says nothing new.
+    again = rig.cycle()
+    assert again.actions == () and again.acks == ()
+    assert again.statuses["power_limit"].text == "applied"
+
+
+def test_every_writable_property_is_applied_on_the_gpu(rig: Rig) -> None:
+    rig.state.sync_source(
+        "cloud",
+        {
+            "power_limit": "500",
+            "locked_gpu_clock_min": "1200",
+            "locked_gpu_clock_max": "1755",
+            "locked_memory_clock_min": "2619",
+            "locked_memory_clock_max": "2619",
+            "persistence_mode": "true",
+            "compute_mode": "exclusive_process",
+        },
+        1_000,
+    )
+    result = rig.cycle()
+    assert {s.text for s in result.statuses.values()} == {"applied"}
+    gpu = rig.gpu
+    assert gpu.power_limit_mw == 500_000
+    assert gpu.locked_gpu_clocks == (1200, 1755)
+    assert gpu.locked_memory_clocks == (2619, 2619)
+    assert gpu.persistence_mode == 1
+    assert gpu.compute_mode == 3
+    assert len(result.acks) == 7
+    assert result.desired_status == (
+        "power_limit:applied,locked_gpu_clocks:applied,locked_memory_clocks:applied,"
+        "persistence_mode:applied,compute_mode:applied"
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "prop", "reason"),
+    [
+        ({"power_limit": "900"}, "power_limit", "out-of-range"),
+        ({"power_limit": "abc"}, "power_limit", "not-a-number"),
+        ({"power_limit": "nan"}, "power_limit", "nan"),
+        ({"power_limit": "inf"}, "power_limit", "infinite"),
+        ({"power_limit": "-1"}, "power_limit", "negative"),
+        ({"power_limit": ""}, "power_limit", "empty"),
+        ({"power_limit": "1" * 600}, "power_limit", "too-long"),
+        ({"power_limit": "45\u00e9"}, "power_limit", "non-ascii"),
+        ({"locked_gpu_clock_min": "0", "locked_gpu_clock_max": "1755"}, "locked_gpu_clock_min", "unpaired"),
+        (
+            {"locked_gpu_clock_min": "1201", "locked_gpu_clock_max": "1755"},
+            "locked_gpu_clock_max",
+            "not-supported-clock",
+        ),
+        ({"compute_mode": "shared"}, "compute_mode", "unknown-value"),
+        ({"persistence_mode": "2"}, "persistence_mode", "wrong-type"),
+    ],
+)
+def test_a_bad_value_is_rejected_with_its_reason_and_the_gpu_is_unchanged(
+    rig: Rig, values: dict[str, Scalar], prop: str, reason: str
+) -> None:
+    rig.state.sync_source("cloud", values, 1_000)
+    setters_before = setter_calls(rig)
+    result = rig.cycle()
+    assert result.statuses[prop].text == f"rejected-{reason}"
+    assert setter_calls(rig) == setters_before
+    gpu = rig.gpu
+    assert (gpu.power_limit_mw, gpu.locked_gpu_clocks, gpu.compute_mode, gpu.persistence_mode) == (700_000, None, 0, 0)
+    acked = {a.property: a for a in result.acks}
+    assert acked[prop].result == "rejected" and acked[prop].reason == reason
+    assert result.counters.rejections.get(reason, 0) >= 1
+    assert TWIN_VALUE_RE.fullmatch(result.desired_status)
+    assert TWIN_VALUE_RE.fullmatch(rig.state.observed_desired_value(prop) or "x")
+
+
+def test_a_rejected_change_leaves_the_previous_value_in_force(rig: Rig) -> None:
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    rig.cycle()
+    rig.state.set("power_limit", "9000", "cloud", 2_000)
+    result = rig.cycle()
+    assert result.statuses["power_limit"].text == "rejected-out-of-range"
+    assert rig.gpu.power_limit_mw == 450_000
+
+
+def test_clamp_mode_applies_the_nearest_allowed_value_and_says_so(fake_clock: FakeClock) -> None:
+    r = make_rig(fake_clock, clamp=True)
+    try:
+        r.state.sync_source("cloud", {"power_limit": "900", "locked_gpu_clock_min": "1201"}, 1_000)
+        result = r.cycle()
+        assert r.gpu.power_limit_mw == 700_000
+        assert result.statuses["power_limit"].text == "applied-clamped"
+        assert r.gpu.locked_gpu_clocks == (1200, max(r.reconciler.constraints().graphics_clocks_mhz))
+        ack = next(a for a in result.acks if a.property == "power_limit")
+        assert (ack.desired, ack.effective_value, ack.reason) == ("900", "700", "clamped")
+    finally:
+        r.backend.shutdown()
+
+
+def test_an_invalid_value_refused_by_the_gpu_itself_is_rejected_with_its_reason(rig: Rig) -> None:
+    # Constraints unknown (e.g. the read failed): the plan cannot check the range, NVML refuses it.
+    rig.state.set("power_limit", "900", "cloud", 1_000)
+    result = rig.cycle(constraints=Constraints())
+    assert result.statuses["power_limit"].text == "rejected-out-of-range"
+    assert [o.outcome for o in result.actions] == ["rejected"]
+    assert rig.gpu.power_limit_mw == 700_000
+    # Not retried every cycle.
+    calls = rig.calls("nvmlDeviceSetPowerManagementLimit")
+    rig.clock.advance(10)
+    assert rig.cycle(constraints=Constraints()).actions == ()
+    assert rig.calls("nvmlDeviceSetPowerManagementLimit") == calls
+
+
+def test_not_supported_is_reported_once_and_not_retried_every_cycle(t4: Rig) -> None:
+    t4.state.sync_source("cloud", {"locked_memory_clock_min": "5001", "locked_memory_clock_max": "5001"}, 1_000)
+    first = t4.cycle()
+    assert first.statuses["locked_memory_clock_min"].text == "rejected-not-supported"
+    assert [a.reason for a in first.acks] == ["not-supported", "not-supported"]
+    tries = t4.calls("nvmlDeviceSetMemoryLockedClocks")
+    assert tries == 1
+    for _ in range(10):
+        t4.clock.advance(10)
+        later = t4.cycle()
+        assert later.acks == ()
+        assert later.statuses["locked_memory_clock_max"].text == "rejected-not-supported"
+    assert t4.calls("nvmlDeviceSetMemoryLockedClocks") == tries
+    assert first.counters.rejections == {"not-supported": 2}
+    t4.clock.advance(300)
+    t4.reconciler.invalidate()  # constraints re-read: the backend has learnt the GPU cannot do it
+    retried = t4.cycle()
+    assert retried.statuses["locked_memory_clock_min"].text == "rejected-not-supported"
+    assert t4.calls("nvmlDeviceSetMemoryLockedClocks") == tries  # known unsupported: no call at all
+
+
+def test_not_supported_is_retried_at_once_when_the_desired_value_changes(t4: Rig) -> None:
+    t4.state.sync_source("cloud", {"locked_memory_clock_min": "5001", "locked_memory_clock_max": "5001"}, 1_000)
+    t4.reconciler.constraints()  # read before the GPU is known not to support it
+    t4.cycle()
+    assert t4.calls("nvmlDeviceSetMemoryLockedClocks") == 1
+    t4.state.sync_source("cloud", {"locked_memory_clock_min": "0", "locked_memory_clock_max": "0"}, 2_000)
+    result = t4.cycle()
+    assert t4.calls("nvmlDeviceResetMemoryLockedClocks") == 1
+    assert result.statuses["locked_memory_clock_min"].text == "rejected-not-supported"
+
+
+def test_no_permission_is_reported_as_such_and_retried_rarely(rig: Rig) -> None:
+    rig.sim.set_as_root(False)
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    result = rig.cycle()
+    assert result.statuses["power_limit"].text == "rejected-no-permission"
+    assert result.acks[0].reason == "no-permission"
+    assert rig.calls("nvmlDeviceSetPowerManagementLimit") == 1
+    for _ in range(11):
+        rig.clock.advance(10)
+        assert rig.cycle().actions == ()
+    rig.sim.set_as_root(True)
+    rig.clock.advance(10)  # 120 s since the refusal
+    healed = rig.cycle()
+    assert healed.statuses["power_limit"].text == "applied"
+    assert rig.gpu.power_limit_mw == 450_000
+
+
+def test_transient_errors_are_retried_with_capped_exponential_backoff(rig: Rig) -> None:
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    rig.sim.inject_errors("nvmlDeviceSetPowerManagementLimit", pynvml.NVML_ERROR_TIMEOUT, count=5, uuid=rig.uuid)
+    attempts: list[float] = []
+    statuses: list[str] = []
+    start = rig.clock.monotonic()
+    for _ in range(40):
+        before = rig.calls("nvmlDeviceSetPowerManagementLimit")
+        result = rig.cycle()
+        if rig.calls("nvmlDeviceSetPowerManagementLimit") > before:
+            attempts.append(rig.clock.monotonic() - start)
+        statuses.append(result.statuses["power_limit"].text)
+        if statuses[-1] == "applied":
+            break
+        rig.clock.advance(0.5)
+    # Waits 1, 2, 4, then capped at 4 s; the sixth try succeeds.
+    assert attempts == [0.0, 1.0, 3.0, 7.0, 11.0, 15.0]
+    assert set(statuses[:-1]) == {"pending"} and statuses[-1] == "applied"
+    assert rig.gpu.power_limit_mw == 450_000
+    assert result.counters.actions[("power_limit", "transient")] == 5
+    assert result.counters.actions[("power_limit", "ok")] == 1
+
+
+def test_a_lost_gpu_keeps_the_value_pending(rig: Rig) -> None:
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    rig.sim.inject_gpu_lost(rig.uuid)
+    result = rig.reconciler.step(rig.state.effective(), None, ())
+    assert result.statuses["power_limit"].text == "pending"
+    assert [o.outcome for o in result.actions] == ["transient"]
+
+
+def test_drift_after_a_simulated_driver_reload_is_reapplied_within_one_step_and_counted(rig: Rig) -> None:
+    rig.state.sync_source(
+        "cloud",
+        {
+            "power_limit": "450",
+            "locked_gpu_clock_min": "1200",
+            "locked_gpu_clock_max": "1755",
+            "persistence_mode": "on",
+            "compute_mode": "prohibited",
+        },
+        1_000,
+    )
+    assert {s.text for s in rig.cycle().statuses.values()} == {"applied"}
+    rig.sim.driver_reload()
+    gpu = rig.gpu
+    assert (gpu.power_limit_mw, gpu.locked_gpu_clocks, gpu.persistence_mode, gpu.compute_mode) == (700_000, None, 0, 0)
+    rig.clock.advance(1)
+    result = rig.cycle()
+    gpu = rig.gpu
+    assert (gpu.power_limit_mw, gpu.locked_gpu_clocks, gpu.persistence_mode, gpu.compute_mode) == (
+        450_000,
+        (1200, 1755),
+        1,
+        2,
+    )
+    assert {s.text for s in result.statuses.values()} == {"applied"}
+    assert result.counters.drift_reapplies == {
+        "power_limit": 1,
+        "locked_gpu_clocks": 1,
+        "persistence_mode": 1,
+        "compute_mode": 1,
+    }
+    assert all(o.drift for o in result.actions)
+    assert result.acks == ()  # the status never changed from the cloud's point of view
+
+
+def test_another_tool_changing_the_setting_is_drift_too(rig: Rig) -> None:
+    rig.state.set("power_limit", "450", "edge", 1_000)
+    rig.cycle()
+    rig.gpu.power_limit_mw = 300_000  # nvidia-smi -pl 300 by hand
+    result = rig.cycle()
+    assert rig.gpu.power_limit_mw == 450_000
+    assert result.counters.drift_reapplies == {"power_limit": 1}
+
+
+def test_a_stale_change_is_ignored_and_the_gpu_keeps_the_newer_value(rig: Rig) -> None:
+    rig.state.set("power_limit", "300", "edge", 5_000)
+    rig.cycle()
+    assert rig.state.set("power_limit", "450", "cloud", 4_000) is None
+    result = rig.cycle()
+    assert rig.gpu.power_limit_mw == 300_000
+    assert result.acks == ()
+    assert rig.state.stale_ignored == {"cloud": 1}
+
+
+def test_removal_returns_the_gpu_to_its_defaults(rig: Rig) -> None:
+    rig.state.sync_source(
+        "cloud",
+        {
+            "power_limit": "450",
+            "locked_gpu_clock_min": "1200",
+            "locked_gpu_clock_max": "1755",
+            "compute_mode": "prohibited",
+        },
+        1_000,
+    )
+    rig.cycle()
+    rig.state.sync_source("cloud", {}, 2_000)
+    result = rig.cycle()
+    gpu = rig.gpu
+    assert gpu.power_limit_mw == 700_000
+    assert gpu.locked_gpu_clocks is None
+    assert gpu.compute_mode == 2  # modes are left as the operator set them
+    reasons = {a.property: a.reason for a in result.acks}
+    assert reasons == {
+        "power_limit": "default-restored",
+        "locked_gpu_clock_min": "default-restored",
+        "locked_gpu_clock_max": "default-restored",
+        "compute_mode": "released",
+    }
+    assert result.desired_status == "none"
+    assert rig.state.pending_restore() == frozenset()
+    quiet = rig.cycle()
+    assert quiet.actions == () and quiet.acks == ()
+    rig.gpu.power_limit_mw = 300_000  # released: no longer enforced
+    assert rig.cycle().actions == ()
+
+
+def test_removal_with_restore_modes_resets_persistence_and_compute_mode(fake_clock: FakeClock) -> None:
+    r = make_rig(fake_clock, restore_modes=True)
+    try:
+        r.state.sync_source("file", {"persistence_mode": "true", "compute_mode": "prohibited"}, 1_000)
+        r.cycle()
+        assert (r.gpu.persistence_mode, r.gpu.compute_mode) == (1, 2)
+        r.state.sync_source("file", {}, 2_000)
+        r.cycle()
+        assert (r.gpu.persistence_mode, r.gpu.compute_mode) == (0, 0)
+    finally:
+        r.backend.shutdown()
+
+
+def test_a_policy_cap_above_the_cloud_value_changes_nothing_on_the_gpu(rig: Rig) -> None:
+    rig.state.set("power_limit", "400", "cloud", 1_000)
+    result = rig.cycle([PolicyLimit("thermal", 500.0)])
+    assert rig.gpu.power_limit_mw == 400_000
+    assert result.statuses["power_limit"].text == "applied"
+
+
+def test_a_policy_cap_below_the_cloud_value_is_applied_and_lifted(rig: Rig) -> None:
+    rig.state.set("power_limit", "400", "cloud", 1_000)
+    rig.cycle()
+    capped = rig.cycle([PolicyLimit("thermal", 300.0, "temperature 88 C")])
+    assert rig.gpu.power_limit_mw == 300_000
+    assert capped.statuses["power_limit"].text == "overridden-thermal"
+    (ack,) = capped.acks
+    assert (ack.result, ack.reason, ack.desired, ack.effective_value) == ("overridden", "thermal", "400", "300")
+    assert capped.desired_status == "power_limit:overridden-thermal"
+    lifted = rig.cycle()
+    assert rig.gpu.power_limit_mw == 400_000
+    assert lifted.statuses["power_limit"].text == "applied"
+
+
+def test_a_policy_without_a_desired_value_caps_from_the_default_and_lifting_it_restores_the_default(
+    rig: Rig,
+) -> None:
+    rig.cycle([PolicyLimit("power-saving", 500.0)])
+    assert rig.gpu.power_limit_mw == 500_000
+    result = rig.cycle()
+    assert rig.gpu.power_limit_mw == 700_000
+    assert result.statuses == {}
+
+
+def test_restart_enforces_the_persisted_desired_state_without_edgecore(fake_clock: FakeClock, tmp_path: Path) -> None:
+    state = DesiredState()
+    state.sync_source(
+        "cloud", {"power_limit": "350", "locked_gpu_clock_min": "1200", "locked_gpu_clock_max": "1500"}, 1
+    )
+    with DesiredStore(tmp_path) as store:
+        store.save("default/gpu-0", state, uuid="GPU-x")
+    # The node reboots: a fresh GPU at its defaults, a fresh mapper, no DMI and no broker at all.
+    r = make_rig(fake_clock)
+    try:
+        with DesiredStore(tmp_path) as store:
+            (stored,) = store.load_all()
+        r.state = stored.state
+        result = r.cycle()
+        assert r.gpu.power_limit_mw == 350_000
+        assert r.gpu.locked_gpu_clocks == (1200, 1500)
+        assert {s.text for s in result.statuses.values()} == {"applied"}
+    finally:
+        r.backend.shutdown()
+
+
+def test_a_removal_persisted_before_a_restart_still_restores_the_default(rig: Rig, tmp_path: Path) -> None:
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    rig.cycle()
+    rig.state.remove("power_limit", "cloud", 2_000)
+    with DesiredStore(tmp_path) as store:
+        store.save("default/gpu-0", rig.state)
+        loaded = store.load("default/gpu-0")
+    assert loaded is not None
+    # A new mapper process on the same (not rebooted) GPU: a fresh reconciler that never set anything.
+    rig.reconciler = Reconciler(rig.backend, rig.uuid, clock=rig.clock)
+    rig.state = loaded.state
+    result = rig.cycle()
+    assert rig.gpu.power_limit_mw == 700_000
+    assert result.restored == {"power_limit"}
+    assert rig.state.pending_restore() == frozenset()
+
+
+def test_the_ack_json_names_source_version_and_both_values(rig: Rig) -> None:
+    rig.state.set("compute_mode", "exclusive_process", "edge", 1_780_000_000_123)
+    (ack,) = rig.cycle().acks
+    payload = json.loads(ack_to_json(ack))
+    assert payload["uuid"] == rig.uuid
+    assert payload["source"] == "edge" and payload["version_ms"] == 1_780_000_000_123
+    assert payload["desired"] == "exclusive_process"
+    assert payload["effective_value"] == "exclusive_process" and payload["reported_value"] == "exclusive_process"
+
+
+def test_reconciler_settings_are_validated_with_clear_errors(rig: Rig) -> None:
+    with pytest.raises(ValueError, match="backoff_min_s must be a positive"):
+        Reconciler(rig.backend, rig.uuid, clock=rig.clock, backoff_min_s=0)
+    with pytest.raises(ValueError, match=r"backoff_max_s .* is below backoff_min_s"):
+        Reconciler(rig.backend, rig.uuid, clock=rig.clock, backoff_min_s=5, backoff_max_s=1)
+    with pytest.raises(ValueError, match="UUID"):
+        Reconciler(rig.backend, "", clock=rig.clock)
