@@ -132,6 +132,8 @@ class _Slot:
 
     version_ms: int
     desired: DesiredValue | None
+    #: Arrival order within the state: breaks ties between equal versions (the later arrival wins).
+    seq: int = 0
 
 
 @dataclass
@@ -142,6 +144,7 @@ class DesiredState:
     stale_ignored: dict[str, int] = field(default_factory=dict)
     _slots: dict[str, dict[Source, _Slot]] = field(default_factory=dict)
     _restore: set[str] = field(default_factory=set)
+    _seq: int = 0
 
     # --- changes -----------------------------------------------------------------------------------
     def set(self, prop: str, raw: Scalar, source: Source, version_ms: int) -> Change | None:
@@ -156,7 +159,7 @@ class DesiredState:
             self.stale_ignored[source] = self.stale_ignored.get(source, 0) + 1
             return None
         before = self.get(prop)
-        slots[source] = _Slot(version_ms, make_desired(prop, raw, source, version_ms))
+        slots[source] = _Slot(version_ms, make_desired(prop, raw, source, version_ms), self._next_seq())
         after = self.get(prop)
         self._restore.discard(prop)
         if after == before:
@@ -174,13 +177,18 @@ class DesiredState:
             self.stale_ignored[source] = self.stale_ignored.get(source, 0) + 1
             return None
         before = self.get(prop)
-        slots[source] = _Slot(version_ms, None)
+        slots[source] = _Slot(version_ms, None, self._next_seq())
         after = self.get(prop)
         if after is None:
             self._restore.add(prop)
         if after == before:
             return None
         return Change(prop, source, version_ms, before, after)
+
+    def set_many(self, values: Mapping[str, Scalar], source: Source, version_ms: int) -> list[Change]:
+        """Set several properties from one message (an EventBus delta carries only what changed)."""
+        changes = [self.set(prop, raw, source, version_ms) for prop, raw in values.items()]
+        return [c for c in changes if c is not None]
 
     def sync_source(self, source: Source, values: Mapping[str, Scalar], version_ms: int) -> list[Change]:
         """Make ``source``'s values equal to ``values`` (a full spec, e.g. a Device from DMI): set each one and
@@ -205,11 +213,11 @@ class DesiredState:
     # --- reading -----------------------------------------------------------------------------------
     def get(self, prop: str) -> DesiredValue | None:
         """The winning desired value of ``prop``: the newest one still set by any source."""
-        best: DesiredValue | None = None
+        best: _Slot | None = None
         for slot in self._slots.get(prop, {}).values():
-            if slot.desired is not None and (best is None or slot.version_ms >= best.version_ms):
-                best = slot.desired
-        return best
+            if slot.desired is not None and (best is None or (slot.version_ms, slot.seq) > (best.version_ms, best.seq)):
+                best = slot
+        return None if best is None else best.desired
 
     def effective(self) -> dict[str, DesiredValue]:
         """Every property that has a desired value, with the winning value."""
@@ -231,6 +239,10 @@ class DesiredState:
         versions = [s.version_ms for s in self._slots.get(prop, {}).values()]
         return max(versions) if versions else None
 
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     def _is_stale(self, prop: str, version_ms: int) -> bool:
         latest = self.latest_version_ms(prop)
         return latest is not None and version_ms < latest
@@ -245,6 +257,7 @@ class DesiredState:
                     "version_ms": slot.version_ms,
                     "removed": slot.desired is None,
                     "raw": None if slot.desired is None else slot.desired.raw,
+                    "seq": slot.seq,
                 }
                 for source, slot in slots.items()
             }
@@ -283,7 +296,11 @@ class DesiredState:
                     if not isinstance(raw, str | int | float | bool):
                         raise InvalidValueError(f"{where}: raw value {raw!r} is not a scalar", reason="wrong-type")
                     desired = make_desired(prop, raw, src, slot["version_ms"])
-                state._slots.setdefault(prop, {})[src] = _Slot(slot["version_ms"], desired)
+                seq = slot.get("seq", 0)
+                if not isinstance(seq, int):
+                    raise InvalidValueError(f"{where}: seq {seq!r} is not an integer", reason="wrong-type")
+                state._slots.setdefault(prop, {})[src] = _Slot(slot["version_ms"], desired, seq)
+                state._seq = max(state._seq, seq)
         restore = data.get("restore", [])
         if not isinstance(restore, list) or not all(isinstance(p, str) for p in restore):
             raise InvalidValueError("desired state: 'restore' is not a list of property names", reason="wrong-type")

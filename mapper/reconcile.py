@@ -194,6 +194,14 @@ def _nearest(value: int, allowed: Collection[int]) -> int:
     return min(allowed, key=lambda a: (abs(a - value), a))
 
 
+CLOCK_GROUPS = ("locked_gpu_clocks", "locked_memory_clocks")
+
+
+def group_unsupported(constraints: Constraints, group: str) -> bool:
+    """True when the GPU is known not to support setting ``group`` (learnt from NotSupported)."""
+    return any(p in constraints.unsupported for p in GROUPS[group]) or group in constraints.unsupported
+
+
 def plan(
     desired: Mapping[str, DesiredValue],
     observed: Mapping[str, Value],
@@ -248,24 +256,15 @@ def plan(
                         restored |= asked
             continue
         allowed = constraints.graphics_clocks_mhz if group == "locked_gpu_clocks" else constraints.memory_clocks_mhz
-        outcome = _check_clocks(group, d_min, d_max, allowed, constraints, clamp)
-        present = [p for p, d in ((min_prop, d_min), (max_prop, d_max)) if d is not None]
-        if isinstance(outcome, Status):
-            for prop in present:
-                statuses[prop] = outcome
+        checked = _check_clocks(group, d_min, d_max, allowed, constraints, clamp)
+        if not isinstance(checked, Target):
+            statuses.update(checked)
             continue
-        for prop, reason in outcome[1].items():
-            if prop in present:
-                statuses[prop] = Status("rejected", reason)
-        if outcome[1]:
-            for prop in present:
-                statuses.setdefault(prop, Status("rejected", next(iter(outcome[1].values()))))
-            continue
-        target = outcome[0]
-        add_target(target)
-        status = Status("applied" if in_force(target) else "pending", "clamped" if target.clamped else "")
-        for prop in present:
-            statuses[prop] = status
+        add_target(checked)
+        status = Status("applied" if in_force(checked) else "pending", "clamped" if checked.clamped else "")
+        for d in (d_min, d_max):
+            if d is not None:
+                statuses[d.prop] = status
 
     # --- modes ---------------------------------------------------------------------------------------
     for group, default in (("persistence_mode", False), ("compute_mode", "default")):
@@ -300,13 +299,6 @@ def plan(
         statuses[group] = Status("applied" if in_force(target) else "pending")
 
     return Plan(tuple(actions), statuses, targets, frozenset(restored))
-
-
-CLOCK_GROUPS = ("locked_gpu_clocks", "locked_memory_clocks")
-
-
-def group_unsupported(constraints: Constraints, group: str) -> bool:
-    return any(p in constraints.unsupported for p in GROUPS[group]) or group in constraints.unsupported
 
 
 def _plan_power(
@@ -404,33 +396,39 @@ def _check_clocks(
     allowed: tuple[int, ...],
     constraints: Constraints,
     clamp: bool,
-) -> Status | tuple[Target, dict[str, str]]:
-    """Validate a desired clock pair. Returns a Status for the whole pair, or (target, per-side rejections)."""
-    bad = {d.prop: d.reason or "wrong-type" for d in (d_min, d_max) if d is not None and not d.valid}
-    if bad:
-        return Target(group, (0, 0), "desired"), bad
+) -> Target | dict[str, Status]:
+    """Validate a desired clock pair: the target, or the rejection status of each side that has a value."""
+    present = {d.prop: d for d in (d_min, d_max) if d is not None}
+
+    def rejected(reason: str) -> dict[str, Status]:
+        return {prop: Status("rejected", reason) for prop in present}
+
+    bad = {prop: d.reason or "wrong-type" for prop, d in present.items() if not d.valid}
+    if bad:  # a bad side carries its own reason; the other side cannot apply alone and shows the same
+        first = next(iter(bad.values()))
+        return {prop: Status("rejected", bad.get(prop, first)) for prop in present}
     if group_unsupported(constraints, group):
-        return Status("rejected", "not-supported")
-    lo_v = int(d_min.value) if d_min is not None else None  # type: ignore[arg-type]
-    hi_v = int(d_max.value) if d_max is not None else None  # type: ignore[arg-type]
+        return rejected("not-supported")
+    lo_v = None if d_min is None else int(d_min.value)  # type: ignore[arg-type]
+    hi_v = None if d_max is None else int(d_max.value)  # type: ignore[arg-type]
     # Only one side given: 0 unlocks; otherwise the other side is the widest the GPU allows.
     if lo_v is None or hi_v is None:
         given = lo_v if lo_v is not None else hi_v
         if given == 0:
             lo_v = hi_v = 0
         elif not allowed:
-            return Status("rejected", "unpaired")
+            return rejected("unpaired")
         elif lo_v is None:
             lo_v = min(allowed)
         else:
             hi_v = max(allowed)
     assert lo_v is not None and hi_v is not None
     if (lo_v == 0) != (hi_v == 0):
-        return Status("rejected", "unpaired")
+        return rejected("unpaired")
     if lo_v == 0:
-        return Target(group, (0, 0), "desired"), {}
+        return Target(group, (0, 0), "desired")
     if lo_v > hi_v:
-        return Status("rejected", "out-of-range")
+        return rejected("out-of-range")
     clamped = False
     if allowed:
         fixed: list[int] = []
@@ -440,11 +438,11 @@ def _check_clocks(
                 continue
             if not clamp:
                 outside = v < min(allowed) or v > max(allowed)
-                return Status("rejected", "out-of-range" if outside else "not-supported-clock")
+                return rejected("out-of-range" if outside else "not-supported-clock")
             fixed.append(_nearest(v, allowed))
             clamped = True
         lo_v, hi_v = fixed
-    return Target(group, (lo_v, hi_v), "desired", clamped=clamped), {}
+    return Target(group, (lo_v, hi_v), "desired", clamped=clamped)
 
 
 # --------------------------------------------------------------------------------------------------

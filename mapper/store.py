@@ -50,6 +50,7 @@ def _m001_initial(db: sqlite3.Connection) -> None:
         " version_ms INTEGER NOT NULL,"
         " removed INTEGER NOT NULL,"
         " raw TEXT,"
+        " seq INTEGER NOT NULL DEFAULT 0,"
         " PRIMARY KEY (device, property, source))"
     )
     db.execute(
@@ -180,7 +181,7 @@ class DesiredStore:
         for prop, slots in data["properties"].items():
             for source, slot in slots.items():
                 raw = None if slot["removed"] else json.dumps(slot["raw"])
-                rows.append((device, prop, source, slot["version_ms"], int(slot["removed"]), raw))
+                rows.append((device, prop, source, slot["version_ms"], int(slot["removed"]), raw, slot["seq"]))
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO devices (device, uuid, updated_at_ms, stale_ignored) VALUES (?, ?, ?, ?) "
@@ -191,7 +192,8 @@ class DesiredStore:
             db.execute("DELETE FROM desired WHERE device = ?", (device,))
             db.execute("DELETE FROM restore WHERE device = ?", (device,))
             db.executemany(
-                "INSERT INTO desired (device, property, source, version_ms, removed, raw) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO desired (device, property, source, version_ms, removed, raw, seq)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             db.executemany(
@@ -238,8 +240,8 @@ class DesiredStore:
     def _build(self, db: sqlite3.Connection, row: tuple[Any, ...]) -> StoredDevice:
         device, uuid, updated_at_ms, stale_json = row
         props: dict[str, dict[str, dict[str, Any]]] = {}
-        for prop, source, version_ms, removed, raw in db.execute(
-            "SELECT property, source, version_ms, removed, raw FROM desired WHERE device = ?", (device,)
+        for prop, source, version_ms, removed, raw, seq in db.execute(
+            "SELECT property, source, version_ms, removed, raw, seq FROM desired WHERE device = ?", (device,)
         ):
             if source not in SOURCES:
                 log.error("desired store: device %s property %s: unknown source %r skipped", device, prop, source)
@@ -248,6 +250,7 @@ class DesiredStore:
                 "version_ms": int(version_ms),
                 "removed": bool(removed),
                 "raw": None if raw is None else json.loads(raw),
+                "seq": int(seq),
             }
         restore = [r[0] for r in db.execute("SELECT property FROM restore WHERE device = ?", (device,))]
         data = {"format": 1, "properties": props, "restore": restore, "stale_ignored": json.loads(stale_json)}

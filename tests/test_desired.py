@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mapper.desired import DesiredState, make_desired, observed_desired_value
 from mapper.errors import InvalidValueError
@@ -188,3 +190,36 @@ def test_a_state_round_trips_through_plain_json_dicts() -> None:
 def test_a_malformed_plain_dict_is_refused_naming_what_is_wrong(data: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidValueError, match=message):
         DesiredState.from_dict(data)
+
+
+def test_set_many_applies_every_value_of_a_delta() -> None:
+    state = DesiredState()
+    changes = state.set_many({"power_limit": "300", "compute_mode": "prohibited"}, "edge", 7)
+    assert {c.prop for c in changes} == {"power_limit", "compute_mode"}
+    assert {d.source for d in state.effective().values()} == {"edge"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["cloud", "edge", "file"]), st.integers(min_value=0, max_value=20)),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_whatever_the_arrival_order_the_newest_accepted_change_wins(ops: list[tuple[str, int]]) -> None:
+    state = DesiredState()
+    newest = -1
+    expected: tuple[str, int, str] | None = None
+    stale = 0
+    for i, (source, version) in enumerate(ops):
+        raw = str(200 + i)  # every change is a new value
+        state.set("power_limit", raw, source, version)  # type: ignore[arg-type]
+        if version >= newest:
+            newest, expected = version, (source, version, raw)
+        else:
+            stale += 1
+    winner = state.get("power_limit")
+    assert winner is not None and expected is not None
+    assert (winner.source, winner.version_ms, winner.raw) == expected
+    assert sum(state.stale_ignored.values()) == stale

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mapper.clock import FakeClock
 from mapper.desired import DesiredState, DesiredValue, make_desired
@@ -812,3 +814,22 @@ def test_reconciler_settings_are_validated_with_clear_errors(rig: Rig) -> None:
         Reconciler(rig.backend, rig.uuid, clock=rig.clock, backoff_min_s=5, backoff_max_s=1)
     with pytest.raises(ValueError, match="UUID"):
         Reconciler(rig.backend, "", clock=rig.clock)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from([p for props in GROUPS.values() for p in props]),
+        st.tuples(st.sampled_from(["applied", "pending", "rejected", "overridden"]), st.text(max_size=80)),
+    )
+)
+def test_desired_status_is_always_within_the_twin_charset_and_parses_back(
+    raw: dict[str, tuple[str, str]],
+) -> None:
+    statuses = {prop: Status(result, reason) for prop, (result, reason) in raw.items()}  # type: ignore[arg-type]
+    text = desired_status_twin(statuses)
+    assert TWIN_VALUE_RE.fullmatch(text)
+    parsed = parse_desired_status(text)
+    assert set(parsed) == {group for group, props in GROUPS.items() if any(p in statuses for p in props)}
+    for status in parsed.values():
+        assert status.split("-", 1)[0] in ("applied", "pending", "rejected", "overridden")
