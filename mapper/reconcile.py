@@ -751,6 +751,8 @@ class Reconciler:
         if sample is None:
             values = {}
         elif isinstance(sample, Sample):
+            if sample.uuid != self.uuid:
+                raise ValueError(f"Reconciler of GPU {self.uuid} was given a sample of GPU {sample.uuid}")
             values = sample.values
         else:
             values = sample
@@ -888,7 +890,8 @@ class Reconciler:
                 else:
                     self._acked.pop(prop, None)
                     continue
-            assert status is not None
+            if status is None:  # a desired value the plan does not manage (cannot happen for writable ones)
+                continue
             key: tuple[object, ...] = (status.text, status.reason, None if d is None else (d.raw, d.version_ms))
             if previous == key:
                 continue

@@ -17,7 +17,7 @@ from mapper.clock import FakeClock
 from mapper.desired import DesiredState, DesiredValue, make_desired
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimGpu, SimNvml
-from mapper.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Scalar, Value
+from mapper.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Sample, Scalar, Value
 from mapper.reconcile import (
     GROUPS,
     Ack,
@@ -833,3 +833,21 @@ def test_desired_status_is_always_within_the_twin_charset_and_parses_back(
     assert set(parsed) == {group for group, props in GROUPS.items() if any(p in statuses for p in props)}
     for status in parsed.values():
         assert status.split("-", 1)[0] in ("applied", "pending", "rejected", "overridden")
+
+
+def test_a_sample_of_another_gpu_is_refused(rig: Rig) -> None:
+    other = Sample(uuid="GPU-other", ts_ms=1, values={"power_limit": 300.0})
+    with pytest.raises(ValueError, match="was given a sample of GPU GPU-other"):
+        rig.reconciler.step({}, other)
+
+
+def test_a_partial_sample_does_not_make_the_reconciler_reapply_what_it_set(rig: Rig) -> None:
+    rig.state.set("persistence_mode", "on", "cloud", 1)
+    rig.cycle()
+    calls = rig.calls("nvmlDeviceSetPersistenceMode")
+    # The collector sampled only the fast properties this cycle.
+    fast = rig.backend.sample(rig.uuid, ["temperature", "power_usage"])
+    result = rig.reconciler.step(rig.state.effective(), fast)
+    assert result.actions == ()
+    assert rig.calls("nvmlDeviceSetPersistenceMode") == calls
+    assert result.statuses["persistence_mode"].text == "applied"
