@@ -24,6 +24,7 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -163,6 +164,7 @@ class NvmlBackend:
         self._last_init_attempt_s = 0.0
         self._last_init_error = ""
         self._handles: dict[str, Any] = {}
+        self._handle_uuids: dict[int, str] = {}
         self._names: dict[str, str] = {}
         self._infos: dict[str, GpuInfo] = {}
         self._event_set: Any = None
@@ -354,6 +356,10 @@ class NvmlBackend:
         self._reset_session()
         try:
             self._nv("nvmlInitWithFlags", self._init_flags)
+        except TransientError as exc:
+            self._last_init_error = str(exc)
+            wait_s = min(self._backoff_max_s, self._backoff_s * 2 ** (self._init_attempts - 1))
+            raise TransientError(f"{exc}; next attempt in {wait_s:.1f} s", retry_after_s=wait_s) from exc
         except MapperError as exc:
             self._last_init_error = str(exc)
             raise
@@ -365,6 +371,7 @@ class NvmlBackend:
 
     def _reset_session(self) -> None:
         self._handles.clear()
+        self._handle_uuids.clear()
         self._registered.clear()
         self._event_set = None
         self._enumerated = False
@@ -464,8 +471,12 @@ class NvmlBackend:
     # ==============================================================================================
     def _handle(self, uuid: str) -> Any:
         lost_at = self._lost.get(uuid)
-        if lost_at is not None and self._clock.monotonic() < lost_at + self._lost_retry_s:
-            raise GpuLostError(f"GPU {uuid} is lost (fell off the bus); probing again every {self._lost_retry_s:.0f} s")
+        if lost_at is not None:
+            if self._clock.monotonic() < lost_at + self._lost_retry_s:
+                raise GpuLostError(
+                    f"GPU {uuid} is lost (fell off the bus); probing again every {self._lost_retry_s:.0f} s"
+                )
+            self._handles.pop(uuid, None)  # probe: attach to it afresh
         handle = self._handles.get(uuid)
         if handle is not None:
             return handle
@@ -477,10 +488,14 @@ class NvmlBackend:
             raise NotFoundError(f"GPU {uuid!r} is not a GPU UUID NVML knows (nvmlDeviceGetHandleByUUID)") from None
         if uuid not in self._names:
             self._names[uuid] = _text(self._nv("nvmlDeviceGetName", handle, uuid=uuid))
-        self._handles[uuid] = handle
+        self._remember_handle(uuid, handle)
         self._lost.pop(uuid, None)
-        self._register_events(uuid, handle)
         return handle
+
+    def _remember_handle(self, uuid: str, handle: Any) -> None:
+        self._handles[uuid] = handle
+        self._handle_uuids[_handle_key(handle)] = uuid
+        self._register_events(uuid, handle)
 
     def _list_gpus(self) -> list[GpuInfo]:
         driver = _text(self._nv("nvmlSystemGetDriverVersion"))
@@ -505,9 +520,7 @@ class NvmlBackend:
             self._infos[uuid] = info
             self._names[uuid] = name
             if uuid not in self._handles:
-                self._handles[uuid] = handle
-                self._register_events(uuid, handle)
-            self._lost.pop(uuid, None)
+                self._remember_handle(uuid, handle)
             seen.append(info)
         self._enumerated = True
         listed = {g.uuid for g in seen}
@@ -568,10 +581,12 @@ class NvmlBackend:
         return events
 
     def _on_event(self, data: Any) -> None:
-        try:
-            uuid = _text(self._nv("nvmlDeviceGetUUID", data.device))
-        except MapperError:
-            uuid = ""
+        uuid = self._handle_uuids.get(_handle_key(data.device), "")
+        if not uuid:
+            try:
+                uuid = _text(self._nv("nvmlDeviceGetUUID", data.device))
+            except MapperError:
+                uuid = ""
         ts = self._clock.wall_ms()
         event_type = int(data.eventType)
         if event_type & _EV_XID:
@@ -975,6 +990,15 @@ def _wanted(properties: Iterable[str] | None) -> frozenset[str]:
 # --------------------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------------------
+
+
+def _handle_key(handle: Any) -> int:
+    """A device handle's identity: the address a pynvml pointer holds (event data carries a new pointer object
+    with the same address), or the object itself for the simulator's handles."""
+    try:
+        return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
+    except (TypeError, ctypes.ArgumentError):
+        return id(handle)
 
 
 def _where(uuid: str) -> str:

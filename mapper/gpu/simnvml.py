@@ -970,8 +970,9 @@ class SimNvml:
         return gpu
 
     def _targets(self, uuid: str | None) -> list[SimGpu]:
+        # bring the GPUs up to now first, so a change applies from now on, not from their last read
         if uuid is None:
-            return list(self._gpus)
+            return [self.gpu(g.uuid) for g in self._gpus]
         return [self.gpu(uuid)]
 
     def set_scenario(self, uuid: str | None, name: str) -> None:

@@ -1,0 +1,539 @@
+"""The contract of NvmlBackend (mapper.model.GpuBackend), run over the simulated NVML.
+
+The simulator is the only stand-in: the backend code is the one that runs over the real pynvml.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+import pynvml
+import pytest
+
+from mapper.clock import FakeClock
+from mapper.errors import (
+    GpuLostError,
+    InvalidValueError,
+    NoPermissionError,
+    NotFoundError,
+    PermanentError,
+    TransientError,
+    UnsupportedError,
+)
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.profiles import PROFILES, GpuProfile
+from mapper.gpu.simnvml import SimNvml
+from mapper.model import (
+    COMPUTE_MODES,
+    NVML_PROPERTIES,
+    PROPERTY_BY_NAME,
+    TWIN_VALUE_RE,
+    GpuBackend,
+    clock_event_reasons_text,
+    format_value,
+)
+
+PYTHON_TYPES = {"INT": int, "FLOAT": float, "BOOLEAN": bool, "STRING": str}
+
+
+@pytest.fixture
+def backends() -> Iterator[list[NvmlBackend]]:
+    made: list[NvmlBackend] = []
+    yield made
+    for backend in made:
+        backend.shutdown()
+
+
+def build(
+    clock: FakeClock, backends: list[NvmlBackend], *profiles: str, **sim_args: object
+) -> tuple[SimNvml, NvmlBackend, list[str]]:
+    backend_args = {k: sim_args.pop(k) for k in list(sim_args) if k in ("call_timeout_s", "init_timeout_s")}
+    sim = SimNvml.from_profiles(profiles or ("H100",), seed=5, clock=clock.monotonic, **sim_args)  # type: ignore[arg-type]
+    backend = NvmlBackend(sim, clock=clock, **backend_args)  # type: ignore[arg-type]
+    backends.append(backend)
+    return sim, backend, [g.uuid for g in sim.gpus]
+
+
+def expected_absent(prof: GpuProfile) -> set[str]:
+    absent = set()
+    if not prof.has_fan:
+        absent.add("fan_speed")
+    if not prof.hbm:
+        absent.add("temperature_memory")
+    if not prof.remapped_rows:
+        absent |= {"remapped_rows_uncorrectable", "remapped_rows_pending"}
+    if not prof.ecc:
+        absent |= {"ecc_errors_corrected", "ecc_errors_uncorrected"}
+    return absent
+
+
+def test_the_backend_satisfies_the_gpu_backend_protocol(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    _, backend, _ = build(fake_clock, backends)
+    protocol: GpuBackend = backend
+    assert callable(protocol.sample)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", list(PROFILES))
+def test_every_catalog_property_is_read_with_its_type_and_unit(
+    key: str, fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, key, scenario="training")
+    prof = PROFILES[key]
+    backend.sample(uuid)
+    fake_clock.advance(60)
+    sample = backend.sample(uuid)
+    values = sample.values
+    assert sample.uuid == uuid and sample.errors == {}
+    assert sample.ts_ms == fake_clock.wall_ms()
+    assert set(values) == {p.name for p in NVML_PROPERTIES} - expected_absent(prof)
+    for name, value in values.items():
+        spec = PROPERTY_BY_NAME[name]
+        assert type(value) is PYTHON_TYPES[spec.ptype], f"{name}: {value!r} is not {spec.ptype}"
+        assert TWIN_VALUE_RE.fullmatch(format_value(spec, value)), f"{name}: {value!r} does not fit a twin"
+        if isinstance(value, float):
+            assert math.isfinite(value)
+    gpu = sim.gpu(uuid)
+    assert values["uuid"] == uuid
+    assert values["product_name"] == prof.name  # raw; format_value makes it twin-safe
+    assert values["memory_total"] == prof.memory_total_bytes  # bytes
+    assert 0 < values["memory_used"] < values["memory_total"]
+    assert values["utilization_gpu"] >= 90  # percent
+    assert values["power_usage"] == pytest.approx(gpu.reported_power_w, abs=0.001)  # W, from mW
+    assert values["power_limit"] == values["power_limit_default"] == prof.power_limit_default_w  # W
+    assert values["power_limit_min"] == prof.power_limit_min_w
+    assert values["power_limit_max"] == prof.power_limit_max_w
+    assert values["power_limit_enforced"] == prof.power_limit_default_w
+    assert values["energy_consumption"] == pytest.approx(gpu.energy_j, abs=0.01)  # J, from mJ
+    assert values["temperature"] == int(gpu.temperature_c)
+    assert values["temperature_slowdown"] == prof.slowdown_c
+    assert values["temperature_shutdown"] == prof.shutdown_c
+    assert values["clock_sm_max"] == prof.sm_max_mhz  # MHz
+    assert values["clock_sm"] == gpu.sm_clock_mhz
+    assert values["clock_memory"] == prof.memory_clocks_mhz[0]
+    assert values["clock_event_reasons_text"] == clock_event_reasons_text(int(values["clock_event_reasons"]))
+    assert values["pstate"] == 0
+    assert values["pcie_rx"] == gpu.pcie_rx_kbs * 1024  # bytes/s, from KB/s
+    assert values["xid_last"] == 0
+    assert values["persistence_mode"] is False
+    assert values["compute_mode"] == "default"
+    assert values["locked_gpu_clock_min"] == values["locked_gpu_clock_max"] == 0
+    if prof.hbm:
+        assert values["temperature_memory"] >= values["temperature"]
+    if prof.has_fan:
+        assert 30 <= values["fan_speed"] <= 100
+
+
+def test_a_sample_can_ask_for_some_properties_only(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.sample(uuid, ["uuid"])
+    before = sum(sim.calls.values())
+    sample = backend.sample(uuid, ["temperature", "desired_status"])
+    assert set(sample.values) == {"temperature"}  # desired_status is the mapper's, not NVML's
+    assert sum(sim.calls.values()) - before == 1  # one NVML call per value
+    with pytest.raises(InvalidValueError, match="'temprature'") as info:
+        backend.sample(uuid, ["temprature"])
+    assert info.value.reason == "unknown-property"
+
+
+def test_not_supported_values_are_absent_and_asked_again_only_rarely(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, "T4")
+    for _ in range(10):
+        sample = backend.sample(uuid)
+        fake_clock.advance(1)
+        assert "fan_speed" not in sample.values and "temperature_memory" not in sample.values
+        assert "energy_consumption" in sample.values  # same NVML call as temperature_memory, its own status
+    assert sim.calls["nvmlDeviceGetFanSpeed"] == 1
+    assert sim.calls["nvmlDeviceGetRemappedRows"] == 1
+    assert sim.calls["nvmlDeviceGetPowerUsage"] == 10
+    fake_clock.advance(600)
+    backend.sample(uuid)
+    assert sim.calls["nvmlDeviceGetFanSpeed"] == 2
+
+
+def test_list_gpus_enumerates_by_uuid_with_index_as_a_label(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    _, backend, uuids = build(fake_clock, backends, "H100", "T4", "L4")
+    gpus = backend.list_gpus()
+    assert [g.uuid for g in gpus] == uuids
+    assert [g.index for g in gpus] == [0, 1, 2]
+    assert gpus[1].name == "Tesla T4" and gpus[1].architecture == "turing"
+    assert gpus[0].pci_bus_id == "00000000:18:00.0" and gpus[0].serial.isdigit()
+    assert backend.driver_version() == gpus[0].driver_version == "590.48.01"
+
+
+def test_an_unknown_gpu_is_not_found(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    _, backend, _ = build(fake_clock, backends)
+    with pytest.raises(NotFoundError, match="GPU-00000000-0000-0000-0000-000000000000 is not on this node"):
+        backend.sample("GPU-00000000-0000-0000-0000-000000000000")
+
+
+def test_constraints_come_from_the_gpu(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    _, backend, (h100, t4) = build(fake_clock, backends, "H100", "T4")
+    c = backend.constraints(t4)
+    assert (c.power_limit_min_w, c.power_limit_max_w, c.power_limit_default_w) == (60.0, 70.0, 70.0)
+    assert c.memory_clocks_mhz == (5001, 405)
+    assert c.graphics_clocks_mhz[0] == 1590 and c.graphics_clocks_mhz[-1] == 300
+    assert list(c.graphics_clocks_mhz) == sorted(c.graphics_clocks_mhz, reverse=True)
+    assert c.unsupported == frozenset()
+    assert backend.constraints(h100).memory_clocks_mhz == (2619,)
+
+
+def test_an_older_driver_falls_back_to_the_deprecated_temperature_call(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, driver_version="530.30.02")
+    sample = backend.sample(uuid)
+    assert sample.values["temperature"] > 0
+    assert "clock_event_reasons" not in sample.values  # FunctionNotFound: absent, like NotSupported
+    backend.sample(uuid)
+    assert sim.calls["nvmlDeviceGetTemperatureV"] == 1 and sim.calls["nvmlDeviceGetTemperature"] == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Setting
+# --------------------------------------------------------------------------------------------------
+
+
+def test_power_limit_is_set_in_milliwatts_and_read_back(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    assert backend.set_power_limit(uuid, 350.5) == 350.5
+    assert sim.gpu(uuid).power_limit_mw == 350_500
+    assert backend.sample(uuid, ["power_limit"]).values["power_limit"] == 350.5
+    assert sim.calls["nvmlDeviceSetPowerManagementLimit"] == 1
+    assert sim.calls["nvmlDeviceSetPowerManagementLimit_v2"] == 0
+
+
+def test_out_of_range_power_limit_is_rejected_and_the_gpu_unchanged(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.set_power_limit(uuid, 400)
+    with pytest.raises(InvalidValueError) as info:
+        backend.set_power_limit(uuid, 800)
+    assert info.value.reason == "out-of-range"
+    message = str(info.value)
+    assert uuid in message and "nvmlDeviceSetPowerManagementLimit" in message and "800000 mW" in message
+    assert "200-700 W" in message
+    assert sim.gpu(uuid).power_limit_mw == 400_000
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("300", "not-a-number"),
+        (None, "wrong-type"),
+        (True, "wrong-type"),
+        (math.nan, "nan"),
+        (math.inf, "infinite"),
+        (-5, "negative"),
+    ],
+)
+def test_non_numeric_power_limits_are_rejected_before_nvml(
+    value: object, reason: str, fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    with pytest.raises(InvalidValueError, match="power_limit") as info:
+        backend.set_power_limit(uuid, value)  # type: ignore[arg-type]
+    assert info.value.reason == reason
+    assert sim.calls["nvmlDeviceSetPowerManagementLimit"] == 0
+    assert sim.gpu(uuid).power_limit_mw == 700_000
+
+
+def test_a_power_limit_that_does_not_read_back_is_an_error(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    class SilentSim(SimNvml):
+        """A driver that reports success and changes nothing (what the v2 binding bug looks like)."""
+
+        def nvmlDeviceSetPowerManagementLimit(self, handle: object, limit: int) -> None:
+            self.calls["nvmlDeviceSetPowerManagementLimit"] += 1
+
+    sim = SilentSim(1, clock=fake_clock.monotonic)
+    backend = NvmlBackend(sim, clock=fake_clock)
+    backends.append(backend)
+    with pytest.raises(PermanentError, match="reads back as 700000 mW") as info:
+        backend.set_power_limit(sim.gpus[0].uuid, 300)
+    assert info.value.reason == "read-back-mismatch"
+
+
+def test_locked_gpu_clocks_are_set_reported_and_reset(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.set_locked_gpu_clocks(uuid, 1005, 1500)
+    assert sim.gpu(uuid).locked_gpu_clocks == (1005, 1500)
+    values = backend.sample(uuid).values
+    assert (values["locked_gpu_clock_min"], values["locked_gpu_clock_max"]) == (1005, 1500)
+    backend.reset_locked_gpu_clocks(uuid)
+    assert sim.gpu(uuid).locked_gpu_clocks is None
+    assert backend.sample(uuid).values["locked_gpu_clock_max"] == 0
+    backend.set_locked_gpu_clocks(uuid, 1500, 1500)
+    backend.set_locked_gpu_clocks(uuid, 0, 0)  # 0/0 unlocks
+    assert sim.gpu(uuid).locked_gpu_clocks is None
+
+
+def test_unsupported_clocks_are_rejected_and_the_gpu_unchanged(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.set_locked_gpu_clocks(uuid, 1500, 1500)
+    with pytest.raises(InvalidValueError, match=r"1001 MHz, 1500 MHz") as info:
+        backend.set_locked_gpu_clocks(uuid, 1001, 1500)
+    assert info.value.reason == "not-supported-clock" and uuid in str(info.value)
+    for lo, hi, reason in ((1500, 1005, "out-of-range"), (0, 1500, "unpaired"), (1000.5, 1500, "wrong-type")):
+        with pytest.raises(InvalidValueError) as info:
+            backend.set_locked_gpu_clocks(uuid, lo, hi)  # type: ignore[arg-type]
+        assert info.value.reason == reason
+    assert sim.gpu(uuid).locked_gpu_clocks == (1500, 1500)
+    assert backend.sample(uuid).values["locked_gpu_clock_min"] == 1500
+
+
+def test_locked_memory_clocks_where_supported_and_learnt_unsupported_elsewhere(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (h100, t4) = build(fake_clock, backends, "H100", "T4")
+    backend.set_locked_memory_clocks(h100, 2619, 2619)
+    assert sim.gpu(h100).locked_memory_clocks == (2619, 2619)
+    assert backend.sample(h100).values["locked_memory_clock_min"] == 2619
+    backend.reset_locked_memory_clocks(h100)
+    assert sim.gpu(h100).locked_memory_clocks is None
+    assert backend.sample(t4).values["locked_memory_clock_min"] == 0
+    with pytest.raises(UnsupportedError, match=f"GPU {t4}: nvmlDeviceSetMemoryLockedClocks"):
+        backend.set_locked_memory_clocks(t4, 5001, 5001)
+    assert backend.constraints(t4).unsupported == {"locked_memory_clock_min", "locked_memory_clock_max"}
+    assert "locked_memory_clock_min" not in backend.sample(t4).values
+
+
+def test_persistence_and_compute_mode_are_set_by_value_and_name(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.set_persistence_mode(uuid, True)
+    for name in COMPUTE_MODES:
+        backend.set_compute_mode(uuid, name)
+        assert backend.sample(uuid).values["compute_mode"] == name
+    assert backend.sample(uuid).values["persistence_mode"] is True
+    assert sim.gpu(uuid).persistence_mode == 1
+    with pytest.raises(InvalidValueError, match="exclusive_thread") as info:
+        backend.set_compute_mode(uuid, "exclusive_thread")
+    assert info.value.reason == "unknown-value"
+    with pytest.raises(InvalidValueError) as info:
+        backend.set_persistence_mode(uuid, "yes")  # type: ignore[arg-type]
+    assert info.value.reason == "wrong-type"
+    assert sim.gpu(uuid).compute_mode == COMPUTE_MODES["exclusive_process"]
+
+
+def test_every_setter_reports_no_permission_when_not_root(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, as_root=False)
+    setters = [
+        lambda: backend.set_power_limit(uuid, 300),
+        lambda: backend.set_locked_gpu_clocks(uuid, 1500, 1500),
+        lambda: backend.reset_locked_gpu_clocks(uuid),
+        lambda: backend.set_locked_memory_clocks(uuid, 2619, 2619),
+        lambda: backend.reset_locked_memory_clocks(uuid),
+        lambda: backend.set_persistence_mode(uuid, True),
+        lambda: backend.set_compute_mode(uuid, "prohibited"),
+    ]
+    for setter in setters:
+        with pytest.raises(NoPermissionError, match=f"GPU {uuid}: nvmlDevice.*root") as info:
+            setter()
+        assert info.value.reason == "no-permission"
+    values = backend.sample(uuid).values
+    assert values["power_limit"] == 700.0 and values["compute_mode"] == "default"
+    assert values["locked_gpu_clock_min"] == 0 and values["persistence_mode"] is False
+    sim.set_as_root(True)
+    assert backend.set_power_limit(uuid, 300) == 300.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Faults
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_gpu_lost_in_the_middle_of_a_sample_raises_and_is_reported(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (lost, healthy) = build(fake_clock, backends, "H100", "H100")
+    backend.sample(lost)
+    sim.inject_errors("nvmlDeviceGetClockInfo", pynvml.NVML_ERROR_GPU_IS_LOST, 1, uuid=lost)
+    with pytest.raises(GpuLostError, match=f"GPU {lost}: nvmlDeviceGetClockInfo"):
+        backend.sample(lost)
+    assert backend.is_lost(lost)
+    assert [(e.uuid, e.kind) for e in backend.poll_events()] == [(lost, "gpu_lost")]
+    calls = sum(sim.calls.values())
+    with pytest.raises(GpuLostError, match="is lost"):
+        backend.sample(lost)  # no NVML call while lost
+    assert sum(sim.calls.values()) == calls
+    assert backend.sample(healthy).values["uuid"] == healthy
+    assert lost in {g.uuid for g in backend.list_gpus()}
+    fake_clock.advance(61)  # the backend probes again; this GPU was not really gone
+    assert backend.sample(lost).values["uuid"] == lost
+    assert not backend.is_lost(lost)
+
+
+def test_a_gpu_that_falls_off_the_bus_gives_xid_79_and_stays_lost(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (lost, healthy) = build(fake_clock, backends, "H100", "H100")
+    backend.poll_events()  # registers for events
+    sim.inject_gpu_lost(lost)
+    events = backend.poll_events()
+    assert [(e.uuid, e.kind, e.xid) for e in events] == [(lost, "xid", 79), (lost, "gpu_lost", 0)]
+    with pytest.raises(GpuLostError):
+        backend.sample(lost)
+    fake_clock.advance(61)
+    with pytest.raises(GpuLostError, match=lost):
+        backend.sample(lost)
+    assert backend.sample(healthy).values["xid_last"] == 0
+
+
+def test_xid_and_ecc_events_are_polled_and_xid_last_is_sampled(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    assert backend.poll_events() == []
+    sim.inject_xid(uuid, 43)
+    sim.inject_ecc(uuid, corrected=1, uncorrected=1)
+    events = backend.poll_events()
+    assert [(e.kind, e.xid) for e in events] == [("xid", 43), ("ecc_single", 0), ("ecc_double", 0)]
+    assert all(e.uuid == uuid and e.ts_ms == fake_clock.wall_ms() for e in events)
+    values = backend.sample(uuid).values
+    assert values["xid_last"] == 43
+    assert (values["ecc_errors_corrected"], values["ecc_errors_uncorrected"]) == (1, 1)
+
+
+def test_a_driver_reload_wipes_settings_and_is_reported(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (a, b) = build(fake_clock, backends, "H100", "A100")
+    backend.set_power_limit(a, 300)
+    backend.set_locked_gpu_clocks(a, 1500, 1500)
+    backend.set_locked_memory_clocks(a, 2619, 2619)
+    backend.set_persistence_mode(a, True)
+    backend.set_compute_mode(a, "prohibited")
+    fake_clock.advance(100)
+    energy_before = backend.sample(a).values["energy_consumption"]
+    backend.sample(b)
+    assert backend.poll_events() == []
+    sim.driver_reload()
+    fake_clock.advance(1)
+    values = backend.sample(a).values  # re-initialises transparently
+    assert values["power_limit"] == 700.0
+    assert (values["locked_gpu_clock_min"], values["locked_gpu_clock_max"]) == (0, 0)
+    assert (values["locked_memory_clock_min"], values["locked_memory_clock_max"]) == (0, 0)
+    assert values["persistence_mode"] is False and values["compute_mode"] == "default"
+    assert values["energy_consumption"] < energy_before
+    assert {(e.uuid, e.kind) for e in backend.poll_events()} == {(a, "driver_reload"), (b, "driver_reload")}
+    assert backend.poll_events() == []
+
+
+def test_a_reload_between_sessions_is_seen_from_the_energy_counter(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.set_locked_gpu_clocks(uuid, 1500, 1500)
+    fake_clock.advance(100)
+    backend.sample(uuid)
+    backend.shutdown()  # the backend lets go of NVML; the driver reloads meanwhile
+    sim.driver_reload()
+    fake_clock.advance(1)
+    assert backend.sample(uuid).values["locked_gpu_clock_min"] == 0
+    events = backend.poll_events()
+    assert [(e.uuid, e.kind) for e in events] == [(uuid, "driver_reload")]
+    assert "energy counter" in events[0].detail
+
+
+def test_unknown_errors_reinitialise_nvml_with_capped_exponential_backoff(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.sample(uuid)
+    assert sim.calls["nvmlInitWithFlags"] == 1
+    sim.inject_errors("nvmlDeviceGetPowerUsage", pynvml.NVML_ERROR_UNKNOWN, 1)
+    assert "power_usage" in backend.sample(uuid).values  # one Unknown: re-init at once and retry
+    assert sim.calls["nvmlInitWithFlags"] == 2
+    sim.inject_errors("nvmlDeviceGetPowerUsage", pynvml.NVML_ERROR_UNKNOWN, 3)
+    with pytest.raises(TransientError, match=r"nvmlDeviceGetPowerUsage.*Unknown"):
+        backend.sample(uuid)  # fails, re-inits, fails again
+    assert sim.calls["nvmlInitWithFlags"] == 3
+    with pytest.raises(TransientError, match=r"backs off 1\.0 s"):
+        backend.sample(uuid)
+    assert sim.calls["nvmlInitWithFlags"] == 3
+    fake_clock.advance(1.0)
+    with pytest.raises(TransientError, match="Unknown"):
+        backend.sample(uuid)
+    assert sim.calls["nvmlInitWithFlags"] == 4
+    fake_clock.advance(1.0)
+    with pytest.raises(TransientError, match=r"backs off 1\.0 s"):
+        backend.sample(uuid)  # the second wait is 2 s
+    fake_clock.advance(1.0)
+    assert "power_usage" in backend.sample(uuid).values
+    assert sim.calls["nvmlInitWithFlags"] == 5
+
+
+def test_the_backoff_is_capped(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.sample(uuid)
+    sim.inject_errors("nvmlInitWithFlags", pynvml.NVML_ERROR_UNKNOWN, 100)
+    sim.inject_errors("nvmlDeviceGetPowerUsage", pynvml.NVML_ERROR_UNKNOWN, 1)
+    waits = []
+    for _ in range(12):
+        try:
+            backend.sample(uuid)
+        except TransientError as exc:
+            waits.append(exc.retry_after_s)
+        fake_clock.advance(max(waits[-1], 0.001))
+    assert max(waits) == 60.0
+
+
+def test_a_missing_nvml_library_is_a_clear_permanent_error(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, _ = build(fake_clock, backends)
+    sim.inject_errors("nvmlInitWithFlags", pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, 1)
+    with pytest.raises(PermanentError, match=r"libnvidia-ml\.so\.1 not found") as info:
+        backend.init()
+    assert not isinstance(info.value, TransientError)
+
+
+def test_a_hung_call_times_out_and_nvml_is_reinitialised(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, call_timeout_s=0.1, init_timeout_s=0.1)
+    backend.sample(uuid)
+    sim.set_call_delay_s(0.4, "nvmlDeviceGetPowerUsage")
+    started = time.monotonic()
+    with pytest.raises(TransientError, match=r"no answer from NVML within 0\.1 s"):
+        backend.sample(uuid)
+    assert time.monotonic() - started < 0.35
+    with pytest.raises(TransientError, match="not attempted: NVML has not answered"):
+        backend.sample(uuid)  # fails fast while the call hangs
+    sim.set_call_delay_s(0, "nvmlDeviceGetPowerUsage")
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sample = backend.sample(uuid)
+            break
+        except TransientError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert "power_usage" in sample.values
+    assert sim.calls["nvmlInitWithFlags"] == 2
+
+
+def test_a_slow_first_call_after_a_reload_times_out_then_recovers(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, call_timeout_s=0.1, init_timeout_s=0.1)
+    backend.set_power_limit(uuid, 300)
+    sim.driver_reload(first_call_delay_s=0.3)
+    with pytest.raises(TransientError):
+        backend.sample(uuid)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            values = backend.sample(uuid).values
+            break
+        except TransientError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            fake_clock.advance(1)
+    assert values["power_limit"] == 700.0
