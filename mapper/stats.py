@@ -147,7 +147,7 @@ class MapperSnapshot:
     mqtt_reconnects: int = 0
     # --- DMI (issue 3) ---
     dmi_registered: bool = False
-    #: RPCs by (method, result); result is ``ok`` or a short error code (``unavailable``, ``rate-limited``...).
+    #: RPCs by (method, result); result is ``ok`` or a short error code (``unavailable``, ``rate_limited``...).
     dmi_rpcs: Mapping[tuple[str, str], int] = field(default_factory=dict)
     # --- desired state (issue 4) ---
     #: Reconcile actions by (property, result): ``applied``, ``failed``, ``rejected``, ``unsupported``...
