@@ -1,0 +1,157 @@
+"""The read path of NvmlBackend against the real pynvml, on a machine with an NVIDIA GPU.
+
+Skipped (with the reason NVML gave) where nvmlInit fails. It never calls a setter: the backend gets the real
+pynvml wrapped in ``ReadOnlyNvml``, which fails the test on any access to a function that changes GPU state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pynvml
+import pytest
+
+from mapper.errors import UnsupportedError
+from mapper.gpu.nvml import NvmlBackend
+from mapper.model import NVML_PROPERTIES, PROPERTY_BY_NAME, TWIN_VALUE_RE, format_value
+
+#: Prefixes of pynvml functions that change GPU, driver or system state.
+WRITE_PREFIXES = (
+    "nvmlDeviceSet",
+    "nvmlDeviceReset",
+    "nvmlDeviceClear",
+    "nvmlDeviceModify",
+    "nvmlDeviceRemove",
+    "nvmlDeviceCreate",
+    "nvmlDeviceDiscover",
+    "nvmlSystemSet",
+    "nvmlGpuInstanceCreate",
+    "nvmlGpuInstanceDestroy",
+    "nvmlComputeInstanceDestroy",
+    "nvmlUnitSet",
+    "nvmlVgpuInstanceSet",
+    "nvmlVgpuInstanceClear",
+)
+
+PYTHON_TYPES = {"INT": int, "FLOAT": float, "BOOLEAN": bool, "STRING": str}
+
+
+class SetterCalled(AssertionError):
+    pass
+
+
+class ReadOnlyNvml:
+    """The real pynvml, minus every function that writes: touching one fails the test."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self.refused: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(WRITE_PREFIXES):
+            self.refused.append(name)
+            raise SetterCalled(f"the real-GPU test must never call {name}")
+        return getattr(self._module, name)
+
+
+def test_the_read_only_wrapper_refuses_every_setter() -> None:
+    guard = ReadOnlyNvml(pynvml)
+    setters = [n for n in dir(pynvml) if n.startswith(WRITE_PREFIXES) and callable(getattr(pynvml, n))]
+    assert "nvmlDeviceSetPowerManagementLimit" in setters and "nvmlDeviceResetGpuLockedClocks" in setters
+    for name in setters:
+        with pytest.raises(SetterCalled):
+            getattr(guard, name)
+    assert guard.refused == setters
+    assert guard.nvmlDeviceGetPowerUsage is pynvml.nvmlDeviceGetPowerUsage
+    assert guard.NVMLError is pynvml.NVMLError
+
+
+@pytest.fixture(scope="module")
+def real_nvml() -> Iterator[ReadOnlyNvml]:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        pytest.skip(f"no usable NVIDIA GPU here: nvmlInit failed with {exc!r}")
+    try:
+        if pynvml.nvmlDeviceGetCount() == 0:
+            pytest.skip("NVML initialised but reports no GPU")
+        guard = ReadOnlyNvml(pynvml)
+        yield guard
+        assert guard.refused == [], f"a setter was reached: {guard.refused}"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+@pytest.fixture
+def backend(real_nvml: ReadOnlyNvml) -> Iterator[NvmlBackend]:
+    backend = NvmlBackend(real_nvml, call_timeout_s=30.0)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.mark.gpu
+def test_real_gpus_are_listed_by_uuid(backend: NvmlBackend) -> None:
+    gpus = backend.list_gpus()
+    assert gpus
+    for gpu in gpus:
+        assert gpu.uuid.startswith(("GPU-", "MIG-"))
+        assert gpu.name and gpu.driver_version
+    assert backend.driver_version() == gpus[0].driver_version
+
+
+@pytest.mark.gpu
+def test_every_real_value_has_its_catalog_type_and_fits_a_twin(backend: NvmlBackend) -> None:
+    for gpu in backend.list_gpus():
+        sample = backend.sample(gpu.uuid)
+        values = sample.values
+        for name, value in values.items():
+            spec = PROPERTY_BY_NAME[name]
+            assert type(value) is PYTHON_TYPES[spec.ptype], f"{name}: {value!r} is not {spec.ptype}"
+            assert TWIN_VALUE_RE.fullmatch(format_value(spec, value)), f"{name}: {value!r}"
+            if isinstance(value, float):
+                assert math.isfinite(value) and value >= 0
+        assert set(values) <= {p.name for p in NVML_PROPERTIES}
+        for core in ("uuid", "product_name", "memory_total", "memory_used", "temperature", "clock_sm"):
+            assert core in values, f"{gpu.name}: {core} missing; errors: {sample.errors}"
+        assert values["uuid"] == gpu.uuid
+        assert 0 < values["temperature"] < 120  # celsius
+        assert values["memory_used"] <= values["memory_total"]  # bytes
+        if "power_usage" in values and "power_limit_max" in values:
+            assert 0 < float(values["power_usage"]) < 1.5 * float(values["power_limit_max"])  # W, not mW
+        if "clock_sm_max" in values:
+            assert 100 < int(values["clock_sm_max"]) < 5000  # MHz
+
+
+@pytest.mark.gpu
+def test_real_energy_counter_does_not_go_backwards(backend: NvmlBackend) -> None:
+    uuid = backend.list_gpus()[0].uuid
+    first = backend.sample(uuid, ["energy_consumption"]).values.get("energy_consumption")
+    if first is None:
+        pytest.skip("this GPU has no energy counter (pre-Volta)")
+    second = backend.sample(uuid, ["energy_consumption"]).values["energy_consumption"]
+    assert float(second) >= float(first)
+    assert not [e for e in backend.poll_events() if e.kind == "driver_reload"]
+
+
+@pytest.mark.gpu
+def test_real_constraints_are_consistent(backend: NvmlBackend) -> None:
+    uuid = backend.list_gpus()[0].uuid
+    try:
+        c = backend.constraints(uuid)
+    except UnsupportedError as exc:
+        pytest.skip(f"constraints not readable here: {exc}")
+    if c.power_limit_min_w is not None and c.power_limit_max_w is not None:
+        assert 0 < c.power_limit_min_w <= c.power_limit_max_w
+        if c.power_limit_default_w is not None:
+            assert c.power_limit_min_w <= c.power_limit_default_w <= c.power_limit_max_w
+    assert list(c.memory_clocks_mhz) == sorted(c.memory_clocks_mhz, reverse=True)
+    assert list(c.graphics_clocks_mhz) == sorted(c.graphics_clocks_mhz, reverse=True)
+
+
+@pytest.mark.gpu
+def test_polling_real_events_returns_without_blocking(backend: NvmlBackend) -> None:
+    events = backend.poll_events()
+    assert isinstance(events, list)
+    assert all(e.kind in ("xid", "ecc_single", "ecc_double", "gpu_lost", "driver_reload") for e in events)
