@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import yaml
 
@@ -33,7 +35,7 @@ def sim_gpus(count: int, profile: str = "H100") -> list[GpuInfo]:
     return out
 
 
-def docs(text: str) -> list[dict]:  # type: ignore[type-arg]
+def docs(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d is not None]
 
 
@@ -139,7 +141,7 @@ def test_a_node_name_without_letters_or_digits_is_refused() -> None:
         ({"desired": {"GPU-nope": {"power_limit": "1"}}}, "desired values for GPU\\(s\\) not listed: GPU-nope"),
     ],
 )
-def test_bad_arguments_are_refused_with_what_is_wrong(kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
+def test_bad_arguments_are_refused_with_what_is_wrong(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         device_yaml(sim_gpus(1), "edge1", **kwargs)
 

@@ -140,7 +140,7 @@ def test_every_catalog_property_with_a_prometheus_name_is_exported_per_gpu_in_ba
             assert reg.get_sample_value(spec.prom_name, gpu_labels()) is None
             continue
         raw = values[spec.name]
-        expected = (1.0 if raw else 0.0) if isinstance(raw, bool) else float(raw) * spec.prom_scale  # type: ignore[arg-type]
+        expected = (1.0 if raw else 0.0) if isinstance(raw, bool) else float(raw) * spec.prom_scale
         got = reg.get_sample_value(spec.prom_name, gpu_labels())
         assert got == pytest.approx(expected), spec.name
 
