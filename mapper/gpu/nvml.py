@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
@@ -152,8 +152,8 @@ class NvmlBackend:
         self._init_flags = init_flags
         # worker thread and hang detection (touched by callers)
         self._submit_lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._hung: Future[Any] | None = None
+        self._worker: _Worker | None = None
+        self._hung: _Job | None = None
         self._hung_what = ""
         self._hung_since_s = 0.0
         # NVML session (touched only on the worker thread, apart from _needs_reinit)
@@ -195,9 +195,9 @@ class NvmlBackend:
             self._call("nvmlShutdown", self._shutdown_session, needs_session=False)
         finally:
             with self._submit_lock:
-                if self._executor is not None:
-                    self._executor.shutdown(wait=False, cancel_futures=True)
-                    self._executor = None
+                if self._worker is not None:
+                    self._worker.stop()
+                    self._worker = None
 
     def driver_version(self) -> str:
         return self._call("nvmlSystemGetDriverVersion", lambda: _text(self._nv("nvmlSystemGetDriverVersion")))
@@ -289,34 +289,33 @@ class NvmlBackend:
         with self._submit_lock:
             hung = self._hung
             if hung is not None:
-                if not hung.done():
+                if not hung.finished:
                     waited = self._clock.monotonic() - self._hung_since_s
                     raise TransientError(
                         f"{what} not attempted: NVML has not answered {self._hung_what} for {waited:.1f} s",
                         retry_after_s=self._call_timeout_s,
                     )
                 self._hung = None
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+            if self._worker is None:
+                self._worker = _Worker()
             fresh = not self._initialized or self._needs_reinit
             timeout_s = max(self._call_timeout_s, self._init_timeout_s) if fresh else self._call_timeout_s
-            future = self._executor.submit(self._guarded, fn, needs_session)
-        try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            if future.cancel():
-                raise TransientError(
-                    f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s
-                ) from None
-            with self._submit_lock:
-                self._hung = future
-                self._hung_what = what
-                self._hung_since_s = self._clock.monotonic() - timeout_s
-                self._needs_reinit = True
-            raise TransientError(
-                f"{what}: no answer from NVML within {timeout_s} s; NVML will be re-initialised",
-                retry_after_s=timeout_s,
-            ) from None
+            job = self._worker.submit(lambda: self._guarded(fn, needs_session))
+        if job.wait(timeout_s):
+            if job.error is not None:
+                raise job.error
+            return job.result  # type: ignore[no-any-return]
+        if self._worker.cancel(job):
+            raise TransientError(f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s)
+        with self._submit_lock:
+            self._hung = job
+            self._hung_what = what
+            self._hung_since_s = self._clock.monotonic() - timeout_s
+            self._needs_reinit = True
+        raise TransientError(
+            f"{what}: no answer from NVML within {timeout_s} s; NVML will be re-initialised",
+            retry_after_s=timeout_s,
+        )
 
     def _guarded(self, fn: Callable[[], T], needs_session: bool) -> T:
         if needs_session:
@@ -985,6 +984,75 @@ def _wanted(properties: Iterable[str] | None) -> frozenset[str]:
         if spec.source == "nvml":
             names.add(name)
     return frozenset(names)
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker thread every NVML call runs on
+# --------------------------------------------------------------------------------------------------
+
+_QUEUED, _RUNNING, _FINISHED, _CANCELLED = range(4)
+
+
+class _Job:
+    __slots__ = ("done", "error", "fn", "result", "state")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.state = _QUEUED
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    @property
+    def finished(self) -> bool:
+        return self.state == _FINISHED
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.done.acquire(timeout=timeout_s)
+
+
+class _Worker:
+    """One daemon thread running jobs in order. A daemon, so a call hung inside NVML never blocks process exit;
+    a plain lock per job as the reply latch (cheaper than a Future's condition variable)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="nvml", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> _Job:
+        job = _Job(fn)
+        self._jobs.put(job)
+        return job
+
+    def cancel(self, job: _Job) -> bool:
+        """Cancel a job that has not started; False when it is running or done."""
+        with self._lock:
+            if job.state == _QUEUED:
+                job.state = _CANCELLED
+                return True
+            return False
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                if job.state == _CANCELLED:
+                    continue
+                job.state = _RUNNING
+            try:
+                job.result = job.fn()
+            except BaseException as exc:
+                job.error = exc
+            job.state = _FINISHED
+            job.done.release()
 
 
 # --------------------------------------------------------------------------------------------------
