@@ -6,6 +6,7 @@ The simulator is the only stand-in: the backend code is the one that runs over t
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator
 
@@ -537,3 +538,38 @@ def test_a_slow_first_call_after_a_reload_times_out_then_recovers(
             time.sleep(0.05)
             fake_clock.advance(1)
     assert values["power_limit"] == 700.0
+
+
+def test_a_read_that_fails_for_another_reason_is_reported_and_the_rest_still_sampled(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    sim.inject_errors("nvmlDeviceGetPcieThroughput", pynvml.NVML_ERROR_NO_PERMISSION, 1)
+    sample = backend.sample(uuid)
+    assert "pcie_tx" not in sample.values and "pcie_rx" in sample.values
+    assert sample.errors["pcie_tx"].startswith("no-permission:")
+    assert "nvmlDeviceGetPcieThroughput" in sample.errors["pcie_tx"]
+    again = backend.sample(uuid)  # not mistaken for NotSupported: asked again at once
+    assert "pcie_tx" in again.values and again.errors == {}
+
+
+def test_calls_from_several_threads_are_serialised_safely(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, uuids = build(fake_clock, backends, "H100", "A100")
+    limits = {uuids[0]: 350.0, uuids[1]: 250.0}
+    failures: list[BaseException] = []
+
+    def work(uuid: str) -> None:
+        try:
+            for _ in range(25):
+                assert backend.sample(uuid).values["uuid"] == uuid
+                assert backend.set_power_limit(uuid, limits[uuid]) == limits[uuid]
+        except BaseException as exc:  # collected and re-raised in the test thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(uuids[i % 2],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert failures == []
+    assert [sim.gpu(u).power_limit_w for u in uuids] == [350.0, 250.0]

@@ -514,9 +514,12 @@ class SimNvml:
             self._fault(fname, gpu.uuid)
         if gpu.lost:
             raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
-        if gpu.advance(self._clock()):
-            self._fall_off(gpu)
-            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        now = self._clock()
+        if now - gpu.t_last >= _MIN_ADVANCE_S:
+            with self._lock:  # one integration at a time (the control surface may run on another thread)
+                if gpu.advance(now):
+                    self._fall_off(gpu)
+                    raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return gpu
 
     def _setter(self, handle: SimHandle, fname: str) -> SimGpu:
@@ -936,9 +939,10 @@ class SimNvml:
         self._system("nvmlEventSetWait")
         if eventSet.freed or eventSet.generation != self._generation:
             raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
-        for gpu in self._gpus:
-            if gpu.advance(self._clock()):
-                self._fall_off(gpu)
+        with self._lock:
+            for gpu in self._gpus:
+                if gpu.advance(self._clock()):
+                    self._fall_off(gpu)
         with self._lock:
             if eventSet.queue:
                 return eventSet.queue.popleft()
