@@ -304,7 +304,7 @@ class NvmlBackend:
         if job.wait(timeout_s):
             if job.error is not None:
                 raise job.error
-            return job.result  # type: ignore[no-any-return]
+            return job.result
         if self._worker.cancel(job):
             raise TransientError(f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s)
         with self._submit_lock:
