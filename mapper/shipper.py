@@ -247,8 +247,10 @@ class TelemetryShipper:
                 task = asyncio.ensure_future(self._send(row))
                 self._in_flight[row.id] = task
                 sent_any = True
-            self._log_progress()
+                self._log_progress()
             idle = not rows or (not sent_any and len(rows) < self.page_size)
+            if idle:
+                self._log_progress(idle=True)
             if idle and not self._closing:
                 self._wake.clear()
                 await self._wait_for_work()
@@ -410,19 +412,23 @@ class TelemetryShipper:
     def replay_remaining_batches(self) -> int:
         return self._backlog() if self._replay_active else 0
 
-    def _log_progress(self) -> None:
+    def _log_progress(self, *, idle: bool = False) -> None:
+        """Log replay progress every ``progress_log_s``; notice the end of a replay when idle."""
         if not self._replay_active:
             return
-        remaining = self._backlog()
         now = self.clock.monotonic()
+        if not idle and now - self._replay_last_log < self.progress_log_s:
+            return
+        remaining = self._backlog()
         if remaining <= self.max_in_flight:
-            self._replay_active = False
-            log.info(
-                "telemetry: replay done: %d batches (%d bytes) in %.1fs",
-                self.replayed_batches,
-                self.replayed_bytes,
-                now - self._replay_started,
-            )
+            if idle or remaining == 0:
+                self._replay_active = False
+                log.info(
+                    "telemetry: replay done: %d batches (%d bytes) in %.1fs",
+                    self.replayed_batches,
+                    self.replayed_bytes,
+                    now - self._replay_started,
+                )
             return
         if now - self._replay_last_log < self.progress_log_s:
             return

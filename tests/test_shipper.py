@@ -1,0 +1,319 @@
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from mapper.buffer import Buffer
+from mapper.clock import FakeClock, SystemClock
+from mapper.model import Sample
+from mapper.mqtt import MqttSession
+from mapper.shipper import PublishFn, TelemetryShipper
+from mapper.telemetry import EncodedBatch, Route, decode_batch, encode_batch
+from tests.brokers import Mosquitto
+
+REPO = Path(__file__).resolve().parent.parent
+T0 = 1_780_000_000_000
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def _batch(device: str, seq: int, *, boot_id: str = "boot-a", n: int = 10) -> EncodedBatch:
+    samples = [
+        Sample("GPU-" + device[-1], T0 + (seq * n + i) * 1000, {"temperature": 60 + i % 7, "power_usage": 100.5 + i})
+        for i in range(n)
+    ]
+    return encode_batch(samples, node="n1", device=device, uuid="GPU-" + device[-1], boot_id=boot_id, seq=seq)
+
+
+class Consumer:
+    """A real MQTT subscriber that decodes batches and drops duplicates by (device, boot_id, seq)."""
+
+    def __init__(self, url: str) -> None:
+        self.session = MqttSession(url, "consumer", reconnect_min_s=0.05, reconnect_max_s=0.2)
+        self.messages: list[tuple[str, bytes]] = []
+        self.seen: set[tuple[str, str, int]] = set()
+        self.order: dict[str, list[int]] = {}
+        self.duplicates = 0
+        self.session.subscribe("gpu-mapper/#", self._on)
+
+    def _on(self, topic: str, payload: bytes) -> None:
+        self.messages.append((topic, payload))
+        if not topic.endswith("/telemetry"):
+            return
+        b = decode_batch(payload)
+        key = (b.device, b.boot_id, b.seq)
+        if key in self.seen:
+            self.duplicates += 1
+            return
+        self.seen.add(key)
+        self.order.setdefault(b.device, []).append(b.seq)
+
+    async def __aenter__(self) -> Consumer:
+        await self.session.start()
+        assert await self.session.wait_connected(5)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.session.stop(2)
+
+
+@pytest.fixture
+async def session(mosquitto: Mosquitto) -> AsyncIterator[MqttSession]:
+    s = MqttSession(mosquitto.url, "mapper-n1", reconnect_min_s=0.05, reconnect_max_s=0.2)
+    await s.start()
+    yield s
+    await s.stop(2)
+
+
+def gated(session: MqttSession, gate: asyncio.Event) -> PublishFn:
+    """A publisher that holds messages until the test's subscriber is back (a clean-session subscriber misses
+    what the broker delivers before it re-subscribes)."""
+
+    async def wrapper(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        if session.connected:  # offline: fail as the session does
+            await asyncio.wait_for(gate.wait(), 10)
+        await session.publish(topic, payload, qos, retain, timeout_s)
+
+    return wrapper
+
+
+def _shipper(buf: Buffer, sess: MqttSession, publish: PublishFn | None = None, **kw: object) -> TelemetryShipper:
+    opts: dict[str, object] = {"node": "n1", "clock": SystemClock(), "retry_s": 0.2, "publish_timeout_s": 3}
+    opts.update(kw)
+    shipper = TelemetryShipper(buf, publish or sess.publish, **opts)  # type: ignore[arg-type]
+    sess.add_on_connect(shipper.notify_connected)
+    return shipper
+
+
+async def test_batches_buffer_while_the_broker_is_down_and_all_arrive_in_order_when_it_returns(
+    tmp_path: Path, mosquitto: Mosquitto, session: MqttSession
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    gate = asyncio.Event()
+    gate.set()
+    shipper = _shipper(buf, session, gated(session, gate))
+    task = asyncio.create_task(shipper.run())
+    async with Consumer(mosquitto.url) as consumer:
+        assert await session.wait_connected(5)
+        for seq in range(5):
+            shipper.submit(_batch("default/gpu0", seq))
+        await _until(lambda: len(consumer.seen) == 5)
+        await _until(lambda: buf.stats().batches == 0)
+
+        gate.clear()
+        mosquitto.stop()
+        await _until(lambda: not session.connected)
+        for seq in range(5, 205):
+            for dev in ("default/gpu0", "default/gpu1"):
+                shipper.submit(_batch(dev, seq if dev.endswith("0") else seq - 5))
+            await asyncio.sleep(0)
+        assert buf.stats().batches >= 390  # buffered, not lost
+
+        mosquitto.start()
+        await _until(lambda: consumer.session.connected)
+        await asyncio.sleep(0.2)  # its SUBACK
+        gate.set()
+        await _until(lambda: len(consumer.seen) == 405, timeout_s=20)
+    assert consumer.order["default/gpu0"] == list(range(205))
+    assert consumer.order["default/gpu1"] == list(range(200))
+    await _until(lambda: buf.stats().batches == 0)  # the last PUBACKs may trail the deliveries
+    stats = shipper.stats()
+    assert stats.published_batches >= 405
+    assert stats.publish_failures >= 1
+    assert stats.replay_remaining_batches == 0
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_replay_sends_the_current_state_first_then_the_backlog_with_progress(
+    tmp_path: Path, mosquitto: Mosquitto, session: MqttSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    shipper = _shipper(buf, session, progress_log_s=0.0, max_in_flight=5, page_size=10)
+    mosquitto.stop()
+    await asyncio.sleep(0.1)
+    for seq in range(100):
+        shipper.submit(_batch("default/gpu0", seq))
+    shipper.update_state("default/gpu0", b'{"temperature":66}')
+    mosquitto.start()
+    with caplog.at_level(logging.INFO, logger="mapper.shipper"):
+        async with Consumer(mosquitto.url) as consumer:
+            await asyncio.sleep(0.2)  # its SUBACK
+            task = asyncio.create_task(shipper.run())
+            await _until(lambda: len(consumer.seen) == 100, timeout_s=20)
+    topics = [t for t, _ in consumer.messages]
+    state_at = topics.index("gpu-mapper/n1/default/gpu0/state")
+    first_batch_at = topics.index("gpu-mapper/n1/default/gpu0/telemetry")
+    assert state_at < first_batch_at
+    stats = shipper.stats()
+    assert stats.replayed_batches >= 90
+    assert stats.replayed_bytes > 0
+    assert stats.states_published >= 1
+    progress = [r.getMessage() for r in caplog.records if "replay" in r.getMessage()]
+    assert any("%" in m and "ETA" in m for m in progress), progress
+    assert any("replay done" in m for m in progress), progress
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_the_replay_rate_cap_is_honoured(tmp_path: Path, mosquitto: Mosquitto, session: MqttSession) -> None:
+    clock = FakeClock()
+    sent: list[tuple[float, int]] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        clock.advance(seconds)
+        await asyncio.sleep(0)
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        sent.append((clock.monotonic(), len(payload) + len(topic)))
+        await session.publish(topic, payload, qos, retain, timeout_s)
+
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9, clock=clock)
+    rate = 20_000.0
+    shipper = TelemetryShipper(
+        buf, publish, node="n1", clock=clock, rate_limit_bytes_per_s=rate, sleep=fake_sleep, retry_s=0.2
+    )
+    assert await session.wait_connected(5)
+    for seq in range(150):
+        shipper.submit(_batch("default/gpu0", seq))
+    start = clock.monotonic()
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0, timeout_s=20)
+    await shipper.stop(2)
+    task.cancel()
+    total = sum(n for _, n in sent)
+    elapsed = sent[-1][0] - start
+    biggest = max(n for _, n in sent)
+    assert total <= rate * elapsed + biggest + 1  # never above the cap (one message of slack)
+    assert total >= rate * elapsed * 0.9  # and not far below it either
+    # every window of 1 s holds at most rate + one message
+    for t0, _ in sent:
+        window = sum(n for t, n in sent if t0 <= t < t0 + 1.0)
+        assert window <= rate + biggest + 1
+    buf.close()
+
+
+async def test_a_property_pushed_to_another_broker_does_not_stall_the_default_one(
+    tmp_path: Path, mosquitto: Mosquitto, session: MqttSession
+) -> None:
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = Mosquitto(other_dir)
+    other_url = other.url.replace("mqtt://", "tcp://")
+    other_session = MqttSession(other_url, "mapper-n1-other", reconnect_min_s=0.05, reconnect_max_s=0.2)
+    await other_session.start()
+
+    watcher_ready = asyncio.Event()
+
+    async def publish_to(address: str) -> PublishFn:
+        assert address == other_url
+        return gated(other_session, watcher_ready)
+
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    shipper = _shipper(buf, session, publish_to=publish_to)
+    other_session.add_on_connect(lambda: shipper.notify_connected(other_url))
+    task = asyncio.create_task(shipper.run())
+    route = Route(other_url, "site/power", 1, False, frozenset({"power_usage"}))
+    async with Consumer(mosquitto.url) as consumer:
+        for seq in range(20):
+            shipper.submit(_batch("default/gpu0", seq))
+            shipper.submit(_batch("default/gpu1", seq), route)
+        await _until(lambda: len(consumer.seen) == 20)
+        await _until(lambda: buf.stats().batches == 20)  # the other broker's batches wait in the buffer
+        other.start()
+        try:
+            got: list[bytes] = []
+            watcher = MqttSession(other.url, "watcher", reconnect_min_s=0.05, reconnect_max_s=0.2)
+            watcher.subscribe("site/#", lambda t, p: got.append(p))
+            await watcher.start()
+            assert await watcher.wait_connected(5)
+            await asyncio.sleep(0.2)  # its SUBACK
+            watcher_ready.set()
+            await _until(lambda: len({decode_batch(p).seq for p in got}) == 20, timeout_s=20)
+            await _until(lambda: buf.stats().batches == 0)  # the last PUBACKs may trail the deliveries
+            await watcher.stop(2)
+        finally:
+            await other_session.stop(2)
+            other.stop()
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[bytes]:
+    script = textwrap.dedent(
+        f"""
+        import asyncio
+        from mapper.buffer import Buffer
+        from mapper.clock import SystemClock
+        from mapper.mqtt import MqttSession
+        from mapper.shipper import PublishFn, TelemetryShipper
+        from mapper.telemetry import BatchEncoder
+        from mapper.model import Sample
+
+        async def main():
+            session = MqttSession({url!r}, "doomed", reconnect_min_s=0.05, reconnect_max_s=0.2)
+            await session.start()
+            buf = Buffer({str(db)!r}, max_bytes=10**9, max_age_s=10**9)
+            shipper = TelemetryShipper(buf, session.publish, node="n1", clock=SystemClock(), retry_s=0.1)
+            task = asyncio.create_task(shipper.run())
+            enc = BatchEncoder("n1", "default/gpu0", "GPU-0", "boot-k", window_s=10)
+            for i in range({count}):
+                for j in range(10):
+                    enc.add(Sample("GPU-0", {T0} + (i * 10 + j) * 1000, {{"temperature": 60 + j}}))
+                shipper.submit(enc.flush())
+            print("stored", flush=True)
+            await asyncio.sleep(600)
+
+        asyncio.run(main())
+        """
+    )
+    return subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE)
+
+
+async def test_nothing_stored_is_lost_when_the_mapper_is_killed_while_offline(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    db = tmp_path / "buf.db"
+    mosquitto.stop()
+    proc = _spawn_offline_mapper(db, mosquitto.url, 300)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.to_thread(proc.stdout.readline)
+        assert line.strip() == b"stored"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        await asyncio.to_thread(proc.wait, 10)
+    assert proc.returncode == -signal.SIGKILL
+
+    mosquitto.start()
+    buf = Buffer(db, max_bytes=10**9, max_age_s=10**9)
+    assert buf.stats().batches == 300
+    session = MqttSession(mosquitto.url, "reborn", reconnect_min_s=0.05, reconnect_max_s=0.2)
+    async with Consumer(mosquitto.url) as consumer:
+        await session.start()
+        shipper = _shipper(buf, session)
+        task = asyncio.create_task(shipper.run())
+        await _until(lambda: len(consumer.seen) == 300, timeout_s=20)
+        assert consumer.order["default/gpu0"] == list(range(300))
+        await shipper.stop(2)
+        task.cancel()
+    await session.stop(2)
+    buf.close()
