@@ -190,9 +190,12 @@ class NvmlBackend:
         self._call("nvmlInit", lambda: None)
 
     def shutdown(self) -> None:
-        """Release NVML and the worker thread; a later call initialises again."""
+        """Release NVML and the worker thread; a later call initialises again. Never raises: at exit a hung or
+        broken NVML must not stop the mapper from stopping."""
         try:
             self._call("nvmlShutdown", self._shutdown_session, needs_session=False)
+        except MapperError:
+            pass
         finally:
             with self._submit_lock:
                 if self._worker is not None:

@@ -285,9 +285,6 @@ class SimGpu:
     def memory_temperature_c(self) -> float:
         return self.temperature_c + 3.0 + 5.0 * self.utilization_memory
 
-    def handle_key(self) -> str:
-        return self.uuid
-
     # --- workload ---------------------------------------------------------------------------------
     def utilization_at(self, t: float) -> float:
         if self.utilization_override is not None:
