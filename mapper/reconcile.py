@@ -683,12 +683,13 @@ class Reconciler:
             state = self._groups.get(action.group)
             if state is not None and now_s < state.next_try_s:
                 continue
-            drift = self._verified.get(action.group) == target.value
+            # Drift: a target verified in force no longer is. Counted once per episode, when first re-applied.
+            drift = self._verified.pop(action.group, None) == target.value
+            if drift:
+                self.counters.drift_reapplies[action.group] = self.counters.drift_reapplies.get(action.group, 0) + 1
             outcome = self._apply(action, target, now_s)
             if outcome.outcome == "ok":
                 applied_any = True
-                if drift:
-                    self.counters.drift_reapplies[action.group] = self.counters.drift_reapplies.get(action.group, 0) + 1
             outcomes.append(ActionOutcome(action, outcome.outcome, outcome.error, drift))
 
         if applied_any:

@@ -851,3 +851,18 @@ def test_a_partial_sample_does_not_make_the_reconciler_reapply_what_it_set(rig: 
     assert result.actions == ()
     assert rig.calls("nvmlDeviceSetPersistenceMode") == calls
     assert result.statuses["persistence_mode"].text == "applied"
+
+
+def test_drift_whose_reapply_fails_first_is_counted_once_and_healed_after_backoff(rig: Rig) -> None:
+    rig.state.set("power_limit", "450", "cloud", 1)
+    rig.cycle()
+    rig.gpu.power_limit_mw = 600_000
+    rig.sim.inject_errors("nvmlDeviceSetPowerManagementLimit", pynvml.NVML_ERROR_TIMEOUT, count=1, uuid=rig.uuid)
+    failed = rig.cycle()
+    assert failed.statuses["power_limit"].text == "pending"
+    assert [a.result for a in failed.acks] == ["pending"]
+    rig.clock.advance(1)
+    healed = rig.cycle()
+    assert rig.gpu.power_limit_mw == 450_000
+    assert healed.counters.drift_reapplies == {"power_limit": 1}
+    assert [a.result for a in healed.acks] == ["applied"]
