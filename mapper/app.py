@@ -1,1 +1,869 @@
-"""(to be written)"""
+"""The composition root: builds everything from Settings, runs and supervises the tasks, shuts down in order.
+
+Only this module (and the CLI) sees every concrete class. Nothing else asks "am I simulated?": the choice of
+NVML module is made once, in ``build_backend``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from mapper import __version__
+from mapper.buffer import Buffer
+from mapper.clock import Clock, SystemClock
+from mapper.collect import GpuWorker, TickResult
+from mapper.config import Settings, read_file
+from mapper.desired import Source
+from mapper.devicefiles import FolderWatcher, load_folder
+from mapper.dmi.client import DmiClient, DmiReporter
+from mapper.dmi.server import DmiServer
+from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
+from mapper.eventbus import (
+    DELTA_FILTER,
+    membership_topic,
+    parse_delta,
+    state_update_payload,
+    state_update_topic,
+    twin_update_payload,
+    twin_update_topic,
+)
+from mapper.gpu.nvml import NvmlBackend
+from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
+from mapper.model import (
+    PROPERTY_BY_NAME,
+    DeviceConfig,
+    DeviceModelConfig,
+    GpuEvent,
+    GpuInfo,
+    Twin,
+    format_value,
+)
+from mapper.mqtt import MqttSession, MqttSessions
+from mapper.policy import PolicyEngine, parse_policies
+from mapper.reconcile import Reconciler, ack_to_json
+from mapper.registry import DeviceChange, Registry
+from mapper.shipper import TelemetryShipper
+from mapper.stats import DurationHistogram, GpuSnapshot, LoopHeartbeat, MapperSnapshot, Readiness
+from mapper.store import DesiredStore
+from mapper.telemetry import DeviceTelemetry, state_payload
+
+log = logging.getLogger("mapper.app")
+
+#: Twins the mapper computes itself; reported for every bound Device.
+STATUS_TWINS = ("desired_status", "policy_state")
+
+
+def build_backend(settings: Settings, clock: Clock | None = None) -> NvmlBackend:
+    """The NVML backend over the real ``pynvml`` or, with ``--sim N``, over the simulated NVML."""
+    if settings.sim:
+        from mapper.gpu.simnvml import SimNvml
+
+        nvml: Any = SimNvml(
+            settings.sim,
+            settings.sim_profile,
+            seed=settings.sim_seed,
+            scenario=settings.sim_scenario,
+            clock=(clock or SystemClock()).monotonic,
+        )
+    else:
+        import pynvml
+
+        nvml = pynvml
+    return NvmlBackend(nvml, clock=clock)
+
+
+def read_status(url: str | None = None, data_dir: str | None = None) -> MapperSnapshot:
+    """The snapshot of a running mapper (its HTTP /status), or the last one it wrote to its data directory."""
+    if data_dir is not None and url is None:
+        return read_status_file(data_dir)
+    return fetch_status(url or "http://127.0.0.1:9410")
+
+
+def _unbound_device(info: GpuInfo) -> DeviceConfig:
+    """The telemetry identity of a GPU no Device names: ``_unbound/<uuid>``."""
+    return DeviceConfig(namespace="_unbound", name=info.uuid.lower(), model="", uuid=info.uuid)
+
+
+class MapperApp:
+    """One mapper process: the GPUs of this node, their Devices, and every way in and out."""
+
+    def __init__(self, settings: Settings, backend: NvmlBackend, *, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.clock: Clock = clock or SystemClock()
+        self.node = settings.node_name
+        self.boot_id = uuidlib.uuid4().hex[:16]
+        self.data_dir = Path(settings.data_dir)
+        self.policies = PolicyEngine(parse_policies(settings.policies))
+        self.registry = Registry(node_gpus=lambda: self.workers.keys())
+        self.registry.subscribe(self._on_device_change)
+        self.workers: dict[str, GpuWorker] = {}
+        self.telemetry: dict[str, DeviceTelemetry] = {}
+        self.gpus: list[GpuInfo] = []
+        self.driver_version = ""
+        self.nvml_ready = False
+        self.buffer: Buffer | None = None
+        self.store: DesiredStore | None = None
+        self.shipper: TelemetryShipper | None = None
+        self.sessions = MqttSessions(settings.mqtt.client_id or f"gpu-mapper-{settings.node_name}")
+        self.session: MqttSession | None = None
+        self.dmi_client: DmiClient | None = None
+        self.reporter: DmiReporter | None = None
+        self.dmi_server: DmiServer | None = None
+        self.metrics: MetricsServer | None = None
+        self.exit_code = 0
+        self._stop: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._beats: dict[str, LoopHeartbeat] = {}
+        self._collect_hist = DurationHistogram()
+        self._collect_errors: dict[str, int] = {}
+        self._policy_events: dict[tuple[str, str], int] = {}
+        self._xids: dict[str, dict[int, int]] = {}
+        self._next_report_s: dict[str, float] = {}
+        self._next_state_s: dict[str, float] = {}
+        self._reported_state: dict[str, str] = {}
+        self._eventbus_errors = 0
+        self._config_mtime = 0.0
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ==============================================================================================
+    # start-up and shutdown
+    # ==============================================================================================
+    async def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        await self._init_nvml()
+        self.buffer = Buffer(
+            self.data_dir / "telemetry.db",
+            max_bytes=self.settings.buffer_max_bytes,
+            max_age_s=self.settings.buffer_max_age_s,
+            clock=self.clock,
+        )
+        self.store = DesiredStore(self.data_dir / "desired.db", now_ms=self.clock.wall_ms)
+        self._restore_desired()
+        if self.settings.mqtt.url:
+            self.session = self._make_session(self.settings.mqtt.url)
+            self.sessions.add(self.session)
+        self.shipper = TelemetryShipper(
+            self.buffer,
+            self._publish_default,
+            node=self.node,
+            clock=self.clock,
+            rate_limit_bytes_per_s=self.settings.replay_rate_bytes_per_s,
+            publish_to=self._publisher_for,
+        )
+        if self.session is not None:
+            self.session.add_on_connect(self._on_mqtt_connect)
+            if self.settings.eventbus_enabled:
+                self.session.subscribe(DELTA_FILTER, self._on_delta)
+                self.session.subscribe(membership_topic(self.node), self._on_membership)
+            await self.session.start()
+        if self.settings.dmi_enabled:
+            self.dmi_server = DmiServer(self.registry, self._twins_of_device, socket_path=self.settings.socket)
+            await self.dmi_server.start()
+            self.dmi_client = DmiClient(
+                edgecore_socket=self.settings.edgecore_socket,
+                mapper_socket=self.settings.socket,
+                version=__version__,
+                rate_per_s=self.settings.dmi_rate_per_s,
+                burst=self.settings.dmi_burst,
+                clock=self.clock,
+                on_registered=self._on_registered,
+            )
+            self.reporter = DmiReporter(self.dmi_client, clock=self.clock)
+        self.metrics = MetricsServer(
+            self.settings.metrics_addr,
+            snapshot=self.snapshot,
+            heartbeats=lambda: list(self._beats.values()),
+            readiness=self.readiness,
+            loop=asyncio.get_running_loop(),
+        )
+        self.metrics.start()
+        log.info(
+            "gpu-mapper %s on node %s: %d GPU(s), %s, metrics on %s",
+            __version__,
+            self.node,
+            len(self.workers),
+            "DMI via " + self.settings.edgecore_socket if self.settings.dmi_enabled else "standalone",
+            self.metrics.url,
+        )
+
+    async def _init_nvml(self) -> None:
+        delay_s = 1.0
+        while True:
+            try:
+                await asyncio.to_thread(self.backend.init)
+                self.gpus = await asyncio.to_thread(self.backend.list_gpus)
+                self.driver_version = await asyncio.to_thread(self.backend.driver_version)
+                break
+            except PermanentError:
+                raise
+            except TransientError as exc:
+                log.warning("NVML is not ready (retry in %.0f s): %s", delay_s, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 30.0)
+        self.nvml_ready = True
+        for info in self.gpus:
+            reconciler = Reconciler(self.backend, info.uuid, clock=self.clock, clamp=self.settings.clamp)
+            self.workers[info.uuid] = GpuWorker(
+                info=info,
+                backend=self.backend,
+                reconciler=reconciler,
+                policies=self.policies,
+                clock=self.clock,
+                min_collect_cycle_ms=min(self.settings.collect_cycle_ms, 1000),
+            )
+            self.telemetry[info.uuid] = self._new_telemetry(_unbound_device(info))
+        log.info("NVML driver %s: %s", self.driver_version, ", ".join(f"{g.uuid} ({g.name})" for g in self.gpus))
+
+    def _restore_desired(self) -> None:
+        """Desired state persisted by an earlier run is enforced again, with or without EdgeCore."""
+        assert self.store is not None
+        for stored in self.store.load_all():
+            worker = self.workers.get(stored.uuid)
+            if worker is None:
+                log.warning("persisted desired state of %s names GPU %s, not on this node", stored.device, stored.uuid)
+                continue
+            worker.desired = stored.state
+            log.info(
+                "restored desired state of %s (GPU %s): %s",
+                stored.device,
+                stored.uuid,
+                ", ".join(f"{k}={v.raw}" for k, v in stored.state.effective().items()) or "defaults to restore",
+            )
+
+    async def run(self, stop: asyncio.Event) -> int:
+        self._stop = stop
+        try:
+            await self.start()
+        except (ConfigError, PermanentError) as exc:
+            log.error("cannot start: %s", exc)
+            await self.shutdown()
+            return 2 if isinstance(exc, ConfigError) else 1
+        for uuid, worker in self.workers.items():
+            self._spawn(f"collect:{uuid}", self._gpu_loop(worker))
+        self._spawn("report", self._report_loop())
+        self._spawn("events", self._events_loop())
+        if self.session is not None:
+            # Without a broker the batches only accumulate in the buffer, bounded by its caps.
+            self._spawn("shipper", self._run_shipper())
+        self._spawn("housekeeping", self._housekeeping_loop())
+        if self.dmi_client is not None and self.reporter is not None:
+            self._spawn("dmi-client", self.dmi_client.run())
+            self._spawn("dmi-reporter", self.reporter.run())
+        if self.settings.devices_dir is not None:
+            self._spawn("devices-dir", self._folder_loop(self.settings.devices_dir))
+        if self.settings.print_interval_s > 0:
+            self._spawn("console", self._console_loop(self.settings.print_interval_s))
+        await stop.wait()
+        await self.shutdown()
+        return self.exit_code
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("task %s crashed; stopping the mapper so that it is restarted", name)
+                self.exit_code = 1
+                if self._stop is not None:
+                    self._stop.set()
+
+        self._tasks.append(asyncio.create_task(guarded(), name=name))
+
+    def _background_task(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def shutdown(self) -> None:
+        log.info("shutting down")
+        if self.reporter is not None:
+            self.reporter.stop()
+        if self.dmi_client is not None:
+            self.dmi_client.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        # Whatever was sampled but not yet cut into a batch is stored now.
+        if self.shipper is not None:
+            for telemetry in self.telemetry.values():
+                for route, batch in telemetry.flush():
+                    self.shipper.submit(batch, route)
+            with contextlib.suppress(Exception):
+                await self.shipper.stop(timeout_s=2.0)
+        if self.session is not None and self.session.connected:
+            with contextlib.suppress(MapperError):
+                await self.session.publish(self._status_topic(), b"offline", qos=1, retain=True, timeout_s=2.0)
+        with contextlib.suppress(Exception):
+            await self.sessions.close(timeout_s=3.0)
+        if self.dmi_server is not None:
+            await self.dmi_server.stop(grace_s=1.0)
+        if self.dmi_client is not None:
+            await self.dmi_client.close()
+        if self.metrics is not None:
+            with contextlib.suppress(Exception):
+                write_status_file(self.settings.data_dir, self.snapshot())
+            self.metrics.stop()
+        if self.buffer is not None:
+            self.buffer.close()
+        if self.store is not None:
+            self.store.close()
+        with contextlib.suppress(MapperError):
+            await asyncio.to_thread(self.backend.shutdown)
+
+    # ==============================================================================================
+    # devices: DMI, files, EventBus
+    # ==============================================================================================
+    def _desired_source(self) -> Source:
+        return "cloud" if self.settings.dmi_enabled else "file"
+
+    def _on_device_change(self, change: DeviceChange) -> None:
+        """Registry listener: bookkeeping only (DMI handlers must answer fast); the GPU loop does the work."""
+        device = change.device
+        worker = self.workers.get(device.uuid)
+        if worker is None:
+            return
+        now_ms = self.clock.wall_ms()
+        if change.kind == "removed":
+            if worker.device is not None and worker.device.key == device.key:
+                worker.desired.sync_source(self._desired_source(), {}, now_ms)
+                worker.bind(None)
+                self.policies.set_override(worker.uuid, None)
+                self._rebind_telemetry(worker, _unbound_device(worker.info))
+                self._next_report_s.pop(device.key, None)
+                self._next_state_s.pop(device.key, None)
+                if self.reporter is not None:
+                    self.reporter.forget(device.namespace, device.name)
+                self._save_desired(worker, device.key)
+                log.info("device %s removed; GPU %s returns to its defaults", device.key, worker.uuid)
+            return
+        if change.desired_changed:
+            desired = {p.name: p.desired for p in device.properties if p.desired is not None}
+            changes = worker.desired.sync_source(self._desired_source(), desired, now_ms)
+            if changes:
+                log.info(
+                    "desired values of %s changed: %s",
+                    device.key,
+                    ", ".join(f"{c.prop}={c.after.raw if c.after else '(removed)'}" for c in changes),
+                )
+        if change.kind == "added" or change.cycles_changed:
+            try:
+                self.policies.set_override(worker.uuid, _policy_override(device))
+            except ConfigError as exc:
+                log.error("device %s: policy override refused, node policies apply: %s", device.key, exc)
+            worker.bind(device)
+            self._rebind_telemetry(worker, device)
+            self._next_report_s[device.key] = 0.0
+            self._next_state_s[device.key] = 0.0
+        self._save_desired(worker, device.key)
+        worker.wake()
+
+    def _save_desired(self, worker: GpuWorker, device_key: str) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.save(device_key, worker.desired, uuid=worker.uuid)
+        except MapperError as exc:
+            log.error("could not persist the desired state of %s: %s", device_key, exc)
+
+    async def _on_registered(self, devices: list[DeviceConfig], models: list[DeviceModelConfig]) -> None:
+        changes, errors = self.registry.sync(devices, models)
+        for key, exc in errors:
+            log.error("EdgeCore sent %s, refused: %s", key, exc)
+        log.info("EdgeCore registration: %d device(s) on this mapper, %d changed", len(devices), len(changes))
+
+    async def _folder_loop(self, path: str) -> None:
+        watcher = FolderWatcher(path)
+        while True:
+            self._beat("devices-dir", 2.0)
+            if watcher.changed():
+                contents = await asyncio.to_thread(load_folder, path, self.node)
+                for file, reason in contents.errors:
+                    log.error("devices folder: %s skipped: %s", file, reason)
+                changes, errors = self.registry.sync(contents.devices, contents.models)
+                for key, exc in errors:
+                    log.error("devices folder: %s refused: %s", key, exc)
+                log.info(
+                    "devices folder %s: %d device(s), %d model(s), %d change(s)",
+                    path,
+                    len(contents.devices),
+                    len(contents.models),
+                    len(changes),
+                )
+            await asyncio.sleep(2.0)
+
+    def _on_delta(self, topic: str, payload: bytes) -> None:
+        """An edge application set desired values through ``twin/update/delta``."""
+        try:
+            delta = parse_delta(topic, payload)
+        except ValueError as exc:
+            self._eventbus_errors += 1
+            log.warning("EventBus delta refused: %s", exc)
+            return
+        try:
+            device = self.registry.get_device(delta.namespace, delta.name)
+        except MapperError:
+            log.warning("EventBus delta for %s/%s: no such GPU device on this mapper", delta.namespace, delta.name)
+            return
+        worker = self.workers.get(device.uuid)
+        if worker is None:
+            return
+        version = delta.timestamp_ms or self.clock.wall_ms()
+        changed = []
+        for prop, raw in delta.values.items():
+            spec = PROPERTY_BY_NAME.get(prop)
+            if spec is None or not spec.writable:
+                log.warning("EventBus delta for %s: %s is not a writable GPU property; ignored", device.key, prop)
+                continue
+            if worker.desired.set(prop, raw, "edge", version) is not None:
+                changed.append(prop)
+        if changed:
+            log.info("EventBus delta for %s: desired %s", device.key, ", ".join(changed))
+            self._save_desired(worker, device.key)
+            worker.wake()
+
+    def _on_membership(self, topic: str, payload: bytes) -> None:
+        try:
+            doc = json.loads(payload)
+            added = [d.get("id") or d.get("name") for d in doc.get("added_devices") or []]
+            removed = [d.get("id") or d.get("name") for d in doc.get("removed_devices") or []]
+        except (ValueError, AttributeError, TypeError) as exc:
+            log.warning("EventBus membership update refused: %s", exc)
+            return
+        log.info("EventBus membership of %s: added %s, removed %s", self.node, added, removed)
+
+    # ==============================================================================================
+    # the GPU loops
+    # ==============================================================================================
+    async def _gpu_loop(self, worker: GpuWorker) -> None:
+        while True:
+            started = time.perf_counter()
+            result = await worker.tick()
+            self._collect_hist = self._collect_hist.observe(time.perf_counter() - started)
+            self._after_tick(worker, result)
+            self._beat("collect", max(1.0, worker.min_collect_cycle_ms / 1000))
+            await worker.wait(max(0.0, worker.next_due_s() - self.clock.monotonic()))
+
+    def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
+        device_key = worker.device.key if worker.device is not None else _unbound_device(worker.info).key
+        if result.error:
+            reason = "gpu-lost" if worker.lost else "error"
+            self._collect_errors[reason] = self._collect_errors.get(reason, 0) + 1
+        if result.sample is not None and self.shipper is not None:
+            telemetry = self.telemetry[worker.uuid]
+            telemetry.add(result.sample)
+            for route, batch in telemetry.flush_due(self.clock.wall_ms()):
+                self.shipper.submit(batch, route)
+        if result.reconcile is not None:
+            for ack in result.reconcile.acks:
+                text = ack_to_json(ack)
+                log.info("desired %s on %s: %s", ack.property, device_key, text)
+                self._publish_soon(f"gpu-mapper/{self.node}/{device_key}/desired/ack", text.encode())
+            if result.reconcile.acks:
+                self._save_desired(worker, device_key)
+        if result.decision is not None:
+            for event in result.decision.events:
+                key = (event.policy, event.action)
+                self._policy_events[key] = self._policy_events.get(key, 0) + 1
+                payload = event.to_payload()
+                payload.update(node=self.node, device=device_key, ts_ms=self.clock.wall_ms())
+                log.warning(
+                    "policy %s %s on %s (GPU %s): %s", event.policy, event.action, device_key, worker.uuid, event.reason
+                )
+                self._publish_soon(f"gpu-mapper/{self.node}/{device_key}/events", json.dumps(payload).encode())
+        if result.state_changed and worker.device is not None:
+            self._next_state_s[worker.device.key] = 0.0
+
+    async def _events_loop(self) -> None:
+        """XID / ECC / GPU-lost / driver-reload events from NVML, routed to their GPU."""
+        while True:
+            self._beat("events", 1.0)
+            try:
+                events: list[GpuEvent] = await asyncio.wait_for(asyncio.to_thread(self.backend.poll_events), 10.0)
+            except (MapperError, TimeoutError) as exc:
+                log.debug("polling NVML events failed: %s", exc)
+                events = []
+            for event in events:
+                worker = self.workers.get(event.uuid)
+                if worker is None:
+                    continue
+                if event.kind == "xid":
+                    per_gpu = self._xids.setdefault(event.uuid, {})
+                    per_gpu[event.xid] = per_gpu.get(event.xid, 0) + 1
+                    log.error("GPU %s: XID %d %s", event.uuid, event.xid, event.detail)
+                if event.kind == "driver_reload":
+                    log.warning("GPU %s: driver reload detected; every setting is re-applied", event.uuid)
+                    worker.driver_reloaded()
+                worker.pending_events.append(event)
+                worker.wake()
+            await asyncio.sleep(1.0)
+
+    # ==============================================================================================
+    # reporting: DMI twins and states, EventBus
+    # ==============================================================================================
+    def _twins(self, worker: GpuWorker) -> list[Twin]:
+        device = worker.device
+        if device is None:
+            return []
+        twins: list[Twin] = []
+        names = [p.name for p in device.properties if p.report_to_cloud]
+        names += [n for n in STATUS_TWINS if n not in names]
+        for name in names:
+            spec = PROPERTY_BY_NAME.get(name)
+            if spec is None:
+                continue
+            observed = worker.desired.observed_desired_value(name) if spec.writable else ""
+            if name == "desired_status":
+                reported = worker.desired_status
+            elif name == "policy_state":
+                reported = worker.policy_state
+            else:
+                value = worker.values.get(name)
+                if value is None:
+                    if not observed:
+                        continue
+                    reported = ""
+                else:
+                    prop = device.property(name)
+                    hex_format = prop is not None and prop.visitor_config.get("format") == "hex"
+                    as_hex = hex_format and spec.ptype == "INT"
+                    reported = hex(int(value)) if as_hex else format_value(spec, value)
+            twins.append(Twin(name=name, observed_desired=observed, reported=reported))
+        return twins
+
+    def _twins_of_device(self, device: DeviceConfig) -> list[Twin]:
+        worker = self.workers.get(device.uuid)
+        return self._twins(worker) if worker is not None else []
+
+    def _report_cycle_s(self, device: DeviceConfig) -> float:
+        cycles = [p.report_cycle_ms for p in device.properties if p.report_to_cloud and p.report_cycle_ms > 0]
+        return (min(cycles) if cycles else self.settings.report_cycle_ms) / 1000
+
+    def _state_cycle_s(self, device: DeviceConfig) -> float:
+        return (device.state_report_cycle_ms or self.settings.state_report_cycle_ms) / 1000
+
+    async def _report_loop(self) -> None:
+        while True:
+            self._beat("report", 0.5)
+            now = self.clock.monotonic()
+            for worker in self.workers.values():
+                device = worker.device
+                if device is None:
+                    continue
+                if now >= self._next_state_s.get(device.key, 0.0) and device.state_report_to_cloud:
+                    self._next_state_s[device.key] = now + self._state_cycle_s(device)
+                    self._report_state(device, worker.state)
+                if now >= self._next_report_s.get(device.key, 0.0):
+                    self._next_report_s[device.key] = now + self._report_cycle_s(device)
+                    twins = self._twins(worker)
+                    if twins:
+                        self._report_twins(device, twins)
+                    if self.shipper is not None and worker.values:
+                        sample = worker_sample(worker)
+                        self.shipper.update_state(device.key, state_payload(device.key, sample))
+            await asyncio.sleep(0.5)
+
+    def _report_state(self, device: DeviceConfig, state: str) -> None:
+        self._reported_state[device.key] = state
+        if self.reporter is not None:
+            self.reporter.offer_state(device.namespace, device.name, state)
+        if self.settings.eventbus_enabled:
+            topic = state_update_topic(device.namespace, device.name)
+            self._publish_soon(topic, state_update_payload(state, self.clock.wall_ms()))
+
+    def _report_twins(self, device: DeviceConfig, twins: list[Twin]) -> None:
+        if self.reporter is not None:
+            self.reporter.offer_status(device.namespace, device.name, twins)
+        if self.settings.eventbus_enabled:
+            values = {t.name: t.reported for t in twins}
+            payload = twin_update_payload(values, self.clock.wall_ms())
+            self._publish_soon(twin_update_topic(device.namespace, device.name), payload)
+
+    # ==============================================================================================
+    # MQTT
+    # ==============================================================================================
+    def _status_topic(self) -> str:
+        return f"gpu-mapper/{self.node}/status"
+
+    def _make_session(self, url: str) -> MqttSession:
+        """The default broker's session: the last will marks this mapper offline."""
+        m = self.settings.mqtt
+        return MqttSession(
+            url,
+            m.client_id or f"gpu-mapper-{self.node}",
+            will_topic=self._status_topic(),
+            will_payload=b"offline",
+            username=m.username,
+            password=m.password,
+            ca_file=m.ca_file,
+            cert_file=m.cert_file,
+            key_file=m.key_file,
+        )
+
+    async def _publish_default(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
+    ) -> None:
+        if self.session is None:
+            raise TransientError("no MQTT broker configured (--mqtt): telemetry stays in the buffer")
+        await self.session.publish(topic, payload, qos=qos, retain=retain, timeout_s=timeout_s)
+
+    async def _publisher_for(self, address: str) -> Callable[..., Awaitable[None]]:
+        """A property's ``pushMethod.mqtt.address``: its own long-lived session, made once."""
+        new = address not in self.sessions
+        session = await self.sessions.get(address)
+        if new:
+            session.add_on_connect(lambda: self.shipper.notify_connected(address) if self.shipper else None)
+        return session.publish
+
+    def _on_mqtt_connect(self) -> None:
+        if self.shipper is not None:
+            self.shipper.notify_connected("")
+        self._publish_soon(self._status_topic(), b"online", retain=True)
+        # Current state first: every device's twins and state go out again on reconnect.
+        for key in self._next_report_s:
+            self._next_report_s[key] = 0.0
+        for key in self._next_state_s:
+            self._next_state_s[key] = 0.0
+
+    def _publish_soon(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        """Fire-and-forget publish for status messages (acks, events, twins): never buffered, never blocking."""
+        session = self.session
+        if session is None or not session.connected:
+            return
+
+        async def send() -> None:
+            try:
+                await session.publish(topic, payload, qos=self.settings.mqtt.qos, retain=retain, timeout_s=5.0)
+            except MapperError as exc:
+                log.debug("publish to %s failed: %s", topic, exc)
+
+        self._background_task(send())
+
+    async def _run_shipper(self) -> None:
+        assert self.shipper is not None
+        await self.shipper.run()
+
+    # ==============================================================================================
+    # health, metrics, status, housekeeping
+    # ==============================================================================================
+    def _beat(self, name: str, period_s: float) -> None:
+        self._beats[name] = LoopHeartbeat(name, self.clock.monotonic(), period_s)
+
+    def readiness(self) -> Readiness:
+        registered = self.dmi_client.registered if self.dmi_client is not None else False
+        return Readiness(
+            nvml_initialised=self.nvml_ready, dmi_registered=registered, standalone=not self.settings.dmi_enabled
+        )
+
+    def snapshot(self) -> MapperSnapshot:
+        gpus = []
+        for worker in self.workers.values():
+            state = worker.state if worker.state in ("online", "offline", "unhealthy") else "unknown"
+            desired_pl = worker.desired.effective().get("power_limit")
+            gpus.append(
+                GpuSnapshot(
+                    info=worker.info,
+                    device=worker.device.key if worker.device is not None else "",
+                    node=self.node,
+                    sample=worker_sample(worker) if worker.values else None,
+                    desired_status=worker.desired_status,
+                    policy_state=worker.policy_state,
+                    state=state,
+                    xid_errors=dict(self._xids.get(worker.uuid, {})),
+                    desired_power_limit_w=float(desired_pl.value)
+                    if desired_pl is not None and desired_pl.valid and desired_pl.value is not None
+                    else None,
+                )
+            )
+        actions: dict[tuple[str, str], int] = {}
+        drift: dict[str, int] = {}
+        rejections: dict[str, int] = {}
+        overrides: dict[str, int] = {}
+        for worker in self.workers.values():
+            counters = worker.reconciler.counters
+            for k, v in counters.actions.items():
+                actions[k] = actions.get(k, 0) + v
+            for k2, v in counters.drift_reapplies.items():
+                drift[k2] = drift.get(k2, 0) + v
+            for k2, v in counters.rejections.items():
+                rejections[k2] = rejections.get(k2, 0) + v
+            for part in worker.policy_state.removeprefix("dry-run:").split(","):
+                policy = part.split(":", 1)[0]
+                if policy and policy != "normal":
+                    overrides[policy] = overrides.get(policy, 0) + 1
+        dmi_rpcs: dict[tuple[str, str], int] = {}
+        for counts in (
+            self.dmi_client.rpc_counts if self.dmi_client else {},
+            self.dmi_server.rpc_counts if self.dmi_server else {},
+        ):
+            for method, results in counts.items():
+                for result, n in results.items():
+                    dmi_rpcs[(method, result)] = dmi_rpcs.get((method, result), 0) + n
+        buf = self.buffer.stats() if self.buffer is not None else None
+        ship = self.shipper.stats() if self.shipper is not None else None
+        return MapperSnapshot(
+            node=self.node,
+            taken_at_ms=self.clock.wall_ms(),
+            version=__version__,
+            mode="dmi" if self.settings.dmi_enabled else "standalone",
+            driver_version=self.driver_version,
+            gpus=tuple(gpus),
+            buffer_bytes=buf.bytes if buf else 0,
+            buffer_batches=buf.batches if buf else 0,
+            buffer_max_bytes=self.settings.buffer_max_bytes,
+            buffer_oldest_age_s=buf.oldest_age_s if buf else None,
+            buffer_drops=dict(buf.drops_by_reason) if buf else {},
+            replay_remaining_batches=ship.replay_remaining_batches if ship else 0,
+            telemetry_published_batches=ship.published_batches if ship else 0,
+            telemetry_published_bytes=ship.published_bytes if ship else 0,
+            mqtt_enabled=self.session is not None,
+            mqtt_connected=self.session.connected if self.session is not None else False,
+            mqtt_reconnects=self.session.reconnects if self.session is not None else 0,
+            dmi_registered=self.dmi_client.registered if self.dmi_client is not None else False,
+            dmi_rpcs=dmi_rpcs,
+            reconcile_actions=actions,
+            drift_reapplies=drift,
+            desired_rejections=rejections,
+            policy_overrides_active=overrides,
+            policy_events=dict(self._policy_events),
+            collect_duration=self._collect_hist,
+            collect_errors=dict(self._collect_errors),
+        )
+
+    async def _housekeeping_loop(self) -> None:
+        """The status file for ``gpu-mapper status --data-dir``, and config reloads (policies)."""
+        while True:
+            self._beat("housekeeping", 5.0)
+            try:
+                await asyncio.to_thread(write_status_file, self.settings.data_dir, self.snapshot())
+            except (OSError, MapperError) as exc:
+                log.warning("could not write the status file: %s", exc)
+            self._maybe_reload_config()
+            await asyncio.sleep(5.0)
+
+    def _maybe_reload_config(self) -> None:
+        path = self.settings.config_file
+        if not path:
+            return
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return
+        if self._config_mtime == 0.0:
+            self._config_mtime = mtime
+            return
+        if mtime == self._config_mtime:
+            return
+        self._config_mtime = mtime
+        try:
+            data = read_file(path)
+            config = parse_policies(data.get("policies") or {})
+            overrides = {w.uuid: _policy_override(w.device) for w in self.workers.values() if w.device is not None}
+            self.policies.configure(config, {k: v for k, v in overrides.items() if v})
+        except ConfigError as exc:
+            log.error("config %s changed but was refused; the previous policies stay: %s", path, exc)
+            return
+        log.info("config %s reloaded: policies %s", path, json.dumps(config.to_mapping()))
+
+    async def _console_loop(self, interval_s: float) -> None:
+        while True:
+            self._beat("console", interval_s)
+            sys.stdout.write(console_table(self))
+            sys.stdout.flush()
+            await asyncio.sleep(interval_s)
+
+    def _new_telemetry(self, device: DeviceConfig, start_seq: int = 0) -> DeviceTelemetry:
+        return DeviceTelemetry(
+            self.node,
+            device,
+            self.boot_id,
+            window_s=self.settings.telemetry_window_s,
+            fmt="json" if self.settings.telemetry_format == "json" else "binary",
+            start_seq=start_seq,
+            default_qos=self.settings.mqtt.qos,
+        )
+
+    def _rebind_telemetry(self, worker: GpuWorker, device: DeviceConfig) -> None:
+        old = self.telemetry.get(worker.uuid)
+        start_seq = 0
+        if old is not None:
+            if self.shipper is not None:
+                for route, batch in old.flush():
+                    self.shipper.submit(batch, route)
+            if old.device.key == device.key:
+                start_seq = old.next_seq
+        try:
+            self.telemetry[worker.uuid] = self._new_telemetry(device, start_seq)
+        except ValueError as exc:
+            log.error("device %s: pushMethod refused, default telemetry route used: %s", device.key, exc)
+            self.telemetry[worker.uuid] = self._new_telemetry(replace(device, properties=()), start_seq)
+
+
+def _policy_override(device: DeviceConfig | None) -> str | None:
+    if device is None:
+        return None
+    value = device.protocol_config.get("policy")
+    return str(value) if value not in (None, "") else None
+
+
+def worker_sample(worker: GpuWorker) -> Any:
+    from mapper.model import Sample
+
+    values = dict(worker.values)
+    values["desired_status"] = worker.desired_status
+    values["policy_state"] = worker.policy_state
+    return Sample(worker.uuid, worker.values_ts_ms, {k: v for k, v in values.items() if v != ""})
+
+
+def console_table(app: MapperApp) -> str:
+    """The live table ``gpu-mapper run --sim N`` prints: one line per GPU."""
+    lines = [
+        time.strftime("%H:%M:%S")
+        + f"  node {app.node}  buffer {app.buffer.stats().batches if app.buffer else 0} batches"
+        + ("  mqtt up" if app.session is not None and app.session.connected else "  mqtt down"),
+        f"{'device':<22} {'power W':>9} {'cap W':>6} {'temp C':>6} {'util %':>6} {'sm MHz':>6} {'mem MHz':>7}"
+        f"  {'state':<9} policy / desired",
+    ]
+
+    def num(values: dict[str, Any], name: str, digits: int = 0) -> str:
+        x = values.get(name)
+        return "-" if x is None else f"{float(x):.{digits}f}"
+
+    for worker in app.workers.values():
+        v = worker.values
+        name = worker.device.name if worker.device is not None else worker.uuid[:22]
+        lines.append(
+            f"{name:<22} {num(v, 'power_usage', 1):>9} {num(v, 'power_limit'):>6} {num(v, 'temperature'):>6} "
+            f"{num(v, 'utilization_gpu'):>6} {num(v, 'clock_sm'):>6} {num(v, 'clock_memory'):>7}  {worker.state:<9} "
+            f"{worker.policy_state} {worker.desired_status}".rstrip()
+        )
+    return "\n".join(lines) + "\n\n"
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> int:
+    """Entry point of ``gpu-mapper run``."""
+    clock = SystemClock()
+    try:
+        backend = build_backend(settings, clock)
+    except ImportError as exc:
+        log.error("cannot load NVML: %s", exc)
+        return 1
+    app = MapperApp(settings, backend, clock=clock)
+    return await app.run(stop)

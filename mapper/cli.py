@@ -1,1 +1,230 @@
-"""(to be written)"""
+"""Command line: ``gpu-mapper run | discover | model | decode | status``.
+
+argv + environment + config file -> Settings; logging; ``asyncio.run(app.run(settings))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mapper import __version__
+from mapper.config import ENV_KEYS, Settings, load_settings
+from mapper.errors import ConfigError, MapperError
+
+log = logging.getLogger("mapper")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, plus any ``extra`` fields."""
+
+    _skip = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._skip:
+                doc[key] = value
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _env(name: str) -> str:
+    return ENV_KEYS[name]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-mapper",
+        description="KubeEdge device mapper that makes every GPU of this edge node a KubeEdge Device.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-mapper {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="run the mapper",
+        description="Run the mapper. Each flag overrides its GPU_MAPPER_* environment variable, "
+        "which overrides the config file.",
+    )
+    _add_sim_flags(run)
+    run.add_argument("--node-name", help=f"this edge node's name (env {_env('node_name')}; default: hostname)")
+    run.add_argument(
+        "--edgecore-socket",
+        help=f"EdgeCore's DMI socket (env {_env('edgecore_socket')}; default /etc/kubeedge/dmi.sock)",
+    )
+    run.add_argument(
+        "--socket", help=f"this mapper's own DMI socket (env {_env('socket')}; default /etc/kubeedge/gpu.sock)"
+    )
+    run.add_argument(
+        "--mqtt",
+        dest="mqtt_url",
+        metavar="URL",
+        help=f"MQTT broker, mqtt://host:port or mqtts://host:port for TLS (env {_env('mqtt_url')}); "
+        "without it telemetry is buffered until one is configured",
+    )
+    run.add_argument("--mqtt-username", help=f"MQTT user name (env {_env('mqtt_username')})")
+    run.add_argument("--mqtt-password", help=f"MQTT password (env {_env('mqtt_password')})")
+    run.add_argument("--mqtt-ca-file", help=f"CA bundle for mqtts:// (env {_env('mqtt_ca_file')})")
+    run.add_argument("--mqtt-cert-file", help=f"client certificate for mqtts:// (env {_env('mqtt_cert_file')})")
+    run.add_argument("--mqtt-key-file", help=f"client key for mqtts:// (env {_env('mqtt_key_file')})")
+    run.add_argument(
+        "--mqtt-eventbus",
+        choices=["auto", "true", "false"],
+        help="publish KubeEdge EventBus twin/state updates; auto = only without DMI (standalone mode)",
+    )
+    run.add_argument(
+        "--data-dir", help=f"SQLite buffer and desired state (env {_env('data_dir')}; default /var/lib/gpu-mapper)"
+    )
+    run.add_argument(
+        "--devices",
+        dest="devices_dir",
+        metavar="DIR",
+        help=f"standalone mode: load Device/DeviceModel YAML from DIR instead of EdgeCore (env {_env('devices_dir')})",
+    )
+    run.add_argument("--config", metavar="FILE", help="YAML config file (the ConfigMap); env GPU_MAPPER_CONFIG")
+    run.add_argument(
+        "--metrics-addr",
+        metavar="HOST:PORT",
+        help=f"/metrics, /healthz, /readyz and /status (env {_env('metrics_addr')}; default 0.0.0.0:9410)",
+    )
+    run.add_argument("--log-format", choices=["text", "json"], help=f"log format (env {_env('log_format')})")
+    run.add_argument("--log-level", help=f"log level, e.g. INFO or DEBUG (env {_env('log_level')})")
+    run.add_argument(
+        "--print-interval",
+        dest="print_interval_s",
+        type=float,
+        metavar="SECONDS",
+        help="print a live per-GPU table every SECONDS (default: 2 with --sim, off otherwise)",
+    )
+
+    disc = sub.add_parser("discover", help="print Device YAML for every GPU of this node")
+    _add_sim_flags(disc)
+    disc.add_argument("--node-name", help="node name used in Device names and nodeName (default: hostname)")
+    disc.add_argument("--namespace", default="default", help="Device namespace (default: default)")
+    disc.add_argument("--model", default="nvidia-gpu", help="DeviceModel name (default: nvidia-gpu)")
+
+    sub.add_parser("model", help="print the GPU DeviceModel YAML generated from the property catalog")
+
+    dec = sub.add_parser("decode", help="turn telemetry batches into JSON lines")
+    dec.add_argument("file", nargs="?", default="-", help="a file of batches, or - for standard input")
+
+    st = sub.add_parser("status", help="show this node's GPUs and the buffer backlog")
+    st.add_argument("--url", help="the running mapper's HTTP address (default http://127.0.0.1:9410)")
+    st.add_argument("--data-dir", help="read the last snapshot from the data directory instead")
+    st.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
+    return parser
+
+
+def _add_sim_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sim", type=int, metavar="N", help="use N simulated GPUs instead of the real NVML")
+    p.add_argument("--sim-profile", help="simulated GPU profile: H100, H200, A100, A10, L4, L40S or T4")
+    p.add_argument("--sim-seed", type=int, help="simulator seed (UUIDs and noise derive from it)")
+    p.add_argument("--sim-scenario", help="simulated workload: idle, steady, inference, training, heat, oscillating")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    if flags.get("sim") and flags.get("print_interval_s") is None and sys.stdout.isatty():
+        flags["print_interval_s"] = 2.0
+    return load_settings(flags.get("config"), flags=flags)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "discover":
+            return _discover(args)
+        if args.command == "model":
+            from mapper.discover import model_yaml
+
+            sys.stdout.write(model_yaml())
+            return 0
+        if args.command == "decode":
+            from mapper.telemetry import decode_command
+
+            return decode_command(args.file, sys.stdin.buffer, sys.stdout)
+        if args.command == "status":
+            return _status(args)
+    except ConfigError as exc:
+        print(f"gpu-mapper: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except MapperError as exc:
+        print(f"gpu-mapper: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    setup_logging(settings.log_format, settings.log_level)
+    from mapper.app import run
+
+    async def main_task() -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run(settings, stop)
+
+    try:
+        return asyncio.run(main_task())
+    except KeyboardInterrupt:
+        return 130
+
+
+def _discover(args: argparse.Namespace) -> int:
+    from mapper.app import build_backend
+    from mapper.discover import device_yaml
+
+    settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
+    backend = build_backend(settings)
+    try:
+        gpus = backend.list_gpus()
+    finally:
+        backend.shutdown()
+    sys.stdout.write(device_yaml(gpus, settings.node_name, namespace=args.namespace, model=args.model))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from mapper.app import read_status
+
+    snapshot = read_status(url=args.url, data_dir=args.data_dir)
+    if args.json:
+        print(snapshot.to_json())
+    else:
+        from mapper.statusview import render_status
+
+        print(render_status(snapshot))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,1 +1,215 @@
-"""(to be written)"""
+"""The per-GPU loop body: sample what is due, let the policies decide, reconcile the desired state.
+
+One ``GpuWorker`` per GPU of the node (by UUID), whether or not a KubeEdge Device is bound to it (an unbound
+GPU is still sampled for metrics and telemetry, but has no twins and no desired state). ``tick`` is called by
+the composition root on every due time and whenever a desired value arrives (``wake``); it returns what
+happened so the caller can publish it. It sees only domain types and Protocols.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mapper.clock import Clock
+from mapper.desired import DesiredState
+from mapper.errors import GpuLostError, MapperError, TransientError
+from mapper.model import (
+    NVML_PROPERTIES,
+    PROPERTY_BY_NAME,
+    WRITABLE,
+    Constraints,
+    DeviceConfig,
+    GpuBackend,
+    GpuEvent,
+    GpuInfo,
+    Sample,
+    Value,
+)
+from mapper.policy import Decision, PolicyContext, PolicyEngine, PolicyEvent
+from mapper.reconcile import Reconciler, ReconcileResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TickResult:
+    sample: Sample | None = None
+    decision: Decision | None = None
+    reconcile: ReconcileResult | None = None
+    state_changed: bool = False
+    error: str = ""
+
+
+@dataclass
+class GpuWorker:
+    """Everything the mapper knows about one GPU, and the step that moves it forward."""
+
+    info: GpuInfo
+    backend: GpuBackend
+    reconciler: Reconciler
+    policies: PolicyEngine
+    clock: Clock
+    #: Floor for any collect cycle (ms); a Device asking for faster collection is raised to it.
+    min_collect_cycle_ms: int = 1000
+    call_timeout_s: float = 10.0
+    device: DeviceConfig | None = None
+    desired: DesiredState = field(default_factory=DesiredState)
+    values: dict[str, Value] = field(default_factory=dict)
+    values_ts_ms: int = 0
+    constraints: Constraints = field(default_factory=Constraints)
+    #: ok | online | unhealthy | offline (mapper.model.DEVICE_STATES)
+    state: str = "online"
+    desired_status: str = ""
+    policy_state: str = "normal"
+    statuses: dict[str, str] = field(default_factory=dict)
+    pending_events: list[GpuEvent] = field(default_factory=list)
+    lost: bool = False
+    last_tick_s: float = 0.0
+    collect_errors: int = 0
+    _due: dict[str, float] = field(default_factory=dict)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    on_change: Callable[[], None] | None = None
+
+    @property
+    def uuid(self) -> str:
+        return self.info.uuid
+
+    # --- schedule ----------------------------------------------------------------------------------
+    def cycle_ms(self, name: str) -> int:
+        spec = PROPERTY_BY_NAME[name]
+        prop = self.device.property(name) if self.device is not None else None
+        wanted = prop.collect_cycle_ms if prop is not None and prop.collect_cycle_ms > 0 else spec.collect_cycle_ms
+        return max(wanted, self.min_collect_cycle_ms)
+
+    def driver_reloaded(self) -> None:
+        """The driver was reloaded (or the GPU reset): settings are gone, re-read everything."""
+        self.reconciler.invalidate()
+        self._due.clear()
+        self.wake()
+
+    def due_properties(self, now_s: float) -> list[str]:
+        return [p.name for p in NVML_PROPERTIES if self._due.get(p.name, -1.0) <= now_s]
+
+    def next_due_s(self) -> float:
+        if not self._due:
+            return self.clock.monotonic()
+        return min(self._due.values())
+
+    def bind(self, device: DeviceConfig | None) -> None:
+        """Attach (or detach) the Device. New cycles apply from now: everything is due at once."""
+        self.device = device
+        self._due.clear()
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Sleep until the next due time or a ``wake``."""
+        if timeout_s > 0:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout_s)
+            except TimeoutError:
+                pass
+        self._wake.clear()
+
+    # --- the step ----------------------------------------------------------------------------------
+    async def tick(self) -> TickResult:
+        now_s = self.clock.monotonic()
+        self.last_tick_s = now_s
+        result = TickResult()
+        due = self.due_properties(now_s)
+        before_state = self.state
+        if due:
+            try:
+                sample = await self._call(self.backend.sample, self.uuid, due)
+            except GpuLostError as exc:
+                self._lost(str(exc))
+                result.error = str(exc)
+                for name in due:
+                    self._due[name] = now_s + self.cycle_ms(name) / 1000
+            except MapperError as exc:
+                self.collect_errors += 1
+                result.error = str(exc)
+                log.warning("sampling GPU %s failed: %s", self.uuid, exc)
+                retry_s = exc.retry_after_s if isinstance(exc, TransientError) else 5.0
+                for name in due:
+                    self._due[name] = now_s + min(retry_s, self.cycle_ms(name) / 1000)
+            else:
+                if self.lost:
+                    log.warning("GPU %s answers again", self.uuid)
+                self.lost = False
+                self.values.update(sample.values)
+                self.values_ts_ms = sample.ts_ms
+                result.sample = sample
+                for name in due:
+                    self._due[name] = now_s + self.cycle_ms(name) / 1000
+        if not self.lost:
+            try:
+                self.constraints = await self._call(self.reconciler.constraints)
+            except MapperError as exc:
+                log.warning("reading the constraints of GPU %s failed: %s", self.uuid, exc)
+        observed = Sample(self.uuid, self.values_ts_ms or self.clock.wall_ms(), dict(self.values))
+
+        events, self.pending_events = self.pending_events, []
+        ctx = PolicyContext(
+            constraints=self.constraints,
+            desired_power_limit_w=self._desired_power_limit_w(),
+            events=tuple(events),
+            gpu_lost=self.lost,
+            uuid=self.uuid,
+        )
+        decision = self.policies.decide(self.uuid, self.values, ctx, now_s)
+        result.decision = decision
+        self.policy_state = decision.policy_state
+        self.state = "offline" if self.lost else ("unhealthy" if decision.device_state == "unhealthy" else "online")
+
+        if not self.lost and self.values:
+            effective = self.desired.effective()
+            restore = self.desired.pending_restore()
+            try:
+                rec: ReconcileResult = await self._call(
+                    lambda: self.reconciler.step(effective, observed, decision.limits, restore=restore)
+                )
+            except MapperError as exc:
+                log.warning("reconciling GPU %s failed: %s", self.uuid, exc)
+            else:
+                result.reconcile = rec
+                for prop in rec.restored:
+                    self.desired.mark_restored(prop)
+                self.statuses = {prop: status.text for prop, status in rec.statuses.items()}
+                self.desired_status = rec.desired_status
+                self.values.update(rec.observed)
+        result.state_changed = self.state != before_state
+        return result
+
+    def _lost(self, message: str) -> None:
+        if not self.lost:
+            log.error("GPU %s is lost: %s", self.uuid, message)
+        self.lost = True
+
+    def _desired_power_limit_w(self) -> float | None:
+        d = self.desired.effective().get("power_limit")
+        if d is None or not d.valid or d.value is None:
+            return None
+        return float(d.value)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout=self.call_timeout_s)
+        except TimeoutError:
+            raise TransientError(
+                f"GPU {self.uuid}: {getattr(fn, '__name__', 'call')} took longer than {self.call_timeout_s}s"
+            ) from None
+
+
+def writable_with_desired(worker: GpuWorker) -> list[str]:
+    return [p for p in WRITABLE if p in worker.desired.effective()]
+
+
+def policy_event_log(worker: GpuWorker, event: PolicyEvent) -> str:
+    return f"policy {event.policy} {event.action} on GPU {worker.uuid}: {event.reason}"

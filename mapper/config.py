@@ -89,7 +89,7 @@ class Settings:
     sim: int = 0
     sim_profile: str = "H100"
     sim_seed: int = 0
-    sim_scenario: str = "bursty_inference"
+    sim_scenario: str = "inference"
     edgecore_socket: str = "/etc/kubeedge/dmi.sock"
     socket: str = "/etc/kubeedge/gpu.sock"
     mqtt: MqttSettings = field(default_factory=MqttSettings)

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 exec .venv/bin/gpu-mapper run --sim 4 --node-name demo-node --devices device-models/examples \
-  --data-dir .demo-data --socket .demo-data/gpu.sock --edgecore-socket .demo-data/no-edgecore.sock "$@"
+  --data-dir .demo-data --metrics-addr 127.0.0.1:9410 --print-interval 2 "$@"
