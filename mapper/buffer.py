@@ -165,6 +165,8 @@ class Buffer:
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
         try:
             try:
+                # 8 KiB pages: ~16 batches a page, little slack (only applies to a new file).
+                conn.execute("PRAGMA page_size=8192")
                 mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if str(mode).lower() != "wal":
                     log.warning("buffer %s: journal mode is %s, not wal", self.path, mode)
@@ -206,7 +208,6 @@ class Buffer:
                 "REFERENCES streams(id), seq INTEGER NOT NULL, ts_first_ms INTEGER NOT NULL, "
                 "ts_last_ms INTEGER NOT NULL, size INTEGER NOT NULL, payload BLOB NOT NULL)"
             )
-            db.table("batches").create_index(["ts_last_ms"], index_name="batches_ts_last", if_not_exists=True)
         if "latest" not in db.table_names():
             db.table("latest").create({"device": str, "ts_ms": int, "payload": bytes}, pk="device")
         if "meta" not in db.table_names():
@@ -347,7 +348,19 @@ class Buffer:
     def enforce_bounds(self) -> None:
         """Drop batches older than ``max_age_s``, then the oldest until within ``max_bytes``."""
         cutoff = self.clock.wall_ms() - round(self.max_age_s * 1000)
-        self._drop_where("ts_last_ms < ?", (cutoff,), "age")
+
+        def last_expired(conn: sqlite3.Connection) -> int | None:
+            # Oldest first by id (no index on time): stop at the first batch young enough to keep.
+            last = None
+            for row_id, ts_last in conn.execute("SELECT id, ts_last_ms FROM batches ORDER BY id"):
+                if ts_last >= cutoff:
+                    break
+                last = row_id
+            return last
+
+        expired = self._run(last_expired)
+        if expired is not None:
+            self._drop_where("id <= ?", (expired,), "age")
         if self._bytes > self.max_bytes:
             excess = self._bytes - self.max_bytes
 

@@ -8,12 +8,15 @@ body of ``gpu-mapper decode [FILE|-]``. The format is specified in docs/telemetr
 Binary format, version 1 (all integers are unsigned LEB128 varints unless said otherwise; ``zz`` = zigzag)::
 
     magic "GMT" | version 0x01 | flags (bit 0: body is one zstd frame) | body
-    body   = str node | str device | str uuid | str boot_id | seq | ts_first_ms | span_ms | n_rows
+    body   = str node | str device | uuid | str boot_id | seq | ts_first_ms | span_ms | n_rows
              | ts_kind (0: regular, step_ms follows; 1: n_rows-1 zz deltas follow) | n_series | series*
     series = name (k>0: KNOWN_SERIES_V1[k-1]; k=0: str follows) | kind byte | [presence bitmap] | [scale]
              | values
     kind   = type (low 3 bits: 1 int, 2 decimal float, 3 xor float, 4 string, 5 bool)
              | 0x08 present in every row (no bitmap) | 0x10 constant (one value stored)
+             | 0x20 int deltas divided by their gcd | 0x40 int delta-of-delta
+    uuid   = 0 + 16 bytes for a canonical "GPU-<uuid>", else (length + 1) + UTF-8
+    string dictionary entry = 0 (the batch's uuid) or (length + 1) + UTF-8
 
 A property whose values change type between rows (never the case for the NVML backend) becomes one series per
 type; the decoder merges them back by row.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,6 +48,10 @@ _FLAG_ZSTD = 0x01
 _T_INT, _T_DEC, _T_XOR, _T_STR, _T_BOOL = 1, 2, 3, 4, 5
 _K_DENSE = 0x08
 _K_CONST = 0x10
+#: int columns: deltas are stored divided by their gcd (uvarint gcd follows the kind/scale)
+_K_GCD = 0x20
+#: int columns: delta-of-delta (the first delta follows the first value, then second differences)
+_K_DOD = 0x40
 _MAX_DECIMALS = 9
 _DEC_LIMIT = 1 << 62
 
@@ -157,6 +165,32 @@ def _put_str(out: bytearray, text: str) -> None:
     out += raw
 
 
+_GPU_UUID_RE = re.compile(r"GPU-([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})")
+
+
+def _put_uuid(out: bytearray, uuid: str) -> None:
+    """A canonical ``GPU-xxxxxxxx-xxxx-...`` uuid as 0 + 16 bytes; anything else as (len + 1) + UTF-8."""
+    m = _GPU_UUID_RE.fullmatch(uuid)
+    if m:
+        out.append(0)
+        out += bytes.fromhex("".join(m.groups()))
+        return
+    raw = uuid.encode("utf-8")
+    _put_uvarint(out, len(raw) + 1)
+    out += raw
+
+
+def _read_uuid(r: _Reader) -> str:
+    size = r.uvarint()
+    if size == 0:
+        h = r.take(16).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    try:
+        return r.take(size - 1).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BatchFormatError(f"batch uuid is not UTF-8: {exc}") from None
+
+
 class _Reader:
     __slots__ = ("data", "pos")
 
@@ -240,18 +274,61 @@ def _decimal_scale(values: Sequence[float]) -> int | None:
     return None
 
 
-def _put_ints(out: bytearray, ints: Sequence[int], const: bool) -> None:
-    if const:
-        _put_uvarint(out, _zz(ints[0]))
+def _uvarint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def _int_plan(ints: Sequence[int]) -> tuple[int, int, list[int]]:
+    """Choose the cheapest int column coding: (flags, gcd, numbers to write after the first value)."""
+    deltas = [b - a for a, b in itertools.pairwise(ints)]
+    g = 0
+    for d in deltas:
+        g = math.gcd(g, d)
+    g = max(g, 1)
+    scaled = [d // g for d in deltas] if g > 1 else deltas
+    dod = [scaled[0]] + [b - a for a, b in itertools.pairwise(scaled)] if scaled else []
+    cost_delta = sum(_uvarint_len(_zz(d)) for d in scaled)
+    cost_dod = sum(_uvarint_len(_zz(d)) for d in dod)
+    flags = _K_GCD if g > 1 else 0
+    if cost_dod < cost_delta:
+        return flags | _K_DOD, g, dod
+    return flags, g, scaled
+
+
+def _put_ints(out: bytearray, ints: Sequence[int], const: bool, plan: tuple[int, int, list[int]] | None) -> None:
+    _put_uvarint(out, _zz(ints[0]))
+    if const or plan is None:
         return
-    prev = 0
-    for i in ints:
-        d = i - prev
+    flags, g, numbers = plan
+    if flags & _K_GCD:
+        _put_uvarint(out, g)
+    for d in numbers:
         _put_uvarint(out, d * 2 if d >= 0 else -d * 2 - 1)
-        prev = i
 
 
-def _encode_series(out: bytearray, name: str, rows: list[int], values: list[Value], vtype: int, n_rows: int) -> None:
+def _read_ints(r: _Reader, n: int, kind: int) -> list[int]:
+    first = _unzz(r.uvarint())
+    if kind & _K_CONST:
+        return [first] * n
+    g = r.uvarint() if kind & _K_GCD else 1
+    out = [first]
+    acc = first
+    step = 0
+    dod = bool(kind & _K_DOD)
+    for _ in range(n - 1):
+        d = _unzz(r.uvarint())
+        if dod:
+            step += d
+        else:
+            step = d
+        acc += step * g
+        out.append(acc)
+    return out
+
+
+def _encode_series(
+    out: bytearray, name: str, rows: list[int], values: list[Value], vtype: int, n_rows: int, header_uuid: str
+) -> None:
     code = _KNOWN_CODE.get(name, 0)
     _put_uvarint(out, code)
     if code == 0:
@@ -266,19 +343,29 @@ def _encode_series(out: bytearray, name: str, rows: list[int], values: list[Valu
             kind = _T_XOR
             const = all(_bits(v) == _bits(floats[0]) for v in floats)
     dense = len(rows) == n_rows
-    out.append(kind | (_K_DENSE if dense else 0) | (_K_CONST if const else 0))
+    ints: list[int] = []
+    plan = None
+    if kind == _T_INT:
+        ints = [int(v) for v in values]
+    elif kind == _T_DEC:
+        assert scale is not None
+        factor = 10**scale
+        ints = [round(float(v) * factor) for v in values]
+    if ints and not const:
+        plan = _int_plan(ints)
+    flags = plan[0] if plan else 0
+    out.append(kind | (_K_DENSE if dense else 0) | (_K_CONST if const else 0) | flags)
     if not dense:
         bitmap = bytearray((n_rows + 7) // 8)
         for r in rows:
             bitmap[r >> 3] |= 1 << (r & 7)
         out += bitmap
     if kind == _T_INT:
-        _put_ints(out, values, const)  # type: ignore[arg-type]
+        _put_ints(out, ints, const, plan)
     elif kind == _T_DEC:
         assert scale is not None
         _put_uvarint(out, scale)
-        factor = 10**scale
-        _put_ints(out, [round(float(v) * factor) for v in values], const)
+        _put_ints(out, ints, const, plan)
     elif kind == _T_XOR:
         prev = 0
         for v in values[:1] if const else values:
@@ -291,7 +378,12 @@ def _encode_series(out: bytearray, name: str, rows: list[int], values: list[Valu
             index.setdefault(str(v), len(index))
         _put_uvarint(out, len(index))
         for text in index:
-            _put_str(out, text)
+            if text == header_uuid:
+                _put_uvarint(out, 0)  # "the batch's uuid"
+            else:
+                raw = text.encode("utf-8")
+                _put_uvarint(out, len(raw) + 1)
+                out += raw
         if not const:
             for v in values:
                 _put_uvarint(out, index[str(v)])
@@ -306,7 +398,7 @@ def _encode_series(out: bytearray, name: str, rows: list[int], values: list[Valu
             out += packed
 
 
-def _decode_series(r: _Reader, n_rows: int) -> tuple[str, dict[int, Value]]:
+def _decode_series(r: _Reader, n_rows: int, header_uuid: str) -> tuple[str, dict[int, Value]]:
     code = r.uvarint()
     if code == 0:
         name = r.text()
@@ -325,14 +417,7 @@ def _decode_series(r: _Reader, n_rows: int) -> tuple[str, dict[int, Value]]:
     values: list[Value]
     if vtype in (_T_INT, _T_DEC):
         scale = r.uvarint() if vtype == _T_DEC else 0
-        if const:
-            ints = [_unzz(r.uvarint())] * n
-        else:
-            ints = []
-            acc = 0
-            for _ in range(n):
-                acc += _unzz(r.uvarint())
-                ints.append(acc)
+        ints = _read_ints(r, n, kind) if n else []
         if vtype == _T_INT:
             values = list(ints)
         else:
@@ -348,7 +433,16 @@ def _decode_series(r: _Reader, n_rows: int) -> tuple[str, dict[int, Value]]:
                 prev ^= r.uvarint()
                 values.append(_from_bits(prev))
     elif vtype == _T_STR:
-        words = [r.text() for _ in range(r.uvarint())]
+        words = []
+        for _ in range(r.uvarint()):
+            size = r.uvarint()
+            if size == 0:
+                words.append(header_uuid)
+                continue
+            try:
+                words.append(r.take(size - 1).decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise BatchFormatError(f"series {name!r} holds a string that is not UTF-8: {exc}") from None
         if const:
             if not words:
                 raise BatchFormatError(f"series {name!r}: empty string dictionary")
@@ -431,8 +525,10 @@ def _encode_binary(
     compressor: zstandard.ZstdCompressor | None,
 ) -> bytes:
     body = bytearray()
-    for text in (node, device, uuid, boot_id):
-        _put_str(body, text)
+    _put_str(body, node)
+    _put_str(body, device)
+    _put_uuid(body, uuid)
+    _put_str(body, boot_id)
     _put_uvarint(body, seq)
     _put_uvarint(body, ts_first)
     _put_uvarint(body, ts_last - ts_first)
@@ -458,7 +554,7 @@ def _encode_binary(
             col[1].append(value)
     _put_uvarint(body, len(columns))
     for (name, vtype), (rows, values) in columns.items():
-        _encode_series(body, name, rows, values, vtype, n_rows)
+        _encode_series(body, name, rows, values, vtype, n_rows, uuid)
     raw = bytes(body)
     packed = (compressor or zstandard.ZstdCompressor(level=9)).compress(raw)
     if len(packed) < len(raw):
@@ -491,7 +587,9 @@ def _decode_binary(data: bytes) -> DecodedBatch:
         except zstandard.ZstdError as exc:
             raise BatchFormatError(f"batch body does not decompress: {exc}") from None
     r = _Reader(body)
-    node, device, uuid, boot_id = r.text(), r.text(), r.text(), r.text()
+    node, device = r.text(), r.text()
+    uuid = _read_uuid(r)
+    boot_id = r.text()
     seq = r.uvarint()
     ts_first = r.uvarint()
     ts_last = ts_first + r.uvarint()
@@ -514,7 +612,7 @@ def _decode_binary(data: bytes) -> DecodedBatch:
         raise BatchFormatError(f"unknown timestamp encoding {ts_kind}")
     rows: list[dict[str, Value]] = [{} for _ in range(n_rows)]
     for _ in range(r.uvarint()):
-        name, column = _decode_series(r, n_rows)
+        name, column = _decode_series(r, n_rows, uuid)
         for row, value in column.items():
             rows[row][name] = value
     if r.pos != len(body):

@@ -1,0 +1,233 @@
+"""Bytes per sample at rest in the offline buffer, and ingest rate, against a Prometheus TSDB block.
+
+Workload: 8 simulated H100s (SimNvml through NvmlBackend, mixed scenarios) x every property the backend reads
+x 1 Hz x 1 hour, batched per device every 10 s (the default window) and stored in the SQLite buffer exactly
+as the mapper stores them. A "sample" is one (timestamp, series, value) point, as Prometheus counts them.
+
+* ``ours_bytes_per_sample``: the SQLite file after a WAL checkpoint (every byte of overhead included) / samples.
+* ``ingest_samples_per_s``: samples through encode + compress + SQLite commit per second of CPU-bound wall time
+  (the simulator's own time is not counted).
+* ``prom_bytes_per_sample``: the same samples written as OpenMetrics and turned into a TSDB block with
+  ``promtool tsdb create-blocks-from openmetrics``; the block directory's size / samples. Strings become
+  ``..._info{value="..."} 1`` series, booleans 0/1.
+* ``ratio`` = ours / prom (target <= 0.5).
+
+``--input FILE.csv`` (columns ``ts_ms,device,property,value``) runs the same on an external stream instead.
+Run: ``.venv/bin/python benchmarks/buffer.py [--hours H] [--input FILE.csv]``. Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from mapper.buffer import Buffer
+from mapper.clock import FakeClock
+from mapper.model import Sample, Value
+from mapper.telemetry import BatchEncoder, default_topic
+
+GPUS = 8
+WINDOW_S = 10.0
+NODE = "edge-1"
+START_MS = 1_780_000_000_000 - 1_780_000_000_000 % 7_200_000  # on a 2 h boundary: one TSDB block
+SCENARIOS = ("training", "inference", "steady", "oscillating", "heat", "idle", "training", "inference")
+
+
+def simulated(hours: float) -> Iterator[tuple[str, Sample]]:
+    from mapper.gpu.nvml import NvmlBackend
+    from mapper.gpu.simnvml import SimNvml
+
+    clock = FakeClock(start_wall_ms=START_MS)
+    sim = SimNvml(GPUS, "H100", clock=clock.monotonic, seed=7)
+    backend = NvmlBackend(sim, clock=clock)
+    backend.init()
+    gpus = backend.list_gpus()
+    for g, scenario in zip(gpus, SCENARIOS, strict=False):
+        sim.set_scenario(g.uuid, scenario)
+    try:
+        for _ in range(round(hours * 3600)):
+            clock.advance(1.0)
+            for g in gpus:
+                yield f"default/gpu{g.index}", backend.sample(g.uuid)
+    finally:
+        backend.shutdown()
+
+
+def _parse_value(text: str) -> Value:
+    if text in ("true", "false"):
+        return text == "true"
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def from_csv(path: Path) -> Iterator[tuple[str, Sample]]:
+    """Rows ``ts_ms,device,property,value`` grouped into one Sample per (device, ts_ms) run."""
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = {"ts_ms", "device", "property", "value"} - set(reader.fieldnames or ())
+        if missing:
+            raise SystemExit(f"{path}: missing columns {sorted(missing)}")
+        key: tuple[str, int] | None = None
+        values: dict[str, Value] = {}
+        for row in reader:
+            k = (row["device"], int(row["ts_ms"]))
+            if k != key and key is not None:
+                yield key[0], Sample(key[0], key[1], values)
+                values = {}
+            key = k
+            values[row["property"]] = _parse_value(row["value"])
+        if key is not None:
+            yield key[0], Sample(key[0], key[1], values)
+
+
+def _prom_name(prop: str) -> str:
+    return "gpu_" + re.sub(r"[^a-zA-Z0-9_]", "_", prop)
+
+
+def _prom_value(v: Value) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+def write_openmetrics(stream: list[tuple[str, int, str, Value]], path: Path) -> None:
+    """Families contiguous, each series in time order (what create-blocks-from openmetrics wants)."""
+    by_family: dict[str, list[tuple[str, int, Value]]] = {}
+    for device, ts, prop, value in stream:
+        by_family.setdefault(prop, []).append((device, ts, value))
+    with path.open("w") as out:
+        for prop, rows in by_family.items():
+            is_str = any(isinstance(v, str) for _, _, v in rows)
+            name = _prom_name(prop) + ("_info" if is_str else "")
+            out.write(f"# TYPE {name} gauge\n")
+            rows.sort(key=lambda r: (r[0], r[1]))
+            for device, ts, value in rows:
+                if is_str:
+                    label = str(value).replace("\\", "\\\\").replace('"', '\\"')
+                    out.write(f'{name}{{device="{device}",value="{label}"}} 1 {ts / 1000:.3f}\n')
+                else:
+                    out.write(f'{name}{{device="{device}"}} {_prom_value(value)} {ts / 1000:.3f}\n')
+        out.write("# EOF\n")
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hours", type=float, default=1.0, help="simulated hours (default 1)")
+    ap.add_argument("--input", type=Path, help="CSV stream ts_ms,device,property,value instead of the simulator")
+    ap.add_argument("--window-s", type=float, default=WINDOW_S)
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-buffer-"))
+    source = from_csv(args.input) if args.input else simulated(args.hours)
+    buf = Buffer(work / "buffer.db", max_bytes=10**12, max_age_s=10**9, clock=FakeClock(start_wall_ms=START_MS))
+    encoders: dict[str, BatchEncoder] = {}
+    flat: list[tuple[str, int, str, Value]] = []
+    samples = 0
+    busy_s = 0.0
+
+    def store(device: str, batch: object) -> None:
+        assert batch is not None
+        b = batch  # EncodedBatch
+        buf.put(
+            device=b.device,  # type: ignore[attr-defined]
+            uuid=b.uuid,  # type: ignore[attr-defined]
+            boot_id=b.boot_id,  # type: ignore[attr-defined]
+            seq=b.seq,  # type: ignore[attr-defined]
+            ts_first_ms=b.ts_first_ms,  # type: ignore[attr-defined]
+            ts_last_ms=b.ts_last_ms,  # type: ignore[attr-defined]
+            topic=default_topic(NODE, device),
+            payload=b.payload,  # type: ignore[attr-defined]
+        )
+
+    for device, sample in source:
+        for prop, value in sample.values.items():
+            flat.append((device, sample.ts_ms, prop, value))
+        samples += len(sample.values)
+        t0 = time.perf_counter()
+        enc = encoders.get(device)
+        if enc is None:
+            enc = encoders[device] = BatchEncoder(NODE, device, sample.uuid, "boot-bench", args.window_s)
+        batch = enc.flush_due(sample.ts_ms)
+        if batch is not None:
+            store(device, batch)
+        enc.add(sample)
+        busy_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for device, enc in encoders.items():
+        batch = enc.flush()
+        if batch is not None:
+            store(device, batch)
+    busy_s += time.perf_counter() - t0
+    batches = buf.stats().batches
+    buf.close()  # checkpoints the WAL into the file
+    ours = buf.file_bytes()
+
+    om = work / "samples.om"
+    write_openmetrics(flat, om)
+    del flat
+    promtool = shutil.which("promtool")
+    prom_bytes = None
+    if promtool is None:
+        print("promtool not found: Prometheus side skipped", file=sys.stderr)
+    else:
+        out_dir = work / "tsdb"
+        subprocess.run(
+            [promtool, "tsdb", "create-blocks-from", "openmetrics", str(om), str(out_dir)],
+            check=True,
+            capture_output=True,
+        )
+        prom_bytes = dir_bytes(out_dir)
+    om_bytes = om.stat().st_size
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    ours_bps = ours / samples
+    prom_bps = prom_bytes / samples if prom_bytes else None
+    print(
+        f"{samples} samples in {batches} batches: ours {ours} B ({ours_bps:.3f} B/sample), "
+        f"prometheus {prom_bytes} B ({prom_bps if prom_bps is None else round(prom_bps, 3)} B/sample)",
+        file=sys.stderr,
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "buffer",
+                "source": str(args.input) if args.input else f"simulated {GPUS} GPUs x {args.hours} h x 1 Hz",
+                "window_s": args.window_s,
+                "samples": samples,
+                "batches": batches,
+                "ours_file_bytes": ours,
+                "ours_bytes_per_sample": round(ours_bps, 4),
+                "ingest_samples_per_s": round(samples / busy_s),
+                "prom_block_bytes": prom_bytes,
+                "prom_bytes_per_sample": None if prom_bps is None else round(prom_bps, 4),
+                "ratio": None if prom_bps is None else round(ours_bps / prom_bps, 4),
+                "openmetrics_text_bytes": om_bytes,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
