@@ -1,0 +1,56 @@
+"""Run a whole MapperApp in-process on simulated GPUs, on real time with short cycles."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+from mapper.app import MapperApp
+from mapper.config import Settings
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.simnvml import SimNvml
+
+
+def fast_settings(data_dir: str, **overrides: Any) -> Settings:
+    base = Settings(
+        node_name="edge-1",
+        data_dir=data_dir,
+        metrics_addr="127.0.0.1:0",
+        collect_cycle_ms=100,
+        report_cycle_ms=300,
+        state_report_cycle_ms=1000,
+        telemetry_window_s=0.5,
+        edgecore_socket=f"{data_dir}/none.sock",
+        socket=f"{data_dir}/gpu.sock",
+    )
+    return replace(base, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def running_app(settings: Settings, sim: SimNvml) -> AsyncIterator[MapperApp]:
+    backend = NvmlBackend(sim)
+    app = MapperApp(settings, backend)
+    stop = asyncio.Event()
+    task = asyncio.create_task(app.run(stop))
+    try:
+        await wait_for(lambda: app.metrics is not None or task.done(), what="the mapper to start")
+        assert not task.done(), f"the mapper exited early with {task.result()}"
+        yield app
+    finally:
+        stop.set()
+        code = await asyncio.wait_for(task, 15)
+        assert code == 0, f"the mapper exited with {code}"
+
+
+async def wait_for(predicate: Callable[[], Any], *, timeout_s: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -1,0 +1,131 @@
+"""The whole mapper against a test EdgeCore over real Unix sockets (DMI v1beta1), on simulated GPUs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mapper.dmi.pb import dmi_pb2 as pb
+from mapper.gpu.simnvml import SimNvml
+from tests.apphelpers import fast_settings, running_app, wait_for
+from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model, sock_dir  # noqa: F401
+
+PROPS = {"temperature": None, "power_usage": None, "power_limit": "300", "desired_status": None}
+
+
+def twins_of(request) -> dict[str, tuple[str, str]]:
+    return {t.propertyName: (t.observedDesired.value, t.reported.value) for t in request.reportedDevice.twins}
+
+
+def power_limit_w(sim: SimNvml, uuid: str) -> float:
+    return sim.gpu(uuid).power_limit_w
+
+
+@pytest.mark.timeout(60)
+async def test_edgecore_drives_the_mapper_register_report_update_and_restart(sock_dir, tmp_path):  # noqa: F811
+    sim = SimNvml(2, "H100", seed=0, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
+    edge.devices = [pb_device("gpu0", uuid0, properties=PROPS, cycle_ms=200)]
+    edge.models = [
+        pb_model(
+            props={"temperature": "INT", "power_usage": "FLOAT", "power_limit": "FLOAT", "desired_status": "STRING"}
+        )
+    ]
+    await edge.start()
+    settings = fast_settings(str(tmp_path), edgecore_socket=edge.socket_path, socket=f"{sock_dir}/gpu.sock")
+    async with running_app(settings, sim) as app:
+        # Registration: withData, protocol gpu, our raw socket path as bytes.
+        await wait_for(lambda: edge.rec.registers, what="MapperRegister")
+        reg = edge.rec.registers[0]
+        assert reg.withData is True
+        assert reg.mapper.protocol == "gpu"
+        assert reg.mapper.address == f"{sock_dir}/gpu.sock".encode()
+        assert oct(os.stat(f"{sock_dir}/gpu.sock").st_mode & 0o777) == "0o660"
+
+        # The desired power limit from the register reply reaches the GPU and comes back as reported.
+        await wait_for(lambda: power_limit_w(sim, uuid0) == 300, what="power limit 300 W on the GPU")
+
+        def reported(prop: str, value: str) -> bool:
+            return any(twins_of(r).get(prop, ("", ""))[1] == value for r in edge.rec.statuses)
+
+        await wait_for(lambda: reported("power_limit", "300"), what="power_limit reported 300")
+        last = edge.rec.statuses[-1]
+        assert last.deviceNamespace == "default" and last.deviceName == "gpu0"
+        for twin in last.reportedDevice.twins:
+            assert twin.HasField("observedDesired") and twin.HasField("reported"), twin.propertyName
+        twins = twins_of(last)
+        assert twins["power_limit"][0] == "300", "observedDesired carries what was received"
+        assert twins["temperature"][0] == "" and twins["temperature"][1].isdigit()
+        assert "power_limit:applied" in twins["desired_status"][1]
+        assert edge.rec.violations == [] and edge.rec.twin_rejections == []
+        await wait_for(lambda: any(s.state == "online" for s in edge.rec.states), what="state online")
+
+        # UpdateDevice with a new desired value: applied and reported.
+        props = dict(PROPS, power_limit="250")
+        async with edge.mapper(reg.mapper.address) as stub:
+            await stub.UpdateDevice(
+                pb.UpdateDeviceRequest(device=pb_device("gpu0", uuid0, properties=props, cycle_ms=200)), timeout=10
+            )
+        await wait_for(lambda: power_limit_w(sim, uuid0) == 250, what="power limit 250 W")
+        await wait_for(lambda: reported("power_limit", "250"), what="power_limit reported 250")
+
+        # A spurious UpdateDevice (same spec, as EdgeCore <= 1.22 sends on every status change) touches nothing.
+        sets_before = sim.calls["nvmlDeviceSetPowerManagementLimit"]
+        worker = app.workers[uuid0]
+        bound = worker.device
+        async with edge.mapper(reg.mapper.address) as stub:
+            for _ in range(3):
+                await stub.UpdateDevice(
+                    pb.UpdateDeviceRequest(device=pb_device("gpu0", uuid0, properties=props, cycle_ms=200)), timeout=10
+                )
+        assert worker.device is bound
+        assert sim.calls["nvmlDeviceSetPowerManagementLimit"] == sets_before
+
+        # A device whose GPU is not on this node is refused with FAILED_PRECONDITION; nothing else disturbed.
+        import grpc
+
+        async with edge.mapper(reg.mapper.address) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.RegisterDevice(
+                    pb.RegisterDeviceRequest(device=pb_device("ghost", "GPU-00000000-0000-0000-0000-000000000000")),
+                    timeout=10,
+                )
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not on this node" in err.value.details()
+        assert [d.key for d in app.registry.devices()] == ["default/gpu0"]
+
+        # EdgeCore restarts (new socket inode): the mapper registers again within 5 s and keeps reporting.
+        registers = len(edge.rec.registers)
+        await edge.restart()
+        await wait_for(lambda: len(edge.rec.registers) > registers, timeout_s=5.0, what="re-registration")
+        statuses = len(edge.rec.statuses)
+        await wait_for(lambda: len(edge.rec.statuses) > statuses, what="reports after the restart")
+        assert not [r for r in edge.rec.refused if r[1] == "rate"], "the mapper stayed inside EdgeCore's limit"
+    await edge.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_without_edgecore_the_mapper_keeps_collecting_and_enforces_the_persisted_desired_state(
+    sock_dir,
+    tmp_path,  # noqa: F811
+):
+    sim = SimNvml(1, "A100", seed=3, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
+    edge.devices = [pb_device("gpu0", uuid0, properties={"temperature": None, "power_limit": "333"}, cycle_ms=200)]
+    edge.models = [pb_model()]
+    await edge.start()
+    settings = fast_settings(str(tmp_path), edgecore_socket=edge.socket_path, socket=f"{sock_dir}/gpu.sock")
+    async with running_app(settings, sim):
+        await wait_for(lambda: sim.gpu(uuid0).power_limit_w == 333, what="333 W applied")
+    await edge.stop()
+
+    # A reboot wipes the setting; the mapper comes back with no EdgeCore at all and enforces the stored value.
+    sim.driver_reload()
+    assert sim.gpu(uuid0).power_limit_w != 333
+    async with running_app(settings, sim) as app:
+        await wait_for(lambda: sim.gpu(uuid0).power_limit_w == 333, what="333 W re-applied from the store")
+        assert app.dmi_client is not None and not app.dmi_client.registered
+        await wait_for(lambda: app.workers[uuid0].values.get("temperature") is not None, what="samples")

@@ -1,0 +1,207 @@
+"""The whole mapper in standalone mode with a real mosquitto: EventBus twins, deltas, acks and telemetry."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from pathlib import Path
+
+import paho.mqtt.client as paho
+import pytest
+
+from mapper.gpu.simnvml import SimNvml
+from mapper.telemetry import decode_batch
+from tests.apphelpers import fast_settings, running_app, wait_for
+
+DEVICE = """
+apiVersion: devices.kubeedge.io/v1beta1
+kind: Device
+metadata: {{name: gpu0, namespace: default}}
+spec:
+  deviceModelRef: {{name: nvidia-gpu}}
+  nodeName: edge-1
+  protocol: {{protocolName: gpu, configData: {{uuid: {uuid}}}}}
+  properties:
+  - {{name: temperature, collectCycle: 100, reportCycle: 300, reportToCloud: true}}
+  - {{name: power_usage, collectCycle: 100, reportCycle: 300, reportToCloud: true}}
+  - {{name: power_limit, collectCycle: 100, reportCycle: 300, reportToCloud: true}}
+  - {{name: product_name, collectCycle: 1000, reportCycle: 300, reportToCloud: true}}
+"""
+
+
+class Listener:
+    """A plain paho subscriber standing in for EdgeCore and for a cloud consumer."""
+
+    def __init__(self, port: int, *topics: str) -> None:
+        self.messages: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.seen: list[tuple[str, bytes]] = []
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"listener-{time.monotonic_ns()}")
+        self.client.on_message = lambda c, u, m: self.messages.put((m.topic, m.payload))
+        self.client.connect("127.0.0.1", port)
+        for t in topics:
+            self.client.subscribe(t, qos=1)
+        self.client.loop_start()
+
+    def drain(self) -> list[tuple[str, bytes]]:
+        while True:
+            try:
+                self.seen.append(self.messages.get_nowait())
+            except queue.Empty:
+                return self.seen
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self.client.publish(topic, payload, qos=1).wait_for_publish(5)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def matching(listener: Listener, suffix: str) -> list[dict]:
+    return [json.loads(p) for t, p in listener.drain() if t.endswith(suffix)]
+
+
+@pytest.mark.timeout(60)
+async def test_an_edge_application_sets_the_power_limit_through_an_eventbus_delta(mosquitto, tmp_path: Path):
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "gpu0.yaml").write_text(DEVICE.format(uuid=uuid0))
+    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices), mqtt=_mqtt(mosquitto.url))
+    listener = Listener(mosquitto.port, "$hw/events/device/default/gpu0/#", "gpu-mapper/#")
+    try:
+        async with running_app(settings, sim) as app:
+            await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+
+            # Actual values go out in KubeEdge's JSON, every value a string, types consistent ("string").
+            updates = await wait_for(lambda: matching(listener, "/twin/update"), what="twin/update")
+            doc = updates[-1]
+            assert isinstance(doc["timestamp"], int) and doc["event_id"] == ""
+            assert doc["twin"]["temperature"]["actual"]["value"].isdigit()
+            assert doc["twin"]["product_name"]["actual"]["value"] == "NVIDIA_H100_80GB_HBM3"
+            assert {t["metadata"]["type"] for t in doc["twin"].values()} == {"string"}
+            states = await wait_for(lambda: matching(listener, "/state/update"), what="state/update")
+            assert states[-1]["state"] == "online"
+
+            # A malformed delta and a delta with a wrong type change nothing and crash nothing.
+            delta_topic = "$hw/events/device/default/gpu0/twin/update/delta"
+            listener.publish(delta_topic, b"{not json")
+            listener.publish(delta_topic, json.dumps({"timestamp": 1, "delta": {"power_limit": 250}}).encode())
+            listener.publish(
+                delta_topic, json.dumps({"timestamp": int(time.time() * 1000), "delta": {"temperature": "1"}}).encode()
+            )
+            time_limit = time.monotonic() + 1.0
+            while time.monotonic() < time_limit:
+                assert sim.gpu(uuid0).power_limit_w == 700
+                await _sleep(0.05)
+
+            # A good delta: the GPU changes, the ack says applied, the twin reports it.
+            now_ms = int(time.time() * 1000)
+            listener.publish(
+                delta_topic,
+                json.dumps(
+                    {"event_id": "d1", "timestamp": now_ms, "twin": {}, "delta": {"power_limit": "275"}}
+                ).encode(),
+            )
+            await wait_for(lambda: sim.gpu(uuid0).power_limit_w == 275, what="275 W on the GPU")
+            acks = await wait_for(
+                lambda: [a for a in matching(listener, "/desired/ack") if a["result"] == "applied"], what="an ack"
+            )
+            assert acks[-1]["property"] == "power_limit" and acks[-1]["source"] == "edge"
+            assert acks[-1]["reported_value"] == "275"
+            await wait_for(
+                lambda: any(
+                    u["twin"].get("power_limit", {}).get("actual", {}).get("value") == "275"
+                    for u in matching(listener, "/twin/update")
+                ),
+                what="power_limit 275 in twin/update",
+            )
+
+            # Telemetry batches arrive on the per-device topic and decode to the sampled values.
+            batches = await wait_for(
+                lambda: [p for t, p in listener.drain() if t == "gpu-mapper/edge-1/default/gpu0/telemetry"],
+                what="a telemetry batch",
+            )
+            decoded = decode_batch(batches[0])
+            assert decoded.device == "default/gpu0" and decoded.uuid == uuid0
+            props = {name for sample in decoded.samples for name in sample.values}
+            assert {"temperature", "power_usage"} <= props
+    finally:
+        listener.close()
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+def _mqtt(url: str):
+    from mapper.config import MqttSettings
+
+    return MqttSettings(url=url)
+
+
+def devicetwin_accepts(twin_type: str, value: str) -> bool:
+    """EdgeCore devicetwin's check of a value against the type the twin was created with."""
+    if twin_type == "string":
+        return True
+    if twin_type in ("int", "integer"):
+        return value.lstrip("-").isdigit()
+    if twin_type == "float":
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    if twin_type == "boolean":
+        return value in ("true", "false")
+    return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("eventbus", ["auto", "true"])
+async def test_dmi_and_eventbus_twins_never_conflict_in_type(mosquitto, tmp_path: Path, eventbus: str):
+    import tempfile
+
+    from mapper.config import MqttSettings
+    from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
+
+    sock_dir = tempfile.mkdtemp(prefix="dmi-", dir="/tmp")
+    sim = SimNvml(1, "T4", seed=1, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
+    props = {"temperature": None, "power_usage": None, "power_limit": "65"}
+    edge.devices = [pb_device("gpu0", uuid0, properties=props, cycle_ms=200)]
+    edge.models = [pb_model()]
+    await edge.start()
+    settings = fast_settings(
+        str(tmp_path),
+        edgecore_socket=edge.socket_path,
+        socket=f"{sock_dir}/gpu.sock",
+        mqtt=MqttSettings(url=mosquitto.url, eventbus=eventbus),
+    )
+    listener = Listener(mosquitto.port, "$hw/events/device/#")
+    try:
+        async with running_app(settings, sim):
+            await wait_for(lambda: len(edge.rec.statuses) >= 2, what="two DMI reports")
+            await _sleep(0.8)
+            mqtt_updates = matching(listener, "/twin/update")
+            if eventbus == "auto":
+                assert mqtt_updates == [], "with DMI active, twins go through DMI only"
+                return
+            assert mqtt_updates, "eventbus forced on publishes twin/update too"
+            created: dict[str, str] = {}
+            for update in mqtt_updates:
+                for name, twin in update["twin"].items():
+                    created.setdefault(name, twin["metadata"]["type"])
+            for request in edge.rec.statuses:
+                for twin in request.reportedDevice.twins:
+                    twin_type = created.get(twin.propertyName, "string")
+                    for value in (twin.observedDesired.value, twin.reported.value):
+                        assert devicetwin_accepts(twin_type, value), (twin.propertyName, twin_type, value)
+    finally:
+        listener.close()
+        await edge.stop()

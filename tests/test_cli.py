@@ -1,0 +1,102 @@
+"""The command line, as a user runs it: subprocesses of the installed ``gpu-mapper`` entry point."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mapper.stats import MapperSnapshot
+from tests.test_device_models import CRDS, assert_valid_kubeedge
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gpu_mapper(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mapper.cli", *args], capture_output=True, text=True, timeout=60, cwd=REPO, **kwargs
+    )
+
+
+def test_discover_prints_one_valid_device_per_simulated_gpu():
+    if not CRDS.is_dir():
+        pytest.skip(f"the KubeEdge CRD schemas are not at {CRDS} (shared/ is absent)")
+    out = gpu_mapper("discover", "--sim", "2", "--node-name", "edge-7")
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert [d["metadata"]["name"] for d in docs] == ["edge-7-gpu0", "edge-7-gpu1"]
+    uuids = {d["spec"]["protocol"]["configData"]["uuid"] for d in docs}
+    assert len(uuids) == 2 and all(u.startswith("GPU-") for u in uuids)
+    for doc in docs:
+        assert doc["spec"]["nodeName"] == "edge-7"
+        assert doc["spec"]["protocol"]["protocolName"] == "gpu"
+        assert_valid_kubeedge(doc, "discover")
+
+
+def test_bad_configuration_is_a_clear_error_not_a_traceback(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policies:\n  thermalThrottling: {maxTemp: 85, releaseTemp: 90}\n")
+    out = gpu_mapper("run", "--sim", "1", "--config", str(cfg), "--node-name", "n1", "--data-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "releaseTemp" in out.stderr and "Traceback" not in out.stderr
+    out = gpu_mapper("run", "--sim", "1", "--mqtt", "http://x", "--node-name", "n1")
+    assert out.returncode == 2 and "mqtt" in out.stderr
+
+
+def test_run_on_simulated_gpus_prints_a_live_table_and_stops_cleanly_on_ctrl_c(tmp_path):
+    data = tmp_path / "data"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mapper.cli",
+            "run",
+            "--sim",
+            "2",
+            "--node-name",
+            "demo-node",
+            "--devices",
+            str(REPO / "device-models" / "examples"),
+            "--data-dir",
+            str(data),
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--print-interval",
+            "0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (data / "status.json").exists():
+            time.sleep(0.2)
+        time.sleep(2.5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "power W" in stdout and "demo-node-gpu0" in stdout
+    assert "applied" in stdout, "the example desired values are applied and shown"
+    assert "Traceback" not in stderr
+
+    status = gpu_mapper("status", "--data-dir", str(data))
+    assert status.returncode == 0, status.stderr
+    assert "demo-node-gpu0" in status.stdout
+    snap = MapperSnapshot.from_json((data / "status.json").read_text())
+    assert snap.node == "demo-node" and len(snap.gpus) == 2 and snap.mode == "standalone"
+
+
+def test_the_model_command_prints_the_committed_device_model():
+    out = gpu_mapper("model")
+    assert out.returncode == 0
+    assert out.stdout == (REPO / "device-models" / "nvidia-gpu.yaml").read_text()
