@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import pynvml
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mapper.clock import FakeClock
 from mapper.errors import (
@@ -573,3 +575,24 @@ def test_calls_from_several_threads_are_serialised_safely(fake_clock: FakeClock,
         thread.join(timeout=30)
     assert failures == []
     assert [sim.gpu(u).power_limit_w for u in uuids] == [350.0, 250.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(watts=st.floats(min_value=0, max_value=2000, allow_nan=False))
+def test_any_power_limit_is_either_applied_exactly_or_refused_with_the_gpu_unchanged(watts: float) -> None:
+    clock = FakeClock()
+    sim = SimNvml(1, "A100", clock=clock.monotonic)
+    backend = NvmlBackend(sim, clock=clock)
+    uuid = sim.gpus[0].uuid
+    try:
+        backend.set_power_limit(uuid, 250)
+        limit_mw = round(watts * 1000)
+        if 100_000 <= limit_mw <= 500_000:
+            assert backend.set_power_limit(uuid, watts) == limit_mw / 1000
+            assert sim.gpu(uuid).power_limit_mw == limit_mw
+        else:
+            with pytest.raises(InvalidValueError, match="100-500 W"):
+                backend.set_power_limit(uuid, watts)
+            assert sim.gpu(uuid).power_limit_mw == 250_000
+    finally:
+        backend.shutdown()
