@@ -7,6 +7,7 @@ import pytest
 
 from mapper.clock import FakeClock
 from tests.brokers import Mosquitto
+from tests.fake_edgecore import sock_dir  # noqa: F401  (a short /tmp dir for Unix sockets)
 
 
 @pytest.fixture

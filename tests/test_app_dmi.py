@@ -9,7 +9,7 @@ import pytest
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.gpu.simnvml import SimNvml
 from tests.apphelpers import fast_settings, running_app, wait_for
-from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model, sock_dir  # noqa: F401
+from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
 
 PROPS = {"temperature": None, "power_usage": None, "power_limit": "300", "desired_status": None}
 
@@ -23,7 +23,7 @@ def power_limit_w(sim: SimNvml, uuid: str) -> float:
 
 
 @pytest.mark.timeout(60)
-async def test_edgecore_drives_the_mapper_register_report_update_and_restart(sock_dir, tmp_path):  # noqa: F811
+async def test_edgecore_drives_the_mapper_register_report_update_and_restart(sock_dir, tmp_path):
     sim = SimNvml(2, "H100", seed=0, scenario="steady")
     uuid0 = sim.gpus[0].uuid
     edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
@@ -109,7 +109,7 @@ async def test_edgecore_drives_the_mapper_register_report_update_and_restart(soc
 @pytest.mark.timeout(60)
 async def test_without_edgecore_the_mapper_keeps_collecting_and_enforces_the_persisted_desired_state(
     sock_dir,
-    tmp_path,  # noqa: F811
+    tmp_path,
 ):
     sim = SimNvml(1, "A100", seed=3, scenario="steady")
     uuid0 = sim.gpus[0].uuid
