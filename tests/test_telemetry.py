@@ -14,6 +14,7 @@ from mapper.telemetry import (
     BatchEncoder,
     BatchFormatError,
     DeviceTelemetry,
+    Format,
     batch_json_lines,
     decode_batch,
     decode_command,
@@ -27,10 +28,10 @@ T0 = 1_780_000_000_000
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 
 
-def _encode(samples: list[Sample], fmt: str = "binary", seq: int = 7) -> bytes:
+def _encode(samples: list[Sample], fmt: Format = "binary", seq: int = 7) -> bytes:
     return encode_batch(
         samples, node="edge-1", device="default/gpu0", uuid=UUID, boot_id="boot-a", seq=seq, fmt=fmt
-    ).payload  # type: ignore[arg-type]
+    ).payload
 
 
 def _assert_same(samples: list[Sample], payload: bytes) -> None:
