@@ -52,7 +52,7 @@ from mapper.model import (
 from mapper.mqtt import MqttSession, MqttSessions
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler, ack_to_json
-from mapper.registry import DeviceChange, Registry
+from mapper.registry import DeviceChange, PreconditionError, Registry
 from mapper.shipper import TelemetryShipper
 from mapper.stats import DurationHistogram, GpuSnapshot, LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.store import DesiredStore
@@ -387,6 +387,10 @@ class MapperApp:
         changes, errors = self.registry.sync(devices, models)
         for key, exc in errors:
             log.error("EdgeCore sent %s, refused: %s", key, exc)
+            namespace, _, name = key.partition("/")
+            if isinstance(exc, PreconditionError) and self.reporter is not None and name:
+                # Its GPU is missing from this node (removed, or fell off the bus before we started).
+                self.reporter.offer_state(namespace, name, "offline")
         log.info("EdgeCore registration: %d device(s) on this mapper, %d changed", len(devices), len(changes))
 
     async def _folder_loop(self, path: str) -> None:

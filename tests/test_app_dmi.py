@@ -61,6 +61,12 @@ async def test_edgecore_drives_the_mapper_register_report_update_and_restart(soc
         assert "power_limit:applied" in twins["desired_status"][1]
         assert edge.rec.violations == [] and edge.rec.twin_rejections == []
         await wait_for(lambda: any(s.state == "online" for s in edge.rec.states), what="state online")
+        # A Device whose GPU is not on this node is reported offline; the others carry on.
+        await wait_for(
+            lambda: any(s.deviceName == "gone" and s.state == "offline" for s in edge.rec.states),
+            what="the device with a missing GPU reported offline",
+        )
+        assert not any(s.deviceName == "gone" and s.state == "online" for s in edge.rec.states)
 
         # UpdateDevice with a new desired value: applied and reported.
         props = dict(PROPS, power_limit="250")
