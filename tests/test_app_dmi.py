@@ -27,7 +27,11 @@ async def test_edgecore_drives_the_mapper_register_report_update_and_restart(soc
     sim = SimNvml(2, "H100", seed=0, scenario="steady")
     uuid0 = sim.gpus[0].uuid
     edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
-    edge.devices = [pb_device("gpu0", uuid0, properties=PROPS, cycle_ms=200)]
+    missing = "GPU-deadbeef-0000-4000-8000-000000000000"
+    edge.devices = [
+        pb_device("gpu0", uuid0, properties=PROPS, cycle_ms=200),
+        pb_device("gone", missing, properties={"temperature": None}, cycle_ms=200),
+    ]
     edge.models = [
         pb_model(
             props={"temperature": "INT", "power_usage": "FLOAT", "power_limit": "FLOAT", "desired_status": "STRING"}
