@@ -796,17 +796,23 @@ def parse_value(spec: PropertySpec, raw: Scalar) -> Value:
             raise InvalidValueError(f"{name}: {raw!r} is not a number", reason="not-a-number") from None
     else:
         number = float(raw)
+    check_number(name, number)
+    if spec.ptype == "INT":
+        # FloatValue (float32) carries every CRD number: accept values that are integers after rounding.
+        if number != int(number) and abs(number - round(number)) > 1e-3:
+            raise InvalidValueError(f"{name}: {format_number(number)} is not an integer", reason="wrong-type")
+        return round(number)
+    return number
+
+
+def check_number(name: str, number: float) -> float:
+    """A finite, non-negative number, or ``InvalidValueError`` (reason nan, infinite or negative) naming it."""
     if math.isnan(number):
         raise InvalidValueError(f"{name}: NaN is not a value", reason="nan")
     if math.isinf(number):
         raise InvalidValueError(f"{name}: {number} is not finite", reason="infinite")
     if number < 0:
         raise InvalidValueError(f"{name}: {format_number(number)} is negative", reason="negative")
-    if spec.ptype == "INT":
-        # FloatValue (float32) carries every CRD number: accept values that are integers after rounding.
-        if number != int(number) and abs(number - round(number)) > 1e-3:
-            raise InvalidValueError(f"{name}: {format_number(number)} is not an integer", reason="wrong-type")
-        return round(number)
     return number
 
 

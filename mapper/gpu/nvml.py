@@ -25,7 +25,6 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 from __future__ import annotations
 
 import ctypes
-import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -53,6 +52,7 @@ from mapper.model import (
     GpuInfo,
     Sample,
     Value,
+    check_number,
     clock_event_reasons_text,
 )
 
@@ -1101,14 +1101,7 @@ def _number(prop: str, value: object) -> float:
         if isinstance(value, str):
             raise InvalidValueError(f"{prop}: {value!r} is a string, not a number", reason="not-a-number")
         raise InvalidValueError(f"{prop}: {value!r} is not a number", reason="wrong-type")
-    number = float(value)
-    if math.isnan(number):
-        raise InvalidValueError(f"{prop}: NaN is not a value", reason="nan")
-    if math.isinf(number):
-        raise InvalidValueError(f"{prop}: {number} is not finite", reason="infinite")
-    if number < 0:
-        raise InvalidValueError(f"{prop}: {number:g} is negative", reason="negative")
-    return number
+    return check_number(prop, float(value))
 
 
 def _clock_pair(prop: str, min_mhz: object, max_mhz: object) -> tuple[int, int]:
