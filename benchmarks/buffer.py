@@ -2,7 +2,8 @@
 
 Workload: 8 simulated H100s (SimNvml through NvmlBackend, mixed scenarios) x every property the backend reads
 x 1 Hz x 1 hour, batched per device every 10 s (the default window) and stored in the SQLite buffer exactly
-as the mapper stores them. A "sample" is one (timestamp, series, value) point, as Prometheus counts them.
+as the mapper stores them (Device names ``default/<node>-gpu<i>`` and a 16-hex-digit boot id, as the mapper
+makes them). A "sample" is one (timestamp, series, value) point, as Prometheus counts them.
 
 * ``ours_bytes_per_sample``: the SQLite file after a WAL checkpoint (every byte of overhead included) / samples.
 * ``ingest_samples_per_s``: samples through encode + compress + SQLite commit per second of CPU-bound wall time
@@ -12,8 +13,14 @@ as the mapper stores them. A "sample" is one (timestamp, series, value) point, a
   ``..._info{value="..."} 1`` series, booleans 0/1.
 * ``ratio`` = ours / prom (target <= 0.5).
 
+* ``breakdown``: where our bytes go, per batch: the SQLite file's fixed pages and row overhead (from the
+  ``dbstat`` table), the 5-byte batch header, and the body's parts (``mapper.telemetry.body_parts``) both raw and
+  as the growth of the compressed size when each part is added; ``--breakdown`` also prints the raw bytes per
+  batch of every series (stderr).
+
 ``--input FILE.csv`` (columns ``ts_ms,device,property,value``) runs the same on an external stream instead.
-Run: ``.venv/bin/python benchmarks/buffer.py [--hours H] [--input FILE.csv]``. Prints one JSON line last.
+Run: ``.venv/bin/python benchmarks/buffer.py [--hours H] [--window-s W] [--input FILE.csv] [--breakdown]``.
+Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -25,21 +32,26 @@ import os
 import platform
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+from mapper import telemetry
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
+from mapper.discover import device_name
 from mapper.model import Sample, Value
-from mapper.telemetry import BatchEncoder, default_topic
+from mapper.telemetry import BatchCodec, BatchEncoder, body_parts, decode_batch, default_topic
 
 GPUS = 8
 WINDOW_S = 10.0
 NODE = "edge-1"
+BOOT_ID = "5c1f0e9a7b3d2468"  # what the mapper makes: 16 hex digits, new at every start
 START_MS = 1_780_000_000_000 - 1_780_000_000_000 % 7_200_000  # on a 2 h boundary: one TSDB block
 SCENARIOS = ("training", "inference", "steady", "oscillating", "heat", "idle", "training", "inference")
 
@@ -59,7 +71,7 @@ def simulated(hours: float) -> Iterator[tuple[str, Sample]]:
         for _ in range(round(hours * 3600)):
             clock.advance(1.0)
             for g in gpus:
-                yield f"default/gpu{g.index}", backend.sample(g.uuid)
+                yield f"default/{device_name(NODE, g.index)}", backend.sample(g.uuid)
     finally:
         backend.shutdown()
 
@@ -125,6 +137,62 @@ def write_openmetrics(stream: list[tuple[str, int, str, Value]], path: Path) -> 
         out.write("# EOF\n")
 
 
+def breakdown(db_path: Path, payloads: list[bytes], per_series: bool) -> dict[str, object]:
+    """Where the bytes of the buffer file go, per batch (see the module docstring)."""
+    n = len(payloads)
+    conn = sqlite3.connect(db_path)
+    pages = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall())
+    page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+    file_pages = int(conn.execute("PRAGMA page_count").fetchone()[0]) * page_size
+    conn.close()
+    batch_pages = int(pages.pop("batches", 0))
+    payload_bytes = sum(len(p) for p in payloads)
+    raw = Counter[str]()
+    packed = Counter[str]()
+    series = Counter[str]()
+    codec = BatchCodec()
+    for payload in payloads:
+        b = decode_batch(payload, codec)
+        parts = body_parts(b.samples, node=b.node, device=b.device, uuid=b.uuid, boot_id=b.boot_id, seq=b.seq)
+        prefix = b""
+        before = 0
+        for name, part in parts.items():
+            raw[name] += len(part)
+            prefix += part
+            now = len(codec.pack(prefix)) - 5
+            packed[name] += now - before
+            before = now
+        if per_series:
+            for name, size in _series_bytes(b.samples, b.uuid).items():
+                series[name] += size
+    out: dict[str, object] = {
+        "sqlite_fixed_pages": round((file_pages - batch_pages) / n, 1),
+        "sqlite_row_overhead_and_slack": round((batch_pages - payload_bytes) / n, 1),
+        "batch_header": 5.0,
+        "payload": round(payload_bytes / n, 1),
+        "body_raw": {k: round(v / n, 1) for k, v in raw.items()},
+        "body_compressed_growth": {k: round(v / n, 1) for k, v in packed.items()},
+        "other_tables_pages": {k: int(v) for k, v in pages.items()},
+    }
+    if per_series:
+        for name, size in series.most_common():
+            print(f"  {name:28s} {size / n:7.2f} B/batch raw", file=sys.stderr)
+    return out
+
+
+def _series_bytes(samples: tuple[Sample, ...], uuid: str) -> dict[str, int]:
+    """Raw bytes (meta + data + packed bits) of each series of a batch, each encoded on its own."""
+    out: dict[str, int] = {}
+    names = dict.fromkeys(k for s in samples for k in s.values)
+    for name in names:
+        rows = [i for i, s in enumerate(samples) if name in s.values]
+        values = [samples[i].values[name] for i in rows]
+        sec = telemetry._Sections()
+        telemetry._encode_series(sec, name, rows, values, telemetry._type_of(values[0]), len(samples), uuid)
+        out[name] = len(sec.meta) + len(sec.data) + (sec.bits.nbits + 7) // 8
+    return out
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -135,6 +203,7 @@ def main() -> None:
     ap.add_argument("--input", type=Path, help="CSV stream ts_ms,device,property,value instead of the simulator")
     ap.add_argument("--window-s", type=float, default=WINDOW_S)
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--breakdown", action="store_true", help="also print the raw bytes of every series (stderr)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-buffer-"))
@@ -144,6 +213,7 @@ def main() -> None:
     flat: list[tuple[str, int, str, Value]] = []
     samples = 0
     busy_s = 0.0
+    payloads: list[bytes] = []
 
     def store(device: str, batch: object) -> None:
         assert batch is not None
@@ -158,6 +228,7 @@ def main() -> None:
             topic=default_topic(NODE, device),
             payload=b.payload,  # type: ignore[attr-defined]
         )
+        payloads.append(b.payload)  # type: ignore[attr-defined]
 
     for device, sample in source:
         for prop, value in sample.values.items():
@@ -166,7 +237,7 @@ def main() -> None:
         t0 = time.perf_counter()
         enc = encoders.get(device)
         if enc is None:
-            enc = encoders[device] = BatchEncoder(NODE, device, sample.uuid, "boot-bench", args.window_s)
+            enc = encoders[device] = BatchEncoder(NODE, device, sample.uuid, BOOT_ID, args.window_s)
         batch = enc.flush_due(sample.ts_ms)
         if batch is not None:
             store(device, batch)
@@ -181,6 +252,7 @@ def main() -> None:
     batches = buf.stats().batches
     buf.close()  # checkpoints the WAL into the file
     ours = buf.file_bytes()
+    where = breakdown(buf.path, payloads, args.breakdown)
 
     om = work / "samples.om"
     write_openmetrics(flat, om)
@@ -222,6 +294,7 @@ def main() -> None:
                 "prom_bytes_per_sample": None if prom_bps is None else round(prom_bps, 4),
                 "ratio": None if prom_bps is None else round(ours_bps / prom_bps, 4),
                 "openmetrics_text_bytes": om_bytes,
+                "breakdown_bytes_per_batch": where,
                 "python": platform.python_version(),
                 "cpus": os.cpu_count(),
             }

@@ -32,9 +32,13 @@ from mapper.errors import ConfigError, PermanentError, TransientError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
-#: Bytes counted against ``max_bytes`` for each stored batch on top of its payload (row, index and page slack).
-ROW_OVERHEAD_BYTES = 48
+SCHEMA_VERSION = 2
+#: Bytes counted against ``max_bytes`` for each stored batch on top of its payload (its SQLite row and page slack).
+ROW_OVERHEAD_BYTES = 24
+#: A batch's size as counted against ``max_bytes`` (SQL expression over a ``batches`` row).
+_SIZE_SQL = f"(length(payload) + {ROW_OVERHEAD_BYTES})"
+#: 4 KiB pages: ~25 batches a page, a few fixed pages for the small tables (only applies to a new file).
+PAGE_SIZE = 4096
 DROP_REASONS = ("size", "age", "disk_full", "corrupt")
 Synchronous = Literal["OFF", "NORMAL", "FULL"]
 
@@ -142,6 +146,7 @@ class Buffer:
         self._closed = False
         self._last_drop_log: float | None = None
         self._streams: dict[tuple[str, str, str, str, int, bool, str], int] = {}
+        self._next_id = 1
         self._bytes = 0
         self._batches = 0
         self._open()
@@ -165,8 +170,7 @@ class Buffer:
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
         try:
             try:
-                # 8 KiB pages: ~16 batches a page, little slack (only applies to a new file).
-                conn.execute("PRAGMA page_size=8192")
+                conn.execute(f"PRAGMA page_size={PAGE_SIZE}")
                 mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if str(mode).lower() != "wal":
                     log.warning("buffer %s: journal mode is %s, not wal", self.path, mode)
@@ -179,7 +183,9 @@ class Buffer:
                     if verdict != "ok":
                         raise _Corrupt(f"quick_check says {verdict}")
                 self._create_schema(conn)
-                row = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM batches").fetchone()
+                row = conn.execute(
+                    f"SELECT COUNT(*), COALESCE(SUM({_SIZE_SQL}), 0), COALESCE(MAX(id), 0) FROM batches"
+                ).fetchone()
             except sqlite3.DatabaseError as exc:
                 if _is_corrupt(exc):
                     raise _Corrupt(str(exc)) from None
@@ -189,30 +195,80 @@ class Buffer:
             raise
         self._conn = conn
         self._batches, self._bytes = int(row[0]), int(row[1])
+        # Ids only grow while this process runs (a replay cursor never skips a new batch), without the
+        # sqlite_sequence page AUTOINCREMENT would cost.
+        self._next_id = max(self._next_id, int(row[2]) + 1)
         self._streams = {}
 
     @staticmethod
     def _create_schema(conn: sqlite3.Connection) -> None:
+        """Schema 2: rows as small as SQLite allows (bytes at rest are what this buffer is measured by).
+
+        ``streams`` turns the text that repeats per batch (device, uuid, boot id, topic, address) into a small
+        integer; ``batches`` keeps the integer primary key as its only index, the time range as first + span
+        and no size column (``length(payload)``); ``latest`` and ``meta`` are WITHOUT ROWID, so no table here
+        has a separate index. A schema 1 file (an earlier build) is converted in place."""
         db = sqlite_utils.Database(conn, execute_plugins=False)
-        if "streams" not in db.table_names():
-            db.execute(
-                "CREATE TABLE streams (id INTEGER PRIMARY KEY, device TEXT NOT NULL, uuid TEXT NOT NULL, "
-                "boot_id TEXT NOT NULL, topic TEXT NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, "
-                "address TEXT NOT NULL, UNIQUE (device, uuid, boot_id, topic, qos, retain, address))"
+        tables = set(db.table_names())
+        if "meta" not in tables:
+            conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID")
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = int(row[0]) if row is not None else (1 if "batches" in tables else SCHEMA_VERSION)
+        if version > SCHEMA_VERSION:
+            raise PermanentError(f"buffer schema {version} is newer than this mapper's ({SCHEMA_VERSION})")
+        if version == SCHEMA_VERSION and {"streams", "batches", "latest"} <= tables:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if version < 2 and "batches" in tables:
+                conn.execute("ALTER TABLE batches RENAME TO batches_v1")
+                conn.execute("ALTER TABLE streams RENAME TO streams_v1")
+                tables -= {"batches", "streams"}
+            if "streams" not in tables:
+                conn.execute(
+                    "CREATE TABLE streams (id INTEGER PRIMARY KEY, device TEXT NOT NULL, uuid TEXT NOT NULL, "
+                    "boot_id TEXT NOT NULL, topic TEXT NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, "
+                    "address TEXT NOT NULL)"
+                )
+            if "batches" not in tables:
+                conn.execute(
+                    "CREATE TABLE batches (id INTEGER PRIMARY KEY, stream INTEGER NOT NULL, seq INTEGER NOT NULL, "
+                    "ts_first_ms INTEGER NOT NULL, span_ms INTEGER NOT NULL, payload BLOB NOT NULL)"
+                )
+            if version < 2 and "batches_v1" in set(db.table_names()):
+                conn.execute(
+                    "INSERT INTO streams SELECT id, device, uuid, boot_id, topic, qos, retain, address FROM streams_v1"
+                )
+                conn.execute(
+                    "INSERT INTO batches SELECT id, stream, seq, ts_first_ms, ts_last_ms - ts_first_ms, payload "
+                    "FROM batches_v1"
+                )
+                conn.execute("DROP TABLE batches_v1")
+                conn.execute("DROP TABLE streams_v1")
+                log.warning("buffer: converted a schema 1 file to schema %d", SCHEMA_VERSION)
+            if "latest" in tables and version < 2:
+                conn.execute("ALTER TABLE latest RENAME TO latest_v1")
+                conn.execute(
+                    "CREATE TABLE latest (device TEXT PRIMARY KEY, ts_ms INTEGER NOT NULL, payload BLOB NOT NULL) "
+                    "WITHOUT ROWID"
+                )
+                conn.execute("INSERT INTO latest SELECT device, ts_ms, payload FROM latest_v1")
+                conn.execute("DROP TABLE latest_v1")
+            elif "latest" not in tables:
+                conn.execute(
+                    "CREATE TABLE latest (device TEXT PRIMARY KEY, ts_ms INTEGER NOT NULL, payload BLOB NOT NULL) "
+                    "WITHOUT ROWID"
+                )
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (str(SCHEMA_VERSION),),
             )
-        if "batches" not in db.table_names():
-            # AUTOINCREMENT: ids never come back after the newest row was deleted, so id order is arrival order
-            # and a replay cursor (after_id) never skips a new batch.
-            db.execute(
-                "CREATE TABLE batches (id INTEGER PRIMARY KEY AUTOINCREMENT, stream INTEGER NOT NULL "
-                "REFERENCES streams(id), seq INTEGER NOT NULL, ts_first_ms INTEGER NOT NULL, "
-                "ts_last_ms INTEGER NOT NULL, size INTEGER NOT NULL, payload BLOB NOT NULL)"
-            )
-        if "latest" not in db.table_names():
-            db.table("latest").create({"device": str, "ts_ms": int, "payload": bytes}, pk="device")
-        if "meta" not in db.table_names():
-            db.table("meta").create({"key": str, "value": str}, pk="key")
-            db.table("meta").insert({"key": "schema_version", "value": str(SCHEMA_VERSION)})
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     def _move_aside(self, why: str) -> None:
         lost = self._batches
@@ -295,30 +351,38 @@ class Buffer:
             raise ValueError(f"batch {device} seq {seq}: qos must be 0, 1 or 2, got {qos}")
         key = (device, uuid, boot_id, topic, qos, bool(retain), address)
         size = len(payload) + ROW_OVERHEAD_BYTES
+        span = ts_last_ms - ts_first_ms
+        if span < 0:
+            raise ValueError(f"batch {device} seq {seq}: ts_last_ms {ts_last_ms} is before ts_first_ms {ts_first_ms}")
 
         def insert(conn: sqlite3.Connection) -> int:
             conn.execute("BEGIN IMMEDIATE")
             stream = self._streams.get(key)
             if stream is None:
-                conn.execute(
-                    "INSERT OR IGNORE INTO streams (device, uuid, boot_id, topic, qos, retain, address) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                # No unique index on streams (it would cost a page): a scan of this small table instead.
+                row = conn.execute(
+                    "SELECT id FROM streams WHERE device=? AND uuid=? AND boot_id=? AND topic=? AND qos=? "
+                    "AND retain=? AND address=?",
                     key,
-                )
-                stream = int(
-                    conn.execute(
-                        "SELECT id FROM streams WHERE device=? AND uuid=? AND boot_id=? AND topic=? AND qos=? "
-                        "AND retain=? AND address=?",
+                ).fetchone()
+                if row is None:
+                    cur = conn.execute(
+                        "INSERT INTO streams (device, uuid, boot_id, topic, qos, retain, address) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
                         key,
-                    ).fetchone()[0]
-                )
-            cur = conn.execute(
-                "INSERT INTO batches (stream, seq, ts_first_ms, ts_last_ms, size, payload) VALUES (?, ?, ?, ?, ?, ?)",
-                (stream, seq, ts_first_ms, ts_last_ms, size, payload),
+                    )
+                    stream = int(cur.lastrowid or 0)
+                else:
+                    stream = int(row[0])
+            new_id = self._next_id
+            conn.execute(
+                "INSERT INTO batches (id, stream, seq, ts_first_ms, span_ms, payload) VALUES (?, ?, ?, ?, ?, ?)",
+                (new_id, stream, seq, ts_first_ms, span, payload),
             )
             conn.execute("COMMIT")
             self._streams[key] = stream
-            return int(cur.lastrowid or 0)
+            self._next_id = new_id + 1
+            return new_id
 
         new_id = 0
         for _attempt in range(8):
@@ -352,7 +416,7 @@ class Buffer:
         def last_expired(conn: sqlite3.Connection) -> int | None:
             # Oldest first by id (no index on time): stop at the first batch young enough to keep.
             last = None
-            for row_id, ts_last in conn.execute("SELECT id, ts_last_ms FROM batches ORDER BY id"):
+            for row_id, ts_last in conn.execute("SELECT id, ts_first_ms + span_ms FROM batches ORDER BY id"):
                 if ts_last >= cutoff:
                     break
                 last = row_id
@@ -366,7 +430,7 @@ class Buffer:
 
             def last_id_to_drop(conn: sqlite3.Connection) -> int | None:
                 total, last = 0, None
-                for row_id, size in conn.execute("SELECT id, size FROM batches ORDER BY id"):
+                for row_id, size in conn.execute(f"SELECT id, {_SIZE_SQL} FROM batches ORDER BY id"):
                     total += size
                     last = row_id
                     if total >= excess:
@@ -390,7 +454,7 @@ class Buffer:
 
     def _drop_where(self, where: str, params: Sequence[Any], reason: str) -> int:
         def delete(conn: sqlite3.Connection) -> tuple[int, int]:
-            rows = conn.execute(f"DELETE FROM batches WHERE {where} RETURNING size", tuple(params)).fetchall()
+            rows = conn.execute(f"DELETE FROM batches WHERE {where} RETURNING {_SIZE_SQL}", tuple(params)).fetchall()
             return len(rows), sum(int(r[0]) for r in rows)
 
         count, size = self._run(delete)
@@ -422,7 +486,7 @@ class Buffer:
             conn.execute("BEGIN IMMEDIATE")
             count = size = 0
             for i in ids:
-                row = conn.execute("DELETE FROM batches WHERE id = ? RETURNING size", (i,)).fetchone()
+                row = conn.execute(f"DELETE FROM batches WHERE id = ? RETURNING {_SIZE_SQL}", (i,)).fetchone()
                 if row is not None:
                     count += 1
                     size += int(row[0])
@@ -458,8 +522,9 @@ class Buffer:
 
         def select(conn: sqlite3.Connection) -> list[StoredBatch]:
             rows = conn.execute(
-                "SELECT b.id, s.device, s.uuid, s.boot_id, b.seq, b.ts_first_ms, b.ts_last_ms, s.topic, s.qos, "
-                "s.retain, b.payload, b.size, s.address FROM batches b JOIN streams s ON s.id = b.stream "
+                "SELECT b.id, s.device, s.uuid, s.boot_id, b.seq, b.ts_first_ms, b.ts_first_ms + b.span_ms, s.topic, "
+                f"s.qos, s.retain, b.payload, length(b.payload) + {ROW_OVERHEAD_BYTES}, s.address "
+                "FROM batches b JOIN streams s ON s.id = b.stream "
                 "WHERE b.id > ? ORDER BY b.id LIMIT ?",
                 (after_id if after_id is not None else -1, limit),
             ).fetchall()

@@ -5,19 +5,19 @@ are stored in the buffer and published unchanged, on first send and on replay. `
 format back into samples; ``batch_json_lines`` turns a decoded batch into JSON lines; ``decode_command`` is the
 body of ``gpu-mapper decode [FILE|-]``. The format is specified in docs/telemetry.md.
 
-Binary format, version 1 (all integers are unsigned LEB128 varints unless said otherwise; ``zz`` = zigzag)::
+Binary format, version 2 (integers are unsigned LEB128 varints unless said otherwise; ``zz`` = zigzag)::
 
-    magic "GMT" | version 0x01 | flags (bit 0: body is one zstd frame) | body
-    body   = str node | str device | uuid | str boot_id | seq | ts_first_ms | span_ms | n_rows
-             | ts_kind (0: regular, step_ms follows; 1: n_rows-1 zz deltas follow) | n_series | series*
-    series = name (k>0: KNOWN_SERIES_V1[k-1]; k=0: str follows) | kind byte | [presence bitmap] | [scale]
+    batch  = magic "GMT" | version 0x02 | flags | body, or one magicless zstd frame of the body
+    flags  = bit 0: zstd frame | bits 4-7: static dictionary id (0: none; see mapper.telemetry_dict)
+    body   = str node | str device | uuid | boot_id | seq | ts_first_ms | span_ms | n_rows | timestamps
+             | n_series | series*          (constant series first, then the varying ones)
+    series = code (k>0: KNOWN_SERIES[k-1]; k=0: str name follows) | kind | [presence bitmap] | [decimals]
              | values
-    kind   = type (low 3 bits: 1 int, 2 decimal float, 3 xor float, 4 string, 5 bool)
-             | 0x08 present in every row (no bitmap) | 0x10 constant (one value stored)
-             | 0x20 int deltas divided by their gcd | 0x40 int delta-of-delta
-    uuid   = 0 + 16 bytes for a canonical "GPU-<uuid>", else (length + 1) + UTF-8
-    string dictionary entry = 0 (the batch's uuid) or (length + 1) + UTF-8
+    kind   = type (bits 0-2: 1 int, 2 decimal float, 3 xor float, 4 string, 5 bool) | 0x08 dense
+             | 0x10 constant | order << 5 (0: values, 1: deltas, 2: delta-of-deltas) | 0x80 gcd follows
+    ints   = constant: zz(v) | else: order x zz(seed) | zz(base) | [gcd] | width | bit-packed (x - base) / gcd
 
+A batch decodes on its own: the only outside data is the static, versioned dictionary shipped in the package.
 A property whose values change type between rows (never the case for the NVML backend) becomes one series per
 type; the decoder merges them back by row.
 """
@@ -30,33 +30,39 @@ import math
 import re
 import struct
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, NamedTuple
 
 import zstandard
 
 from mapper.model import DeviceConfig, Sample, Value
+from mapper.telemetry_dict import CURRENT_DICTIONARY_ID, DICTIONARIES
 
 Format = Literal["binary", "json"]
 
 MAGIC = b"GMT"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The JSON format did not change with binary version 2; its documents say version 1.
+JSON_FORMAT_VERSION = 1
 JSON_FORMAT_NAME = "gpu-mapper-telemetry"
+DEFAULT_ZSTD_LEVEL = 19
 _FLAG_ZSTD = 0x01
+_DICT_SHIFT = 4
 
 _T_INT, _T_DEC, _T_XOR, _T_STR, _T_BOOL = 1, 2, 3, 4, 5
 _K_DENSE = 0x08
 _K_CONST = 0x10
-#: int columns: deltas are stored divided by their gcd (uvarint gcd follows the kind/scale)
-_K_GCD = 0x20
-#: int columns: delta-of-delta (the first delta follows the first value, then second differences)
-_K_DOD = 0x40
+_K_ORDER_SHIFT = 5
+_K_GCD = 0x80
 _MAX_DECIMALS = 9
 _DEC_LIMIT = 1 << 62
+_MAX_WIDTH = 4096
+_TS_EVEN = 0
+_TS_LIST = 1
 
-#: Series names with a one-byte code in format version 1. Append-only: codes never change meaning.
-KNOWN_SERIES_V1: tuple[str, ...] = (
+#: Series names with a one-byte code (code = position + 1). Append-only: a code never changes meaning.
+KNOWN_SERIES: tuple[str, ...] = (
     "uuid",
     "product_name",
     "utilization_gpu",
@@ -97,7 +103,9 @@ KNOWN_SERIES_V1: tuple[str, ...] = (
     "desired_status",
     "policy_state",
 )
-_KNOWN_CODE = {name: i + 1 for i, name in enumerate(KNOWN_SERIES_V1)}
+#: The name it had in format version 1 (same codes).
+KNOWN_SERIES_V1 = KNOWN_SERIES
+_KNOWN_CODE = {name: i + 1 for i, name in enumerate(KNOWN_SERIES)}
 
 
 class BatchFormatError(ValueError):
@@ -140,7 +148,68 @@ class DecodedBatch:
 
 
 # --------------------------------------------------------------------------------------------------
-# Varints
+# zstd with the static dictionary
+# --------------------------------------------------------------------------------------------------
+
+
+class BatchCodec:
+    """The zstd contexts of one encoder or decode loop, with the static dictionaries loaded once.
+
+    ``dictionary_id`` selects the dictionary new batches are compressed with (0: none); decoding reads the id
+    from each batch's flags and accepts every dictionary in ``mapper.telemetry_dict.DICTIONARIES``.
+    """
+
+    def __init__(self, level: int = DEFAULT_ZSTD_LEVEL, dictionary_id: int | None = None) -> None:
+        dict_id = CURRENT_DICTIONARY_ID if dictionary_id is None else dictionary_id
+        if dict_id != 0 and dict_id not in DICTIONARIES:
+            raise ValueError(f"telemetry dictionary id {dict_id} is unknown (known: 0, {sorted(DICTIONARIES)})")
+        self.level = level
+        self.dictionary_id = dict_id
+        self._compressor: zstandard.ZstdCompressor | None = None
+        self._decompressors: dict[int, zstandard.ZstdDecompressor] = {}
+
+    @staticmethod
+    def _dict(dict_id: int) -> zstandard.ZstdCompressionDict | None:
+        if dict_id == 0:
+            return None
+        return zstandard.ZstdCompressionDict(DICTIONARIES[dict_id], dict_type=zstandard.DICT_TYPE_AUTO)
+
+    def pack(self, body: bytes) -> bytes:
+        """The whole batch: magic, version, flags, then the body as a zstd frame when that is smaller."""
+        if self._compressor is None:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                self.level,
+                format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+                write_content_size=True,
+                write_checksum=False,
+                write_dict_id=False,
+            )
+            self._compressor = zstandard.ZstdCompressor(
+                compression_params=params, dict_data=self._dict(self.dictionary_id)
+            )
+        packed = self._compressor.compress(body)
+        if len(packed) < len(body):
+            return MAGIC + bytes((FORMAT_VERSION, _FLAG_ZSTD | self.dictionary_id << _DICT_SHIFT)) + packed
+        return MAGIC + bytes((FORMAT_VERSION, 0)) + body
+
+    def unpack(self, flags: int, data: bytes) -> bytes:
+        if not flags & _FLAG_ZSTD:
+            return data
+        dict_id = flags >> _DICT_SHIFT
+        dctx = self._decompressors.get(dict_id)
+        if dctx is None:
+            if dict_id != 0 and dict_id not in DICTIONARIES:
+                raise BatchFormatError(f"batch needs telemetry dictionary {dict_id}, which this reader lacks")
+            dctx = zstandard.ZstdDecompressor(dict_data=self._dict(dict_id), format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+            self._decompressors[dict_id] = dctx
+        try:
+            return dctx.decompress(data, max_output_size=_MAX_BODY_BYTES)
+        except zstandard.ZstdError as exc:
+            raise BatchFormatError(f"batch body does not decompress: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Varints and bit packing
 # --------------------------------------------------------------------------------------------------
 
 
@@ -159,36 +228,44 @@ def _unzz(n: int) -> int:
     return n >> 1 if not n & 1 else -((n + 1) >> 1)
 
 
+def _uvarint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
 def _put_str(out: bytearray, text: str) -> None:
     raw = text.encode("utf-8")
     _put_uvarint(out, len(raw))
     out += raw
 
 
-_GPU_UUID_RE = re.compile(r"GPU-([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})")
-
-
-def _put_uuid(out: bytearray, uuid: str) -> None:
-    """A canonical ``GPU-xxxxxxxx-xxxx-...`` uuid as 0 + 16 bytes; anything else as (len + 1) + UTF-8."""
-    m = _GPU_UUID_RE.fullmatch(uuid)
-    if m:
-        out.append(0)
-        out += bytes.fromhex("".join(m.groups()))
+def _pack_bits(out: bytearray, numbers: Sequence[int], width: int) -> None:
+    """``numbers`` (each < 2**width) as consecutive ``width``-bit fields, least significant bit first."""
+    if width == 0:
         return
-    raw = uuid.encode("utf-8")
+    acc = 0
+    shift = 0
+    for n in numbers:
+        acc |= n << shift
+        shift += width
+    out += acc.to_bytes((shift + 7) // 8, "little")
+
+
+_GPU_UUID_RE = re.compile(r"GPU-([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})")
+_BOOT_ID_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def _put_packed_id(out: bytearray, text: str, pattern: re.Pattern[str], size: int) -> None:
+    """An id that matches ``pattern`` as 0 + ``size`` raw bytes; anything else as (length + 1) + UTF-8."""
+    m = pattern.fullmatch(text)
+    if m:
+        raw = bytes.fromhex("".join(m.groups()) or text)
+        assert len(raw) == size
+        out.append(0)
+        out += raw
+        return
+    raw = text.encode("utf-8")
     _put_uvarint(out, len(raw) + 1)
     out += raw
-
-
-def _read_uuid(r: _Reader) -> str:
-    size = r.uvarint()
-    if size == 0:
-        h = r.take(16).hex()
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-    try:
-        return r.take(size - 1).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BatchFormatError(f"batch uuid is not UTF-8: {exc}") from None
 
 
 class _Reader:
@@ -232,6 +309,32 @@ class _Reader:
         except UnicodeDecodeError as exc:
             raise BatchFormatError(f"batch holds a string that is not UTF-8: {exc}") from None
 
+    def bits(self, count: int, width: int) -> list[int]:
+        if width > _MAX_WIDTH:
+            raise BatchFormatError(f"bit width {width} is beyond {_MAX_WIDTH}")
+        if width == 0:
+            return [0] * count
+        acc = int.from_bytes(self.take((count * width + 7) // 8), "little")
+        mask = (1 << width) - 1
+        out = []
+        for _ in range(count):
+            out.append(acc & mask)
+            acc >>= width
+        return out
+
+    def packed_id(self, size: int, fmt: Callable[[str], str], what: str) -> str:
+        n = self.uvarint()
+        if n == 0:
+            return fmt(self.take(size).hex())
+        try:
+            return self.take(n - 1).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BatchFormatError(f"batch {what} is not UTF-8: {exc}") from None
+
+
+def _uuid_text(h: str) -> str:
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
 
 _DOUBLE = struct.Struct("<d")
 _QWORD = struct.Struct("<Q")
@@ -246,7 +349,126 @@ def _from_bits(n: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Column encoders
+# Integer columns: the cheapest of values / deltas / delta-of-deltas, frame of reference, gcd, bit packing
+# --------------------------------------------------------------------------------------------------
+
+
+class _IntPlan(NamedTuple):
+    order: int
+    seeds: list[int]
+    base: int
+    gcd: int
+    width: int
+    fields: list[int]
+    cost: int
+
+
+def _base_cost(base: int, g: int) -> int:
+    if g > 1:
+        return _uvarint_len(_zz(base // g)) + _uvarint_len(base % g)
+    return _uvarint_len(_zz(base))
+
+
+def _int_plan(ints: Sequence[int]) -> _IntPlan:
+    """The smallest coding of a non-constant int column (at least two values): values, deltas or
+    delta-of-deltas, each as base + gcd * field with fields bit-packed at the smallest width."""
+    best: _IntPlan | None = None
+    seq = list(ints)
+    seeds: list[int] = []
+    for order in range(3):
+        if order:
+            seeds = [*seeds, seq[0]]
+            seq = [b - a for a, b in itertools.pairwise(seq)]
+        base = min(seq)
+        g = 0
+        for x in seq:
+            g = math.gcd(g, x - base)
+        g = max(g, 1)
+        fields = [(x - base) // g for x in seq] if g > 1 else [x - base for x in seq]
+        width = max(fields).bit_length()
+        cost = sum(_uvarint_len(_zz(s)) for s in seeds) + _base_cost(base, g) + _uvarint_len(width << 2)
+        cost += (_uvarint_len(g) if g > 1 else 0) + (len(fields) * width + 7) // 8
+        if best is None or cost < best.cost:
+            best = _IntPlan(order, seeds, base, g, width, fields, cost)
+        if len(seq) < 3:
+            break
+    assert best is not None
+    return best
+
+
+class _BitWriter:
+    """One bit stream for every packed field of a batch, least significant bit first."""
+
+    __slots__ = ("acc", "nbits")
+
+    def __init__(self) -> None:
+        self.acc = 0
+        self.nbits = 0
+
+    def put(self, numbers: Iterable[int], width: int) -> None:
+        if width == 0:
+            return
+        acc, shift = self.acc, self.nbits
+        for n in numbers:
+            acc |= n << shift
+            shift += width
+        self.acc, self.nbits = acc, shift
+
+    def bytes(self) -> bytes:
+        return self.acc.to_bytes((self.nbits + 7) // 8, "little")
+
+
+class _BitReader:
+    __slots__ = ("acc", "left")
+
+    def __init__(self, data: bytes) -> None:
+        self.acc = int.from_bytes(data, "little")
+        self.left = len(data) * 8
+
+    def take(self, count: int, width: int) -> list[int]:
+        if width == 0:
+            return [0] * count
+        if count * width > self.left:
+            raise BatchFormatError("batch truncated inside its bit stream")
+        acc, mask = self.acc, (1 << width) - 1
+        out = []
+        for _ in range(count):
+            out.append(acc & mask)
+            acc >>= width
+        self.acc = acc
+        self.left -= count * width
+        return out
+
+
+class _Sections:
+    """A body is written in three parts: ``meta`` (what stays the same from batch to batch: names, kinds,
+    constants, string dictionaries), ``data`` (per-batch varints: seeds, bases, widths, bitmaps) and one bit
+    stream of packed fields. Keeping the stable part together lets the static dictionary match it whole."""
+
+    __slots__ = ("bits", "data", "meta")
+
+    def __init__(self) -> None:
+        self.meta = bytearray()
+        self.data = bytearray()
+        self.bits = _BitWriter()
+
+    def plan(self, plan: _IntPlan) -> None:
+        """Meta: [gcd]; data: width << 2 | order, seeds, base; bits: fields."""
+        if plan.gcd > 1:
+            _put_uvarint(self.meta, plan.gcd)
+        _put_uvarint(self.data, plan.width << 2 | plan.order)
+        for s in plan.seeds:
+            _put_uvarint(self.data, _zz(s))
+        if plan.gcd > 1:
+            _put_uvarint(self.data, _zz(plan.base // plan.gcd))
+            _put_uvarint(self.data, plan.base % plan.gcd)
+        else:
+            _put_uvarint(self.data, _zz(plan.base))
+        self.bits.put(plan.fields, plan.width)
+
+
+# --------------------------------------------------------------------------------------------------
+# Series
 # --------------------------------------------------------------------------------------------------
 
 
@@ -274,195 +496,206 @@ def _decimal_scale(values: Sequence[float]) -> int | None:
     return None
 
 
-def _uvarint_len(n: int) -> int:
-    return max(1, (n.bit_length() + 6) // 7)
-
-
-def _int_plan(ints: Sequence[int]) -> tuple[int, int, list[int]]:
-    """Choose the cheapest int column coding: (flags, gcd, numbers to write after the first value)."""
-    deltas = [b - a for a, b in itertools.pairwise(ints)]
-    g = 0
-    for d in deltas:
-        g = math.gcd(g, d)
-    g = max(g, 1)
-    scaled = [d // g for d in deltas] if g > 1 else deltas
-    dod = [scaled[0]] + [b - a for a, b in itertools.pairwise(scaled)] if scaled else []
-    cost_delta = sum(_uvarint_len(_zz(d)) for d in scaled)
-    cost_dod = sum(_uvarint_len(_zz(d)) for d in dod)
-    flags = _K_GCD if g > 1 else 0
-    if cost_dod < cost_delta:
-        return flags | _K_DOD, g, dod
-    return flags, g, scaled
-
-
-def _put_ints(out: bytearray, ints: Sequence[int], const: bool, plan: tuple[int, int, list[int]] | None) -> None:
-    _put_uvarint(out, _zz(ints[0]))
-    if const or plan is None:
-        return
-    flags, g, numbers = plan
-    if flags & _K_GCD:
-        _put_uvarint(out, g)
-    for d in numbers:
-        _put_uvarint(out, d * 2 if d >= 0 else -d * 2 - 1)
-
-
-def _read_ints(r: _Reader, n: int, kind: int) -> list[int]:
-    first = _unzz(r.uvarint())
-    if kind & _K_CONST:
-        return [first] * n
-    g = r.uvarint() if kind & _K_GCD else 1
-    out = [first]
-    acc = first
-    step = 0
-    dod = bool(kind & _K_DOD)
-    for _ in range(n - 1):
-        d = _unzz(r.uvarint())
-        if dod:
-            step += d
-        else:
-            step = d
-        acc += step * g
-        out.append(acc)
-    return out
-
-
 def _encode_series(
-    out: bytearray, name: str, rows: list[int], values: list[Value], vtype: int, n_rows: int, header_uuid: str
+    out: _Sections, name: str, rows: list[int], values: list[Value], vtype: int, n_rows: int, header_uuid: str
 ) -> None:
+    meta, data = out.meta, out.data
     code = _KNOWN_CODE.get(name, 0)
-    _put_uvarint(out, code)
+    _put_uvarint(meta, code)
     if code == 0:
-        _put_str(out, name)
+        _put_str(meta, name)
     const = all(v == values[0] and type(v) is type(values[0]) for v in values)
     kind = vtype
     scale: int | None = None
+    ints: list[int] = []
     if vtype == _T_DEC:
         floats = [float(v) for v in values]
         scale = _decimal_scale(floats)
         if scale is None:
             kind = _T_XOR
             const = all(_bits(v) == _bits(floats[0]) for v in floats)
-    dense = len(rows) == n_rows
-    ints: list[int] = []
-    plan = None
-    if kind == _T_INT:
+        else:
+            factor = 10**scale
+            ints = [round(v * factor) for v in floats]
+    elif vtype == _T_INT:
         ints = [int(v) for v in values]
-    elif kind == _T_DEC:
-        assert scale is not None
-        factor = 10**scale
-        ints = [round(float(v) * factor) for v in values]
-    if ints and not const:
-        plan = _int_plan(ints)
-    flags = plan[0] if plan else 0
-    out.append(kind | (_K_DENSE if dense else 0) | (_K_CONST if const else 0) | flags)
+    dense = len(rows) == n_rows
+    plan = _int_plan(ints) if ints and not const else None
+    gcd_flag = _K_GCD if plan is not None and plan.gcd > 1 else 0
+    meta.append(kind | (_K_DENSE if dense else 0) | (_K_CONST if const else 0) | gcd_flag)
     if not dense:
         bitmap = bytearray((n_rows + 7) // 8)
         for r in rows:
             bitmap[r >> 3] |= 1 << (r & 7)
-        out += bitmap
-    if kind == _T_INT:
-        _put_ints(out, ints, const, plan)
-    elif kind == _T_DEC:
-        assert scale is not None
-        _put_uvarint(out, scale)
-        _put_ints(out, ints, const, plan)
+        data += bitmap
+    if kind in (_T_INT, _T_DEC):
+        if kind == _T_DEC:
+            assert scale is not None
+            _put_uvarint(meta, scale)
+        if plan is None:
+            _put_uvarint(meta, _zz(ints[0]))
+        else:
+            out.plan(plan)
     elif kind == _T_XOR:
-        prev = 0
-        for v in values[:1] if const else values:
-            b = _bits(float(v))
-            _put_uvarint(out, b ^ prev)
-            prev = b
+        if const:
+            _put_uvarint(meta, _bits(float(values[0])))
+        else:
+            prev = 0
+            for v in values:
+                b = _bits(float(v))
+                _put_uvarint(data, b ^ prev)
+                prev = b
     elif kind == _T_STR:
         index: dict[str, int] = {}
         for v in values:
             index.setdefault(str(v), len(index))
-        _put_uvarint(out, len(index))
+        _put_uvarint(meta, len(index))
         for text in index:
             if text == header_uuid:
-                _put_uvarint(out, 0)  # "the batch's uuid"
+                _put_uvarint(meta, 0)  # "the batch's uuid"
             else:
                 raw = text.encode("utf-8")
-                _put_uvarint(out, len(raw) + 1)
-                out += raw
+                _put_uvarint(meta, len(raw) + 1)
+                meta += raw
         if not const:
-            for v in values:
-                _put_uvarint(out, index[str(v)])
-    else:  # bool
-        if const:
-            out.append(1 if values[0] else 0)
-        else:
-            packed = bytearray((len(values) + 7) // 8)
-            for i, v in enumerate(values):
-                if v:
-                    packed[i >> 3] |= 1 << (i & 7)
-            out += packed
+            out.bits.put([index[str(v)] for v in values], (len(index) - 1).bit_length())
+    elif const:  # bool
+        meta.append(1 if values[0] else 0)
+    else:
+        out.bits.put([1 if v else 0 for v in values], 1)
 
 
-def _decode_series(r: _Reader, n_rows: int, header_uuid: str) -> tuple[str, dict[int, Value]]:
-    code = r.uvarint()
-    if code == 0:
-        name = r.text()
-    elif code <= len(KNOWN_SERIES_V1):
-        name = KNOWN_SERIES_V1[code - 1]
-    else:
-        raise BatchFormatError(f"unknown series code {code} (this reader knows {len(KNOWN_SERIES_V1)})")
-    kind = r.byte()
-    vtype, dense, const = kind & 0x07, bool(kind & _K_DENSE), bool(kind & _K_CONST)
-    if dense:
-        rows = list(range(n_rows))
-    else:
-        bitmap = r.take((n_rows + 7) // 8)
-        rows = [i for i in range(n_rows) if bitmap[i >> 3] >> (i & 7) & 1]
-    n = len(rows)
-    values: list[Value]
-    if vtype in (_T_INT, _T_DEC):
-        scale = r.uvarint() if vtype == _T_DEC else 0
-        ints = _read_ints(r, n, kind) if n else []
-        if vtype == _T_INT:
-            values = list(ints)
+#: Placeholder for "the batch's uuid" in a string dictionary until the uuid is read (compared by identity).
+_HEADER_UUID = "\x00uuid"
+
+
+class _Column:
+    """A series as read from the meta part; ``finish`` completes it from the data part and the bit stream."""
+
+    __slots__ = ("const_value", "gcd", "kind", "name", "scale", "words")
+
+    def __init__(self, r: _Reader) -> None:
+        code = r.uvarint()
+        if code == 0:
+            self.name = r.text()
+        elif code <= len(KNOWN_SERIES):
+            self.name = KNOWN_SERIES[code - 1]
         else:
-            factor = 10**scale
-            values = [i / factor for i in ints]
-    elif vtype == _T_XOR:
-        if const:
-            values = [_from_bits(r.uvarint())] * n
+            raise BatchFormatError(f"unknown series code {code} (this reader knows {len(KNOWN_SERIES)})")
+        self.kind = kind = r.byte()
+        vtype, const = kind & 0x07, bool(kind & _K_CONST)
+        self.scale = 0
+        self.gcd = 1
+        self.words: list[str] = []
+        self.const_value: Value | None = None
+        if vtype in (_T_INT, _T_DEC):
+            if vtype == _T_DEC:
+                self.scale = r.uvarint()
+                if self.scale > _MAX_DECIMALS:
+                    raise BatchFormatError(f"series {self.name!r}: {self.scale} decimals is beyond {_MAX_DECIMALS}")
+            if kind & _K_GCD:
+                self.gcd = r.uvarint()
+                if self.gcd < 2:
+                    raise BatchFormatError(f"series {self.name!r}: gcd {self.gcd} is below 2")
+            if const:
+                self.const_value = self._num(_unzz(r.uvarint()))
+        elif vtype == _T_XOR:
+            if const:
+                self.const_value = self._float_bits(r.uvarint())
+        elif vtype == _T_STR:
+            for _ in range(r.uvarint()):
+                size = r.uvarint()
+                if size == 0:
+                    self.words.append(_HEADER_UUID)
+                    continue
+                try:
+                    self.words.append(r.take(size - 1).decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    raise BatchFormatError(f"series {self.name!r} holds a string that is not UTF-8: {exc}") from None
+            if not self.words:
+                raise BatchFormatError(f"series {self.name!r}: empty string dictionary")
+        elif vtype == _T_BOOL:
+            if const:
+                self.const_value = bool(r.byte())
         else:
-            values = []
+            raise BatchFormatError(f"series {self.name!r} has unknown value type {vtype}")
+
+    def resolve_uuid(self, uuid: str) -> None:
+        """String dictionaries may say "the batch's uuid", which comes after the series' meta."""
+        if self.words:
+            self.words = [uuid if w is _HEADER_UUID else w for w in self.words]
+            if self.kind & _K_CONST:
+                self.const_value = self.words[0]
+
+    def _num(self, i: int) -> Value:
+        return i if self.kind & 0x07 == _T_INT else i / 10**self.scale
+
+    def _float_bits(self, n: int) -> float:
+        if n >= 1 << 64:
+            raise BatchFormatError(f"series {self.name!r}: float bits beyond 64")
+        return _from_bits(n)
+
+    def read_data(self, r: _Reader, n_rows: int) -> tuple[list[int], Callable[[_BitReader], list[Value]]]:
+        """The rows this series has and a function that takes its values from the bit stream."""
+        if self.kind & _K_DENSE:
+            rows = list(range(n_rows))
+        else:
+            bitmap = r.take((n_rows + 7) // 8)
+            rows = [i for i in range(n_rows) if bitmap[i >> 3] >> (i & 7) & 1]
+        n = len(rows)
+        vtype = self.kind & 0x07
+        if self.kind & _K_CONST or n == 0:
+            value = self.const_value
+            if value is None:
+                raise BatchFormatError(f"series {self.name!r}: no values")
+            return rows, lambda _bits: [value] * n
+        if vtype in (_T_INT, _T_DEC):
+            ints = _read_plan_data(r, n, self.gcd)
+            return rows, lambda bits: [self._num(i) for i in ints(bits)]
+        if vtype == _T_XOR:
+            values: list[Value] = []
             prev = 0
             for _ in range(n):
                 prev ^= r.uvarint()
-                values.append(_from_bits(prev))
-    elif vtype == _T_STR:
-        words = []
-        for _ in range(r.uvarint()):
-            size = r.uvarint()
-            if size == 0:
-                words.append(header_uuid)
-                continue
-            try:
-                words.append(r.take(size - 1).decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise BatchFormatError(f"series {name!r} holds a string that is not UTF-8: {exc}") from None
-        if const:
-            if not words:
-                raise BatchFormatError(f"series {name!r}: empty string dictionary")
-            values = [words[0]] * n
-        else:
-            values = []
-            for _ in range(n):
-                i = r.uvarint()
-                if i >= len(words):
-                    raise BatchFormatError(f"series {name!r}: string index {i} outside its dictionary")
-                values.append(words[i])
-    elif vtype == _T_BOOL:
-        if const:
-            values = [bool(r.byte())] * n
-        else:
-            packed = r.take((n + 7) // 8)
-            values = [bool(packed[i >> 3] >> (i & 7) & 1) for i in range(n)]
-    else:
-        raise BatchFormatError(f"series {name!r}: unknown value type {vtype}")
-    return name, dict(zip(rows, values, strict=True))
+                values.append(self._float_bits(prev))
+            return rows, lambda _bits: values
+        if vtype == _T_STR:
+            words = self.words
+
+            def strings(bits: _BitReader) -> list[Value]:
+                out: list[Value] = []
+                for i in bits.take(n, (len(words) - 1).bit_length()):
+                    if i >= len(words):
+                        raise BatchFormatError(f"series {self.name!r}: string index {i} outside its dictionary")
+                    out.append(words[i])
+                return out
+
+            return rows, strings
+        return rows, lambda bits: [bool(b) for b in bits.take(n, 1)]
+
+
+def _read_plan_data(r: _Reader, n: int, g: int) -> Callable[[_BitReader], list[int]]:
+    head = r.uvarint()
+    width, order = head >> 2, head & 3
+    if order > 2 or order >= n:
+        raise BatchFormatError(f"int column of {n} values cannot have difference order {order}")
+    if width > _MAX_WIDTH:
+        raise BatchFormatError(f"bit width {width} is beyond {_MAX_WIDTH}")
+    seeds = [_unzz(r.uvarint()) for _ in range(order)]
+    base = _unzz(r.uvarint()) * g + r.uvarint() if g > 1 else _unzz(r.uvarint())
+
+    def ints(bits: _BitReader) -> list[int]:
+        seq = [base + g * f for f in bits.take(n - order, width)]
+        for seed in reversed(seeds):
+            acc = seed
+            out = [acc]
+            for d in seq:
+                acc += d
+                out.append(acc)
+            seq = out
+        return seq
+
+    return ints
 
 
 # --------------------------------------------------------------------------------------------------
@@ -479,7 +712,7 @@ def encode_batch(
     boot_id: str,
     seq: int,
     fmt: Format = "binary",
-    compressor: zstandard.ZstdCompressor | None = None,
+    codec: BatchCodec | None = None,
 ) -> EncodedBatch:
     """Encode the samples (at least one, in time order) of one device as one batch."""
     if not samples:
@@ -494,7 +727,7 @@ def encode_batch(
     if fmt == "json":
         doc = {
             "format": JSON_FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": JSON_FORMAT_VERSION,
             "node": node,
             "device": device,
             "uuid": uuid,
@@ -506,66 +739,79 @@ def encode_batch(
         }
         payload = json.dumps(doc, separators=(",", ":")).encode("utf-8")
     elif fmt == "binary":
-        payload = _encode_binary(samples, ts, node, device, uuid, boot_id, seq, ts_first, ts_last, compressor)
+        body = batch_body(samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq)
+        payload = (codec or BatchCodec()).pack(body)
     else:
         raise ValueError(f"telemetry format must be 'binary' or 'json', got {fmt!r}")
     return EncodedBatch(device, uuid, boot_id, seq, ts_first, ts_last, payload, fmt, len(samples), n_values)
 
 
-def _encode_binary(
-    samples: Sequence[Sample],
-    ts: list[int],
-    node: str,
-    device: str,
-    uuid: str,
-    boot_id: str,
-    seq: int,
-    ts_first: int,
-    ts_last: int,
-    compressor: zstandard.ZstdCompressor | None,
-) -> bytes:
-    body = bytearray()
-    _put_str(body, node)
-    _put_str(body, device)
-    _put_uuid(body, uuid)
-    _put_str(body, boot_id)
-    _put_uvarint(body, seq)
-    _put_uvarint(body, ts_first)
-    _put_uvarint(body, ts_last - ts_first)
+def batch_body(samples: Sequence[Sample], *, node: str, device: str, uuid: str, boot_id: str, seq: int) -> bytes:
+    """The uncompressed body of a binary batch (what the zstd frame holds; the dictionary is built from these)."""
+    return b"".join(body_parts(samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq).values())
+
+
+def body_parts(
+    samples: Sequence[Sample], *, node: str, device: str, uuid: str, boot_id: str, seq: int
+) -> dict[str, bytes]:
+    """The body in its parts, in body order: ``head`` (rows, span, timestamp kind, node, device), ``series``
+    (each series' name, kind and constants), ``ids`` (uuid, boot id, seq, first timestamp), ``data`` (per-batch
+    varints) and ``bits`` (the packed fields). For measuring where the bytes go; ``batch_body`` joins them."""
+    ts = [s.ts_ms for s in samples]
+    ts_first, ts_last = min(ts), max(ts)
     n_rows = len(samples)
-    _put_uvarint(body, n_rows)
-    deltas = [b - a for a, b in itertools.pairwise(ts)]
-    if ts[0] == ts_first and (not deltas or (deltas[0] >= 0 and all(d == deltas[0] for d in deltas))):
-        body.append(0)
-        _put_uvarint(body, deltas[0] if deltas else 0)
+    span = ts_last - ts_first
+    out = _Sections()
+    meta = out.meta
+    _put_uvarint(meta, n_rows)
+    _put_uvarint(meta, span)
+    if ts[0] == ts_first and (n_rows == 1 or (span % (n_rows - 1) == 0 and _evenly(ts, span // (n_rows - 1)))):
+        meta.append(_TS_EVEN)
     else:
-        body.append(1)
-        _put_uvarint(body, _zz(ts[0] - ts_first))
-        for d in deltas:
-            _put_uvarint(body, _zz(d))
+        plan = _int_plan([t - ts_first for t in ts])
+        meta.append(_TS_LIST | (_K_GCD if plan.gcd > 1 else 0))
+        out.plan(plan)
+    _put_str(meta, node)
+    _put_str(meta, device)
+    head_end = len(meta)
     # Columns: one per (property, value type), in first-seen order.
     columns: dict[tuple[str, int], tuple[list[int], list[Value]]] = {}
     for row, s in enumerate(samples):
         for name, value in s.values.items():
-            col = columns.get((name, _type_of(value)))
+            key = (name, _type_of(value))
+            col = columns.get(key)
             if col is None:
-                col = columns[(name, _type_of(value))] = ([], [])
+                col = columns[key] = ([], [])
             col[0].append(row)
             col[1].append(value)
-    _put_uvarint(body, len(columns))
+    _put_uvarint(meta, len(columns))
     for (name, vtype), (rows, values) in columns.items():
-        _encode_series(body, name, rows, values, vtype, n_rows, uuid)
-    raw = bytes(body)
-    packed = (compressor or zstandard.ZstdCompressor(level=9)).compress(raw)
-    if len(packed) < len(raw):
-        return MAGIC + bytes((FORMAT_VERSION, _FLAG_ZSTD)) + packed
-    return MAGIC + bytes((FORMAT_VERSION, 0)) + raw
+        _encode_series(out, name, rows, values, vtype, n_rows, uuid)
+    series_end = len(meta)
+    _put_packed_id(meta, uuid, _GPU_UUID_RE, 16)
+    _put_packed_id(meta, boot_id, _BOOT_ID_RE, 8)
+    _put_uvarint(meta, seq)
+    _put_uvarint(meta, ts_first)
+    return {
+        "head": bytes(meta[:head_end]),
+        "series": bytes(meta[head_end:series_end]),
+        "ids": bytes(meta[series_end:]),
+        "data": bytes(out.data),
+        "bits": out.bits.bytes(),
+    }
 
 
-def decode_batch(data: bytes) -> DecodedBatch:
-    """Decode one batch, binary or JSON. Raises ``BatchFormatError`` naming what was wrong."""
+def _evenly(ts: Sequence[int], step: int) -> bool:
+    first = ts[0]
+    return all(t == first + i * step for i, t in enumerate(ts))
+
+
+def decode_batch(data: bytes, codec: BatchCodec | None = None) -> DecodedBatch:
+    """Decode one batch, binary or JSON. Raises ``BatchFormatError`` naming what was wrong.
+
+    ``codec`` (optional) keeps the zstd contexts between calls when decoding many batches."""
     if data[:3] == MAGIC:
-        return _decode_binary(data)
+        return _decode_binary(data, codec or BatchCodec(dictionary_id=0))
     if data[:1] == b"{":
         return _decode_json(data)
     raise BatchFormatError(f"not a telemetry batch: starts with {data[:8]!r}, expected {MAGIC!r} or '{{'")
@@ -574,51 +820,51 @@ def decode_batch(data: bytes) -> DecodedBatch:
 _MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
-def _decode_binary(data: bytes) -> DecodedBatch:
+def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
     if len(data) < 5:
         raise BatchFormatError("batch truncated inside its header")
     version, flags = data[3], data[4]
     if version != FORMAT_VERSION:
         raise BatchFormatError(f"batch format version {version} is not supported (this reader reads {FORMAT_VERSION})")
-    body = data[5:]
-    if flags & _FLAG_ZSTD:
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=_MAX_BODY_BYTES)
-        except zstandard.ZstdError as exc:
-            raise BatchFormatError(f"batch body does not decompress: {exc}") from None
+    body = codec.unpack(flags, data[5:])
     r = _Reader(body)
+    n_rows = r.uvarint()
+    if n_rows == 0 or n_rows > len(body) * 8 + 8:
+        raise BatchFormatError(f"batch claims {n_rows} rows in {len(body)} bytes")
+    span = r.uvarint()
+    ts_byte = r.byte()
+    ts_kind = ts_byte & ~_K_GCD
+    if ts_kind not in (_TS_EVEN, _TS_LIST) or (ts_kind == _TS_LIST and n_rows < 2):
+        raise BatchFormatError(f"unknown timestamp encoding {ts_byte}")
+    ts_gcd = r.uvarint() if ts_byte & _K_GCD else 1
+    if ts_kind == _TS_EVEN and n_rows > 1 and span % (n_rows - 1):
+        raise BatchFormatError(f"evenly spaced rows: span {span} ms does not divide into {n_rows - 1} steps")
     node, device = r.text(), r.text()
-    uuid = _read_uuid(r)
-    boot_id = r.text()
+    columns = [_Column(r) for _ in range(r.uvarint())]
+    uuid = r.packed_id(16, _uuid_text, "uuid")
+    for c in columns:
+        c.resolve_uuid(uuid)
+    boot_id = r.packed_id(8, str, "boot id")
     seq = r.uvarint()
     ts_first = r.uvarint()
-    ts_last = ts_first + r.uvarint()
-    n_rows = r.uvarint()
-    if n_rows > len(body) * 8 + 8:
-        raise BatchFormatError(f"batch claims {n_rows} rows in {len(body)} bytes")
-    ts_kind = r.byte()
-    if ts_kind == 0:
-        step = r.uvarint()
-        ts = [ts_first + i * step for i in range(n_rows)]
-    elif ts_kind == 1:
-        ts = []
-        acc = ts_first
-        for i in range(n_rows):
-            acc += _unzz(r.uvarint())
-            ts.append(acc)
-            if i == 0 and acc < 0:
-                raise BatchFormatError("negative timestamp")
+    ts_offsets = _read_plan_data(r, n_rows, ts_gcd) if ts_kind == _TS_LIST else None
+    readers = [(c.name, *c.read_data(r, n_rows)) for c in columns]
+    bits = _BitReader(body[r.pos :])
+    if ts_offsets is not None:
+        ts = [ts_first + off for off in ts_offsets(bits)]
+        if min(ts) != ts_first or max(ts) != ts_first + span:
+            raise BatchFormatError("row timestamps disagree with the header's time range")
     else:
-        raise BatchFormatError(f"unknown timestamp encoding {ts_kind}")
+        step = span // (n_rows - 1) if n_rows > 1 else 0
+        ts = [ts_first + i * step for i in range(n_rows)]
     rows: list[dict[str, Value]] = [{} for _ in range(n_rows)]
-    for _ in range(r.uvarint()):
-        name, column = _decode_series(r, n_rows, uuid)
-        for row, value in column.items():
+    for name, col_rows, take in readers:
+        for row, value in zip(col_rows, take(bits), strict=True):
             rows[row][name] = value
-    if r.pos != len(body):
-        raise BatchFormatError(f"{len(body) - r.pos} stray bytes after the last series")
+    if bits.left >= 8 or bits.acc:
+        raise BatchFormatError(f"{bits.left // 8} stray bytes after the last series")
     samples = tuple(Sample(uuid=uuid, ts_ms=t, values=v) for t, v in zip(ts, rows, strict=True))
-    return DecodedBatch(FORMAT_VERSION, "binary", node, device, uuid, boot_id, seq, ts_first, ts_last, samples)
+    return DecodedBatch(FORMAT_VERSION, "binary", node, device, uuid, boot_id, seq, ts_first, ts_first + span, samples)
 
 
 def _decode_json(data: bytes) -> DecodedBatch:
@@ -628,13 +874,13 @@ def _decode_json(data: bytes) -> DecodedBatch:
         raise BatchFormatError(f"JSON batch does not parse: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != JSON_FORMAT_NAME:
         raise BatchFormatError(f"JSON document is not a {JSON_FORMAT_NAME} batch (missing or wrong 'format')")
-    if doc.get("version") != FORMAT_VERSION:
+    if doc.get("version") != JSON_FORMAT_VERSION:
         raise BatchFormatError(f"JSON batch version {doc.get('version')!r} is not supported")
     try:
         uuid = str(doc["uuid"])
         samples = tuple(Sample(uuid=uuid, ts_ms=int(s["ts_ms"]), values=dict(s["values"])) for s in doc["samples"])
         return DecodedBatch(
-            FORMAT_VERSION,
+            JSON_FORMAT_VERSION,
             "json",
             str(doc["node"]),
             str(doc["device"]),
@@ -686,7 +932,7 @@ class BatchEncoder:
         start_seq: int = 0,
         fmt: Format = "binary",
         *,
-        zstd_level: int = 9,
+        zstd_level: int = DEFAULT_ZSTD_LEVEL,
     ) -> None:
         if not window_s > 0 or not math.isfinite(window_s):
             raise ValueError(f"telemetry window_s must be a positive number of seconds, got {window_s!r}")
@@ -700,7 +946,7 @@ class BatchEncoder:
         self.next_seq = start_seq
         self._samples: list[Sample] = []
         self._window_start_ms: int | None = None
-        self._compressor = zstandard.ZstdCompressor(level=zstd_level)
+        self._codec = BatchCodec(level=zstd_level)
 
     @property
     def pending_samples(self) -> int:
@@ -743,7 +989,7 @@ class BatchEncoder:
             boot_id=self.boot_id,
             seq=self.next_seq,
             fmt=self.fmt,
-            compressor=self._compressor,
+            codec=self._codec,
         )
         self.next_seq += 1
         return batch

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mapper.model import DeviceConfig, DeviceProperty, PushMqtt, Sample
 from mapper.telemetry import (
+    FORMAT_VERSION,
     BatchEncoder,
     BatchFormatError,
     DeviceTelemetry,
@@ -117,7 +118,7 @@ def test_the_header_carries_node_device_uuid_boot_id_sequence_and_time_range() -
     samples = [Sample(UUID, T0 + 500, {"temperature": 50}), Sample(UUID, T0 + 9500, {"temperature": 51})]
     batch = decode_batch(_encode(samples, seq=42))
     assert (batch.version, batch.node, batch.device, batch.uuid, batch.boot_id, batch.seq) == (
-        1,
+        FORMAT_VERSION,
         "edge-1",
         "default/gpu0",
         UUID,
@@ -205,7 +206,7 @@ def test_decode_command_names_the_broken_batch_and_fails(tmp_path: Path) -> None
     [
         (b"hello", "not a telemetry batch"),
         (b"GMT\x09\x00", "version 9 is not supported"),
-        (b"GMT\x01\x00\x05ab", "truncated"),
+        (b"GMT\x02\x00\x0a\x80", "truncated"),
         (b'{"format": "other"}', "not a gpu-mapper-telemetry batch"),
         (b"{not json", "does not parse"),
     ],
