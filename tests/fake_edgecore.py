@@ -19,6 +19,7 @@ connection per call like EdgeCore.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -99,6 +100,8 @@ class _Manager(pb_grpc.DeviceManagerServiceServicer):
     async def MapperRegister(self, request: Any, context: Any) -> Any:
         await self._limit("MapperRegister", context)
         self.edge.rec.registers.append(request)
+        if self.edge.register_gate is not None:
+            await self.edge.register_gate.wait()
         if not request.HasField("mapper") or not request.mapper.protocol:
             self.edge.rec.refused.append(("MapperRegister", "protocol"))
             await context.abort(grpc.StatusCode.UNKNOWN, "mapper protocol is empty")
@@ -161,6 +164,8 @@ class FakeEdgeCore:
         self.devices: list[Any] = []
         self.models: list[Any] = []
         self.rec = Recorded()
+        #: When set, MapperRegister waits for this event after recording the call (a slow EdgeCore).
+        self.register_gate: asyncio.Event | None = None
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> None:

@@ -379,3 +379,52 @@ async def test_reporter_run_loop_sends_offers_in_real_time(edge: FakeEdgeCore, s
         await client.close()
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert edge.rec.statuses[0].deviceName == "gpu1"
+
+
+async def test_reporter_leaves_out_a_twin_devicetwin_would_reject_and_sends_the_rest(
+    edge: FakeEdgeCore, sock_dir: str
+) -> None:
+    client = make_client(edge, sock_dir)
+    reporter = DmiReporter(client)
+    try:
+        await client.step()
+        reporter.offer_status(
+            "default", "gpu0", [Twin("temperature", "", "61"), Twin("product_name", "", "NVIDIA H100 80GB")]
+        )
+        reporter.offer_status("default", "gpu1", [Twin("product_name", "", "has space")])
+        assert await reporter.send_ready() == 1
+    finally:
+        await client.close()
+    (status,) = edge.rec.statuses
+    assert [t.propertyName for t in status.reportedDevice.twins] == ["temperature"]
+    assert edge.rec.twin_rejections == []
+    assert reporter.dropped_twins == 2
+    assert reporter.dropped == 1
+    assert "no twin left" in reporter.last_error
+
+
+async def test_register_spends_a_token_of_the_node_wide_budget(edge: FakeEdgeCore, sock_dir: str) -> None:
+    clock = FakeClock()
+    client = make_client(edge, sock_dir, clock=clock, rate_per_s=0.5, burst=2)
+    try:
+        for _ in range(3):
+            await client.register()
+    finally:
+        await client.close()
+    assert client.bucket.tokens == pytest.approx(-1.0)
+    assert client.bucket.wait_s() == pytest.approx(4.0)
+
+
+async def test_closing_the_client_during_a_call_ends_run_quietly(edge: FakeEdgeCore, sock_dir: str) -> None:
+    edge.register_gate = asyncio.Event()  # EdgeCore holds the MapperRegister call
+    client = make_client(edge, sock_dir)
+    task = asyncio.create_task(client.run())
+    try:
+        await wait_until(lambda: len(edge.rec.registers) == 1, 5)
+        await client.close()
+        await asyncio.wait_for(task, 5)
+    finally:
+        edge.register_gate.set()
+    assert task.exception() is None
+    assert client.rpc_counts == {"MapperRegister": {"cancelled": 1}}
+    assert not client.registered

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mapper.dmi import convert
 from mapper.dmi.pb import dmi_pb2 as pb
@@ -218,3 +222,29 @@ def test_device_config_round_trips_through_pb_with_twins_in_status() -> None:
     assert message.status.twins[0].HasField("observedDesired")
     again = convert.device_from_pb(pb.Device.FromString(message.SerializeToString()))
     assert again == config
+
+
+@given(st.integers(min_value=-(2**24), max_value=2**24))
+def test_every_integer_a_float32_holds_exactly_comes_back_as_that_int(number: int) -> None:
+    decoded = convert.decode_any(any_of(number), "k")
+    assert decoded == number and isinstance(decoded, int)
+
+
+@given(st.floats(width=32, allow_nan=False, allow_infinity=False).filter(lambda f: f != int(f)))
+def test_a_fractional_float32_decodes_to_a_float_that_is_the_same_float32(number: float) -> None:
+    decoded = convert.decode_any(any_of(number), "k")
+    assert isinstance(decoded, float)
+    assert struct.pack("<f", decoded) == struct.pack("<f", number)
+
+
+@given(
+    st.one_of(
+        st.text(max_size=50),
+        st.booleans(),
+        st.integers(min_value=-(2**63), max_value=2**63 - 1),
+        st.floats(allow_nan=False),
+    )
+)
+def test_encode_any_round_trips_every_scalar(value: str | bool | int | float) -> None:
+    decoded = convert.decode_any(convert.encode_any(value), "k")
+    assert decoded == value and type(decoded) is type(value)

@@ -4,7 +4,8 @@
 ``/etc/kubeedge/dmi.sock``), recreated only when EdgeCore's socket was replaced (EdgeCore restarted). Every
 RPC has a timeout; gRPC errors become ``mapper.errors`` types:
 
-* ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED`` -> ``TransientError`` (retry after ~1 s),
+* ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED`` / ``CANCELLED`` (the channel was replaced under the call) ->
+  ``TransientError`` (retry after ~1 s),
 * EdgeCore's rate limiter ("...too many request...") -> ``TransientError(reason="rate-limited")`` with a longer
   ``retry_after_s``,
 * anything else -> ``PermanentError`` (the message carries EdgeCore's text).
@@ -78,7 +79,7 @@ def translate_rpc_error(method: str, target: str, exc: grpc.aio.AioRpcError) -> 
     message = f"DMI {method} to {target}: {code.name}: {details}"
     if "too many request" in details:
         return TransientError(message, retry_after_s=RATE_LIMITED_RETRY_S, reason="rate-limited")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return TransientError(message, retry_after_s=1.0, reason="unavailable")
     return PermanentError(message, reason="rpc-failed")
 
@@ -192,6 +193,17 @@ class DmiClient:
         stub = self._ensure_stub()
         try:
             response = await getattr(stub, method)(request, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our task is being cancelled: let it go
+            # the channel was closed under the call (close(), or a reset after EdgeCore went away)
+            self._count(method, "cancelled")
+            closed = TransientError(
+                f"DMI {method} to {self.edgecore_socket}: the channel was closed", retry_after_s=1.0
+            )
+            self.last_error = str(closed)
+            raise closed from None
         except grpc.aio.AioRpcError as exc:
             self._count(method, _result_label(exc.code(), exc.details() or ""))
             err = translate_rpc_error(method, self.edgecore_socket, exc)
@@ -218,7 +230,12 @@ class DmiClient:
         )
 
     async def register(self) -> RegisterReply:
-        """MapperRegister with data. Devices that do not convert are listed in ``rejected``, not raised."""
+        """MapperRegister with data. Devices that do not convert are listed in ``rejected``, not raised.
+
+        Takes a token from the node-wide bucket even when it is empty (registration must not wait behind
+        reports); the reports that follow wait until the debt is repaid.
+        """
+        self.bucket.take_forced()
         request = pb.MapperRegisterRequest(withData=True, mapper=self.mapper_info())
         response = await self._call("MapperRegister", request)
         models: list[DeviceModelConfig] = []
@@ -264,7 +281,6 @@ class DmiClient:
         self._retry_at = 0.0
 
     async def _register_and_notify(self, identity: tuple[int, int, int]) -> None:
-        self.bucket.take_forced()
         reply = await self.register()
         self.registered = True
         self.registrations += 1
@@ -361,8 +377,10 @@ class DmiReporter:
         self._stopping = False
         self.sent: dict[str, int] = {"status": 0, "state": 0}
         self.failed: dict[str, int] = {"status": 0, "state": 0}
-        #: Reports dropped because they could never succeed (invalid twins, a permanent EdgeCore refusal).
+        #: Reports dropped because they could never succeed (no valid twin, a permanent EdgeCore refusal).
         self.dropped = 0
+        #: Single twins left out of a report because devicetwin would reject them (bad key or value).
+        self.dropped_twins = 0
         self.last_error = ""
 
     def offer_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None:
@@ -377,6 +395,20 @@ class DmiReporter:
     def forget(self, namespace: str, name: str) -> None:
         self.scheduler.forget(namespace, name)
 
+    def _valid_twins(self, report: StatusReport) -> list[Twin]:
+        """One bad twin must not cost the device its whole report: leave it out, count it, log it."""
+        valid = []
+        for twin in report.twins:
+            try:
+                convert.check_twin(twin, f"device {report.key}")
+            except InvalidValueError as exc:
+                self.dropped_twins += 1
+                self.last_error = str(exc)
+                log.warning("left a twin out of the report: %s", exc)
+                continue
+            valid.append(twin)
+        return valid
+
     async def send_ready(self) -> int:
         """Send what the budget allows right now; returns the number of RPCs that succeeded."""
         sent = 0
@@ -387,7 +419,10 @@ class DmiReporter:
             kind = "state" if isinstance(report, StateReport) else "status"
             try:
                 if isinstance(report, StatusReport):
-                    await self.client.report_status(report.namespace, report.name, report.twins)
+                    twins = self._valid_twins(report)
+                    if not twins:
+                        raise InvalidValueError(f"device {report.key}: no twin left that devicetwin would accept")
+                    await self.client.report_status(report.namespace, report.name, twins)
                 else:
                     await self.client.report_state(report.namespace, report.name, report.state)
             except TransientError as exc:

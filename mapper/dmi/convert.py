@@ -24,6 +24,7 @@ nil check), values checked against devicetwin's charset first.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable, Mapping
 
 from google.protobuf import any_pb2, wrappers_pb2
@@ -71,7 +72,12 @@ def _float32_value(value: float) -> int | float:
         return value
     if value == int(value) and abs(value) < 2**63:
         return int(value)
-    return float(f"{value:.7g}")
+    as_float32 = struct.pack("<f", value)
+    for digits in range(6, 10):  # 9 significant digits always round-trip a float32
+        shortest = float(f"{value:.{digits}g}")
+        if struct.pack("<f", shortest) == as_float32:
+            return shortest
+    return value
 
 
 def decode_any(value: any_pb2.Any, where: str) -> Scalar:
