@@ -14,7 +14,7 @@ makes them). A "sample" is one (timestamp, series, value) point, as Prometheus c
 * ``ratio`` = ours / prom (target <= 0.5).
 
 * ``breakdown``: where our bytes go, per batch: the SQLite file's fixed pages and row overhead (from the
-  ``dbstat`` table), the 5-byte batch header, and the body's parts (``mapper.telemetry.body_parts``) both raw and
+  ``dbstat`` table), the 3-byte batch header, and the body's parts (``mapper.telemetry.body_parts``) both raw and
   as the growth of the compressed size when each part is added; ``--breakdown`` also prints the raw bytes per
   batch of every series (stderr).
 
@@ -159,7 +159,7 @@ def breakdown(db_path: Path, payloads: list[bytes], per_series: bool) -> dict[st
         for name, part in parts.items():
             raw[name] += len(part)
             prefix += part
-            now = len(codec.pack(prefix)) - 5
+            now = len(codec.pack(prefix)) - telemetry.HEADER_BYTES
             packed[name] += now - before
             before = now
         if per_series:
@@ -168,7 +168,7 @@ def breakdown(db_path: Path, payloads: list[bytes], per_series: bool) -> dict[st
     out: dict[str, object] = {
         "sqlite_fixed_pages": round((file_pages - batch_pages) / n, 1),
         "sqlite_row_overhead_and_slack": round((batch_pages - payload_bytes) / n, 1),
-        "batch_header": 5.0,
+        "batch_header": float(telemetry.HEADER_BYTES),
         "payload": round(payload_bytes / n, 1),
         "body_raw": {k: round(v / n, 1) for k, v in raw.items()},
         "body_compressed_growth": {k: round(v / n, 1) for k, v in packed.items()},

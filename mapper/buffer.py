@@ -91,15 +91,15 @@ def _is_full(exc: sqlite3.DatabaseError) -> bool:
     return "database or disk is full" in str(exc).lower()
 
 
-def _stored(r: Sequence[Any]) -> StoredBatch:
+def _stored(r: Sequence[Any], epoch_ms: int) -> StoredBatch:
     return StoredBatch(
         id=int(r[0]),
         device=r[1],
         uuid=r[2],
         boot_id=r[3],
         seq=int(r[4]),
-        ts_first_ms=int(r[5]),
-        ts_last_ms=int(r[6]),
+        ts_first_ms=int(r[5]) + epoch_ms,
+        ts_last_ms=int(r[6]) + epoch_ms,
         topic=r[7],
         qos=int(r[8]),
         retain=bool(r[9]),
@@ -147,6 +147,7 @@ class Buffer:
         self._last_drop_log: float | None = None
         self._streams: dict[tuple[str, str, str, str, int, bool, str], int] = {}
         self._next_id = 1
+        self._epoch_ms = 0
         self._bytes = 0
         self._batches = 0
         self._open()
@@ -182,7 +183,8 @@ class Buffer:
                     verdict = conn.execute("PRAGMA quick_check").fetchone()[0]
                     if verdict != "ok":
                         raise _Corrupt(f"quick_check says {verdict}")
-                self._create_schema(conn)
+                self._create_schema(conn, self.clock.wall_ms())
+                epoch = conn.execute("SELECT value FROM meta WHERE key = 'epoch_ms'").fetchone()
                 row = conn.execute(
                     f"SELECT COUNT(*), COALESCE(SUM({_SIZE_SQL}), 0), COALESCE(MAX(id), 0) FROM batches"
                 ).fetchone()
@@ -195,18 +197,20 @@ class Buffer:
             raise
         self._conn = conn
         self._batches, self._bytes = int(row[0]), int(row[1])
+        self._epoch_ms = int(epoch[0])
         # Ids only grow while this process runs (a replay cursor never skips a new batch), without the
         # sqlite_sequence page AUTOINCREMENT would cost.
         self._next_id = max(self._next_id, int(row[2]) + 1)
         self._streams = {}
 
     @staticmethod
-    def _create_schema(conn: sqlite3.Connection) -> None:
+    def _create_schema(conn: sqlite3.Connection, now_ms: int) -> None:
         """Schema 2: rows as small as SQLite allows (bytes at rest are what this buffer is measured by).
 
         ``streams`` turns the text that repeats per batch (device, uuid, boot id, topic, address) into a small
         integer; ``batches`` keeps the integer primary key as its only index, the time range as first + span
-        and no size column (``length(payload)``); ``latest`` and ``meta`` are WITHOUT ROWID, so no table here
+        with the first time relative to the file's ``epoch_ms`` (3 or 4 bytes instead of 6) and no size column
+        (``length(payload)``); ``latest`` and ``meta`` are WITHOUT ROWID, so no table here
         has a separate index. A schema 1 file (an earlier build) is converted in place."""
         db = sqlite_utils.Database(conn, execute_plugins=False)
         tables = set(db.table_names())
@@ -216,7 +220,9 @@ class Buffer:
         version = int(row[0]) if row is not None else (1 if "batches" in tables else SCHEMA_VERSION)
         if version > SCHEMA_VERSION:
             raise PermanentError(f"buffer schema {version} is newer than this mapper's ({SCHEMA_VERSION})")
-        if version == SCHEMA_VERSION and {"streams", "batches", "latest"} <= tables:
+        complete = {"streams", "batches", "latest"} <= tables
+        has_epoch = conn.execute("SELECT 1 FROM meta WHERE key = 'epoch_ms'").fetchone() is not None
+        if version == SCHEMA_VERSION and complete and has_epoch:
             return
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -233,15 +239,19 @@ class Buffer:
             if "batches" not in tables:
                 conn.execute(
                     "CREATE TABLE batches (id INTEGER PRIMARY KEY, stream INTEGER NOT NULL, seq INTEGER NOT NULL, "
-                    "ts_first_ms INTEGER NOT NULL, span_ms INTEGER NOT NULL, payload BLOB NOT NULL)"
+                    "ts_first_rel_ms INTEGER NOT NULL, span_ms INTEGER NOT NULL, payload BLOB NOT NULL)"
                 )
+            epoch_ms = now_ms
             if version < 2 and "batches_v1" in set(db.table_names()):
+                first = conn.execute("SELECT MIN(ts_first_ms) FROM batches_v1").fetchone()[0]
+                epoch_ms = now_ms if first is None else int(first)
                 conn.execute(
                     "INSERT INTO streams SELECT id, device, uuid, boot_id, topic, qos, retain, address FROM streams_v1"
                 )
                 conn.execute(
-                    "INSERT INTO batches SELECT id, stream, seq, ts_first_ms, ts_last_ms - ts_first_ms, payload "
-                    "FROM batches_v1"
+                    "INSERT INTO batches SELECT id, stream, seq, ts_first_ms - ?, ts_last_ms - ts_first_ms, payload "
+                    "FROM batches_v1",
+                    (epoch_ms,),
                 )
                 conn.execute("DROP TABLE batches_v1")
                 conn.execute("DROP TABLE streams_v1")
@@ -264,6 +274,7 @@ class Buffer:
                 "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                 (str(SCHEMA_VERSION),),
             )
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch_ms', ?)", (str(epoch_ms),))
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -376,8 +387,8 @@ class Buffer:
                     stream = int(row[0])
             new_id = self._next_id
             conn.execute(
-                "INSERT INTO batches (id, stream, seq, ts_first_ms, span_ms, payload) VALUES (?, ?, ?, ?, ?, ?)",
-                (new_id, stream, seq, ts_first_ms, span, payload),
+                "INSERT INTO batches (id, stream, seq, ts_first_rel_ms, span_ms, payload) VALUES (?, ?, ?, ?, ?, ?)",
+                (new_id, stream, seq, ts_first_ms - self._epoch_ms, span, payload),
             )
             conn.execute("COMMIT")
             self._streams[key] = stream
@@ -411,12 +422,12 @@ class Buffer:
 
     def enforce_bounds(self) -> None:
         """Drop batches older than ``max_age_s``, then the oldest until within ``max_bytes``."""
-        cutoff = self.clock.wall_ms() - round(self.max_age_s * 1000)
+        cutoff = self.clock.wall_ms() - round(self.max_age_s * 1000) - self._epoch_ms
 
         def last_expired(conn: sqlite3.Connection) -> int | None:
             # Oldest first by id (no index on time): stop at the first batch young enough to keep.
             last = None
-            for row_id, ts_last in conn.execute("SELECT id, ts_first_ms + span_ms FROM batches ORDER BY id"):
+            for row_id, ts_last in conn.execute("SELECT id, ts_first_rel_ms + span_ms FROM batches ORDER BY id"):
                 if ts_last >= cutoff:
                     break
                 last = row_id
@@ -522,13 +533,14 @@ class Buffer:
 
         def select(conn: sqlite3.Connection) -> list[StoredBatch]:
             rows = conn.execute(
-                "SELECT b.id, s.device, s.uuid, s.boot_id, b.seq, b.ts_first_ms, b.ts_first_ms + b.span_ms, s.topic, "
+                "SELECT b.id, s.device, s.uuid, s.boot_id, b.seq, b.ts_first_rel_ms, b.ts_first_rel_ms + b.span_ms, "
+                "s.topic, "
                 f"s.qos, s.retain, b.payload, length(b.payload) + {ROW_OVERHEAD_BYTES}, s.address "
                 "FROM batches b JOIN streams s ON s.id = b.stream "
                 "WHERE b.id > ? ORDER BY b.id LIMIT ?",
                 (after_id if after_id is not None else -1, limit),
             ).fetchall()
-            return [_stored(r) for r in rows]
+            return [_stored(r, self._epoch_ms) for r in rows]
 
         return self._run(select)
 
@@ -538,8 +550,8 @@ class Buffer:
         return {str(r[0]): bytes(r[1]) for r in rows}
 
     def stats(self) -> BufferStats:
-        row = self._run(lambda conn: conn.execute("SELECT ts_first_ms FROM batches ORDER BY id LIMIT 1").fetchone())
-        oldest = None if row is None else int(row[0])
+        row = self._run(lambda conn: conn.execute("SELECT ts_first_rel_ms FROM batches ORDER BY id LIMIT 1").fetchone())
+        oldest = None if row is None else int(row[0]) + self._epoch_ms
         age = None if oldest is None else max(0.0, (self.clock.wall_ms() - oldest) / 1000)
         return BufferStats(
             bytes=self._bytes,

@@ -7,7 +7,7 @@ body of ``gpu-mapper decode [FILE|-]``. The format is specified in docs/telemetr
 
 Binary format, version 2 (integers are unsigned LEB128 varints unless said otherwise; ``zz`` = zigzag)::
 
-    batch  = magic "GMT" | version 0x02 | flags | body, or one magicless zstd frame of the body
+    batch  = magic "G" | version 0x02 | flags | body, or one magicless zstd frame of the body
     flags  = bit 0: zstd frame | bits 4-7: static dictionary id (0: none; see mapper.telemetry_dict)
     body   = str node | str device | uuid | boot_id | seq | ts_first_ms | span_ms | n_rows | timestamps
              | n_series | series*          (constant series first, then the varying ones)
@@ -41,7 +41,10 @@ from mapper.telemetry_dict import CURRENT_DICTIONARY_ID, DICTIONARIES
 
 Format = Literal["binary", "json"]
 
-MAGIC = b"GMT"
+#: The first byte of a binary batch (a JSON batch starts with "{").
+MAGIC = b"G"
+#: Magic, format version, flags.
+HEADER_BYTES = 3
 FORMAT_VERSION = 2
 #: The JSON format did not change with binary version 2; its documents say version 1.
 JSON_FORMAT_VERSION = 1
@@ -180,7 +183,7 @@ class BatchCodec:
             params = zstandard.ZstdCompressionParameters.from_level(
                 self.level,
                 format=zstandard.FORMAT_ZSTD1_MAGICLESS,
-                write_content_size=True,
+                write_content_size=False,
                 write_checksum=False,
                 write_dict_id=False,
             )
@@ -364,9 +367,7 @@ class _IntPlan(NamedTuple):
 
 
 def _base_cost(base: int, g: int) -> int:
-    if g > 1:
-        return _uvarint_len(_zz(base // g)) + _uvarint_len(base % g)
-    return _uvarint_len(_zz(base))
+    return _uvarint_len(_zz(base // g)) + (_uvarint_len(base % g) if g > 1 else 0)
 
 
 def _int_plan(ints: Sequence[int]) -> _IntPlan:
@@ -453,17 +454,14 @@ class _Sections:
         self.bits = _BitWriter()
 
     def plan(self, plan: _IntPlan) -> None:
-        """Meta: [gcd]; data: width << 2 | order, seeds, base; bits: fields."""
+        """Meta: [gcd, base mod gcd]; data: width << 2 | order, seeds, base (div gcd); bits: fields."""
         if plan.gcd > 1:
             _put_uvarint(self.meta, plan.gcd)
+            _put_uvarint(self.meta, plan.base % plan.gcd)
         _put_uvarint(self.data, plan.width << 2 | plan.order)
         for s in plan.seeds:
             _put_uvarint(self.data, _zz(s))
-        if plan.gcd > 1:
-            _put_uvarint(self.data, _zz(plan.base // plan.gcd))
-            _put_uvarint(self.data, plan.base % plan.gcd)
-        else:
-            _put_uvarint(self.data, _zz(plan.base))
+        _put_uvarint(self.data, _zz(plan.base // plan.gcd))
         self.bits.put(plan.fields, plan.width)
 
 
@@ -572,7 +570,7 @@ _HEADER_UUID = "\x00uuid"
 class _Column:
     """A series as read from the meta part; ``finish`` completes it from the data part and the bit stream."""
 
-    __slots__ = ("const_value", "gcd", "kind", "name", "scale", "words")
+    __slots__ = ("const_value", "gcd", "kind", "name", "residue", "scale", "words")
 
     def __init__(self, r: _Reader) -> None:
         code = r.uvarint()
@@ -586,6 +584,7 @@ class _Column:
         vtype, const = kind & 0x07, bool(kind & _K_CONST)
         self.scale = 0
         self.gcd = 1
+        self.residue = 0
         self.words: list[str] = []
         self.const_value: Value | None = None
         if vtype in (_T_INT, _T_DEC):
@@ -597,6 +596,7 @@ class _Column:
                 self.gcd = r.uvarint()
                 if self.gcd < 2:
                     raise BatchFormatError(f"series {self.name!r}: gcd {self.gcd} is below 2")
+                self.residue = r.uvarint()
             if const:
                 self.const_value = self._num(_unzz(r.uvarint()))
         elif vtype == _T_XOR:
@@ -650,7 +650,7 @@ class _Column:
                 raise BatchFormatError(f"series {self.name!r}: no values")
             return rows, lambda _bits: [value] * n
         if vtype in (_T_INT, _T_DEC):
-            ints = _read_plan_data(r, n, self.gcd)
+            ints = _read_plan_data(r, n, self.gcd, self.residue)
             return rows, lambda bits: [self._num(i) for i in ints(bits)]
         if vtype == _T_XOR:
             values: list[Value] = []
@@ -674,7 +674,7 @@ class _Column:
         return rows, lambda bits: [bool(b) for b in bits.take(n, 1)]
 
 
-def _read_plan_data(r: _Reader, n: int, g: int) -> Callable[[_BitReader], list[int]]:
+def _read_plan_data(r: _Reader, n: int, g: int, residue: int) -> Callable[[_BitReader], list[int]]:
     head = r.uvarint()
     width, order = head >> 2, head & 3
     if order > 2 or order >= n:
@@ -682,7 +682,7 @@ def _read_plan_data(r: _Reader, n: int, g: int) -> Callable[[_BitReader], list[i
     if width > _MAX_WIDTH:
         raise BatchFormatError(f"bit width {width} is beyond {_MAX_WIDTH}")
     seeds = [_unzz(r.uvarint()) for _ in range(order)]
-    base = _unzz(r.uvarint()) * g + r.uvarint() if g > 1 else _unzz(r.uvarint())
+    base = _unzz(r.uvarint()) * g + residue
 
     def ints(bits: _BitReader) -> list[int]:
         seq = [base + g * f for f in bits.take(n - order, width)]
@@ -810,7 +810,7 @@ def decode_batch(data: bytes, codec: BatchCodec | None = None) -> DecodedBatch:
     """Decode one batch, binary or JSON. Raises ``BatchFormatError`` naming what was wrong.
 
     ``codec`` (optional) keeps the zstd contexts between calls when decoding many batches."""
-    if data[:3] == MAGIC:
+    if data[:1] == MAGIC:
         return _decode_binary(data, codec or BatchCodec(dictionary_id=0))
     if data[:1] == b"{":
         return _decode_json(data)
@@ -821,12 +821,12 @@ _MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
 def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
-    if len(data) < 5:
+    if len(data) < HEADER_BYTES:
         raise BatchFormatError("batch truncated inside its header")
-    version, flags = data[3], data[4]
+    version, flags = data[1], data[2]
     if version != FORMAT_VERSION:
         raise BatchFormatError(f"batch format version {version} is not supported (this reader reads {FORMAT_VERSION})")
-    body = codec.unpack(flags, data[5:])
+    body = codec.unpack(flags, data[HEADER_BYTES:])
     r = _Reader(body)
     n_rows = r.uvarint()
     if n_rows == 0 or n_rows > len(body) * 8 + 8:
@@ -836,7 +836,7 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
     ts_kind = ts_byte & ~_K_GCD
     if ts_kind not in (_TS_EVEN, _TS_LIST) or (ts_kind == _TS_LIST and n_rows < 2):
         raise BatchFormatError(f"unknown timestamp encoding {ts_byte}")
-    ts_gcd = r.uvarint() if ts_byte & _K_GCD else 1
+    ts_gcd, ts_residue = (r.uvarint(), r.uvarint()) if ts_byte & _K_GCD else (1, 0)
     if ts_kind == _TS_EVEN and n_rows > 1 and span % (n_rows - 1):
         raise BatchFormatError(f"evenly spaced rows: span {span} ms does not divide into {n_rows - 1} steps")
     node, device = r.text(), r.text()
@@ -847,7 +847,7 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
     boot_id = r.packed_id(8, str, "boot id")
     seq = r.uvarint()
     ts_first = r.uvarint()
-    ts_offsets = _read_plan_data(r, n_rows, ts_gcd) if ts_kind == _TS_LIST else None
+    ts_offsets = _read_plan_data(r, n_rows, ts_gcd, ts_residue) if ts_kind == _TS_LIST else None
     readers = [(c.name, *c.read_data(r, n_rows)) for c in columns]
     bits = _BitReader(body[r.pos :])
     if ts_offsets is not None:
@@ -1114,7 +1114,7 @@ def frame(payload: bytes) -> bytes:
 
 def iter_batches(data: bytes) -> Iterator[bytes]:
     """The batches of a file: one bare batch (starts with "GMT" or "{"), or length-prefixed records."""
-    if data[:3] == MAGIC or data[:1] == b"{":
+    if data[:1] in (MAGIC, b"{"):
         yield data
         return
     pos = 0

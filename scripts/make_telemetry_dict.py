@@ -29,10 +29,10 @@ from mapper.model import Sample
 from mapper.telemetry import batch_body
 
 DICTIONARY_ID = 1
-DICT_SIZE = 16384
+DICT_SIZE = 32768
 SEED = 20_250_101
 NODES = ("node-1", "edge-a")
-PHASE_S = 60
+PHASE_S = 480
 WINDOW_S = 10
 TARGET = Path(__file__).resolve().parent.parent / "mapper" / "telemetry_dict.py"
 

@@ -172,3 +172,67 @@ def test_bad_settings_and_bad_batches_are_refused_with_a_clear_error(tmp_path: P
     buf.close()
     with pytest.raises(PermanentError, match="closed"):
         buf.pending(1)
+
+
+def test_stored_time_ranges_come_back_exactly_across_a_reopen(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    start = fake_clock.wall_ms()
+    buf.put(
+        device="d",
+        uuid="u",
+        boot_id="b",
+        seq=0,
+        ts_first_ms=start - 123_456,
+        ts_last_ms=start + 7,
+        topic="t",
+        payload=b"x",
+    )
+    buf.close()
+    fake_clock.advance(3600)
+    again = _open(tmp_path / "b.db", fake_clock)
+    (row,) = again.pending(10)
+    assert (row.ts_first_ms, row.ts_last_ms) == (start - 123_456, start + 7)
+    assert again.stats().oldest_ts_ms == start - 123_456
+
+
+def test_the_file_has_no_index_besides_the_tables_themselves(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    _put(buf, fake_clock, 0)
+    buf.close()
+    conn = sqlite3.connect(tmp_path / "b.db")
+    kinds = conn.execute("SELECT type, name FROM sqlite_master ORDER BY name").fetchall()
+    conn.close()
+    assert kinds == [("table", "batches"), ("table", "latest"), ("table", "meta"), ("table", "streams")]
+
+
+def test_a_schema_1_file_is_converted_in_place_and_keeps_its_batches(tmp_path: Path, fake_clock: FakeClock) -> None:
+    path = tmp_path / "b.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        """
+        CREATE TABLE streams (id INTEGER PRIMARY KEY, device TEXT NOT NULL, uuid TEXT NOT NULL,
+            boot_id TEXT NOT NULL, topic TEXT NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL,
+            address TEXT NOT NULL, UNIQUE (device, uuid, boot_id, topic, qos, retain, address));
+        CREATE TABLE batches (id INTEGER PRIMARY KEY AUTOINCREMENT, stream INTEGER NOT NULL, seq INTEGER NOT NULL,
+            ts_first_ms INTEGER NOT NULL, ts_last_ms INTEGER NOT NULL, size INTEGER NOT NULL, payload BLOB NOT NULL);
+        CREATE TABLE latest (device TEXT PRIMARY KEY, ts_ms INTEGER, payload BLOB);
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
+        INSERT INTO meta VALUES ('schema_version', '1');
+        INSERT INTO streams VALUES (1, 'default/gpu0', 'GPU-1', 'boot-a', 'gpu-mapper/n/gpu0/telemetry', 1, 0, '');
+        INSERT INTO batches VALUES (7, 1, 41, 1780000000000, 1780000009000, 52, x'0102');
+        INSERT INTO latest VALUES ('default/gpu0', 1780000009000, x'7b7d');
+        """
+    )
+    conn.close()
+    buf = _open(path, fake_clock)
+    (row,) = buf.pending(10)
+    assert (row.id, row.device, row.seq, row.ts_first_ms, row.ts_last_ms, row.payload) == (
+        7,
+        "default/gpu0",
+        41,
+        1_780_000_000_000,
+        1_780_000_009_000,
+        b"\x01\x02",
+    )
+    assert buf.latest() == {"default/gpu0": b"{}"}
+    assert _put(buf, fake_clock, 42) == 8

@@ -192,7 +192,7 @@ def test_decode_command_reads_a_single_bare_batch_from_a_file(tmp_path: Path) ->
 def test_decode_command_names_the_broken_batch_and_fails(tmp_path: Path) -> None:
     good = _encode([Sample(UUID, T0, {"temperature": 61})])
     err = io.StringIO()
-    rc = decode_command(["-"], io.BytesIO(encode_file([good, b"GMT\x01\x01garbage"])), io.StringIO(), err)
+    rc = decode_command(["-"], io.BytesIO(encode_file([good, b"G\x01\x01garbage"])), io.StringIO(), err)
     assert rc == 1
     assert "batch #2" in err.getvalue()
     missing = tmp_path / "nope"
@@ -205,8 +205,8 @@ def test_decode_command_names_the_broken_batch_and_fails(tmp_path: Path) -> None
     ("data", "message"),
     [
         (b"hello", "not a telemetry batch"),
-        (b"GMT\x09\x00", "version 9 is not supported"),
-        (b"GMT\x02\x00\x0a\x80", "truncated"),
+        (b"G\x09\x00", "version 9 is not supported"),
+        (b"G\x02\x00\x0a\x80", "truncated"),
         (b'{"format": "other"}', "not a gpu-mapper-telemetry batch"),
         (b"{not json", "does not parse"),
     ],
