@@ -257,7 +257,7 @@ class DmiClient:
 
     async def report_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None:
         """ReportDeviceStatus with every given twin of one device (refused locally when empty or invalid)."""
-        request = convert.status_request(namespace, name, twins, timestamp_ms=self._clock.wall_ms())
+        request = convert.status_request(namespace, name, twins)
         await self._call("ReportDeviceStatus", request)
 
     async def report_state(self, namespace: str, name: str, state: str) -> None:
