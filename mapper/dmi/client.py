@@ -315,6 +315,8 @@ class DmiClient:
             self.registered = False
             self._needs_register = True
             self._registered_socket = None
+            self._retry_at = 0.0  # register at once when it is back
+            self._failures = 0
             return
         if self._registered_socket is not None and identity != self._registered_socket:
             log.warning("EdgeCore socket %s was replaced (EdgeCore restarted); re-registering", self.edgecore_socket)
