@@ -22,7 +22,7 @@ from typing import Any
 from mapper import __version__
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
-from mapper.collect import GpuWorker, TickResult
+from mapper.collect import GpuWorker, TickResult, call_in_thread
 from mapper.config import Settings, read_file
 from mapper.desired import Source
 from mapper.devicefiles import FolderWatcher, load_folder
@@ -462,8 +462,10 @@ class MapperApp:
             result = await worker.tick()
             self._collect_hist = self._collect_hist.observe(time.perf_counter() - started)
             self._after_tick(worker, result)
-            self._beat("collect", max(1.0, worker.min_collect_cycle_ms / 1000))
-            await worker.wait(max(0.0, worker.next_due_s() - self.clock.monotonic()))
+            delay_s = max(0.0, worker.next_due_s() - self.clock.monotonic())
+            # The beat's period is this loop's own sleep, so long collect cycles never look like a stall.
+            self._beat(f"collect:{worker.uuid}", max(1.0, delay_s))
+            await worker.wait(delay_s)
 
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
         device_key = worker.device.key if worker.device is not None else _unbound_device(worker.info).key
@@ -500,7 +502,7 @@ class MapperApp:
         while True:
             self._beat("events", 1.0)
             try:
-                events: list[GpuEvent] = await asyncio.wait_for(asyncio.to_thread(self.backend.poll_events), 10.0)
+                events: list[GpuEvent] = await call_in_thread(self.backend.poll_events, timeout_s=10.0)
             except (MapperError, TimeoutError) as exc:
                 log.debug("polling NVML events failed: %s", exc)
                 events = []
@@ -571,7 +573,11 @@ class MapperApp:
                 device = worker.device
                 if device is None:
                     continue
-                if now >= self._next_state_s.get(device.key, 0.0) and device.state_report_to_cloud:
+                # A change of state (unhealthy, offline, back online) is always reported; the periodic
+                # refresh only when the Device asks for state reports (stateReport / status.reportToCloud).
+                changed = self._reported_state.get(device.key) != worker.state
+                due = now >= self._next_state_s.get(device.key, 0.0) and device.state_report_to_cloud
+                if changed or due:
                     self._next_state_s[device.key] = now + self._state_cycle_s(device)
                     self._report_state(device, worker.state)
                 if now >= self._next_report_s.get(device.key, 0.0):

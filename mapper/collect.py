@@ -9,6 +9,7 @@ happened so the caller can publish it. It sees only domain types and Protocols.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,12 +110,17 @@ class GpuWorker:
         self._wake.set()
 
     async def wait(self, timeout_s: float) -> None:
-        """Sleep until the next due time or a ``wake``."""
-        if timeout_s > 0:
+        """Sleep until the next due time or a ``wake``.
+
+        A timer sets the wake event instead of ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a
+        cancellation that arrives in the same loop iteration as the wake-up, and the loop then never stops
+        (a hung shutdown); it also costs a task per wait."""
+        if timeout_s > 0 and not self._wake.is_set():
+            handle = asyncio.get_running_loop().call_later(timeout_s, self._wake.set)
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout_s)
-            except TimeoutError:
-                pass
+                await self._wake.wait()
+            finally:
+                handle.cancel()
         self._wake.clear()
 
     # --- the step ----------------------------------------------------------------------------------
@@ -200,11 +206,28 @@ class GpuWorker:
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout=self.call_timeout_s)
+            return await call_in_thread(fn, *args, timeout_s=self.call_timeout_s)
         except TimeoutError:
             raise TransientError(
                 f"GPU {self.uuid}: {getattr(fn, '__name__', 'call')} took longer than {self.call_timeout_s}s"
             ) from None
+
+
+async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    """``fn(*args)`` in the default executor; ``TimeoutError`` after ``timeout_s`` (the call runs on).
+
+    Unlike ``asyncio.wait_for`` on Python 3.11 it never swallows a cancellation that arrives together with the
+    result, so a loop cancelled at shutdown stops; and it needs no task per call."""
+    future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    try:
+        done, _ = await asyncio.wait((future,), timeout=timeout_s)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        raise TimeoutError(f"{getattr(fn, '__name__', 'call')} took longer than {timeout_s}s")
+    return future.result()
 
 
 def writable_with_desired(worker: GpuWorker) -> list[str]:
