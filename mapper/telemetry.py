@@ -257,18 +257,20 @@ _GPU_UUID_RE = re.compile(r"GPU-([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a
 _BOOT_ID_RE = re.compile(r"[0-9a-f]{16}")
 
 
-def _put_packed_id(out: bytearray, text: str, pattern: re.Pattern[str], size: int) -> None:
-    """An id that matches ``pattern`` as 0 + ``size`` raw bytes; anything else as (length + 1) + UTF-8."""
-    m = pattern.fullmatch(text)
-    if m:
-        raw = bytes.fromhex("".join(m.groups()) or text)
-        assert len(raw) == size
-        out.append(0)
-        out += raw
-        return
-    raw = text.encode("utf-8")
-    _put_uvarint(out, len(raw) + 1)
-    out += raw
+def _put_ids(out: bytearray, uuid: str, boot_id: str) -> None:
+    """One byte saying which id is packed (bit 0: the uuid as 16 bytes, bit 1: the boot id as 8 bytes), then
+    each id packed or as a length-prefixed string."""
+    mu = _GPU_UUID_RE.fullmatch(uuid)
+    mb = _BOOT_ID_RE.fullmatch(boot_id)
+    out.append((1 if mu else 0) | (2 if mb else 0))
+    if mu:
+        out += bytes.fromhex("".join(mu.groups()))
+    else:
+        _put_str(out, uuid)
+    if mb:
+        out += bytes.fromhex(boot_id)
+    else:
+        _put_str(out, boot_id)
 
 
 class _Reader:
@@ -325,14 +327,14 @@ class _Reader:
             acc >>= width
         return out
 
-    def packed_id(self, size: int, fmt: Callable[[str], str], what: str) -> str:
-        n = self.uvarint()
-        if n == 0:
-            return fmt(self.take(size).hex())
-        try:
-            return self.take(n - 1).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BatchFormatError(f"batch {what} is not UTF-8: {exc}") from None
+    def ids(self) -> tuple[str, str]:
+        """The uuid and boot id (see ``_put_ids``)."""
+        packed = self.byte()
+        if packed > 3:
+            raise BatchFormatError(f"unknown id packing {packed}")
+        uuid = _uuid_text(self.take(16).hex()) if packed & 1 else self.text()
+        boot_id = self.take(8).hex() if packed & 2 else self.text()
+        return uuid, boot_id
 
 
 def _uuid_text(h: str) -> str:
@@ -788,8 +790,7 @@ def body_parts(
     for (name, vtype), (rows, values) in columns.items():
         _encode_series(out, name, rows, values, vtype, n_rows, uuid)
     series_end = len(meta)
-    _put_packed_id(meta, uuid, _GPU_UUID_RE, 16)
-    _put_packed_id(meta, boot_id, _BOOT_ID_RE, 8)
+    _put_ids(meta, uuid, boot_id)
     _put_uvarint(meta, seq)
     _put_uvarint(meta, ts_first)
     return {
@@ -841,10 +842,9 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
         raise BatchFormatError(f"evenly spaced rows: span {span} ms does not divide into {n_rows - 1} steps")
     node, device = r.text(), r.text()
     columns = [_Column(r) for _ in range(r.uvarint())]
-    uuid = r.packed_id(16, _uuid_text, "uuid")
+    uuid, boot_id = r.ids()
     for c in columns:
         c.resolve_uuid(uuid)
-    boot_id = r.packed_id(8, str, "boot id")
     seq = r.uvarint()
     ts_first = r.uvarint()
     ts_offsets = _read_plan_data(r, n_rows, ts_gcd, ts_residue) if ts_kind == _TS_LIST else None

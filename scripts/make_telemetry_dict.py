@@ -29,7 +29,7 @@ from mapper.model import Sample
 from mapper.telemetry import batch_body
 
 DICTIONARY_ID = 1
-DICT_SIZE = 32768
+DICT_SIZE = 65536
 SEED = 20_250_101
 NODES = ("node-1", "edge-a")
 PHASE_S = 480

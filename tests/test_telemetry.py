@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from mapper.model import DeviceConfig, DeviceProperty, PushMqtt, Sample
 from mapper.telemetry import (
     FORMAT_VERSION,
+    BatchCodec,
     BatchEncoder,
     BatchFormatError,
     DeviceTelemetry,
@@ -24,6 +26,7 @@ from mapper.telemetry import (
     records_equal,
     state_payload,
 )
+from mapper.telemetry_dict import CURRENT_DICTIONARY_ID, DICTIONARIES
 
 T0 = 1_780_000_000_000
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
@@ -267,3 +270,46 @@ def test_properties_with_their_own_push_method_get_their_own_batches_and_topic()
 def test_the_state_snapshot_is_one_json_object_of_the_latest_values() -> None:
     doc = json.loads(state_payload("default/gpu0", Sample(UUID, T0, {"temperature": 61})))
     assert doc == {"device": "default/gpu0", "uuid": UUID, "ts_ms": T0, "values": {"temperature": 61}}
+
+
+def test_a_hex_boot_id_and_a_canonical_gpu_uuid_travel_packed_and_come_back_exactly() -> None:
+    samples = [Sample(UUID, T0 + i * 1000, {"temperature": 60 + i, "uuid": UUID}) for i in range(3)]
+    packed = encode_batch(samples, node="n", device="d", uuid=UUID, boot_id="0123456789abcdef", seq=1).payload
+    texty = encode_batch(samples, node="n", device="d", uuid="MIG-7", boot_id="boot-a", seq=1).payload
+    decoded = decode_batch(packed)
+    assert (decoded.uuid, decoded.boot_id) == (UUID, "0123456789abcdef")
+    assert [s.values["uuid"] for s in decoded.samples] == [UUID] * 3
+    other = decode_batch(texty)
+    assert (other.uuid, other.boot_id) == ("MIG-7", "boot-a")
+    assert [s.values["uuid"] for s in other.samples] == [UUID] * 3
+
+
+def test_a_batch_compressed_with_an_unknown_dictionary_names_the_dictionary() -> None:
+    payload = _encode([Sample(UUID, T0, {"temperature": 61})])
+    assert payload[2] & 0x01, "the body of a real batch is a zstd frame"
+    foreign = payload[:2] + bytes([0x01 | 0x0F << 4]) + payload[3:]
+    with pytest.raises(BatchFormatError, match="dictionary 15"):
+        decode_batch(foreign)
+
+
+def test_a_batch_without_the_dictionary_still_decodes() -> None:
+    samples = [
+        Sample(UUID, T0 + i * 1000, {"power_usage": 100.25 + i, "product_name": "NVIDIA H100"}) for i in range(5)
+    ]
+    plain = encode_batch(
+        samples, node="n", device="d", uuid=UUID, boot_id="b", seq=0, codec=BatchCodec(dictionary_id=0)
+    ).payload
+    assert plain[2] >> 4 == 0
+    _assert_same(samples, plain)
+    with pytest.raises(ValueError, match="dictionary id 14 is unknown"):
+        BatchCodec(dictionary_id=14)
+
+
+def test_the_committed_dictionary_is_what_the_generator_builds() -> None:
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_telemetry_dict.py"
+    spec = importlib.util.spec_from_file_location("make_telemetry_dict", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.module_text(module.build()) == module.TARGET.read_text()
+    assert DICTIONARIES[CURRENT_DICTIONARY_ID][:4] == b"\x37\xa4\x30\xec"  # a trained zstd dictionary
