@@ -214,6 +214,7 @@ def main() -> None:
     samples = 0
     busy_s = 0.0
     payloads: list[bytes] = []
+    codec = BatchCodec()  # one set of zstd contexts for every encoder, as the mapper shares it
 
     def store(device: str, batch: object) -> None:
         assert batch is not None
@@ -237,7 +238,7 @@ def main() -> None:
         t0 = time.perf_counter()
         enc = encoders.get(device)
         if enc is None:
-            enc = encoders[device] = BatchEncoder(NODE, device, sample.uuid, BOOT_ID, args.window_s)
+            enc = encoders[device] = BatchEncoder(NODE, device, sample.uuid, BOOT_ID, args.window_s, codec=codec)
         batch = enc.flush_due(sample.ts_ms)
         if batch is not None:
             store(device, batch)

@@ -933,6 +933,7 @@ class BatchEncoder:
         fmt: Format = "binary",
         *,
         zstd_level: int = DEFAULT_ZSTD_LEVEL,
+        codec: BatchCodec | None = None,
     ) -> None:
         if not window_s > 0 or not math.isfinite(window_s):
             raise ValueError(f"telemetry window_s must be a positive number of seconds, got {window_s!r}")
@@ -946,7 +947,8 @@ class BatchEncoder:
         self.next_seq = start_seq
         self._samples: list[Sample] = []
         self._window_start_ms: int | None = None
-        self._codec = BatchCodec(level=zstd_level)
+        # A codec holds ~2 MB of zstd state with the dictionary: share one between encoders (``codec=``).
+        self._codec = codec if codec is not None else BatchCodec(level=zstd_level)
 
     @property
     def pending_samples(self) -> int:
@@ -1059,6 +1061,7 @@ class DeviceTelemetry:
         fmt: Format = "binary",
         start_seq: int = 0,
         default_qos: int = 1,
+        codec: BatchCodec | None = None,
     ) -> None:
         self.device = device
         self.routes = routes_for(device, node, default_qos=default_qos)
@@ -1066,8 +1069,10 @@ class DeviceTelemetry:
         for i, route in enumerate(self.routes):
             for name in route.properties or ():
                 self._claimed[name] = i
+        shared = codec if codec is not None else BatchCodec()
         self._encoders = [
-            BatchEncoder(node, device.key, device.uuid, boot_id, window_s, start_seq, fmt) for _ in self.routes
+            BatchEncoder(node, device.key, device.uuid, boot_id, window_s, start_seq, fmt, codec=shared)
+            for _ in self.routes
         ]
         self.next_seq = start_seq
 

@@ -313,3 +313,18 @@ def test_the_committed_dictionary_is_what_the_generator_builds() -> None:
     spec.loader.exec_module(module)
     assert module.module_text(module.build()) == module.TARGET.read_text()
     assert DICTIONARIES[CURRENT_DICTIONARY_ID][:4] == b"\x37\xa4\x30\xec"  # a trained zstd dictionary
+
+
+def test_encoders_sharing_one_codec_make_the_same_bytes_as_encoders_with_their_own() -> None:
+    shared = BatchCodec()
+    samples = [Sample(UUID, T0 + i * 1000, {"power_usage": 300 + i / 8, "temperature": 60}) for i in range(10)]
+    payloads = []
+    for codec in (shared, shared, None):
+        enc = BatchEncoder("edge-1", "default/gpu0", UUID, "0123456789abcdef", codec=codec)
+        for s in samples:
+            enc.add(s)
+        batch = enc.flush()
+        assert batch is not None
+        payloads.append(batch.payload)
+    assert payloads[0] == payloads[1] == payloads[2]
+    _assert_same(samples, payloads[0])
