@@ -56,7 +56,7 @@ from mapper.registry import DeviceChange, PreconditionError, Registry
 from mapper.shipper import TelemetryShipper
 from mapper.stats import DurationHistogram, GpuSnapshot, LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.store import DesiredStore
-from mapper.telemetry import DeviceTelemetry, state_payload
+from mapper.telemetry import BatchCodec, DeviceTelemetry, state_payload
 
 log = logging.getLogger("mapper.app")
 
@@ -110,6 +110,8 @@ class MapperApp:
         self.registry.subscribe(self._on_device_change)
         self.workers: dict[str, GpuWorker] = {}
         self.telemetry: dict[str, DeviceTelemetry] = {}
+        #: One zstd context (with its dictionary, ~2 MB) shared by every device's batches.
+        self.codec = BatchCodec()
         self.gpus: list[GpuInfo] = []
         self.driver_version = ""
         self.nvml_ready = False
@@ -808,6 +810,7 @@ class MapperApp:
             fmt="json" if self.settings.telemetry_format == "json" else "binary",
             start_seq=start_seq,
             default_qos=self.settings.mqtt.qos,
+            codec=self.codec,
         )
 
     def _rebind_telemetry(self, worker: GpuWorker, device: DeviceConfig) -> None:
