@@ -216,14 +216,20 @@ class MapperApp:
                 delay_s = min(delay_s * 2, 30.0)
         self.nvml_ready = True
         for info in self.gpus:
-            reconciler = Reconciler(self.backend, info.uuid, clock=self.clock, clamp=self.settings.clamp)
+            reconciler = Reconciler(
+                self.backend,
+                info.uuid,
+                clock=self.clock,
+                clamp=self.settings.clamp,
+                restore_modes=self.settings.restore_modes,
+            )
             self.workers[info.uuid] = GpuWorker(
                 info=info,
                 backend=self.backend,
                 reconciler=reconciler,
                 policies=self.policies,
                 clock=self.clock,
-                min_collect_cycle_ms=min(self.settings.collect_cycle_ms, 1000),
+                min_collect_cycle_ms=self.settings.collect_cycle_ms,
             )
             self.telemetry[info.uuid] = self._new_telemetry(_unbound_device(info))
         log.info("NVML driver %s: %s", self.driver_version, ", ".join(f"{g.uuid} ({g.name})" for g in self.gpus))

@@ -99,8 +99,9 @@ class Settings:
     metrics_addr: str = "0.0.0.0:9410"
     log_format: str = "text"
     log_level: str = "INFO"
-    #: Defaults for a Device property whose cycle is 0 (unset), in milliseconds.
+    #: The fastest collect cycle allowed (ms); a property whose cycle is 0 uses its catalog default.
     collect_cycle_ms: int = 1_000
+    #: Defaults for a Device property whose report cycle is 0 (unset), in milliseconds.
     report_cycle_ms: int = 20_000
     state_report_cycle_ms: int = 60_000
     telemetry_window_s: float = 10.0
@@ -113,6 +114,8 @@ class Settings:
     dmi_burst: int = 10
     #: Clamp out-of-range desired values to the GPU's limits instead of rejecting them.
     clamp: bool = False
+    #: On removal of a desired persistence/compute mode, set them back to off/default (else leave them).
+    restore_modes: bool = False
     #: The ``policies`` mapping, validated by ``mapper.policy.parse_policies``.
     policies: Mapping[str, Any] = field(default_factory=dict)
     #: Print a live per-GPU table on stdout every ``print_interval_s`` (0 = off).
@@ -166,6 +169,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "dmi_rate_per_s": ("dmi.ratePerSecond", "float"),
     "dmi_burst": ("dmi.burst", "int"),
     "clamp": ("reconcile.clamp", "bool"),
+    "restore_modes": ("reconcile.restoreModes", "bool"),
     "print_interval_s": ("console.printInterval", "duration"),
 }
 
