@@ -138,6 +138,8 @@ class MapperApp:
         self._eventbus_errors = 0
         self._config_mtime = 0.0
         self._background: set[asyncio.Task[Any]] = set()
+        #: How often the status file is written and the config file checked for changes.
+        self.housekeeping_interval_s = 5.0
 
     # ==============================================================================================
     # start-up and shutdown
@@ -768,13 +770,13 @@ class MapperApp:
     async def _housekeeping_loop(self) -> None:
         """The status file for ``gpu-mapper status --data-dir``, and config reloads (policies)."""
         while True:
-            self._beat("housekeeping", 5.0)
+            self._beat("housekeeping", self.housekeeping_interval_s)
             try:
                 await asyncio.to_thread(write_status_file, self.settings.data_dir, self.snapshot())
             except (OSError, MapperError) as exc:
                 log.warning("could not write the status file: %s", exc)
             self._maybe_reload_config()
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(self.housekeeping_interval_s)
 
     def _maybe_reload_config(self) -> None:
         path = self.settings.config_file

@@ -31,9 +31,12 @@ def fast_settings(data_dir: str, **overrides: Any) -> Settings:
 
 
 @contextlib.asynccontextmanager
-async def running_app(settings: Settings, sim: SimNvml) -> AsyncIterator[MapperApp]:
+async def running_app(
+    settings: Settings, sim: SimNvml, *, housekeeping_interval_s: float = 5.0
+) -> AsyncIterator[MapperApp]:
     backend = NvmlBackend(sim)
     app = MapperApp(settings, backend)
+    app.housekeeping_interval_s = housekeeping_interval_s
     stop = asyncio.Event()
     task = asyncio.create_task(app.run(stop))
     try:

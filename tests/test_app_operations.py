@@ -1,0 +1,85 @@
+"""Operating the running mapper: probes, metrics, status, and policies reloaded without a restart."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mapper.config import load_settings
+from mapper.gpu.simnvml import SimNvml
+from tests.apphelpers import fast_settings, running_app, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.mark.timeout(60)
+async def test_probes_metrics_and_status_come_from_the_running_loops(tmp_path: Path):
+    import asyncio
+
+    sim = SimNvml(2, "H100", seed=0, scenario="steady")
+    settings = fast_settings(str(tmp_path), devices_dir=str(REPO / "device-models" / "examples"), node_name="demo-node")
+    async with running_app(settings, sim, housekeeping_interval_s=0.2) as app:
+        assert app.metrics is not None
+        base = app.metrics.url
+        await wait_for(lambda: all(w.values.get("power_usage") is not None for w in app.workers.values()))
+        status, body = await asyncio.to_thread(get, base + "/readyz")
+        assert status == 200, body
+        status, body = await asyncio.to_thread(get, base + "/healthz")
+        assert status == 200, body
+        status, text = await asyncio.to_thread(get, base + "/metrics")
+        assert status == 200
+        uuid0 = sim.gpus[0].uuid
+        lines = [ln for ln in text.splitlines() if ln.startswith("gpu_power_usage_watts{")]
+        assert any(f'uuid="{uuid0}"' in ln and 'node="demo-node"' in ln for ln in lines), lines
+        assert 'device="demo-node-gpu0"' in text
+        assert "gpu_mapper_buffer_bytes" in text
+        status, body = await asyncio.to_thread(get, base + "/status")
+        doc = json.loads(body)
+        assert doc["node"] == "demo-node" and len(doc["gpus"]) == 2
+        await wait_for(lambda: (tmp_path / "status.json").exists(), what="status.json in the data dir")
+
+        # A stalled loop fails /healthz (here: the collect loop of one GPU stops beating).
+        worker_task = next(t for t in app._tasks if t.get_name() == f"collect:{uuid0}")
+        worker_task.cancel()
+        deadline = asyncio.get_running_loop().time() + 20.0
+        while True:
+            status, body = await asyncio.to_thread(get, base + "/healthz")
+            if status == 503 or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert status == 503, "/healthz fails when a loop stalls"
+        assert uuid0 in body, body
+
+
+@pytest.mark.timeout(60)
+async def test_policies_are_reloaded_when_the_config_file_changes_and_a_bad_edit_is_refused(tmp_path: Path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("policies:\n  thermalThrottling: {enabled: true, maxTemp: 85, releaseTemp: 80}\n")
+    base = load_settings(str(cfg), env={}, flags={"node_name": "edge-1"})
+    settings = replace(
+        fast_settings(str(tmp_path / "data"), devices_dir=str(tmp_path)), policies=base.policies, config_file=str(cfg)
+    )
+    sim = SimNvml(1, "H100", seed=0, scenario="idle")
+    async with running_app(settings, sim, housekeeping_interval_s=0.1) as app:
+        assert app.policies.config.thermal.max_temp_c == 85
+        await wait_for(lambda: app._config_mtime != 0.0, what="the config file to be watched")
+        cfg.write_text("policies:\n  thermalThrottling: {enabled: true, maxTemp: 78, releaseTemp: 70}\n")
+        await wait_for(lambda: app.policies.config.thermal.max_temp_c == 78, what="the new maxTemp in force")
+        cfg.write_text("policies:\n  thermalThrottling: {enabled: true, maxTemp: 70, releaseTemp: 75}\n")
+        import asyncio
+
+        await asyncio.sleep(0.5)
+        assert app.policies.config.thermal.max_temp_c == 78, "a bad edit keeps the previous policies"
