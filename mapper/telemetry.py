@@ -9,13 +9,14 @@ Binary format, version 2 (integers are unsigned LEB128 varints unless said other
 
     batch  = magic "G" | version 0x02 | flags | body, or one magicless zstd frame of the body
     flags  = bit 0: zstd frame | bits 4-7: static dictionary id (0: none; see mapper.telemetry_dict)
-    body   = str node | str device | uuid | boot_id | seq | ts_first_ms | span_ms | n_rows | timestamps
-             | n_series | series*          (constant series first, then the varying ones)
-    series = code (k>0: KNOWN_SERIES[k-1]; k=0: str name follows) | kind | [presence bitmap] | [decimals]
-             | values
-    kind   = type (bits 0-2: 1 int, 2 decimal float, 3 xor float, 4 string, 5 bool) | 0x08 dense
-             | 0x10 constant | order << 5 (0: values, 1: deltas, 2: delta-of-deltas) | 0x80 gcd follows
-    ints   = constant: zz(v) | else: order x zz(seed) | zz(base) | [gcd] | width | bit-packed (x - base) / gcd
+    body   = n_rows | span_ms | ts_kind | str node | str device | n_series | meta*      (stable part)
+             | ids | seq | ts_first_ms | [timestamps] | data* | one bit stream          (per batch)
+    ids    = one byte: bit 0 uuid as 16 bytes, bit 1 boot id as 8 bytes, bit 2 no uuid | [uuid] | boot id
+
+The GPU uuid is optional in the header: a ``BatchEncoder`` writes it in the first batch it cuts (and after
+``announce_uuid()``), and any batch that holds the uuid as a string value (the ``uuid`` series) carries it so
+that the value refers to it. Other batches decode with ``uuid == ""``: the device name identifies the stream.
+The full layout, with the series meta and data, is in docs/telemetry.md.
 
 A batch decodes on its own: the only outside data is the static, versioned dictionary shipped in the package.
 A property whose values change type between rows (never the case for the NVML backend) becomes one series per
@@ -257,15 +258,22 @@ _GPU_UUID_RE = re.compile(r"GPU-([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a
 _BOOT_ID_RE = re.compile(r"[0-9a-f]{16}")
 
 
+_IDS_UUID_PACKED = 0x01
+_IDS_BOOT_PACKED = 0x02
+_IDS_NO_UUID = 0x04
+
+
 def _put_ids(out: bytearray, uuid: str, boot_id: str) -> None:
-    """One byte saying which id is packed (bit 0: the uuid as 16 bytes, bit 1: the boot id as 8 bytes), then
-    each id packed or as a length-prefixed string."""
+    """One byte saying how the ids are written (bit 0: the uuid as 16 bytes, bit 1: the boot id as 8 bytes,
+    bit 2: no uuid, for ``uuid == ""``), then the uuid (packed or a length-prefixed string) unless absent, then
+    the boot id (packed or a length-prefixed string)."""
     mu = _GPU_UUID_RE.fullmatch(uuid)
     mb = _BOOT_ID_RE.fullmatch(boot_id)
-    out.append((1 if mu else 0) | (2 if mb else 0))
+    uuid_bits = _IDS_NO_UUID if not uuid else _IDS_UUID_PACKED if mu else 0
+    out.append(uuid_bits | (_IDS_BOOT_PACKED if mb else 0))
     if mu:
         out += bytes.fromhex("".join(mu.groups()))
-    else:
+    elif uuid:
         _put_str(out, uuid)
     if mb:
         out += bytes.fromhex(boot_id)
@@ -328,12 +336,15 @@ class _Reader:
         return out
 
     def ids(self) -> tuple[str, str]:
-        """The uuid and boot id (see ``_put_ids``)."""
+        """The uuid ("" when the batch carries none) and the boot id (see ``_put_ids``)."""
         packed = self.byte()
-        if packed > 3:
+        if packed > 7 or packed & (_IDS_NO_UUID | _IDS_UUID_PACKED) == _IDS_NO_UUID | _IDS_UUID_PACKED:
             raise BatchFormatError(f"unknown id packing {packed}")
-        uuid = _uuid_text(self.take(16).hex()) if packed & 1 else self.text()
-        boot_id = self.take(8).hex() if packed & 2 else self.text()
+        if packed & _IDS_NO_UUID:
+            uuid = ""
+        else:
+            uuid = _uuid_text(self.take(16).hex()) if packed & _IDS_UUID_PACKED else self.text()
+        boot_id = self.take(8).hex() if packed & _IDS_BOOT_PACKED else self.text()
         return uuid, boot_id
 
 
@@ -551,7 +562,7 @@ def _encode_series(
             index.setdefault(str(v), len(index))
         _put_uvarint(meta, len(index))
         for text in index:
-            if text == header_uuid:
+            if header_uuid and text == header_uuid:
                 _put_uvarint(meta, 0)  # "the batch's uuid"
             else:
                 raw = text.encode("utf-8")
@@ -625,6 +636,8 @@ class _Column:
     def resolve_uuid(self, uuid: str) -> None:
         """String dictionaries may say "the batch's uuid", which comes after the series' meta."""
         if self.words:
+            if not uuid and any(w is _HEADER_UUID for w in self.words):
+                raise BatchFormatError(f"series {self.name!r} refers to the batch's uuid, which the batch lacks")
             self.words = [uuid if w is _HEADER_UUID else w for w in self.words]
             if self.kind & _K_CONST:
                 self.const_value = self.words[0]
@@ -715,8 +728,13 @@ def encode_batch(
     seq: int,
     fmt: Format = "binary",
     codec: BatchCodec | None = None,
+    uuid_in_header: bool = True,
 ) -> EncodedBatch:
-    """Encode the samples (at least one, in time order) of one device as one batch."""
+    """Encode the samples (at least one, in time order) of one device as one batch.
+
+    ``uuid`` is the device's GPU uuid (``EncodedBatch.uuid``, the buffer's stream key). A binary batch's header
+    carries it when ``uuid_in_header`` is true or when a value of the batch is that string (the ``uuid``
+    series); otherwise the batch decodes with ``uuid == ""``. The JSON format always carries it."""
     if not samples:
         raise ValueError("a batch needs at least one sample")
     if seq < 0:
@@ -741,24 +759,46 @@ def encode_batch(
         }
         payload = json.dumps(doc, separators=(",", ":")).encode("utf-8")
     elif fmt == "binary":
-        body = batch_body(samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq)
+        body = batch_body(
+            samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq, uuid_in_header=uuid_in_header
+        )
         payload = (codec or BatchCodec()).pack(body)
     else:
         raise ValueError(f"telemetry format must be 'binary' or 'json', got {fmt!r}")
     return EncodedBatch(device, uuid, boot_id, seq, ts_first, ts_last, payload, fmt, len(samples), n_values)
 
 
-def batch_body(samples: Sequence[Sample], *, node: str, device: str, uuid: str, boot_id: str, seq: int) -> bytes:
+def batch_body(
+    samples: Sequence[Sample],
+    *,
+    node: str,
+    device: str,
+    uuid: str,
+    boot_id: str,
+    seq: int,
+    uuid_in_header: bool = True,
+) -> bytes:
     """The uncompressed body of a binary batch (what the zstd frame holds; the dictionary is built from these)."""
-    return b"".join(body_parts(samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq).values())
+    parts = body_parts(
+        samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq, uuid_in_header=uuid_in_header
+    )
+    return b"".join(parts.values())
 
 
 def body_parts(
-    samples: Sequence[Sample], *, node: str, device: str, uuid: str, boot_id: str, seq: int
+    samples: Sequence[Sample],
+    *,
+    node: str,
+    device: str,
+    uuid: str,
+    boot_id: str,
+    seq: int,
+    uuid_in_header: bool = True,
 ) -> dict[str, bytes]:
     """The body in its parts, in body order: ``head`` (rows, span, timestamp kind, node, device), ``series``
-    (each series' name, kind and constants), ``ids`` (uuid, boot id, seq, first timestamp), ``data`` (per-batch
-    varints) and ``bits`` (the packed fields). For measuring where the bytes go; ``batch_body`` joins them."""
+    (each series' name, kind and constants), ``ids`` (uuid if carried, boot id, seq, first timestamp), ``data``
+    (per-batch varints) and ``bits`` (the packed fields). For measuring where the bytes go; ``batch_body`` joins
+    them. The uuid is carried when ``uuid_in_header`` or when a string value of the batch equals it."""
     ts = [s.ts_ms for s in samples]
     ts_first, ts_last = min(ts), max(ts)
     n_rows = len(samples)
@@ -786,11 +826,15 @@ def body_parts(
                 col = columns[key] = ([], [])
             col[0].append(row)
             col[1].append(value)
+    if uuid and not uuid_in_header:
+        # A string value equal to the uuid refers to the header's copy (packed, 16 bytes): carry it then.
+        uuid_in_header = any(vt == _T_STR and uuid in vals for (_, vt), (_, vals) in columns.items())
+    carried = uuid if uuid_in_header else ""
     _put_uvarint(meta, len(columns))
     for (name, vtype), (rows, values) in columns.items():
-        _encode_series(out, name, rows, values, vtype, n_rows, uuid)
+        _encode_series(out, name, rows, values, vtype, n_rows, carried)
     series_end = len(meta)
-    _put_ids(meta, uuid, boot_id)
+    _put_ids(meta, carried, boot_id)
     _put_uvarint(meta, seq)
     _put_uvarint(meta, ts_first)
     return {
@@ -920,6 +964,9 @@ class BatchEncoder:
     The window opens at the first sample's timestamp; ``flush_due(now_ms)`` returns the batch once
     ``now_ms - window_start >= window_s``. Sequence numbers start at ``start_seq`` and grow by one per batch;
     ``next_seq`` may be set between batches (e.g. to share one counter between several encoders of a device).
+
+    The GPU uuid goes in the header of the first batch this encoder cuts and of the next batch after
+    ``announce_uuid()``; other batches carry it only when they hold the ``uuid`` series (see ``encode_batch``).
     """
 
     def __init__(
@@ -947,12 +994,18 @@ class BatchEncoder:
         self.next_seq = start_seq
         self._samples: list[Sample] = []
         self._window_start_ms: int | None = None
+        #: Whether the next batch's header carries the uuid (true for the first batch; see ``announce_uuid``).
+        self.uuid_in_next_batch = True
         # A codec holds ~2 MB of zstd state with the dictionary: share one between encoders (``codec=``).
         self._codec = codec if codec is not None else BatchCodec(level=zstd_level)
 
     @property
     def pending_samples(self) -> int:
         return len(self._samples)
+
+    def announce_uuid(self) -> None:
+        """Carry the uuid in the header of the next batch (e.g. for a consumer that starts listening now)."""
+        self.uuid_in_next_batch = True
 
     def add(self, sample: Sample) -> None:
         if self._window_start_ms is None:
@@ -992,8 +1045,10 @@ class BatchEncoder:
             seq=self.next_seq,
             fmt=self.fmt,
             codec=self._codec,
+            uuid_in_header=self.uuid_in_next_batch,
         )
         self.next_seq += 1
+        self.uuid_in_next_batch = False
         return batch
 
 
@@ -1083,6 +1138,11 @@ class DeviceTelemetry:
         for i, values in enumerate(parts):
             if values or i == 0:
                 self._encoders[i].add(Sample(sample.uuid, sample.ts_ms, values))
+
+    def announce_uuid(self) -> None:
+        """The next batch of every route carries the GPU uuid in its header (each route's first batch does)."""
+        for enc in self._encoders:
+            enc.announce_uuid()
 
     def flush_due(self, now_ms: int) -> list[tuple[Route, EncodedBatch]]:
         return self._cut(lambda e: e.flush_due(now_ms))

@@ -18,7 +18,9 @@ from mapper.telemetry import (
     BatchFormatError,
     DeviceTelemetry,
     Format,
+    batch_body,
     batch_json_lines,
+    body_parts,
     decode_batch,
     decode_command,
     encode_batch,
@@ -32,9 +34,16 @@ T0 = 1_780_000_000_000
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
 
 
-def _encode(samples: list[Sample], fmt: Format = "binary", seq: int = 7) -> bytes:
+def _encode(samples: list[Sample], fmt: Format = "binary", seq: int = 7, uuid_in_header: bool = True) -> bytes:
     return encode_batch(
-        samples, node="edge-1", device="default/gpu0", uuid=UUID, boot_id="boot-a", seq=seq, fmt=fmt
+        samples,
+        node="edge-1",
+        device="default/gpu0",
+        uuid=UUID,
+        boot_id="boot-a",
+        seq=seq,
+        fmt=fmt,
+        uuid_in_header=uuid_in_header,
     ).payload
 
 
@@ -57,6 +66,7 @@ values = st.one_of(
     st.integers(-(2**70), 2**70),
     nvml_floats,
     st.text(max_size=12),
+    st.just(UUID),
     st.booleans(),
 )
 names = st.sampled_from(["power_usage", "temperature", "memory_used", "compute_mode", "x.custom", "ünicode"])
@@ -75,9 +85,12 @@ def sample_lists(draw: st.DrawFn) -> list[Sample]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(sample_lists())
-def test_decoding_an_encoded_batch_gives_back_every_value_exactly(samples: list[Sample]) -> None:
-    _assert_same(samples, _encode(samples))
+@given(sample_lists(), st.booleans())
+def test_decoding_an_encoded_batch_gives_back_every_value_exactly(samples: list[Sample], with_uuid: bool) -> None:
+    payload = _encode(samples, uuid_in_header=with_uuid)
+    _assert_same(samples, payload)
+    holds_uuid = any(v == UUID for s in samples for v in s.values.values())
+    assert decode_batch(payload).uuid == (UUID if with_uuid or holds_uuid else "")
 
 
 @settings(max_examples=60, deadline=None)
@@ -328,3 +341,91 @@ def test_encoders_sharing_one_codec_make_the_same_bytes_as_encoders_with_their_o
         payloads.append(batch.payload)
     assert payloads[0] == payloads[1] == payloads[2]
     _assert_same(samples, payloads[0])
+
+
+def test_only_the_first_batch_of_an_encoder_and_batches_holding_the_uuid_carry_it_in_the_header() -> None:
+    enc = BatchEncoder("edge-1", "default/gpu0", UUID, "0123456789abcdef", window_s=10)
+    uuids = []
+    for window in range(4):
+        if window == 3:
+            enc.announce_uuid()
+        for i in range(10):
+            values: dict[str, int | str] = {"temperature": 60 + i}
+            if window == 2 and i == 4:
+                values["uuid"] = UUID  # the uuid series, sampled once a minute
+            enc.add(Sample(UUID, T0 + window * 10_000 + i * 1000, values))
+        batch = enc.flush()
+        assert batch is not None and batch.uuid == UUID
+        decoded = decode_batch(batch.payload)
+        uuids.append(decoded.uuid)
+        assert {s.uuid for s in decoded.samples} == {decoded.uuid}
+        if window == 2:
+            assert decoded.samples[4].values["uuid"] == UUID
+    assert uuids == [UUID, "", UUID, UUID]
+    assert enc.uuid_in_next_batch is False
+
+
+def test_every_route_of_a_device_carries_the_uuid_in_its_first_batch_only() -> None:
+    device = DeviceConfig(
+        namespace="default",
+        name="gpu0",
+        model="nvidia-gpu",
+        uuid=UUID,
+        properties=(DeviceProperty("power_usage", push_mqtt=PushMqtt("", "site/power", 1, False)),),
+    )
+    tel = DeviceTelemetry("edge-1", device, "boot-a", window_s=10)
+    seen = []
+    for window in range(2):
+        tel.add(Sample(UUID, T0 + window * 10_000, {"temperature": 60, "power_usage": 100.5}))
+        seen.append([(b.seq, decode_batch(b.payload).uuid) for _, b in tel.flush()])
+    assert seen == [[(0, UUID), (1, UUID)], [(2, ""), (3, "")]]
+    tel.announce_uuid()
+    tel.add(Sample(UUID, T0 + 20_000, {"temperature": 60, "power_usage": 100.5}))
+    assert [decode_batch(b.payload).uuid for _, b in tel.flush()] == [UUID, UUID]
+
+
+def test_a_header_without_the_uuid_is_sixteen_bytes_shorter() -> None:
+    samples = [Sample(UUID, T0 + i * 1000, {"temperature": 60 + i}) for i in range(10)]
+    sizes = [
+        len(batch_body(samples, node="n", device="d", uuid=UUID, boot_id="b", seq=3, uuid_in_header=carry))
+        for carry in (True, False)
+    ]
+    assert sizes[0] - sizes[1] == 16
+
+
+def test_a_string_that_refers_to_a_uuid_the_batch_lacks_is_refused() -> None:
+    samples = [Sample(UUID, T0, {"uuid": UUID, "temperature": 60})]
+    parts = body_parts(samples, node="n", device="d", uuid=UUID, boot_id="0123456789abcdef", seq=1)
+    ids = parts["ids"]
+    assert ids[0] == 0x03, "uuid and boot id packed"
+    without_uuid = {**parts, "ids": bytes([0x06]) + ids[17:]}
+    with pytest.raises(BatchFormatError, match="refers to the batch's uuid"):
+        decode_batch(b"G\x02\x00" + b"".join(without_uuid.values()))
+    both = {**parts, "ids": bytes([0x07]) + ids[1:]}
+    with pytest.raises(BatchFormatError, match="unknown id packing 7"):
+        decode_batch(b"G\x02\x00" + b"".join(both.values()))
+
+
+def test_a_batch_written_with_the_first_dictionary_and_the_uuid_in_every_header_still_decodes() -> None:
+    # Made by the encoder of 2026-11 (format 2, dictionary 1): 3 rows, the uuid series in the first.
+    old = bytes.fromhex(
+        "4702110000450200140303d00f310c0407090c8a02641901140100031234567812349abc0123456789abcdef0380909282e733"
+        "087808c80101240907fc450364f28cb06ca39c5795ad0e80a9bcb93e0d"
+    )
+    assert old[2] >> 4 == 1 and CURRENT_DICTIONARY_ID != 1
+    decoded = decode_batch(old)
+    assert (decoded.uuid, decoded.boot_id, decoded.seq, decoded.device) == (
+        UUID,
+        "0123456789abcdef",
+        3,
+        "default/gpu0",
+    )
+    assert [dict(s.values) for s in decoded.samples] == [
+        {
+            "temperature": 60 + i,
+            "power_usage": 100.25 + i,
+            "product_name": "NVIDIA H100",
+            **({"uuid": UUID} if i == 0 else {}),
+        }
+        for i in range(3)
+    ]
