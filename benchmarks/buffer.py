@@ -18,9 +18,13 @@ makes them). A "sample" is one (timestamp, series, value) point, as Prometheus c
   as the growth of the compressed size when each part is added; ``--breakdown`` also prints the raw bytes per
   batch of every series (stderr).
 
+``--cadence catalog`` samples each property at its catalog collect cycle (1 s, 5 s, 10 s or 60 s: the ``uuid``
+and the other static properties once a minute), as the mapper does for a generated Device, instead of every
+property every second. ``--legacy-uuid`` writes batches as format 2 did before the uuid became optional: the GPU
+uuid in every batch header, compressed with dictionary 1 (for before/after figures).
 ``--input FILE.csv`` (columns ``ts_ms,device,property,value``) runs the same on an external stream instead.
-Run: ``.venv/bin/python benchmarks/buffer.py [--hours H] [--window-s W] [--input FILE.csv] [--breakdown]``.
-Prints one JSON line last.
+Run: ``.venv/bin/python benchmarks/buffer.py [--hours H] [--window-s W] [--cadence 1hz|catalog] [--legacy-uuid]
+[--input FILE.csv] [--breakdown]``. Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -56,9 +60,10 @@ START_MS = 1_780_000_000_000 - 1_780_000_000_000 % 7_200_000  # on a 2 h boundar
 SCENARIOS = ("training", "inference", "steady", "oscillating", "heat", "idle", "training", "inference")
 
 
-def simulated(hours: float) -> Iterator[tuple[str, Sample]]:
+def simulated(hours: float, cadence: str = "1hz") -> Iterator[tuple[str, Sample]]:
     from mapper.gpu.nvml import NvmlBackend
     from mapper.gpu.simnvml import SimNvml
+    from mapper.model import NVML_PROPERTIES
 
     clock = FakeClock(start_wall_ms=START_MS)
     sim = SimNvml(GPUS, "H100", clock=clock.monotonic, seed=7)
@@ -67,11 +72,13 @@ def simulated(hours: float) -> Iterator[tuple[str, Sample]]:
     gpus = backend.list_gpus()
     for g, scenario in zip(gpus, SCENARIOS, strict=False):
         sim.set_scenario(g.uuid, scenario)
+    cycles_s = {p.name: max(1, p.collect_cycle_ms // 1000) for p in NVML_PROPERTIES}
     try:
-        for _ in range(round(hours * 3600)):
+        for second in range(round(hours * 3600)):
             clock.advance(1.0)
+            due = None if cadence == "1hz" else [name for name, c in cycles_s.items() if second % c == 0]
             for g in gpus:
-                yield f"default/{device_name(NODE, g.index)}", backend.sample(g.uuid)
+                yield f"default/{device_name(NODE, g.index)}", backend.sample(g.uuid, due)
     finally:
         backend.shutdown()
 
@@ -137,7 +144,7 @@ def write_openmetrics(stream: list[tuple[str, int, str, Value]], path: Path) -> 
         out.write("# EOF\n")
 
 
-def breakdown(db_path: Path, payloads: list[bytes], per_series: bool) -> dict[str, object]:
+def breakdown(db_path: Path, payloads: list[bytes], per_series: bool, codec: BatchCodec) -> dict[str, object]:
     """Where the bytes of the buffer file go, per batch (see the module docstring)."""
     n = len(payloads)
     conn = sqlite3.connect(db_path)
@@ -150,7 +157,6 @@ def breakdown(db_path: Path, payloads: list[bytes], per_series: bool) -> dict[st
     raw = Counter[str]()
     packed = Counter[str]()
     series = Counter[str]()
-    codec = BatchCodec()
     for payload in payloads:
         b = decode_batch(payload, codec)
         parts = body_parts(b.samples, node=b.node, device=b.device, uuid=b.uuid, boot_id=b.boot_id, seq=b.seq)
@@ -202,19 +208,22 @@ def main() -> None:
     ap.add_argument("--hours", type=float, default=1.0, help="simulated hours (default 1)")
     ap.add_argument("--input", type=Path, help="CSV stream ts_ms,device,property,value instead of the simulator")
     ap.add_argument("--window-s", type=float, default=WINDOW_S)
+    ap.add_argument("--cadence", choices=("1hz", "catalog"), default="1hz", help="every property at 1 Hz (default)")
+    ap.add_argument("--legacy-uuid", action="store_true", help="uuid in every header, dictionary 1 (before)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--breakdown", action="store_true", help="also print the raw bytes of every series (stderr)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-buffer-"))
-    source = from_csv(args.input) if args.input else simulated(args.hours)
+    source = from_csv(args.input) if args.input else simulated(args.hours, args.cadence)
     buf = Buffer(work / "buffer.db", max_bytes=10**12, max_age_s=10**9, clock=FakeClock(start_wall_ms=START_MS))
     encoders: dict[str, BatchEncoder] = {}
     flat: list[tuple[str, int, str, Value]] = []
     samples = 0
     busy_s = 0.0
     payloads: list[bytes] = []
-    codec = BatchCodec()  # one set of zstd contexts for every encoder, as the mapper shares it
+    # One set of zstd contexts for every encoder, as the mapper shares it.
+    codec = BatchCodec(dictionary_id=1) if args.legacy_uuid else BatchCodec()
 
     def store(device: str, batch: object) -> None:
         assert batch is not None
@@ -239,6 +248,8 @@ def main() -> None:
         enc = encoders.get(device)
         if enc is None:
             enc = encoders[device] = BatchEncoder(NODE, device, sample.uuid, BOOT_ID, args.window_s, codec=codec)
+        if args.legacy_uuid:
+            enc.announce_uuid()
         batch = enc.flush_due(sample.ts_ms)
         if batch is not None:
             store(device, batch)
@@ -246,6 +257,8 @@ def main() -> None:
         busy_s += time.perf_counter() - t0
     t0 = time.perf_counter()
     for device, enc in encoders.items():
+        if args.legacy_uuid:
+            enc.announce_uuid()
         batch = enc.flush()
         if batch is not None:
             store(device, batch)
@@ -253,7 +266,7 @@ def main() -> None:
     batches = buf.stats().batches
     buf.close()  # checkpoints the WAL into the file
     ours = buf.file_bytes()
-    where = breakdown(buf.path, payloads, args.breakdown)
+    where = breakdown(buf.path, payloads, args.breakdown, codec)
 
     om = work / "samples.om"
     write_openmetrics(flat, om)
@@ -284,7 +297,9 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "buffer",
-                "source": str(args.input) if args.input else f"simulated {GPUS} GPUs x {args.hours} h x 1 Hz",
+                "source": str(args.input) if args.input else f"simulated {GPUS} GPUs x {args.hours} h",
+                "cadence": None if args.input else args.cadence,
+                "format": "v2, uuid in every header, dictionary 1" if args.legacy_uuid else "v2, uuid optional",
                 "window_s": args.window_s,
                 "samples": samples,
                 "batches": batches,

@@ -29,7 +29,7 @@ from mapper.discover import device_name
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.profiles import PROFILES
 from mapper.gpu.simnvml import SCENARIOS, SimNvml
-from mapper.model import Sample
+from mapper.model import NVML_PROPERTIES, Sample
 from mapper.telemetry import batch_body
 
 DICTIONARY_ID = 2
@@ -41,12 +41,17 @@ SEED = 20_250_101
 NODES = ("node-1", "edge-a")
 PHASE_S = 480
 WINDOW_S = 10
+#: One GPU in CATALOG_EVERY (taking turns by phase) is sampled at the catalog cadences, the others at 1 Hz.
+CATALOG_EVERY = 4
 TARGET = Path(__file__).resolve().parent.parent / "mapper" / "telemetry_dict.py"
 
 
 def training_bodies() -> list[bytes]:
-    """Uncompressed batch bodies: each profile through every scenario, 10 s windows at 1 Hz; the uuid in the
-    header of each GPU's first batch only, as a ``BatchEncoder`` writes it."""
+    """Uncompressed batch bodies: each profile through every scenario in 10 s windows; one GPU in
+    ``CATALOG_EVERY`` (taking turns by phase) sampled as the mapper samples a generated Device (each property at
+    its catalog collect cycle: 1, 5, 10 or 60 s), the others every property every second; the uuid in the
+    header of each GPU's first batch only (and where a batch holds the uuid), as a ``BatchEncoder`` writes it."""
+    cycles_s = {p.name: max(1, p.collect_cycle_ms // 1000) for p in NVML_PROPERTIES}
     rng = random.Random(SEED)
     clock = FakeClock(start_wall_ms=1_700_000_000_000)
     profiles = sorted(PROFILES)
@@ -64,8 +69,10 @@ def training_bodies() -> list[bytes]:
             pending: dict[str, list[Sample]] = {g.uuid: [] for g in gpus}
             for second in range(PHASE_S):
                 clock.advance(1.0)
-                for g in gpus:
-                    pending[g.uuid].append(backend.sample(g.uuid))
+                due = [name for name, c in cycles_s.items() if second % c == 0]
+                for i, g in enumerate(gpus):
+                    catalog = (phase + i) % CATALOG_EVERY == 1
+                    pending[g.uuid].append(backend.sample(g.uuid, due if catalog else None))
                 if (second + 1) % WINDOW_S:
                     continue
                 for i, g in enumerate(gpus):
