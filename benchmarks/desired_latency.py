@@ -1,0 +1,529 @@
+"""Desired-state latency: from a desired power limit arriving to the value read back as applied and its ack
+published, through an EventBus delta (real mosquitto) and a DMI UpdateDevice (real Unix socket); and the time
+to re-apply every power limit after a simulated driver reload.
+
+The mapper runs in THIS process (a whole ``MapperApp`` over ``SimNvml``: 8 simulated H100s, 8 Devices with a
+1000 ms collect cycle for every property, each with a desired power limit of 450 W, INFO logging to a file, the
+SQLite buffer and desired store, metrics server). The party that sends the changes and listens for the acks is
+a SEPARATE process (this script with ``--client``), as EdgeCore, an edge application and an ack consumer are:
+
+* ``eventbus``: the client publishes ``$hw/events/device/default/<node>-gpu0/twin/update/delta`` (QoS 1, a new
+  timestamp each time) and waits for the ack with result ``applied`` for that value and version on
+  ``gpu-mapper/<node>/default/<node>-gpu0/desired/ack``. The mapper runs in standalone mode (devices folder).
+* ``dmi``: the mapper runs in DMI mode against the test EdgeCore (tests/fake_edgecore.py) with MQTT configured
+  for the acks; the client calls ``DeviceMapperService.UpdateDevice`` on the mapper's socket over one channel
+  (``dmi``), and over a new channel per call as EdgeCore dials them (``dmi_new_channel``, which includes the
+  connection set-up), and waits for the ``applied`` ack.
+
+Each change alternates the power limit among 350/400/500/550 W (every one a real change), followed by a random
+pause of 0-20 ms so the changes land at every phase of the 1 s collect cycle. Latency = ack received at the
+client - change sent by the client (perf_counter in the client), so it includes both loopback hops.
+
+Re-apply: ``SimNvml.driver_reload()`` wipes every setting; the main process polls the simulated GPUs every
+2 ms until all 8 power limits read 450 W again (the desired value), in seconds and in collect cycles.
+
+Baseline, same process, before the mapper starts: ``NvmlBackend.set_power_limit`` over the simulator alone
+(the NVML call and its read-back through the backend's worker thread): what the mapper adds on top.
+
+Run: ``.venv/bin/python benchmarks/desired_latency.py [--quick] [--changes N] [--reloads N]``.
+Prints one JSON line last. Target: p99 < 20 ms on loopback, re-apply within one collect cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+NODE = "edge-1"
+NAMESPACE = "default"
+GPUS = 8
+PROFILE = "H100"
+DESIRED_W = 450
+VALUES_W = (350, 400, 500, 550)
+COLLECT_CYCLE_MS = 1000
+WARMUP_CHANGES = 10
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    if not values:
+        raise ValueError("percentile of an empty list")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def summary_ms(latencies_s: list[float]) -> dict[str, float]:
+    ms = [x * 1000 for x in latencies_s]
+    return {
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p90_ms": round(percentile(ms, 90), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "max_ms": round(max(ms), 3),
+        "mean_ms": round(statistics.fmean(ms), 3),
+    }
+
+
+def device_name(index: int) -> str:
+    from mapper.discover import device_name as name
+
+    return name(NODE, index)
+
+
+def ack_topic(index: int = 0) -> str:
+    return f"gpu-mapper/{NODE}/{NAMESPACE}/{device_name(index)}/desired/ack"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The client process: sends the changes, waits for the acks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def nodelay(client: Any) -> None:
+    """TCP_NODELAY on a connected paho client's socket, as Go's net package sets by default (EdgeCore, Go apps)."""
+    import socket
+
+    sock = client.socket()
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class AckWaiter:
+    """A paho subscriber on the ack topic; ``expect`` a value (and version), ``wait`` for its applied ack."""
+
+    def __init__(self, port: int, topic: str) -> None:
+        import paho.mqtt.client as paho
+
+        self._cond = threading.Condition()
+        self._expected: tuple[float, int | None] | None = None
+        self._hit_at: float | None = None
+        self._subscribed = threading.Event()
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"latency-client-{os.getpid()}")
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *a: self._subscribed.set()
+        self.client.connect("127.0.0.1", port)
+        nodelay(self.client)
+        self.client.subscribe(topic, qos=1)
+        self.client.loop_start()
+        if not self._subscribed.wait(10):
+            raise RuntimeError(f"no SUBACK for {topic} within 10 s")
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        now = time.perf_counter()
+        try:
+            doc = json.loads(message.payload)
+        except ValueError:
+            return
+        if doc.get("property") != "power_limit" or doc.get("result") != "applied":
+            return
+        with self._cond:
+            if self._expected is None or self._hit_at is not None:
+                return
+            value, version = self._expected
+            try:
+                desired = float(doc.get("desired"))
+            except (TypeError, ValueError):
+                return
+            if desired != value or (version is not None and doc.get("version_ms") != version):
+                return
+            self._hit_at = now
+            self._cond.notify_all()
+
+    def expect(self, value: float, version: int | None) -> None:
+        with self._cond:
+            self._expected = (value, version)
+            self._hit_at = None
+
+    def wait(self, timeout_s: float) -> float | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._hit_at is not None, timeout=timeout_s)
+            return self._hit_at
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def client_main(spec: dict[str, Any]) -> None:
+    """Runs in the client process; prints one JSON document: {variant: [latency_s or null, ...]}."""
+    rng = random.Random(spec["seed"])
+    waiter = AckWaiter(spec["port"], ack_topic())
+    results: dict[str, list[float | None]] = {}
+    try:
+        for variant in spec["variants"]:
+            send = _sender(variant, spec)
+            latencies: list[float | None] = []
+            version = 0
+            try:
+                for i in range(spec["changes"] + WARMUP_CHANGES):
+                    value = VALUES_W[i % len(VALUES_W)]
+                    version = max(int(time.time() * 1000), version + 1)  # the send time, strictly newer
+                    waiter.expect(value, version if variant == "eventbus" else None)
+                    t0 = time.perf_counter()
+                    send(value, version)
+                    hit = waiter.wait(5.0)
+                    if i >= WARMUP_CHANGES:
+                        latencies.append(None if hit is None else hit - t0)
+                    time.sleep(rng.uniform(0.0, 0.020))
+            finally:
+                close = getattr(send, "close", None)
+                if close is not None:
+                    close()
+            results[variant] = latencies
+    finally:
+        waiter.close()
+    print(json.dumps(results))
+
+
+class _EventBusSender:
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as paho
+
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"latency-app-{os.getpid()}")
+        self.client.connect("127.0.0.1", port)
+        nodelay(self.client)
+        self.client.loop_start()
+        self.topic = f"$hw/events/device/{NAMESPACE}/{device_name(0)}/twin/update/delta"
+
+    def __call__(self, value: float, version: int) -> None:
+        doc = {"event_id": f"bench-{version}", "timestamp": version, "twin": {}, "delta": {"power_limit": str(value)}}
+        self.client.publish(self.topic, json.dumps(doc).encode(), qos=1)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+class _DmiSender:
+    def __init__(self, socket_path: str, uuid: str, *, new_channel: bool) -> None:
+        import grpc
+
+        from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
+
+        self._grpc = grpc
+        self._pb_grpc = pb_grpc
+        self.target = f"unix://{socket_path}"
+        self.uuid = uuid
+        self.new_channel = new_channel
+        self.channel = None if new_channel else grpc.insecure_channel(self.target)
+        self.stub = None if self.channel is None else pb_grpc.DeviceMapperServiceStub(self.channel)
+
+    def __call__(self, value: float, version: int) -> None:
+        from mapper.dmi.pb import dmi_pb2 as pb
+
+        request = pb.UpdateDeviceRequest(device=dmi_device(0, self.uuid, str(value)))
+        if self.new_channel:
+            with self._grpc.insecure_channel(self.target) as channel:
+                self._pb_grpc.DeviceMapperServiceStub(channel).UpdateDevice(request, timeout=10)
+        else:
+            assert self.stub is not None
+            self.stub.UpdateDevice(request, timeout=10)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+
+def _sender(variant: str, spec: dict[str, Any]) -> Any:
+    if variant == "eventbus":
+        return _EventBusSender(spec["port"])
+    if variant in ("dmi", "dmi_new_channel"):
+        return _DmiSender(spec["socket"], spec["uuid"], new_channel=variant == "dmi_new_channel")
+    raise ValueError(f"unknown client variant {variant!r}")
+
+
+def run_client(spec: dict[str, Any], timeout_s: float) -> dict[str, list[float | None]]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--client", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"client process failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    result: dict[str, list[float | None]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Devices: the same 8 Devices for the folder (standalone) and for the test EdgeCore (DMI)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def dmi_device(index: int, uuid: str, power_limit: str) -> Any:
+    from mapper.model import NVML_PROPERTIES
+    from tests.fake_edgecore import pb_device
+
+    props: dict[str, str | None] = {p.name: None for p in NVML_PROPERTIES}
+    props["power_limit"] = power_limit
+    return pb_device(device_name(index), uuid, properties=props, cycle_ms=COLLECT_CYCLE_MS)
+
+
+def dmi_model() -> Any:
+    from mapper.model import NVML_PROPERTIES
+    from tests.fake_edgecore import pb_model
+
+    return pb_model(props={p.name: p.ptype for p in NVML_PROPERTIES})
+
+
+def write_devices_folder(folder: Path, uuids_by_index: list[tuple[int, str]]) -> None:
+    """8 Devices from ``mapper.discover.device_yaml`` with every collect cycle at 1000 ms, and the model."""
+    import yaml
+
+    from mapper.discover import device_yaml, model_yaml
+    from mapper.model import GpuInfo
+
+    gpus = [GpuInfo(uuid=u, index=i, name="NVIDIA H100", pci_bus_id="") for i, u in uuids_by_index]
+    text = device_yaml(gpus, NODE, desired={u: {"power_limit": str(DESIRED_W)} for _, u in uuids_by_index})
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    for doc in docs:
+        for prop in doc["spec"]["properties"]:
+            prop["collectCycle"] = COLLECT_CYCLE_MS
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "devices.yaml").write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    (folder / "model.yaml").write_text(model_yaml())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The main process: baseline, the mapper, reloads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def baseline_set_power_limit(calls: int) -> dict[str, float]:
+    """``NvmlBackend.set_power_limit`` over the simulator alone (set, read back, through the worker thread)."""
+    from mapper.gpu.nvml import NvmlBackend
+    from mapper.gpu.simnvml import SimNvml
+
+    sim = SimNvml(1, PROFILE, seed=0, scenario="inference")
+    backend = NvmlBackend(sim)
+    backend.init()
+    uuid = backend.list_gpus()[0].uuid
+    times: list[float] = []
+    for i in range(calls + 50):
+        t0 = time.perf_counter()
+        backend.set_power_limit(uuid, VALUES_W[i % len(VALUES_W)])
+        if i >= 50:
+            times.append(time.perf_counter() - t0)
+    backend.shutdown()
+    return summary_ms(times)
+
+
+def configure_logging(path: Path) -> None:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def new_sim() -> Any:
+    from mapper.gpu.simnvml import SimNvml
+
+    return SimNvml(GPUS, PROFILE, seed=0, scenario="inference")
+
+
+def base_settings(data_dir: Path, **overrides: Any) -> Any:
+    from dataclasses import replace
+
+    from mapper.config import Settings
+
+    settings = Settings(
+        node_name=NODE,
+        data_dir=str(data_dir),
+        metrics_addr="127.0.0.1:0",
+        collect_cycle_ms=COLLECT_CYCLE_MS,
+        sim=GPUS,
+        sim_profile=PROFILE,
+    )
+    return replace(settings, **overrides)
+
+
+async def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def all_at(sim: Any, watts: float) -> bool:
+    return all(abs(g.power_limit_w - watts) < 0.01 for g in sim.gpus)
+
+
+async def measure_reloads(app: Any, sim: Any, reloads: int, rng: random.Random) -> dict[str, Any]:
+    """Driver reloads at random phases of the collect cycle; seconds until every GPU reads 450 W again."""
+    gpu0 = sim.gpus[0].uuid
+    times: list[float] = []
+    drift_before = sum(sum(w.reconciler.counters.drift_reapplies.values()) for w in app.workers.values())
+    for _ in range(reloads):
+        await asyncio.sleep(rng.uniform(0.5, 1.5))
+        await wait_until(lambda: all_at(sim, DESIRED_W), 10.0, "every GPU at 450 W before a reload")
+        t0 = time.perf_counter()
+        sim.driver_reload()
+        if abs(sim.gpu(gpu0).power_limit_w - DESIRED_W) < 0.01:
+            raise RuntimeError("driver_reload did not reset the power limit; nothing to measure")
+        while not all_at(sim, DESIRED_W):
+            if time.perf_counter() - t0 > 30:
+                raise RuntimeError("the power limits were not re-applied within 30 s of a driver reload")
+            await asyncio.sleep(0.002)
+        times.append(time.perf_counter() - t0)
+    drift_after = sum(sum(w.reconciler.counters.drift_reapplies.values()) for w in app.workers.values())
+    cycle_s = COLLECT_CYCLE_MS / 1000
+    return {
+        "reloads": reloads,
+        "reapply_s_mean": round(statistics.fmean(times), 3),
+        "reapply_s_max": round(max(times), 3),
+        "reapply_cycles_max": round(max(times) / cycle_s, 2),
+        "reapply_within_one_cycle": max(times) <= cycle_s,
+        "reapply_s_all": [round(t, 3) for t in times],
+        "drift_reapplies_counted": drift_after - drift_before,
+    }
+
+
+async def eventbus_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    from mapper.config import MqttSettings
+    from tests.apphelpers import running_app
+
+    sim = new_sim()
+    folder = tmp / "eb-devices"
+    write_devices_folder(folder, [(g.index, g.uuid) for g in sim.gpus])
+    settings = base_settings(tmp / "eb-data", devices_dir=str(folder), mqtt=MqttSettings(url=broker.url))
+    async with running_app(settings, sim) as app:
+        await wait_until(lambda: app.session is not None and app.session.connected, 10, "MQTT connected")
+        await wait_until(lambda: all_at(sim, DESIRED_W), 10, "450 W on every GPU from the devices folder")
+        spec = {"port": broker.port, "variants": ["eventbus"], "changes": args.changes, "seed": args.seed}
+        raw = await asyncio.to_thread(run_client, spec, 300)
+        # Back to 450 W from the edge too, then the reload series.
+        gpu0 = app.workers[sim.gpus[0].uuid]
+        gpu0.desired.set("power_limit", str(DESIRED_W), "edge", int(time.time() * 1000) + 10_000)
+        gpu0.wake()
+        reload = await measure_reloads(app, sim, args.reloads, random.Random(args.seed))
+    return {"eventbus": raw["eventbus"]}, reload
+
+
+async def dmi_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from mapper.config import MqttSettings
+    from tests.apphelpers import running_app
+    from tests.fake_edgecore import FakeEdgeCore
+
+    sock_dir = Path(tempfile.mkdtemp(prefix="dmi-", dir="/tmp"))
+    try:
+        sim = new_sim()
+        edge = FakeEdgeCore(str(sock_dir / "dmi.sock"))
+        edge.devices = [dmi_device(g.index, g.uuid, str(DESIRED_W)) for g in sim.gpus]
+        edge.models = [dmi_model()]
+        await edge.start()
+        settings = base_settings(
+            tmp / "dmi-data",
+            edgecore_socket=edge.socket_path,
+            socket=str(sock_dir / "gpu.sock"),
+            mqtt=MqttSettings(url=broker.url),
+        )
+        try:
+            async with running_app(settings, sim) as app:
+                await wait_until(lambda: app.dmi_client is not None and app.dmi_client.registered, 10, "registered")
+                await wait_until(lambda: app.session is not None and app.session.connected, 10, "MQTT connected")
+                await wait_until(lambda: all_at(sim, DESIRED_W), 10, "450 W on every GPU from EdgeCore")
+                spec = {
+                    "port": broker.port,
+                    "variants": ["dmi", "dmi_new_channel"],
+                    "changes": args.changes,
+                    "seed": args.seed + 1,
+                    "socket": settings.socket,
+                    "uuid": sim.gpus[0].uuid,
+                }
+                raw = await asyncio.to_thread(run_client, spec, 300)
+        finally:
+            await edge.stop()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return raw
+
+
+def series_figures(raw: list[float | None]) -> dict[str, Any]:
+    ok = [x for x in raw if x is not None]
+    out: dict[str, Any] = {"changes": len(raw), "timeouts": len(raw) - len(ok)}
+    if ok:
+        out.update(summary_ms(ok))
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.brokers import Mosquitto
+
+    baseline = baseline_set_power_limit(1000)
+    tmp = Path(tempfile.mkdtemp(prefix="desired-latency-"))
+    configure_logging(tmp / "mapper.log")
+    broker = Mosquitto(tmp, extra_config=args.broker_config)
+    broker.start()
+    try:
+        t0 = time.perf_counter()
+        eb_raw, reload = await eventbus_phase(tmp, broker, args)
+        dmi_raw = await dmi_phase(tmp, broker, args)
+        wall_s = time.perf_counter() - t0
+    finally:
+        broker.stop()
+        logging.getLogger().handlers[:] = []
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    series = {name: series_figures(values) for name, values in {**eb_raw, **dmi_raw}.items()}
+    result: dict[str, Any] = {
+        "benchmark": "desired_latency",
+        "gpus": GPUS,
+        "collect_cycle_ms": COLLECT_CYCLE_MS,
+        "baseline_set_power_limit": baseline,
+        **{name: figures for name, figures in series.items()},
+        "reload": reload,
+        "wall_s": round(wall_s, 1),
+        "python": platform.python_version(),
+    }
+    base_p50 = baseline["p50_ms"]
+    for figures in series.values():
+        if "p99_ms" in figures:
+            figures["p50_vs_baseline"] = round(figures["p50_ms"] / base_p50, 1)
+            figures["p99_target_met"] = figures["p99_ms"] < 20.0 and figures["timeouts"] == 0
+    if args.keep:
+        result["kept"] = str(tmp)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer driver reloads (200 changes per path still)")
+    parser.add_argument("--changes", type=int, default=None, help="measured changes per path (default 300)")
+    parser.add_argument("--reloads", type=int, default=None, help="driver reloads (default 10, 4 with --quick)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, databases)")
+    parser.add_argument("--broker-config", default="", help="extra mosquitto.conf lines (e.g. 'set_tcp_nodelay true')")
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        client_main(json.loads(args.client))
+        return
+    args.changes = args.changes if args.changes is not None else (200 if args.quick else 300)
+    args.reloads = args.reloads if args.reloads is not None else (4 if args.quick else 10)
+    if args.changes < 1 or args.reloads < 1:
+        parser.error("--changes and --reloads must be at least 1")
+    result = asyncio.run(main_async(args))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
