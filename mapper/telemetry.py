@@ -139,6 +139,9 @@ class EncodedBatch:
 
 @dataclass(frozen=True)
 class DecodedBatch:
+    """A batch as read back. ``uuid`` is "" for a binary batch whose header carries no GPU uuid (see
+    ``encode_batch``); the device name identifies the stream."""
+
     version: int
     fmt: Format
     node: str
