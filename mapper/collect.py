@@ -72,6 +72,10 @@ class GpuWorker:
     last_tick_s: float = 0.0
     collect_errors: int = 0
     _due: dict[str, float] = field(default_factory=dict)
+    #: Collect cycle (s) per property for the bound Device, filled on first use, emptied by ``bind``.
+    _cycle_s: dict[str, float] = field(default_factory=dict)
+    #: The reconciler holds the GPU's constraints (read once; again after a driver reload or a lost GPU).
+    _constraints_known: bool = False
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     on_change: Callable[[], None] | None = None
 
@@ -86,9 +90,16 @@ class GpuWorker:
         wanted = prop.collect_cycle_ms if prop is not None and prop.collect_cycle_ms > 0 else spec.collect_cycle_ms
         return max(wanted, self.min_collect_cycle_ms)
 
+    def _next_s(self, name: str, now_s: float) -> float:
+        cycle_s = self._cycle_s.get(name)
+        if cycle_s is None:
+            cycle_s = self._cycle_s[name] = self.cycle_ms(name) / 1000
+        return now_s + cycle_s
+
     def driver_reloaded(self) -> None:
         """The driver was reloaded (or the GPU reset): settings are gone, re-read everything."""
         self.reconciler.invalidate()
+        self._constraints_known = False
         self._due.clear()
         self.wake()
 
@@ -104,6 +115,7 @@ class GpuWorker:
         """Attach (or detach) the Device. New cycles apply from now: everything is due at once."""
         self.device = device
         self._due.clear()
+        self._cycle_s.clear()
         self.wake()
 
     def wake(self) -> None:
@@ -137,7 +149,7 @@ class GpuWorker:
                 self._lost(str(exc))
                 result.error = str(exc)
                 for name in due:
-                    self._due[name] = now_s + self.cycle_ms(name) / 1000
+                    self._due[name] = self._next_s(name, now_s)
             except MapperError as exc:
                 self.collect_errors += 1
                 result.error = str(exc)
@@ -148,17 +160,21 @@ class GpuWorker:
             else:
                 if self.lost:
                     log.warning("GPU %s answers again", self.uuid)
+                    self._constraints_known = False
                 self.lost = False
                 self.values.update(sample.values)
                 self.values_ts_ms = sample.ts_ms
                 result.sample = sample
                 for name in due:
-                    self._due[name] = now_s + self.cycle_ms(name) / 1000
-        if not self.lost:
+                    self._due[name] = self._next_s(name, now_s)
+        if not self.lost and not self._constraints_known:
+            # The reconciler caches them: one thread hop until they are known, none per cycle after that.
             try:
                 self.constraints = await self._call(self.reconciler.constraints)
             except MapperError as exc:
                 log.warning("reading the constraints of GPU %s failed: %s", self.uuid, exc)
+            else:
+                self._constraints_known = self.constraints != Constraints()
         observed = Sample(self.uuid, self.values_ts_ms or self.clock.wall_ms(), dict(self.values))
 
         events, self.pending_events = self.pending_events, []
