@@ -16,7 +16,7 @@ a SEPARATE process (this script with ``--client``), as EdgeCore, an edge applica
   connection set-up), and waits for the ``applied`` ack.
 
 Each change alternates the power limit among 350/400/500/550 W (every one a real change), followed by a random
-pause of 0-20 ms so the changes land at every phase of the 1 s collect cycle. Latency = ack received at the
+pause of 50-150 ms so the changes land at every phase of the 1 s collect cycle. Latency = ack received at the
 client - change sent by the client (perf_counter in the client), so it includes both loopback hops.
 
 Re-apply: ``SimNvml.driver_reload()`` wipes every setting; the main process polls the simulated GPUs every
@@ -58,6 +58,9 @@ DESIRED_W = 450
 VALUES_W = (350, 400, 500, 550)
 COLLECT_CYCLE_MS = 1000
 WARMUP_CHANGES = 10
+#: Pause between changes: desired changes are rare events, not a stream (back-to-back changes within TCP's
+#: 40 ms delayed-ACK window would add the broker's Nagle stall on top, which isolated changes never see).
+PAUSE_MIN_S, PAUSE_MAX_S = 0.05, 0.15
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -180,7 +183,7 @@ def client_main(spec: dict[str, Any]) -> None:
                     hit = waiter.wait(5.0)
                     if i >= WARMUP_CHANGES:
                         latencies.append(None if hit is None else hit - t0)
-                    time.sleep(rng.uniform(0.0, 0.020))
+                    time.sleep(rng.uniform(PAUSE_MIN_S, PAUSE_MAX_S))
             finally:
                 close = getattr(send, "close", None)
                 if close is not None:
@@ -363,6 +366,12 @@ async def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
+def mapper_nodelay(app: Any) -> None:
+    """DIAGNOSTIC (--mapper-nodelay): TCP_NODELAY on the mapper's MQTT socket, reaching into MqttSession's paho
+    client, to show what setting it in mapper/mqtt.py would gain. Not what the mapper does today."""
+    nodelay(app.session._client)
+
+
 def all_at(sim: Any, watts: float) -> bool:
     return all(abs(g.power_limit_w - watts) < 0.01 for g in sim.gpus)
 
@@ -407,6 +416,8 @@ async def eventbus_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> tu
     settings = base_settings(tmp / "eb-data", devices_dir=str(folder), mqtt=MqttSettings(url=broker.url))
     async with running_app(settings, sim) as app:
         await wait_until(lambda: app.session is not None and app.session.connected, 10, "MQTT connected")
+        if args.mapper_nodelay:
+            mapper_nodelay(app)
         await wait_until(lambda: all_at(sim, DESIRED_W), 10, "450 W on every GPU from the devices folder")
         spec = {"port": broker.port, "variants": ["eventbus"], "changes": args.changes, "seed": args.seed}
         raw = await asyncio.to_thread(run_client, spec, 300)
@@ -440,6 +451,8 @@ async def dmi_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[st
             async with running_app(settings, sim) as app:
                 await wait_until(lambda: app.dmi_client is not None and app.dmi_client.registered, 10, "registered")
                 await wait_until(lambda: app.session is not None and app.session.connected, 10, "MQTT connected")
+                if args.mapper_nodelay:
+                    mapper_nodelay(app)
                 await wait_until(lambda: all_at(sim, DESIRED_W), 10, "450 W on every GPU from EdgeCore")
                 spec = {
                     "port": broker.port,
@@ -491,6 +504,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_set_power_limit": baseline,
         **{name: figures for name, figures in series.items()},
         "reload": reload,
+        "broker_config": args.broker_config,
+        "mapper_nodelay": args.mapper_nodelay,
         "wall_s": round(wall_s, 1),
         "python": platform.python_version(),
     }
@@ -512,6 +527,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, databases)")
     parser.add_argument("--broker-config", default="", help="extra mosquitto.conf lines (e.g. 'set_tcp_nodelay true')")
+    parser.add_argument(
+        "--mapper-nodelay",
+        action="store_true",
+        help="diagnostic: set TCP_NODELAY on the mapper's MQTT socket (what a fix in mapper/mqtt.py would gain)",
+    )
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:

@@ -1,0 +1,368 @@
+"""Mapper overhead: CPU (user+sys seconds per wall second) and peak RSS of ``gpu-mapper run --sim 8`` as a
+separate process, side by side with a naive exporter loop (benchmarks/overhead_naive.py) in the same run.
+
+Set-up, all on loopback:
+
+* two real mosquittos on free ports (one per side, so that each broker's own CPU can be shown too);
+* the mapper: ``gpu-mapper run --sim 8 --sim-scenario inference --devices DIR --mqtt URL --data-dir D
+  --metrics-addr 127.0.0.1:P`` with a devices folder of 8 Devices from ``mapper.discover.device_yaml`` whose
+  properties all have a 1000 ms collect cycle, and the DeviceModel; standalone mode, so EventBus twin and state
+  updates go to the broker as well as the telemetry batches; the SQLite buffer and desired store on; INFO logs
+  to a file; ``/metrics`` scraped by this script every 15 s;
+* the naive loop: the same 8 simulated GPUs (same profile, seed, scenario), every catalog value read by one
+  pynvml-surface call each second and published as one JSON message with QoS 1 over paho.
+
+Both start together; after a warm-up (imports, first samples, first batches) the CPU counters of both
+processes (``/proc/<pid>/stat`` utime+stime, all threads) and of both brokers are read at the start and the end
+of the measured window. Peak RSS is ``VmHWM`` from ``/proc/<pid>/status``. The import-only RSS of a bare Python
+with the mapper's heavy imports (grpc, paho, prometheus_client, yaml, zstandard, sqlite3), and with all of
+``mapper.app`` imported, is measured too, so the RSS figure can be read honestly. A subscriber on each broker
+counts what each side delivered (messages, bytes, values), to show both did the same work.
+
+Run: ``.venv/bin/python benchmarks/overhead.py [--quick] [--seconds S] [--warmup-s W]``. Default 60 s
+measured (30 s with --quick). Prints one JSON line last. Targets: mapper CPU < 0.5 % of one core,
+< 1/5 of the naive loop's CPU, peak RSS < 60 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NODE = "edge-1"
+GPUS = 8
+PROFILE = "H100"
+SEED = 0
+SCENARIO = "inference"
+COLLECT_CYCLE_MS = 1000
+SCRAPE_EVERY_S = 15.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as fh:
+        text = fh.read()
+    fields = text[text.rindex(")") + 2 :].split()
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def status_kb(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/status has no {key}")
+
+
+def import_only_rss_mb(modules: str) -> float:
+    """Peak RSS (MB) of a fresh Python that only imports ``modules``."""
+    code = f"import {modules}\nprint(open('/proc/self/status').read())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    for line in out.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in the child's status")
+
+
+def sim_gpus() -> list[Any]:
+    """The GpuInfo of the 8 simulated GPUs ``gpu-mapper run --sim 8`` will see (same profile and seed)."""
+    from mapper.gpu.nvml import NvmlBackend
+    from mapper.gpu.simnvml import SimNvml
+
+    backend = NvmlBackend(SimNvml(GPUS, PROFILE, seed=SEED, scenario=SCENARIO))
+    backend.init()
+    try:
+        return backend.list_gpus()
+    finally:
+        backend.shutdown()
+
+
+def write_devices_folder(folder: Path) -> int:
+    """8 Devices (every property at a 1000 ms collect cycle) and the model; returns the property count."""
+    import yaml
+
+    from mapper.discover import device_yaml, model_yaml
+
+    docs = [d for d in yaml.safe_load_all(device_yaml(sim_gpus(), NODE)) if d]
+    for doc in docs:
+        for prop in doc["spec"]["properties"]:
+            prop["collectCycle"] = COLLECT_CYCLE_MS
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "devices.yaml").write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    (folder / "model.yaml").write_text(model_yaml())
+    return len(docs[0]["spec"]["properties"])
+
+
+class Counter:
+    """A paho subscriber to ``#`` on one broker: messages and payload bytes received."""
+
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as paho
+
+        self.messages = 0
+        self.bytes = 0
+        self.by_kind: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._counting = False
+        self._subscribed = threading.Event()
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"counter-{port}")
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *a: self._subscribed.set()
+        self.client.connect("127.0.0.1", port)
+        self.client.subscribe([("#", 0), ("$hw/#", 0)])  # "#" does not match topics that start with "$"
+        self.client.loop_start()
+        if not self._subscribed.wait(10):
+            raise RuntimeError(f"no SUBACK from the broker on {port}")
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        with self._lock:
+            if not self._counting:
+                return
+            self.messages += 1
+            self.bytes += len(message.payload)
+            kind = message.topic.rsplit("/", 1)[-1] if message.topic.startswith("gpu-mapper/") else "eventbus"
+            if message.topic.startswith("naive/"):
+                kind = "value"
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+
+    def start_counting(self) -> None:
+        with self._lock:
+            self._counting = True
+
+    def stop_counting(self) -> dict[str, Any]:
+        with self._lock:
+            self._counting = False
+            return {"messages": self.messages, "bytes": self.bytes, "by_kind": dict(self.by_kind)}
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def wait_http(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except Exception as exc:  # not up yet: retry until the deadline
+            last = exc
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s}s: {last}")
+
+
+def scrape(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return len(resp.read())
+
+
+def mapper_values_in_window(metrics_before: str, metrics_after: str) -> dict[str, float]:
+    """Telemetry published by the mapper between two /status snapshots (batches, bytes)."""
+    a, b = json.loads(metrics_before), json.loads(metrics_after)
+    return {
+        "telemetry_batches": b["buffer"]["published_batches"] - a["buffer"]["published_batches"],
+        "telemetry_bytes": b["buffer"]["published_bytes"] - a["buffer"]["published_bytes"],
+        "buffer_batches_end": b["buffer"]["batches"],
+    }
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.brokers import Mosquitto, free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    brokers: list[Mosquitto] = []
+    counters: list[Counter] = []
+    try:
+        folder = tmp / "devices"
+        props_per_device = write_devices_folder(folder)
+        broker_m, broker_n = Mosquitto(tmp), Mosquitto(tmp)
+        for b in (broker_m, broker_n):
+            b.start()
+            brokers.append(b)
+        counter_m, counter_n = Counter(broker_m.port), Counter(broker_n.port)
+        counters += [counter_m, counter_n]
+        metrics_port = free_port()
+        base = f"http://127.0.0.1:{metrics_port}"
+        exe = shutil.which("gpu-mapper", path=str(Path(sys.executable).parent)) or "gpu-mapper"
+        mapper_cmd = [
+            exe,
+            "run",
+            "--sim",
+            str(GPUS),
+            "--sim-profile",
+            PROFILE,
+            "--sim-seed",
+            str(SEED),
+            "--sim-scenario",
+            SCENARIO,
+            "--node-name",
+            NODE,
+            "--devices",
+            str(folder),
+            "--mqtt",
+            broker_m.url,
+            "--data-dir",
+            str(tmp / "data"),
+            "--metrics-addr",
+            f"127.0.0.1:{metrics_port}",
+            "--log-level",
+            "INFO",
+        ]
+        naive_cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "overhead_naive.py"),
+            "--port",
+            str(broker_n.port),
+            "--gpus",
+            str(GPUS),
+            "--profile",
+            PROFILE,
+            "--seed",
+            str(SEED),
+            "--scenario",
+            SCENARIO,
+            "--node",
+            NODE,
+        ]
+        log = (tmp / "mapper.log").open("wb")
+        mapper = subprocess.Popen(mapper_cmd, stdout=log, stderr=log, cwd=ROOT)
+        procs.append(mapper)
+        naive = subprocess.Popen(naive_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        procs.append(naive)
+        wait_http(base + "/readyz", 30)
+
+        time.sleep(args.warmup_s)
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[0]} exited early with {p.returncode}: see {tmp}")
+        counter_m.start_counting()
+        counter_n.start_counting()
+        status_before = fetch(base + "/status")
+        pids = {"mapper": mapper.pid, "naive": naive.pid}
+        broker_pids = {"mapper": broker_m.proc.pid, "naive": broker_n.proc.pid}  # type: ignore[union-attr]
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        bcpu0 = {k: cpu_seconds(p) for k, p in broker_pids.items()}
+        t0 = time.monotonic()
+        scrapes = 0
+        scrape_bytes = 0
+        next_scrape = t0
+        while (now := time.monotonic()) < t0 + args.seconds:
+            if now >= next_scrape:
+                scrape_bytes = scrape(base + "/metrics")
+                scrapes += 1
+                next_scrape += SCRAPE_EVERY_S
+            time.sleep(min(0.5, max(0.0, min(next_scrape, t0 + args.seconds) - time.monotonic())))
+        wall = time.monotonic() - t0
+        cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+        bcpu1 = {k: cpu_seconds(p) for k, p in broker_pids.items()}
+        status_after = fetch(base + "/status")
+        delivered = {"mapper": counter_m.stop_counting(), "naive": counter_n.stop_counting()}
+        hwm = {k: status_kb(p, "VmHWM") / 1024 for k, p in pids.items()}
+        rss = {k: status_kb(p, "VmRSS") / 1024 for k, p in pids.items()}
+        threads = {k: status_kb(p, "Threads") for k, p in pids.items()}
+
+        mapper.send_signal(signal.SIGTERM)
+        naive.send_signal(signal.SIGTERM)
+        mapper_rc = mapper.wait(timeout=30)
+        naive_out, naive_err = naive.communicate(timeout=30)
+        if mapper_rc != 0:
+            raise RuntimeError(f"the mapper exited with {mapper_rc}; log in {tmp}/mapper.log")
+        if naive.returncode != 0:
+            raise RuntimeError(f"the naive loop exited with {naive.returncode}: {naive_err.decode()[-2000:]}")
+        published = mapper_values_in_window(status_before, status_after)
+    finally:
+        for c in counters:
+            c.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        for b in brokers:
+            b.stop()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    cpu = {k: (cpu1[k] - cpu0[k]) / wall for k in pids}
+    broker_cpu = {k: (bcpu1[k] - bcpu0[k]) / wall for k in broker_pids}
+    import_libs = import_only_rss_mb("grpc, paho.mqtt.client, prometheus_client, yaml, zstandard, sqlite3")
+    import_all = import_only_rss_mb("mapper.app, mapper.cli")
+    import_none = import_only_rss_mb("sys")
+    values_per_s = GPUS * props_per_device / (COLLECT_CYCLE_MS / 1000)
+    result: dict[str, Any] = {
+        "benchmark": "overhead",
+        "gpus": GPUS,
+        "collect_cycle_ms": COLLECT_CYCLE_MS,
+        "measured_s": round(wall, 1),
+        "warmup_s": args.warmup_s,
+        "mapper_cpu_pct_of_core": round(cpu["mapper"] * 100, 3),
+        "naive_cpu_pct_of_core": round(cpu["naive"] * 100, 3),
+        "cpu_ratio_mapper_over_naive": round(cpu["mapper"] / cpu["naive"], 3) if cpu["naive"] > 0 else None,
+        "mapper_peak_rss_mb": round(hwm["mapper"], 1),
+        "naive_peak_rss_mb": round(hwm["naive"], 1),
+        "mapper_rss_end_mb": round(rss["mapper"], 1),
+        "import_only_rss_mb": {
+            "python": round(import_none, 1),
+            "libs": round(import_libs, 1),
+            "mapper_app": round(import_all, 1),
+        },
+        "mapper_rss_above_imports_mb": round(hwm["mapper"] - import_all, 1),
+        "broker_cpu_pct_of_core": {k: round(v * 100, 3) for k, v in broker_cpu.items()},
+        "threads": threads,
+        "delivered": delivered,
+        "mapper_published_in_window": published,
+        "catalog_values_per_s": values_per_s,
+        "scrapes": scrapes,
+        "metrics_bytes": scrape_bytes,
+        "naive": json.loads(naive_out.decode().strip().splitlines()[-1]) if naive_out.strip() else {},
+        "targets": {
+            "cpu_under_0.5pct": cpu["mapper"] * 100 < 0.5,
+            "cpu_under_fifth_of_naive": cpu["naive"] > 0 and cpu["mapper"] / cpu["naive"] < 0.2,
+            "rss_under_60mb": hwm["mapper"] < 60,
+        },
+        "python": platform.python_version(),
+    }
+    if args.keep:
+        result["kept"] = str(tmp)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="30 s measured instead of 60 s")
+    parser.add_argument("--seconds", type=float, default=None, help="measured window (default 60, 30 with --quick)")
+    parser.add_argument("--warmup-s", type=float, default=15.0, help="excluded start-up time (default 15)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, databases)")
+    args = parser.parse_args()
+    args.seconds = args.seconds if args.seconds is not None else (30.0 if args.quick else 60.0)
+    if args.seconds <= 0 or args.warmup_s < 0:
+        parser.error("--seconds must be positive and --warmup-s not negative")
+    print(json.dumps(run(args)))
+
+
+if __name__ == "__main__":
+    main()
