@@ -661,15 +661,13 @@ class Reconciler:
         cons = constraints if constraints is not None else self.constraints()
         observed = self._observed(observed_sample)
         restore_set = set(restore) | self._released(desired)
-        first = plan(
-            desired,
-            observed,
-            cons,
-            limits,
-            clamp=self.clamp,
-            restore=restore_set,
-            restore_modes=self.restore_modes,
-        )
+
+        def plan_for(seen: Mapping[str, Value]) -> Plan:
+            return plan(
+                desired, seen, cons, limits, clamp=self.clamp, restore=restore_set, restore_modes=self.restore_modes
+            )
+
+        first = plan_for(observed)
         # Targets that changed (or vanished) reset their backoff state.
         for group in list(self._groups):
             target = first.targets.get(group)
@@ -694,15 +692,7 @@ class Reconciler:
 
         if applied_any:
             observed = self._read_back(observed, [o for o in outcomes if o.outcome == "ok"])
-        final = plan(
-            desired,
-            observed,
-            cons,
-            limits,
-            clamp=self.clamp,
-            restore=restore_set,
-            restore_modes=self.restore_modes,
-        )
+        final = plan_for(observed)
         # A setter that said yes but the GPU reads otherwise: back off as for a transient error.
         pending_groups = {a.group for a in final.actions}
         for i, out in enumerate(outcomes):
