@@ -34,18 +34,33 @@ _SIZE_UNITS = {
 }
 
 
-def parse_duration_s(value: Any, path: str) -> float:
-    """``30`` / ``"30s"`` / ``"5m"`` / ``"250ms"`` / ``"1h"`` -> seconds."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{path}: expected a duration such as 30s or 5m, got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
+_DURATION_HINT = "a duration with a unit such as 30s, 5m, 1h, 1m30s or 250ms"
+
+
+def parse_duration_s(value: Any, path: str, *, bare_seconds: bool = True) -> float:
+    """``"30s"`` / ``"5m"`` / ``"1m30s"`` / ``"250ms"`` / ``"2d"`` -> seconds; a bare number means seconds
+    unless ``bare_seconds`` is False (the policies insist on a unit). Errors name ``path``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
+    text = str(value).strip()
+    if isinstance(value, int | float) or (_DURATION_RE.match(text) and not text[-1].isalpha()):
+        if not bare_seconds:
+            raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}") from None
     else:
-        match = _DURATION_RE.match(str(value))
-        if not match:
-            raise ConfigError(f"{path}: expected a duration such as 30s, 5m or 250ms, got {value!r}")
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    if seconds < 0:
+        pos, seconds = 0, 0.0
+        for m in _DURATION_PART.finditer(text):
+            if m.start() != pos:
+                break
+            seconds += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+            pos = m.end()
+        if pos == 0 or pos != len(text):
+            raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
+    if seconds < 0 or seconds != seconds:
         raise ConfigError(f"{path}: must not be negative, got {value!r}")
     return seconds
 

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import yaml
 
+from mapper.config import parse_duration_s
 from mapper.errors import ConfigError
 from mapper.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
 
@@ -152,25 +153,12 @@ class PolicyConfig:
         }
 
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _AMOUNT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|w|W)")
 
 
 def parse_duration(raw: object, path: str) -> float:
     """``250ms``, ``30s``, ``5m``, ``1h``, ``1m30s`` -> seconds. A bare number is refused (which unit?)."""
-    if isinstance(raw, bool) or not isinstance(raw, str):
-        raise ConfigError(f"{path}: expected a duration with a unit such as 30s, 5m, 1h or 250ms, got {raw!r}")
-    text = raw.strip()
-    pos, total = 0, 0.0
-    for m in _DURATION_PART.finditer(text):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _DURATION_UNITS_S[m.group(2)]
-        pos = m.end()
-    if pos == 0 or pos != len(text):
-        raise ConfigError(f"{path}: expected a duration with a unit such as 30s, 5m, 1h or 250ms, got {raw!r}")
-    return total
+    return parse_duration_s(raw, path, bare_seconds=False)
 
 
 def format_duration(seconds: float) -> str:
