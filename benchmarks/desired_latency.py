@@ -378,8 +378,8 @@ def all_at(sim: Any, watts: float) -> bool:
 
 async def measure_reloads(app: Any, sim: Any, reloads: int, rng: random.Random) -> dict[str, Any]:
     """Driver reloads at random phases of the collect cycle; seconds until every GPU reads 450 W again, and
-    in collect ticks: how many ticks each GPU loop started between the reload and the re-apply (1 = the first
-    tick after the reload re-applied it)."""
+    in collect ticks: the most ticks a GPU loop started between the reload and that GPU's re-apply (1 = the
+    first tick after the reload re-applied it; a tick that starts after its GPU is back is not counted)."""
     gpu0 = sim.gpus[0].uuid
     times: list[float] = []
     ticks: list[int] = []
@@ -395,7 +395,8 @@ async def measure_reloads(app: Any, sim: Any, reloads: int, rng: random.Random) 
         started: dict[str, set[float]] = {uuid: set() for uuid in app.workers}
         while True:
             for uuid, worker in app.workers.items():
-                if worker.last_tick_s >= reload_mono:
+                # Ticks of this GPU's loop since the reload, until its own limit is back.
+                if worker.last_tick_s >= reload_mono and abs(sim.gpu(uuid).power_limit_w - DESIRED_W) >= 0.01:
                     started[uuid].add(worker.last_tick_s)
             if all_at(sim, DESIRED_W):
                 break
