@@ -270,9 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wait_http(base + "/readyz", 30)
 
         time.sleep(args.warmup_s)
-        for p in procs:
+        for name, p in (("the mapper", mapper), ("the naive loop", naive)):
             if p.poll() is not None:
-                raise RuntimeError(f"{p.args[0]} exited early with {p.returncode}: see {tmp}")
+                raise RuntimeError(f"{name} exited early with {p.returncode}: see {tmp}")
         counter_m.start_counting()
         counter_n.start_counting()
         status_before = fetch(base + "/status")
@@ -310,6 +310,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if naive.returncode != 0:
             raise RuntimeError(f"the naive loop exited with {naive.returncode}: {naive_err.decode()[-2000:]}")
         published = mapper_values_in_window(status_before, status_after)
+    except BaseException:
+        args.keep = True  # the logs and databases explain the failure
+        print(f"overhead: failed; logs kept in {tmp}", file=sys.stderr)
+        raise
     finally:
         for c in counters:
             c.close()
