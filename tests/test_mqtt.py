@@ -268,3 +268,15 @@ def test_tls_options_on_a_plain_url_are_a_configuration_error() -> None:
         MqttSession("mqtt://b:1883", "x", ca_file="/nope.pem")
     with pytest.raises(ConfigError, match="cert_file and key_file"):
         MqttSession("mqtts://b:8883", "x", cert_file="/c.pem")
+
+
+async def test_the_session_socket_sends_small_messages_at_once_tcp_nodelay(mosquitto: Mosquitto) -> None:
+    import socket
+
+    session = _session(mosquitto.url, "nodelay")
+    await session.start()
+    assert await session.wait_connected(5)
+    sock = session._client.socket()
+    assert sock is not None
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    await session.stop(2)
