@@ -21,7 +21,6 @@ from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.model import (
     NVML_PROPERTIES,
     PROPERTY_BY_NAME,
-    WRITABLE,
     Constraints,
     DeviceConfig,
     GpuBackend,
@@ -30,7 +29,7 @@ from mapper.model import (
     Sample,
     Value,
 )
-from mapper.policy import Decision, PolicyContext, PolicyEngine, PolicyEvent
+from mapper.policy import Decision, PolicyContext, PolicyEngine
 from mapper.reconcile import Reconciler, ReconcileResult
 
 log = logging.getLogger(__name__)
@@ -193,10 +192,15 @@ class GpuWorker:
         if not self.lost and self.values:
             effective = self.desired.effective()
             restore = self.desired.pending_restore()
+            limits = decision.limits
             try:
-                rec: ReconcileResult = await self._call(
-                    lambda: self.reconciler.step(effective, observed, decision.limits, restore=restore)
-                )
+                if self.reconciler.would_act(effective, observed, limits, restore=restore):
+                    rec: ReconcileResult = await self._call(
+                        lambda: self.reconciler.step(effective, observed, limits, restore=restore)
+                    )
+                else:
+                    # Nothing to set: the step only compares and keeps its books, no NVML call, no thread hop.
+                    rec = self.reconciler.step(effective, observed, limits, restore=restore)
             except MapperError as exc:
                 log.warning("reconciling GPU %s failed: %s", self.uuid, exc)
             else:
@@ -244,11 +248,3 @@ async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float) -
         future.cancel()
         raise TimeoutError(f"{getattr(fn, '__name__', 'call')} took longer than {timeout_s}s")
     return future.result()
-
-
-def writable_with_desired(worker: GpuWorker) -> list[str]:
-    return [p for p in WRITABLE if p in worker.desired.effective()]
-
-
-def policy_event_log(worker: GpuWorker, event: PolicyEvent) -> str:
-    return f"policy {event.policy} {event.action} on GPU {worker.uuid}: {event.reason}"

@@ -646,6 +646,31 @@ class Reconciler:
         return self._constraints
 
     # --- the step ------------------------------------------------------------------------------------
+    def would_act(
+        self,
+        desired: Mapping[str, DesiredValue],
+        observed_sample: Sample | Mapping[str, Value] | None,
+        limits: Iterable[PolicyLimit] = (),
+        *,
+        restore: Collection[str] = (),
+    ) -> bool:
+        """True when ``step`` with these inputs could call the GPU: constraints not read yet, or the plan
+        has actions. When False, ``step`` is pure bookkeeping and may run on the event loop."""
+        if self._constraints is None:
+            return True
+        observed = self._observed(observed_sample)
+        restore_set = set(restore) | self._released(desired)
+        first = plan(
+            desired,
+            observed,
+            self._constraints,
+            list(limits),
+            clamp=self.clamp,
+            restore=restore_set,
+            restore_modes=self.restore_modes,
+        )
+        return bool(first.actions)
+
     def step(
         self,
         desired: Mapping[str, DesiredValue],

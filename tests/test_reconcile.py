@@ -866,3 +866,22 @@ def test_drift_whose_reapply_fails_first_is_counted_once_and_healed_after_backof
     assert rig.gpu.power_limit_mw == 450_000
     assert healed.counters.drift_reapplies == {"power_limit": 1}
     assert [a.result for a in healed.acks] == ["applied"]
+
+
+def test_would_act_says_when_a_step_may_call_the_gpu_and_a_quiet_step_calls_nothing(rig: Rig) -> None:
+    sample = rig.backend.sample(rig.uuid)
+    assert rig.reconciler.would_act({}, sample), "constraints not read yet: the step may do I/O"
+    rig.reconciler.constraints()
+    assert not rig.reconciler.would_act({}, sample)
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    assert rig.reconciler.would_act(rig.state.effective(), sample)
+    rig.cycle()
+    sample = rig.backend.sample(rig.uuid)
+    assert not rig.reconciler.would_act(rig.state.effective(), sample), "in force: nothing to set"
+    before = sum(n for f, n in rig.sim.calls.items() if "Set" in f or "Reset" in f or "Get" in f)
+    result = rig.reconciler.step(rig.state.effective(), sample)
+    after = sum(n for f, n in rig.sim.calls.items() if "Set" in f or "Reset" in f or "Get" in f)
+    assert after == before and result.statuses["power_limit"].text == "applied"
+    rig.sim.driver_reload()
+    rig.reconciler.invalidate()
+    assert rig.reconciler.would_act(rig.state.effective(), sample), "after a reload: re-read and re-apply"
