@@ -34,6 +34,9 @@ from mapper.reconcile import Reconciler, ReconcileResult
 
 log = logging.getLogger(__name__)
 
+#: Properties due within this many seconds of a tick are sampled in that tick.
+DUE_SLACK_S = 0.05
+
 
 @dataclass
 class TickResult:
@@ -103,7 +106,10 @@ class GpuWorker:
         self.wake()
 
     def due_properties(self, now_s: float) -> list[str]:
-        return [p.name for p in NVML_PROPERTIES if self._due.get(p.name, -1.0) <= now_s]
+        # Timers may fire a hair early, and cycles drift apart: what falls due within DUE_SLACK_S is read now,
+        # in the same NVML round, instead of waking the loop again a few milliseconds later.
+        horizon_s = now_s + DUE_SLACK_S
+        return [p.name for p in NVML_PROPERTIES if self._due.get(p.name, -1.0) <= horizon_s]
 
     def next_due_s(self) -> float:
         if not self._due:
