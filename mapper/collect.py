@@ -231,6 +231,11 @@ class GpuWorker:
         return float(d.value)
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # A backend with its own worker thread (NvmlBackend.call_async) runs its methods there directly: one
+        # thread wake-up per call instead of two (default executor, then that worker); its own timeouts apply.
+        call_async = getattr(self.backend, "call_async", None)
+        if call_async is not None and getattr(fn, "__self__", None) is self.backend:
+            return await call_async(fn, *args)
         try:
             return await call_in_thread(fn, *args, timeout_s=self.call_timeout_s)
         except TimeoutError:

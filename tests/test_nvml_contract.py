@@ -5,10 +5,12 @@ The simulator is the only stand-in: the backend code is the one that runs over t
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pynvml
 import pytest
@@ -575,6 +577,130 @@ def test_calls_from_several_threads_are_serialised_safely(fake_clock: FakeClock,
         thread.join(timeout=30)
     assert failures == []
     assert [sim.gpu(u).power_limit_w for u in uuids] == [350.0, 250.0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The async entry (call_async): same work on the same worker, awaited without a default-executor thread
+# --------------------------------------------------------------------------------------------------
+
+
+class _NoThreads(ThreadPoolExecutor):
+    """A default executor that fails any use: proves call_async needs none."""
+
+    def submit(self, *args: object, **kwargs: object) -> Future[object]:  # type: ignore[override]
+        raise AssertionError("call_async used the default executor")
+
+
+async def test_call_async_gives_what_the_blocking_calls_give_without_the_default_executor(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (h100, t4) = build(fake_clock, backends, "H100", "T4")
+    asyncio.get_running_loop().set_default_executor(_NoThreads(max_workers=1))
+    assert await backend.call_async(backend.list_gpus) == backend.list_gpus()
+    assert await backend.call_async("constraints", t4) == backend.constraints(t4)
+    assert await backend.call_async(backend.driver_version) == backend.driver_version()
+    sample = await backend.call_async(backend.sample, h100, ["uuid", "power_limit", "temperature"])
+    assert sample.uuid == h100 and set(sample.values) == {"uuid", "power_limit", "temperature"}
+    assert sample.values["uuid"] == h100 and sample.values["power_limit"] == 700.0
+    assert await backend.call_async(backend.set_power_limit, h100, 350.5) == 350.5
+    assert sim.gpu(h100).power_limit_mw == 350_500
+    await backend.call_async(backend.set_locked_gpu_clocks, t4, 300, 1590)
+    assert await backend.call_async(backend.locked_clocks, t4) == backend.locked_clocks(t4)
+    assert backend.locked_clocks(t4)["locked_gpu_clock_max"] == 1590
+    assert backend.sample(h100, ["power_limit"]).values["power_limit"] == 350.5  # the blocking path still works
+
+
+async def test_call_async_raises_the_errors_the_blocking_calls_raise(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    missing = "GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(NotFoundError) as sync_error:
+        backend.sample(missing)
+    with pytest.raises(NotFoundError) as async_error:
+        await backend.call_async(backend.sample, missing)
+    assert str(async_error.value) == str(sync_error.value) and missing in str(async_error.value)
+    with pytest.raises(InvalidValueError, match="200-700 W") as out_of_range:
+        await backend.call_async(backend.set_power_limit, uuid, 800)
+    assert out_of_range.value.reason == "out-of-range"
+    with pytest.raises(InvalidValueError) as not_a_number:
+        await backend.call_async(backend.set_power_limit, uuid, "300")
+    assert not_a_number.value.reason == "not-a-number"
+    assert sim.calls["nvmlDeviceSetPowerManagementLimit"] == 1  # only the out-of-range one reached NVML
+    assert sim.gpu(uuid).power_limit_mw == 700_000
+    # a failed plan leaves no trace: the next blocking call runs normally
+    assert backend.sample(uuid, ["uuid"]).values["uuid"] == uuid
+
+
+async def test_call_async_refuses_what_is_not_a_public_method_of_this_backend(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    _, backend, (uuid,) = build(fake_clock, backends)
+    _, other, _ = build(fake_clock, backends)
+    with pytest.raises(TypeError, match="not a method of this NvmlBackend"):
+        await backend.call_async(other.sample, uuid)
+    with pytest.raises(TypeError, match="not a method of this NvmlBackend"):
+        await backend.call_async(len, "x")
+    for name in ("shutdown", "_sample", "no_such_method", "call_async"):
+        with pytest.raises(TypeError, match=name):
+            await backend.call_async(name, uuid)
+    assert (await backend.call_async(backend.sample, uuid, ["uuid"])).values["uuid"] == uuid
+
+
+async def test_a_hung_call_awaited_through_call_async_times_out_and_nvml_is_reinitialised(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, call_timeout_s=0.1, init_timeout_s=0.1)
+    await backend.call_async(backend.sample, uuid)
+    sim.set_call_delay_s(0.4, "nvmlDeviceGetPowerUsage")
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    beating = asyncio.create_task(heartbeat())
+    started = time.monotonic()
+    with pytest.raises(TransientError, match=r"no answer from NVML within 0\.1 s"):
+        await backend.call_async(backend.sample, uuid)
+    assert time.monotonic() - started < 0.35
+    assert ticks >= 3  # the event loop kept running while the call hung
+    beating.cancel()
+    with pytest.raises(TransientError, match="not attempted: NVML has not answered"):
+        await backend.call_async(backend.sample, uuid)  # fails fast while the call hangs
+    with pytest.raises(TransientError, match="not attempted"):
+        backend.sample(uuid)  # the blocking path sees the same hung call
+    sim.set_call_delay_s(0, "nvmlDeviceGetPowerUsage")
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sample = await backend.call_async(backend.sample, uuid)
+            break
+        except TransientError:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    assert "power_usage" in sample.values
+    assert sim.calls["nvmlInitWithFlags"] == 2
+
+
+async def test_a_cancelled_call_async_that_has_not_started_never_runs(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    await backend.call_async(backend.sample, uuid)
+    sim.set_call_delay_s(0.2, "nvmlDeviceGetPowerUsage")
+    first = asyncio.create_task(backend.call_async(backend.sample, uuid))
+    second = asyncio.create_task(backend.call_async(backend.set_power_limit, uuid, 300))
+    await asyncio.sleep(0.05)  # the first is inside NVML, the second queued behind it
+    second.cancel()
+    sample = await first
+    assert "power_usage" in sample.values
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert backend.sample(uuid, ["power_limit"]).values["power_limit"] == 700.0
+    assert sim.calls["nvmlDeviceSetPowerManagementLimit"] == 0
 
 
 @settings(max_examples=60, deadline=None)

@@ -13,6 +13,8 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 * Lazy init; re-init with capped exponential backoff after Unknown, Uninitialized, GpuIsLost, a timeout or a
   detected driver reload. Every public call runs on one worker thread and is bounded by ``call_timeout_s``;
   a call that hangs makes later calls fail fast (TransientError) until it returns, then NVML is re-initialised.
+  ``await backend.call_async(backend.sample, uuid)`` runs a public method's NVML work on that same worker and
+  wakes the event loop when it is done: no default-executor thread in between, same errors and timeouts.
 * A GPU lost in the middle of a sample: ``sample()`` raises ``GpuLostError`` (nothing partial is returned), the
   GPU is marked lost, a ``gpu_lost`` event is queued for ``poll_events()``, and later calls for that GPU raise
   ``GpuLostError`` at once without touching NVML, probing again every ``lost_retry_s``.
@@ -24,12 +26,13 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from mapper.clock import Clock, SystemClock
 from mapper.errors import (
@@ -57,6 +60,9 @@ from mapper.model import (
 )
 
 T = TypeVar("T")
+
+#: Public methods ``call_async`` refuses: ``shutdown`` does more than one worker job (it stops the worker).
+_NOT_ASYNC = frozenset({"shutdown"})
 
 LIBRARY_NAME = "libnvidia-ml.so.1"
 
@@ -156,6 +162,8 @@ class NvmlBackend:
         self._hung: _Job | None = None
         self._hung_what = ""
         self._hung_since_s = 0.0
+        # set on a thread while call_async plans a public method: _call hands the job back instead of running it
+        self._planning = threading.local()
         # NVML session (touched only on the worker thread, apart from _needs_reinit)
         self._initialized = False
         self._needs_reinit = False
@@ -286,9 +294,87 @@ class NvmlBackend:
         return uuid in self._lost
 
     # ==============================================================================================
-    # Worker thread, timeouts, init
+    # Async entry, worker thread, timeouts, init
     # ==============================================================================================
+    # --- async entry ----------------------------------------------------------------------------------
+    @overload
+    async def call_async(self, method: Callable[..., T], *args: Any) -> T: ...
+
+    @overload
+    async def call_async(self, method: str, *args: Any) -> Any: ...
+
+    async def call_async(self, method: Callable[..., Any] | str, *args: Any) -> Any:
+        """``await backend.call_async(backend.sample, uuid, props)``: the public method ``method`` (bound to this
+        backend, or its name) with ``args``, its NVML work run on the worker thread while the event loop waits
+        without a thread of its own. Same results, errors, timeouts (``call_timeout_s``, ``init_timeout_s``) and
+        hung-call handling as the blocking call. Argument checks run on the caller's thread, as they do there.
+        Cancelling the await drops a job that has not started; one already inside NVML runs to its end."""
+        bound = self._public_method(method)
+        self._planning.active = True
+        try:
+            immediate = bound(*args)
+        except _Planned as planned:
+            what, fn, needs_session = planned.what, planned.fn, planned.needs_session
+        else:
+            return immediate  # nothing for the worker (e.g. locked_clocks, is_lost)
+        finally:
+            self._planning.active = False
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+
+        def settle(finished: bool) -> None:
+            if not waiter.done():
+                waiter.set_result(finished)
+
+        def on_done() -> None:  # on the worker thread
+            try:
+                loop.call_soon_threadsafe(settle, True)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is waiting any more
+
+        job, worker, timeout_s = self._submit(what, fn, needs_session, on_done)
+        timer = loop.call_later(timeout_s, settle, False)
+        try:
+            finished = await waiter
+        except asyncio.CancelledError:
+            worker.cancel(job)
+            raise
+        finally:
+            timer.cancel()
+        if finished or job.finished:
+            return self._outcome(job)
+        raise self._timed_out(what, job, worker, timeout_s)
+
+    def _public_method(self, method: Callable[..., Any] | str) -> Callable[..., Any]:
+        name = method if isinstance(method, str) else getattr(method, "__name__", "")
+        if not isinstance(method, str) and getattr(method, "__self__", None) is not self:
+            raise TypeError(f"call_async: {method!r} is not a method of this NvmlBackend")
+        if name.startswith("_") or name in _NOT_ASYNC or not callable(getattr(type(self), name, None)):
+            raise TypeError(f"call_async: {name!r} is not a public NvmlBackend method it can run")
+        if name == "call_async":
+            raise TypeError("call_async: cannot run call_async itself")
+        bound: Callable[..., Any] = getattr(self, name)
+        return bound
+
+    # --- worker thread, timeouts, init --------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T], *, needs_session: bool = True) -> T:
+        if getattr(self._planning, "active", False):
+            self._planning.active = False
+            raise _Planned(what, fn, needs_session)
+        job, worker, timeout_s = self._submit(what, fn, needs_session)
+        if job.wait(timeout_s):
+            result: T = self._outcome(job)
+            return result
+        raise self._timed_out(what, job, worker, timeout_s)
+
+    def _submit(
+        self,
+        what: str,
+        fn: Callable[[], Any],
+        needs_session: bool,
+        on_done: Callable[[], None] | None = None,
+    ) -> tuple[_Job, _Worker, float]:
+        """Queue ``fn`` (guarded) on the worker; the job, that worker, and how long to wait for it."""
         with self._submit_lock:
             hung = self._hung
             if hung is not None:
@@ -303,19 +389,25 @@ class NvmlBackend:
                 self._worker = _Worker()
             fresh = not self._initialized or self._needs_reinit
             timeout_s = max(self._call_timeout_s, self._init_timeout_s) if fresh else self._call_timeout_s
-            job = self._worker.submit(lambda: self._guarded(fn, needs_session))
-        if job.wait(timeout_s):
-            if job.error is not None:
-                raise job.error
-            return job.result
-        if self._worker.cancel(job):
-            raise TransientError(f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s)
+            job = self._worker.submit(lambda: self._guarded(fn, needs_session), on_done)
+            return job, self._worker, timeout_s
+
+    @staticmethod
+    def _outcome(job: _Job) -> Any:
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _timed_out(self, what: str, job: _Job, worker: _Worker, timeout_s: float) -> TransientError:
+        """The error for a job not done within ``timeout_s``; one already running is marked hung (re-init)."""
+        if worker.cancel(job):
+            return TransientError(f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s)
         with self._submit_lock:
             self._hung = job
             self._hung_what = what
             self._hung_since_s = self._clock.monotonic() - timeout_s
             self._needs_reinit = True
-        raise TransientError(
+        return TransientError(
             f"{what}: no answer from NVML within {timeout_s} s; NVML will be re-initialised",
             retry_after_s=timeout_s,
         )
@@ -996,11 +1088,24 @@ def _wanted(properties: Iterable[str] | None) -> frozenset[str]:
 _QUEUED, _RUNNING, _FINISHED, _CANCELLED = range(4)
 
 
-class _Job:
-    __slots__ = ("done", "error", "fn", "result", "state")
+class _Planned(BaseException):
+    """Raised by ``_call`` while ``call_async`` plans a public method: the job to run instead of running it.
+    A BaseException so that no ``except Exception`` in a public method can swallow it."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, what: str, fn: Callable[[], Any], needs_session: bool) -> None:
+        super().__init__(what)
+        self.what = what
         self.fn = fn
+        self.needs_session = needs_session
+
+
+class _Job:
+    __slots__ = ("done", "error", "fn", "on_done", "result", "state")
+
+    def __init__(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> None:
+        self.fn = fn
+        #: Called on the worker thread once the job has finished (after ``done`` is released); must not raise.
+        self.on_done = on_done
         self.result: Any = None
         self.error: BaseException | None = None
         self.state = _QUEUED
@@ -1025,8 +1130,8 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name="nvml", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any]) -> _Job:
-        job = _Job(fn)
+    def submit(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> _Job:
+        job = _Job(fn, on_done)
         self._jobs.put(job)
         return job
 
@@ -1056,6 +1161,11 @@ class _Worker:
                 job.error = exc
             job.state = _FINISHED
             job.done.release()
+            if job.on_done is not None:
+                try:
+                    job.on_done()
+                except Exception:  # a waiter's callback must never stop the worker
+                    pass
 
 
 # --------------------------------------------------------------------------------------------------
