@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import pynvml
 import pytest
@@ -36,6 +37,7 @@ from mapper.model import (
     PROPERTY_BY_NAME,
     TWIN_VALUE_RE,
     GpuBackend,
+    Sample,
     clock_event_reasons_text,
     format_value,
 )
@@ -701,6 +703,71 @@ async def test_a_cancelled_call_async_that_has_not_started_never_runs(
         await second
     assert backend.sample(uuid, ["power_limit"]).values["power_limit"] == 700.0
     assert sim.calls["nvmlDeviceSetPowerManagementLimit"] == 0
+
+
+async def test_calls_awaited_in_the_same_loop_iteration_run_as_one_worker_job_each_with_its_own_outcome(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, uuids = build(fake_clock, backends, *(["H100"] * 4), "T4")
+    await backend.call_async(backend.init)
+    worker = backend._worker
+    assert worker is not None
+    jobs = 0
+    submit = worker.submit
+
+    def counting_submit(*args: Any) -> Any:
+        nonlocal jobs
+        jobs += 1
+        return submit(*args)
+
+    worker.submit = counting_submit  # type: ignore[method-assign]
+    lost = uuids[1]
+    sim.inject_errors("nvmlDeviceGetClockInfo", pynvml.NVML_ERROR_GPU_IS_LOST, 1, uuid=lost)
+    outcomes = await asyncio.gather(
+        *(backend.call_async(backend.sample, uuid) for uuid in uuids),
+        backend.call_async(backend.set_power_limit, uuids[4], 65),
+        backend.call_async(backend.set_power_limit, uuids[0], 9000),
+        return_exceptions=True,
+    )
+    assert jobs == 1
+    for uuid, outcome in zip(uuids, outcomes, strict=False):
+        if uuid == lost:
+            assert isinstance(outcome, GpuLostError) and lost in str(outcome)
+        else:
+            assert isinstance(outcome, Sample) and outcome.values["uuid"] == uuid
+    assert outcomes[5] == 65.0 and sim.gpu(uuids[4]).power_limit_mw == 65_000
+    assert isinstance(outcomes[6], InvalidValueError) and outcomes[6].reason == "out-of-range"
+    assert backend.is_lost(lost) and not any(backend.is_lost(u) for u in uuids if u != lost)
+
+
+async def test_a_call_that_hangs_in_a_batch_fails_it_and_what_ran_before_it_keeps_its_result(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (first, slow, last) = build(fake_clock, backends, "H100", "A100", "T4", call_timeout_s=0.1)
+    await backend.call_async(backend.init)
+    sim.set_call_delay_s(0.4, "nvmlDeviceGetPowerUsage")  # the first call asks for the uuid only: no delay
+    outcomes = await asyncio.gather(
+        backend.call_async(backend.sample, first, ["uuid"]),
+        backend.call_async(backend.sample, slow),
+        backend.call_async(backend.sample, last),
+        return_exceptions=True,
+    )
+    assert isinstance(outcomes[0], Sample) and outcomes[0].values["uuid"] == first
+    for uuid, outcome in zip((slow, last), outcomes[1:], strict=True):
+        assert isinstance(outcome, TransientError)
+        assert str(outcome).startswith(f"sample of GPU {uuid}: no answer from NVML within 0.1 s")
+    with pytest.raises(TransientError, match=f"not attempted: NVML has not answered sample of GPU {slow}"):
+        await backend.call_async(backend.sample, first)
+    sim.set_call_delay_s(0, "nvmlDeviceGetPowerUsage")
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sample = await backend.call_async(backend.sample, last)
+            break
+        except TransientError:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    assert sample.values["uuid"] == last and sim.calls["nvmlInitWithFlags"] == 2
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,7 +14,8 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
   detected driver reload. Every public call runs on one worker thread and is bounded by ``call_timeout_s``;
   a call that hangs makes later calls fail fast (TransientError) until it returns, then NVML is re-initialised.
   ``await backend.call_async(backend.sample, uuid)`` runs a public method's NVML work on that same worker and
-  wakes the event loop when it is done: no default-executor thread in between, same errors and timeouts.
+  wakes the event loop when it is done: no default-executor thread in between, same errors and timeouts; calls
+  made in the same loop iteration (the GPU loops of one collect cycle) run as one worker job.
 * A GPU lost in the middle of a sample: ``sample()`` raises ``GpuLostError`` (nothing partial is returned), the
   GPU is marked lost, a ``gpu_lost`` event is queued for ``poll_events()``, and later calls for that GPU raise
   ``GpuLostError`` at once without touching NVML, probing again every ``lost_retry_s``.
@@ -308,23 +309,80 @@ class NvmlBackend:
         backend, or its name) with ``args``, its NVML work run on the worker thread while the event loop waits
         without a thread of its own. Same results, errors, timeouts (``call_timeout_s``, ``init_timeout_s``) and
         hung-call handling as the blocking call. Argument checks run on the caller's thread, as they do there.
-        Cancelling the await drops a job that has not started; one already inside NVML runs to its end."""
+
+        Calls made in the same event-loop iteration (GPU loops woken by the same collect cycle) go to the worker
+        as one job: one thread wake-up and one loop wake-up for all of them. Each still gets its own result or
+        error; they share one timeout. Cancelling the await skips a call that has not started; one already
+        inside NVML runs to its end."""
         bound = self._public_method(method)
         self._planning.active = True
         try:
             immediate = bound(*args)
         except _Planned as planned:
-            what, fn, needs_session = planned.what, planned.fn, planned.needs_session
+            item = planned
         else:
             return immediate  # nothing for the worker (e.g. locked_clocks, is_lost)
         finally:
             self._planning.active = False
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[bool] = loop.create_future()
+        waiter: asyncio.Future[Any] = loop.create_future()
+        pending = getattr(self._planning, "batch", None)
+        if pending is None or pending[0] is not loop:  # (a batch left by a loop that stopped is dropped)
+            batch: list[tuple[_Planned, asyncio.Future[Any]]] = []
+            pending = self._planning.batch = (loop, batch)
+            loop.call_soon(self._flush, loop, batch)
+        pending[1].append((item, waiter))
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            item.cancelled = True
+            raise
 
-        def settle(finished: bool) -> None:
-            if not waiter.done():
-                waiter.set_result(finished)
+    def _flush(self, loop: asyncio.AbstractEventLoop, batch: list[tuple[_Planned, asyncio.Future[Any]]]) -> None:
+        """Hand the calls ``call_async`` collected in one loop iteration to the worker as one job."""
+        pending = getattr(self._planning, "batch", None)
+        if pending is not None and pending[1] is batch:
+            self._planning.batch = None
+        items = [(planned, waiter) for planned, waiter in batch if not waiter.done()]
+        if not items:
+            return
+        outcomes: list[tuple[bool, Any] | None] = [None] * len(items)
+        at = [0]  # the call the worker is in (names a hung call)
+
+        def run_all() -> None:  # on the worker thread
+            for i, (planned, _) in enumerate(items):
+                at[0] = i
+                if planned.cancelled:
+                    continue
+                try:
+                    outcomes[i] = (True, self._guarded(planned.fn, planned.needs_session))
+                except Exception as exc:
+                    outcomes[i] = (False, exc)
+
+        settled = [False]
+
+        def settle(finished: bool) -> None:  # on the loop
+            if settled[0]:
+                return
+            settled[0] = True
+            timer.cancel()
+            expired: bool | None = None  # None: the job finished; else whether it had not started
+            if not (finished or job.finished):
+                expired = self._expire(job, worker, items[at[0]][0].what, timeout_s)
+            for (planned, waiter), outcome in zip(items, outcomes, strict=True):
+                if waiter.done():
+                    continue
+                if outcome is not None:
+                    ok, value = outcome
+                    if ok:
+                        waiter.set_result(value)
+                    else:
+                        waiter.set_exception(value)
+                elif expired is not None:
+                    waiter.set_exception(self._timeout_error(planned.what, timeout_s, expired))
+                else:
+                    error = job.error if job.error is not None else TransientError(f"{planned.what}: not run")
+                    waiter.set_exception(error)
 
         def on_done() -> None:  # on the worker thread
             try:
@@ -332,18 +390,14 @@ class NvmlBackend:
             except RuntimeError:
                 pass  # the loop is closed: nobody is waiting any more
 
-        job, worker, timeout_s = self._submit(what, fn, needs_session, on_done)
-        timer = loop.call_later(timeout_s, settle, False)
+        what = items[0][0].what if len(items) == 1 else f"{items[0][0].what} and {len(items) - 1} more calls"
         try:
-            finished = await waiter
-        except asyncio.CancelledError:
-            worker.cancel(job)
-            raise
-        finally:
-            timer.cancel()
-        if finished or job.finished:
-            return self._outcome(job)
-        raise self._timed_out(what, job, worker, timeout_s)
+            job, worker, timeout_s = self._submit(what, run_all, on_done)
+        except TransientError:
+            for planned, waiter in items:
+                waiter.set_exception(self._not_attempted(planned.what))
+            return
+        timer = loop.call_later(timeout_s, settle, False)
 
     def _public_method(self, method: Callable[..., Any] | str) -> Callable[..., Any]:
         name = method if isinstance(method, str) else getattr(method, "__name__", "")
@@ -361,52 +415,54 @@ class NvmlBackend:
         if getattr(self._planning, "active", False):
             self._planning.active = False
             raise _Planned(what, fn, needs_session)
-        job, worker, timeout_s = self._submit(what, fn, needs_session)
+        job, worker, timeout_s = self._submit(what, lambda: self._guarded(fn, needs_session))
         if job.wait(timeout_s):
-            result: T = self._outcome(job)
+            if job.error is not None:
+                raise job.error
+            result: T = job.result
             return result
-        raise self._timed_out(what, job, worker, timeout_s)
+        raise self._timeout_error(what, timeout_s, self._expire(job, worker, what, timeout_s))
 
     def _submit(
-        self,
-        what: str,
-        fn: Callable[[], Any],
-        needs_session: bool,
-        on_done: Callable[[], None] | None = None,
+        self, what: str, job_fn: Callable[[], Any], on_done: Callable[[], None] | None = None
     ) -> tuple[_Job, _Worker, float]:
-        """Queue ``fn`` (guarded) on the worker; the job, that worker, and how long to wait for it."""
+        """Queue ``job_fn`` on the worker; the job, that worker, and how long to wait for it."""
         with self._submit_lock:
             hung = self._hung
             if hung is not None:
                 if not hung.finished:
-                    waited = self._clock.monotonic() - self._hung_since_s
-                    raise TransientError(
-                        f"{what} not attempted: NVML has not answered {self._hung_what} for {waited:.1f} s",
-                        retry_after_s=self._call_timeout_s,
-                    )
+                    raise self._not_attempted(what)
                 self._hung = None
             if self._worker is None:
                 self._worker = _Worker()
             fresh = not self._initialized or self._needs_reinit
             timeout_s = max(self._call_timeout_s, self._init_timeout_s) if fresh else self._call_timeout_s
-            job = self._worker.submit(lambda: self._guarded(fn, needs_session), on_done)
+            job = self._worker.submit(job_fn, on_done)
             return job, self._worker, timeout_s
 
-    @staticmethod
-    def _outcome(job: _Job) -> Any:
-        if job.error is not None:
-            raise job.error
-        return job.result
+    def _not_attempted(self, what: str) -> TransientError:
+        waited = self._clock.monotonic() - self._hung_since_s
+        return TransientError(
+            f"{what} not attempted: NVML has not answered {self._hung_what} for {waited:.1f} s",
+            retry_after_s=self._call_timeout_s,
+        )
 
-    def _timed_out(self, what: str, job: _Job, worker: _Worker, timeout_s: float) -> TransientError:
-        """The error for a job not done within ``timeout_s``; one already running is marked hung (re-init)."""
+    def _expire(self, job: _Job, worker: _Worker, what: str, timeout_s: float) -> bool:
+        """A job not done in time: True when it had not started (now cancelled); otherwise it is marked hung,
+        later calls fail fast until it returns, and NVML is re-initialised after that."""
         if worker.cancel(job):
-            return TransientError(f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s)
+            return True
         with self._submit_lock:
             self._hung = job
             self._hung_what = what
             self._hung_since_s = self._clock.monotonic() - timeout_s
             self._needs_reinit = True
+        return False
+
+    @staticmethod
+    def _timeout_error(what: str, timeout_s: float, cancelled: bool) -> TransientError:
+        if cancelled:
+            return TransientError(f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s)
         return TransientError(
             f"{what}: no answer from NVML within {timeout_s} s; NVML will be re-initialised",
             retry_after_s=timeout_s,
@@ -1097,6 +1153,8 @@ class _Planned(BaseException):
         self.what = what
         self.fn = fn
         self.needs_session = needs_session
+        #: Set by the awaiting caller when it is cancelled; the worker then skips the call if not started.
+        self.cancelled = False
 
 
 class _Job:
