@@ -29,6 +29,7 @@ import sqlite_utils
 
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
+from mapper.sqlitefiles import move_aside
 
 log = logging.getLogger(__name__)
 
@@ -289,16 +290,7 @@ class Buffer:
             except sqlite3.Error:
                 pass
             self._conn = None
-        stamp = self.clock.wall_ms()
-        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        for suffix in ("", "-wal", "-shm"):
-            src = Path(str(self.path) + suffix)
-            if src.exists():
-                try:
-                    os.replace(src, Path(str(target) + suffix))
-                except OSError as exc:
-                    log.error("buffer: cannot move %s aside (%s); deleting it", src, exc)
-                    src.unlink(missing_ok=True)
+        target = move_aside(self.path, self.clock.wall_ms())
         self.files_moved_aside += 1
         self.drops["corrupt"] += lost
         self._batches = self._bytes = 0

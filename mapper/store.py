@@ -27,6 +27,7 @@ from typing import Any
 from mapper.clock import SystemClock
 from mapper.desired import SOURCES, DesiredState
 from mapper.errors import InvalidValueError, PermanentError, TransientError
+from mapper.sqlitefiles import move_aside
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +148,7 @@ class DesiredStore:
             db.execute("COMMIT")
 
     def _move_aside(self, exc: Exception) -> Path:
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{self._now_ms()}")
-        for suffix in ("", "-wal", "-shm"):
-            src = Path(f"{self.path}{suffix}")
-            if src.exists():
-                src.replace(Path(f"{aside}{suffix}"))
+        aside = move_aside(self.path, self._now_ms())
         log.error(
             "desired store %s is not a readable database (%s): moved it to %s and starting EMPTY; "
             "desired values come back with the next sync from the cloud or the files",
