@@ -2,7 +2,7 @@
 
 Workload: 8 simulated H100s (SimNvml through NvmlBackend, mixed scenarios) x every property the backend reads
 x 1 Hz x 1 hour, batched per device every 10 s (the default window) and stored in the SQLite buffer exactly
-as the mapper stores them (Device names ``default/<node>-gpu<i>`` and a 16-hex-digit boot id, as the mapper
+as the mapper stores them (Device names ``default/<node>-gpu<i>`` and an 8-hex-digit boot id, as the mapper
 makes them). A "sample" is one (timestamp, series, value) point, as Prometheus counts them.
 
 * ``ours_bytes_per_sample``: the SQLite file after a WAL checkpoint (every byte of overhead included) / samples.
@@ -55,7 +55,7 @@ from mapper.telemetry import BatchCodec, BatchEncoder, body_parts, decode_batch,
 GPUS = 8
 WINDOW_S = 10.0
 NODE = "edge-1"
-BOOT_ID = "5c1f0e9a7b3d2468"  # what the mapper makes: 16 hex digits, new at every start
+BOOT_ID = "5c1f0e9a"  # what the mapper makes: 8 hex digits, new at every start
 START_MS = 1_780_000_000_000 - 1_780_000_000_000 % 7_200_000  # on a 2 h boundary: one TSDB block
 SCENARIOS = ("training", "inference", "steady", "oscillating", "heat", "idle", "training", "inference")
 

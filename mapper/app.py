@@ -103,7 +103,7 @@ class MapperApp:
         self.backend = backend
         self.clock: Clock = clock or SystemClock()
         self.node = settings.node_name
-        self.boot_id = uuidlib.uuid4().hex[:16]
+        self.boot_id = uuidlib.uuid4().hex[:8]  # 8 hex digits: 4 bytes in every batch (docs/telemetry.md)
         self.data_dir = Path(settings.data_dir)
         self.policies = PolicyEngine(parse_policies(settings.policies))
         self.registry = Registry(node_gpus=lambda: self.workers.keys())

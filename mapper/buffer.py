@@ -22,6 +22,7 @@ import os
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -30,10 +31,11 @@ import sqlite_utils
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.sqlitefiles import move_aside
+from mapper.telemetry import BatchFormatError, decode_batch
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Bytes counted against ``max_bytes`` for each stored batch on top of its payload (its SQLite row and page slack).
 ROW_OVERHEAD_BYTES = 24
 #: A batch's size as counted against ``max_bytes`` (SQL expression over a ``batches`` row).
@@ -51,12 +53,13 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class StoredBatch:
+    """One stored batch. ``seq`` and ``ts_first_ms`` are not stored in the row (the payload carries them): they
+    are read from the payload the first time they are asked for (a decode of this one batch)."""
+
     id: int
     device: str
     uuid: str
     boot_id: str
-    seq: int
-    ts_first_ms: int
     ts_last_ms: int
     topic: str
     qos: int
@@ -65,6 +68,28 @@ class StoredBatch:
     size: int
     #: Broker URL for a property's own ``pushMethod.mqtt.address``; "" = the mapper's default broker.
     address: str = ""
+
+    @cached_property
+    def _header(self) -> tuple[int, int]:
+        return _peek(self.payload, self.ts_last_ms)
+
+    @property
+    def seq(self) -> int:
+        """The batch's sequence number, from its payload; -1 when the payload is not a batch this mapper reads."""
+        return self._header[0]
+
+    @property
+    def ts_first_ms(self) -> int:
+        """The batch's first sample time, from its payload; ``ts_last_ms`` when the payload is not a batch."""
+        return self._header[1]
+
+
+def _peek(payload: bytes, ts_last_ms: int) -> tuple[int, int]:
+    try:
+        decoded = decode_batch(payload)
+    except (BatchFormatError, ValueError):
+        return -1, ts_last_ms
+    return decoded.seq, decoded.ts_first_ms
 
 
 @dataclass(frozen=True)
@@ -98,15 +123,13 @@ def _stored(r: Sequence[Any], epoch_ms: int) -> StoredBatch:
         device=r[1],
         uuid=r[2],
         boot_id=r[3],
-        seq=int(r[4]),
-        ts_first_ms=int(r[5]) + epoch_ms,
-        ts_last_ms=int(r[6]) + epoch_ms,
-        topic=r[7],
-        qos=int(r[8]),
-        retain=bool(r[9]),
-        payload=bytes(r[10]),
-        size=int(r[11]),
-        address=r[12],
+        ts_last_ms=int(r[4]) + epoch_ms,
+        topic=r[5],
+        qos=int(r[6]),
+        retain=bool(r[7]),
+        payload=bytes(r[8]),
+        size=int(r[9]),
+        address=r[10],
     )
 
 
@@ -206,13 +229,15 @@ class Buffer:
 
     @staticmethod
     def _create_schema(conn: sqlite3.Connection, now_ms: int) -> None:
-        """Schema 2: rows as small as SQLite allows (bytes at rest are what this buffer is measured by).
+        """Schema 3: rows as small as SQLite allows (bytes at rest are what this buffer is measured by).
 
         ``streams`` turns the text that repeats per batch (device, uuid, boot id, topic, address) into a small
-        integer; ``batches`` keeps the integer primary key as its only index, the time range as first + span
-        with the first time relative to the file's ``epoch_ms`` (3 or 4 bytes instead of 6) and no size column
-        (``length(payload)``); ``latest`` and ``meta`` are WITHOUT ROWID, so no table here
-        has a separate index. A schema 1 file (an earlier build) is converted in place."""
+        integer; ``batches`` keeps the integer primary key as its only index and, besides the stream and the
+        payload, only what a query needs: the last sample time (the age bound), relative to the file's
+        ``epoch_ms`` (3 or 4 bytes instead of 6). No size column (``length(payload)``), no sequence number and
+        no first time (both are in the payload; ``StoredBatch`` reads them from it when asked). ``latest`` and
+        ``meta`` are WITHOUT ROWID, so no table here has a separate index. A schema 1 or 2 file (earlier builds)
+        is converted in place."""
         db = sqlite_utils.Database(conn, execute_plugins=False)
         tables = set(db.table_names())
         if "meta" not in tables:
@@ -231,6 +256,9 @@ class Buffer:
                 conn.execute("ALTER TABLE batches RENAME TO batches_v1")
                 conn.execute("ALTER TABLE streams RENAME TO streams_v1")
                 tables -= {"batches", "streams"}
+            elif version == 2 and "batches" in tables:
+                conn.execute("ALTER TABLE batches RENAME TO batches_v2")
+                tables -= {"batches"}
             if "streams" not in tables:
                 conn.execute(
                     "CREATE TABLE streams (id INTEGER PRIMARY KEY, device TEXT NOT NULL, uuid TEXT NOT NULL, "
@@ -239,8 +267,8 @@ class Buffer:
                 )
             if "batches" not in tables:
                 conn.execute(
-                    "CREATE TABLE batches (id INTEGER PRIMARY KEY, stream INTEGER NOT NULL, seq INTEGER NOT NULL, "
-                    "ts_first_rel_ms INTEGER NOT NULL, span_ms INTEGER NOT NULL, payload BLOB NOT NULL)"
+                    "CREATE TABLE batches (id INTEGER PRIMARY KEY, stream INTEGER NOT NULL, "
+                    "ts_last_rel_ms INTEGER NOT NULL, payload BLOB NOT NULL)"
                 )
             epoch_ms = now_ms
             if version < 2 and "batches_v1" in set(db.table_names()):
@@ -250,13 +278,17 @@ class Buffer:
                     "INSERT INTO streams SELECT id, device, uuid, boot_id, topic, qos, retain, address FROM streams_v1"
                 )
                 conn.execute(
-                    "INSERT INTO batches SELECT id, stream, seq, ts_first_ms - ?, ts_last_ms - ts_first_ms, payload "
-                    "FROM batches_v1",
-                    (epoch_ms,),
+                    "INSERT INTO batches SELECT id, stream, ts_last_ms - ?, payload FROM batches_v1", (epoch_ms,)
                 )
                 conn.execute("DROP TABLE batches_v1")
                 conn.execute("DROP TABLE streams_v1")
                 log.warning("buffer: converted a schema 1 file to schema %d", SCHEMA_VERSION)
+            if version == 2 and "batches_v2" in set(db.table_names()):
+                conn.execute(
+                    "INSERT INTO batches SELECT id, stream, ts_first_rel_ms + span_ms, payload FROM batches_v2"
+                )
+                conn.execute("DROP TABLE batches_v2")
+                log.warning("buffer: converted a schema 2 file to schema %d", SCHEMA_VERSION)
             if "latest" in tables and version < 2:
                 conn.execute("ALTER TABLE latest RENAME TO latest_v1")
                 conn.execute(
@@ -379,8 +411,8 @@ class Buffer:
                     stream = int(row[0])
             new_id = self._next_id
             conn.execute(
-                "INSERT INTO batches (id, stream, seq, ts_first_rel_ms, span_ms, payload) VALUES (?, ?, ?, ?, ?, ?)",
-                (new_id, stream, seq, ts_first_ms - self._epoch_ms, span, payload),
+                "INSERT INTO batches (id, stream, ts_last_rel_ms, payload) VALUES (?, ?, ?, ?)",
+                (new_id, stream, ts_last_ms - self._epoch_ms, payload),
             )
             conn.execute("COMMIT")
             self._streams[key] = stream
@@ -419,7 +451,7 @@ class Buffer:
         def last_expired(conn: sqlite3.Connection) -> int | None:
             # Oldest first by id (no index on time): stop at the first batch young enough to keep.
             last = None
-            for row_id, ts_last in conn.execute("SELECT id, ts_first_rel_ms + span_ms FROM batches ORDER BY id"):
+            for row_id, ts_last in conn.execute("SELECT id, ts_last_rel_ms FROM batches ORDER BY id"):
                 if ts_last >= cutoff:
                     break
                 last = row_id
@@ -525,8 +557,7 @@ class Buffer:
 
         def select(conn: sqlite3.Connection) -> list[StoredBatch]:
             rows = conn.execute(
-                "SELECT b.id, s.device, s.uuid, s.boot_id, b.seq, b.ts_first_rel_ms, b.ts_first_rel_ms + b.span_ms, "
-                "s.topic, "
+                "SELECT b.id, s.device, s.uuid, s.boot_id, b.ts_last_rel_ms, s.topic, "
                 f"s.qos, s.retain, b.payload, length(b.payload) + {ROW_OVERHEAD_BYTES}, s.address "
                 "FROM batches b JOIN streams s ON s.id = b.stream "
                 "WHERE b.id > ? ORDER BY b.id LIMIT ?",
@@ -542,8 +573,11 @@ class Buffer:
         return {str(r[0]): bytes(r[1]) for r in rows}
 
     def stats(self) -> BufferStats:
-        row = self._run(lambda conn: conn.execute("SELECT ts_first_rel_ms FROM batches ORDER BY id LIMIT 1").fetchone())
-        oldest = None if row is None else int(row[0]) + self._epoch_ms
+        row = self._run(
+            lambda conn: conn.execute("SELECT ts_last_rel_ms, payload FROM batches ORDER BY id LIMIT 1").fetchone()
+        )
+        # The first sample time of the oldest batch is in its payload (one decode).
+        oldest = None if row is None else _peek(bytes(row[1]), int(row[0]) + self._epoch_ms)[1]
         age = None if oldest is None else max(0.0, (self.clock.wall_ms() - oldest) / 1000)
         return BufferStats(
             bytes=self._bytes,

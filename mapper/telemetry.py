@@ -11,7 +11,8 @@ Binary format, version 2 (integers are unsigned LEB128 varints unless said other
     flags  = bit 0: zstd frame | bits 4-7: static dictionary id (0: none; see mapper.telemetry_dict)
     body   = n_rows | span_ms | ts_kind | str node | str device | n_series | meta*      (stable part)
              | ids | seq | ts_first_ms | [timestamps] | data* | one bit stream          (per batch)
-    ids    = one byte: bit 0 uuid as 16 bytes, bit 1 boot id as 8 bytes, bit 2 no uuid | [uuid] | boot id
+    ids    = one byte: bit 0 uuid as 16 bytes, bit 1 boot id as 8 bytes, bit 2 no uuid, bit 3 boot id as 4 bytes
+             | [uuid] | boot id
 
 The GPU uuid is optional in the header: a ``BatchEncoder`` writes it in the first batch it cuts (and after
 ``announce_uuid()``), and any batch that holds the uuid as a string value (the ``uuid`` series) carries it so
@@ -259,26 +260,29 @@ def _pack_bits(out: bytearray, numbers: Sequence[int], width: int) -> None:
 
 _GPU_UUID_RE = re.compile(r"GPU-([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})")
 _BOOT_ID_RE = re.compile(r"[0-9a-f]{16}")
+_BOOT_ID4_RE = re.compile(r"[0-9a-f]{8}")
 
 
 _IDS_UUID_PACKED = 0x01
 _IDS_BOOT_PACKED = 0x02
 _IDS_NO_UUID = 0x04
+_IDS_BOOT_PACKED4 = 0x08
 
 
 def _put_ids(out: bytearray, uuid: str, boot_id: str) -> None:
     """One byte saying how the ids are written (bit 0: the uuid as 16 bytes, bit 1: the boot id as 8 bytes,
-    bit 2: no uuid, for ``uuid == ""``), then the uuid (packed or a length-prefixed string) unless absent, then
-    the boot id (packed or a length-prefixed string)."""
+    bit 2: no uuid, for ``uuid == ""``, bit 3: the boot id as 4 bytes), then the uuid (packed or a
+    length-prefixed string) unless absent, then the boot id (packed or a length-prefixed string)."""
     mu = _GPU_UUID_RE.fullmatch(uuid)
     mb = _BOOT_ID_RE.fullmatch(boot_id)
+    mb4 = None if mb else _BOOT_ID4_RE.fullmatch(boot_id)
     uuid_bits = _IDS_NO_UUID if not uuid else _IDS_UUID_PACKED if mu else 0
-    out.append(uuid_bits | (_IDS_BOOT_PACKED if mb else 0))
+    out.append(uuid_bits | (_IDS_BOOT_PACKED if mb else _IDS_BOOT_PACKED4 if mb4 else 0))
     if mu:
         out += bytes.fromhex("".join(mu.groups()))
     elif uuid:
         _put_str(out, uuid)
-    if mb:
+    if mb or mb4:
         out += bytes.fromhex(boot_id)
     else:
         _put_str(out, boot_id)
@@ -341,13 +345,22 @@ class _Reader:
     def ids(self) -> tuple[str, str]:
         """The uuid ("" when the batch carries none) and the boot id (see ``_put_ids``)."""
         packed = self.byte()
-        if packed > 7 or packed & (_IDS_NO_UUID | _IDS_UUID_PACKED) == _IDS_NO_UUID | _IDS_UUID_PACKED:
+        if (
+            packed > 15
+            or packed & (_IDS_NO_UUID | _IDS_UUID_PACKED) == _IDS_NO_UUID | _IDS_UUID_PACKED
+            or packed & (_IDS_BOOT_PACKED | _IDS_BOOT_PACKED4) == _IDS_BOOT_PACKED | _IDS_BOOT_PACKED4
+        ):
             raise BatchFormatError(f"unknown id packing {packed}")
         if packed & _IDS_NO_UUID:
             uuid = ""
         else:
             uuid = _uuid_text(self.take(16).hex()) if packed & _IDS_UUID_PACKED else self.text()
-        boot_id = self.take(8).hex() if packed & _IDS_BOOT_PACKED else self.text()
+        if packed & _IDS_BOOT_PACKED:
+            boot_id = self.take(8).hex()
+        elif packed & _IDS_BOOT_PACKED4:
+            boot_id = self.take(4).hex()
+        else:
+            boot_id = self.text()
         return uuid, boot_id
 
 

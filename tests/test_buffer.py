@@ -9,6 +9,8 @@ import pytest
 from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import FakeClock
 from mapper.errors import ConfigError, PermanentError
+from mapper.model import Sample
+from mapper.telemetry import encode_batch
 
 
 def _put(buf: Buffer, clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200) -> int:
@@ -21,7 +23,7 @@ def _put(buf: Buffer, clock: FakeClock, seq: int, *, device: str = "default/gpu0
         ts_first_ms=now - 10_000,
         ts_last_ms=now,
         topic=f"gpu-mapper/n/{device}/telemetry",
-        payload=bytes([seq % 256]) * size,
+        payload=bytes([seq % 256]) * size,  # the first byte marks the batch: r.payload[0] == seq % 256
     )
 
 
@@ -38,7 +40,7 @@ def test_batches_come_back_oldest_first_across_devices_and_pages(tmp_path: Path,
     first = buf.pending(4)
     rest = buf.pending(100, after_id=first[-1].id)
     rows = first + rest
-    assert [r.seq for r in rows] == list(range(10))
+    assert [r.payload[0] for r in rows] == list(range(10))
     assert [r.device for r in rows][:3] == ["default/gpu0", "default/gpu1", "default/gpu2"]
     assert rows[0].payload == bytes([0]) * 200
     assert (rows[0].qos, rows[0].retain, rows[0].address, rows[0].boot_id) == (1, False, "", "boot-a")
@@ -49,7 +51,7 @@ def test_an_acked_batch_is_gone_and_stats_follow(tmp_path: Path, fake_clock: Fak
     ids = [_put(buf, fake_clock, seq) for seq in range(3)]
     buf.ack(ids[1])
     buf.ack(ids[1])  # twice is harmless
-    assert [r.seq for r in buf.pending(10)] == [0, 2]
+    assert [r.payload[0] for r in buf.pending(10)] == [0, 2]
     stats = buf.stats()
     assert (stats.batches, stats.bytes) == (2, 2 * (200 + ROW_OVERHEAD_BYTES))
 
@@ -61,7 +63,7 @@ def test_stored_batches_survive_closing_and_reopening(tmp_path: Path, fake_clock
     buf.put_latest("default/gpu0", b'{"temperature":61}')
     buf.close()
     again = _open(tmp_path / "b.db", fake_clock)
-    assert [r.seq for r in again.pending(10)] == [0, 1, 2, 3, 4]
+    assert [r.payload[0] for r in again.pending(10)] == [0, 1, 2, 3, 4]
     assert again.stats().batches == 5
     assert again.latest() == {"default/gpu0": b'{"temperature":61}'}
 
@@ -78,7 +80,7 @@ def test_the_size_cap_drops_the_oldest_batches_and_counts_them(tmp_path: Path, f
     buf = _open(tmp_path / "b.db", fake_clock, max_bytes=10 * per_batch)
     for seq in range(25):
         _put(buf, fake_clock, seq)
-    assert [r.seq for r in buf.pending(100)] == list(range(15, 25))
+    assert [r.payload[0] for r in buf.pending(100)] == list(range(15, 25))
     stats = buf.stats()
     assert stats.bytes <= 10 * per_batch
     assert stats.drops_by_reason["size"] == 15
@@ -91,9 +93,10 @@ def test_the_age_cap_drops_batches_older_than_max_age(tmp_path: Path, fake_clock
         fake_clock.advance(20)
     # now: batch 0 ended 100 s ago, batch 1 80 s ago, batch 2 60 s, 3 40 s, 4 20 s
     buf.enforce_bounds()
-    assert [r.seq for r in buf.pending(10)] == [2, 3, 4]
+    assert [r.payload[0] for r in buf.pending(10)] == [2, 3, 4]
     assert buf.stats().drops_by_reason["age"] == 2
-    assert buf.stats().oldest_age_s == pytest.approx(70.0)
+    # batch 2's first sample is in its payload; this test payload is not a batch, so its last time (60 s ago) counts
+    assert buf.stats().oldest_age_s == pytest.approx(60.0)
 
 
 def test_a_corrupt_file_is_moved_aside_loudly_and_a_new_one_works(
@@ -109,7 +112,7 @@ def test_a_corrupt_file_is_moved_aside_loudly_and_a_new_one_works(
     assert any("corrupt" in r.message and r.levelno == logging.ERROR for r in caplog.records)
     assert buf.stats().files_moved_aside == 1
     _put(buf, fake_clock, 1)
-    assert [r.seq for r in buf.pending(10)] == [1]
+    assert [r.payload[0] for r in buf.pending(10)] == [1]
 
 
 def test_a_file_that_goes_bad_while_open_is_replaced_and_the_write_retried(
@@ -125,7 +128,7 @@ def test_a_file_that_goes_bad_while_open_is_replaced_and_the_write_retried(
     path.write_bytes(bytes(data))
     buf = _open(path, fake_clock, check_on_open=False)
     _put(buf, fake_clock, 9)
-    assert [r.seq for r in buf.pending(10)] == [9]
+    assert [r.payload[0] for r in buf.pending(10)] == [9]
     assert buf.stats().files_moved_aside == 1
 
 
@@ -136,10 +139,10 @@ def test_a_full_disk_drops_the_oldest_and_the_new_batch_is_stored(tmp_path: Path
         _put(buf, fake_clock, seq, size=1000)
         stored += 1
     rows = buf.pending(1000)
-    assert rows[-1].seq == 299
+    assert rows[-1].payload[0] == 299 % 256
     assert buf.stats().drops_by_reason["disk_full"] > 0
     assert len(rows) + buf.stats().drops_by_reason["disk_full"] == stored
-    assert [r.seq for r in rows] == list(range(300 - len(rows), 300))
+    assert [r.payload[0] for r in rows] == [s % 256 for s in range(300 - len(rows), 300)]
 
 
 def test_the_latest_snapshot_per_device_replaces_the_previous_one(tmp_path: Path, fake_clock: FakeClock) -> None:
@@ -174,25 +177,37 @@ def test_bad_settings_and_bad_batches_are_refused_with_a_clear_error(tmp_path: P
         buf.pending(1)
 
 
-def test_stored_time_ranges_come_back_exactly_across_a_reopen(tmp_path: Path, fake_clock: FakeClock) -> None:
+def test_stored_time_ranges_and_seq_come_back_exactly_across_a_reopen(tmp_path: Path, fake_clock: FakeClock) -> None:
     buf = _open(tmp_path / "b.db", fake_clock)
     start = fake_clock.wall_ms()
+    samples = [Sample("GPU-1", start - 123_456, {"temperature": 61}), Sample("GPU-1", start + 7, {"temperature": 62})]
+    batch = encode_batch(samples, node="n", device="d", uuid="GPU-1", boot_id="0badf00d", seq=41)
     buf.put(
         device="d",
-        uuid="u",
-        boot_id="b",
-        seq=0,
-        ts_first_ms=start - 123_456,
-        ts_last_ms=start + 7,
+        uuid="GPU-1",
+        boot_id="0badf00d",
+        seq=41,
+        ts_first_ms=batch.ts_first_ms,
+        ts_last_ms=batch.ts_last_ms,
         topic="t",
-        payload=b"x",
+        payload=batch.payload,
     )
     buf.close()
     fake_clock.advance(3600)
     again = _open(tmp_path / "b.db", fake_clock)
     (row,) = again.pending(10)
-    assert (row.ts_first_ms, row.ts_last_ms) == (start - 123_456, start + 7)
+    assert (row.seq, row.ts_first_ms, row.ts_last_ms) == (41, start - 123_456, start + 7)
     assert again.stats().oldest_ts_ms == start - 123_456
+
+
+def test_a_payload_that_is_not_a_batch_has_no_seq_and_its_last_time_as_first(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    now = fake_clock.wall_ms()
+    buf.put(device="d", uuid="u", boot_id="b", seq=3, ts_first_ms=now - 5, ts_last_ms=now, topic="t", payload=b"x")
+    (row,) = buf.pending(10)
+    assert (row.seq, row.ts_first_ms, row.ts_last_ms) == (-1, now, now)
 
 
 def test_the_file_has_no_index_besides_the_tables_themselves(tmp_path: Path, fake_clock: FakeClock) -> None:
@@ -226,13 +241,33 @@ def test_a_schema_1_file_is_converted_in_place_and_keeps_its_batches(tmp_path: P
     conn.close()
     buf = _open(path, fake_clock)
     (row,) = buf.pending(10)
-    assert (row.id, row.device, row.seq, row.ts_first_ms, row.ts_last_ms, row.payload) == (
-        7,
-        "default/gpu0",
-        41,
-        1_780_000_000_000,
-        1_780_000_009_000,
-        b"\x01\x02",
+    assert (row.id, row.device, row.ts_last_ms, row.payload) == (7, "default/gpu0", 1_780_000_009_000, b"\x01\x02")
+    assert buf.latest() == {"default/gpu0": b"{}"}
+    assert _put(buf, fake_clock, 42) == 8
+
+
+def test_a_schema_2_file_is_converted_in_place_and_keeps_its_batches(tmp_path: Path, fake_clock: FakeClock) -> None:
+    path = tmp_path / "b.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+        CREATE TABLE streams (id INTEGER PRIMARY KEY, device TEXT NOT NULL, uuid TEXT NOT NULL,
+            boot_id TEXT NOT NULL, topic TEXT NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL,
+            address TEXT NOT NULL);
+        CREATE TABLE batches (id INTEGER PRIMARY KEY, stream INTEGER NOT NULL, seq INTEGER NOT NULL,
+            ts_first_rel_ms INTEGER NOT NULL, span_ms INTEGER NOT NULL, payload BLOB NOT NULL);
+        CREATE TABLE latest (device TEXT PRIMARY KEY, ts_ms INTEGER NOT NULL, payload BLOB NOT NULL) WITHOUT ROWID;
+        INSERT INTO meta VALUES ('schema_version', '2');
+        INSERT INTO meta VALUES ('epoch_ms', '1780000000000');
+        INSERT INTO streams VALUES (1, 'default/gpu0', 'GPU-1', 'boot-a', 'gpu-mapper/n/gpu0/telemetry', 1, 0, '');
+        INSERT INTO batches VALUES (7, 1, 41, 5000, 9000, x'0102');
+        INSERT INTO latest VALUES ('default/gpu0', 1780000014000, x'7b7d');
+        """
     )
+    conn.close()
+    buf = _open(path, fake_clock)
+    (row,) = buf.pending(10)
+    assert (row.id, row.device, row.ts_last_ms, row.payload) == (7, "default/gpu0", 1_780_000_014_000, b"\x01\x02")
     assert buf.latest() == {"default/gpu0": b"{}"}
     assert _put(buf, fake_clock, 42) == 8

@@ -297,6 +297,20 @@ def test_a_hex_boot_id_and_a_canonical_gpu_uuid_travel_packed_and_come_back_exac
     assert [s.values["uuid"] for s in other.samples] == [UUID] * 3
 
 
+def test_an_8_digit_boot_id_as_the_mapper_makes_it_travels_in_4_bytes_and_comes_back_exactly() -> None:
+    samples = [Sample(UUID, T0 + i * 1000, {"temperature": 60 + i}) for i in range(3)]
+    short = body_parts(samples, node="n", device="d", uuid=UUID, boot_id="0badf00d", seq=1)["ids"]
+    long = body_parts(samples, node="n", device="d", uuid=UUID, boot_id="0123456789abcdef", seq=1)["ids"]
+    assert short[0] == 0x09, "uuid packed, boot id packed in 4 bytes"
+    assert len(long) - len(short) == 4
+    payload = encode_batch(samples, node="n", device="d", uuid=UUID, boot_id="0badf00d", seq=1).payload
+    assert decode_batch(payload).boot_id == "0badf00d"
+    parts = body_parts(samples, node="n", device="d", uuid=UUID, boot_id="0badf00d", seq=1)
+    both = {**parts, "ids": bytes([0x0B]) + short[1:]}
+    with pytest.raises(BatchFormatError, match="unknown id packing 11"):
+        decode_batch(b"G\x02\x00" + b"".join(both.values()))
+
+
 def test_a_batch_compressed_with_an_unknown_dictionary_names_the_dictionary() -> None:
     payload = _encode([Sample(UUID, T0, {"temperature": 61})])
     assert payload[2] & 0x01, "the body of a real batch is a zstd frame"
