@@ -22,7 +22,7 @@ from typing import Any
 from mapper import __version__
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
-from mapper.collect import GpuWorker, TickResult, call_in_thread
+from mapper.collect import GpuWorker, TickResult, call_in_thread, sleep_or_wake
 from mapper.config import Settings, read_file
 from mapper.desired import Source
 from mapper.devicefiles import FolderWatcher, load_folder
@@ -59,6 +59,9 @@ from mapper.store import DesiredStore
 from mapper.telemetry import BatchCodec, DeviceTelemetry, state_payload
 
 log = logging.getLogger("mapper.app")
+
+#: How long shutdown waits for the cancelled tasks.
+SHUTDOWN_TASKS_TIMEOUT_S = 5.0
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state")
@@ -138,6 +141,8 @@ class MapperApp:
         self._eventbus_errors = 0
         self._config_mtime = 0.0
         self._background: set[asyncio.Task[Any]] = set()
+        #: Set to report at once (a state changed, a device was bound, the broker came back).
+        self._report_wake = asyncio.Event()
         #: How often the status file is written and the config file checked for changes.
         self.housekeeping_interval_s = 5.0
 
@@ -304,13 +309,15 @@ class MapperApp:
             self.reporter.stop()
         if self.dmi_client is not None:
             self.dmi_client.stop()
-        for task in self._tasks:
+        tasks = self._tasks + list(self._background)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if tasks:
+            # Bounded: a task that does not stop must not keep the pod from terminating.
+            _, stragglers = await asyncio.wait(tasks, timeout=SHUTDOWN_TASKS_TIMEOUT_S)
+            for task in stragglers:
+                log.error("task %s did not stop within %.0f s; leaving it", task.get_name(), SHUTDOWN_TASKS_TIMEOUT_S)
         self._tasks.clear()
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
         # Whatever was sampled but not yet cut into a batch is stored now.
         if self.shipper is not None:
             for telemetry in self.telemetry.values():
@@ -382,6 +389,7 @@ class MapperApp:
             self._rebind_telemetry(worker, device)
             self._next_report_s[device.key] = 0.0
             self._next_state_s[device.key] = 0.0
+            self._report_wake.set()
         self._save_desired(worker, device.key)
         worker.wake()
 
@@ -506,6 +514,7 @@ class MapperApp:
                 self._publish_soon(f"gpu-mapper/{self.node}/{device_key}/events", json.dumps(payload).encode())
         if result.state_changed and worker.device is not None:
             self._next_state_s[worker.device.key] = 0.0
+            self._report_wake.set()
 
     async def _events_loop(self) -> None:
         """XID / ECC / GPU-lost / driver-reload events from NVML, routed to their GPU."""
@@ -576,9 +585,10 @@ class MapperApp:
         return (device.state_report_cycle_ms or self.settings.state_report_cycle_ms) / 1000
 
     async def _report_loop(self) -> None:
+        """Twins and states when they are due, and a state change at once (``_report_wake``)."""
         while True:
-            self._beat("report", 0.5)
             now = self.clock.monotonic()
+            next_s = now + 5.0
             for worker in self.workers.values():
                 device = worker.device
                 if device is None:
@@ -590,7 +600,8 @@ class MapperApp:
                 if changed or due:
                     self._next_state_s[device.key] = now + self._state_cycle_s(device)
                     self._report_state(device, worker.state)
-                if now >= self._next_report_s.get(device.key, 0.0):
+                # Twins wait for the first sample: a report with only the status twins helps nobody.
+                if now >= self._next_report_s.get(device.key, 0.0) and worker.values:
                     self._next_report_s[device.key] = now + self._report_cycle_s(device)
                     twins = self._twins(worker)
                     if twins:
@@ -598,7 +609,12 @@ class MapperApp:
                     if self.shipper is not None and worker.values:
                         sample = worker_sample(worker)
                         self.shipper.update_state(device.key, state_payload(device.key, sample))
-            await asyncio.sleep(0.5)
+                next_s = min(next_s, max(self._next_report_s.get(device.key, 0.0), now + 0.1))
+                if device.state_report_to_cloud:
+                    next_s = min(next_s, self._next_state_s.get(device.key, now))
+            delay_s = max(0.05, next_s - self.clock.monotonic())
+            self._beat("report", max(1.0, delay_s))
+            await sleep_or_wake(self._report_wake, delay_s)
 
     def _report_state(self, device: DeviceConfig, state: str) -> None:
         self._reported_state[device.key] = state
@@ -661,6 +677,7 @@ class MapperApp:
             self._next_report_s[key] = 0.0
         for key in self._next_state_s:
             self._next_state_s[key] = 0.0
+        self._report_wake.set()
 
     def _publish_soon(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
         """Fire-and-forget publish for status messages (acks, events, twins): never buffered, never blocking."""

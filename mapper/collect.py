@@ -127,18 +127,8 @@ class GpuWorker:
         self._wake.set()
 
     async def wait(self, timeout_s: float) -> None:
-        """Sleep until the next due time or a ``wake``.
-
-        A timer sets the wake event instead of ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a
-        cancellation that arrives in the same loop iteration as the wake-up, and the loop then never stops
-        (a hung shutdown); it also costs a task per wait."""
-        if timeout_s > 0 and not self._wake.is_set():
-            handle = asyncio.get_running_loop().call_later(timeout_s, self._wake.set)
-            try:
-                await self._wake.wait()
-            finally:
-                handle.cancel()
-        self._wake.clear()
+        """Sleep until the next due time or a ``wake``."""
+        await sleep_or_wake(self._wake, timeout_s)
 
     # --- the step ----------------------------------------------------------------------------------
     async def tick(self) -> TickResult:
@@ -242,6 +232,21 @@ class GpuWorker:
             raise TransientError(
                 f"GPU {self.uuid}: {getattr(fn, '__name__', 'call')} took longer than {self.call_timeout_s}s"
             ) from None
+
+
+async def sleep_or_wake(event: asyncio.Event, timeout_s: float) -> None:
+    """Sleep ``timeout_s`` or until ``event`` is set, then clear it.
+
+    A timer sets the event instead of ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a cancellation
+    that arrives in the same loop iteration as the wake-up, and the loop then never stops (a hung shutdown); it
+    also costs a task per wait."""
+    if timeout_s > 0 and not event.is_set():
+        handle = asyncio.get_running_loop().call_later(timeout_s, event.set)
+        try:
+            await event.wait()
+        finally:
+            handle.cancel()
+    event.clear()
 
 
 async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:

@@ -34,7 +34,10 @@ async def test_probes_metrics_and_status_come_from_the_running_loops(tmp_path: P
     async with running_app(settings, sim, housekeeping_interval_s=0.2) as app:
         assert app.metrics is not None
         base = app.metrics.url
-        await wait_for(lambda: all(w.values.get("power_usage") is not None for w in app.workers.values()))
+        await wait_for(
+            lambda: all(w.device is not None and w.values.get("power_usage") is not None for w in app.workers.values()),
+            what="every GPU bound to its Device and sampled",
+        )
         status, body = await asyncio.to_thread(get, base + "/readyz")
         assert status == 200, body
         status, body = await asyncio.to_thread(get, base + "/healthz")
