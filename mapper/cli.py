@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -169,7 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "decode":
             from mapper.telemetry import decode_command
 
-            return decode_command(args.file, sys.stdin.buffer, sys.stdout)
+            try:
+                return decode_command(args.file, sys.stdin.buffer, sys.stdout)
+            except BrokenPipeError:
+                # The reader went away (``gpu-mapper decode f | head``): not an error.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 0
         if args.command == "status":
             return _status(args)
     except ConfigError as exc:

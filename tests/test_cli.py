@@ -100,3 +100,39 @@ def test_the_model_command_prints_the_committed_device_model():
     out = gpu_mapper("model")
     assert out.returncode == 0
     assert out.stdout == (REPO / "device-models" / "nvidia-gpu.yaml").read_text()
+
+
+def test_decode_turns_a_batch_file_or_stdin_into_json_lines_and_survives_a_closed_pipe(tmp_path):
+    import json
+
+    from mapper.model import Sample
+    from mapper.telemetry import encode_batch
+
+    samples = [
+        Sample(
+            "GPU-89618e00-d3ce-45f0-9f33-cc961c3f41af",
+            1_780_000_000_000 + i * 1000,
+            {"temperature": 40 + i, "power_usage": 72.531 + i, "compute_mode": "default"},
+        )
+        for i in range(300)
+    ]
+    batch = encode_batch(samples, node="n1", device="default/gpu0", uuid=samples[0].uuid, boot_id="0a1b2c3d", seq=7)
+    path = tmp_path / "batch.bin"
+    path.write_bytes(batch.payload)
+    out = gpu_mapper("decode", str(path))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 900
+    assert rows[0] == {"ts_ms": 1_780_000_000_000, "device": "default/gpu0", "property": "temperature", "value": 40}
+    assert {"ts_ms": 1_780_000_001_000, "device": "default/gpu0", "property": "power_usage", "value": 73.531} in rows
+    from_stdin = gpu_mapper("decode", "-", input=None, stdin=path.open("rb"))
+    assert from_stdin.stdout == out.stdout
+    head = subprocess.run(
+        f"{sys.executable} -m mapper.cli decode {path} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert head.stdout.count("\n") == 1 and "Traceback" not in head.stderr
