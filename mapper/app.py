@@ -354,6 +354,11 @@ class MapperApp:
     def _on_device_change(self, change: DeviceChange) -> None:
         """Registry listener: bookkeeping only (DMI handlers must answer fast); the GPU loop does the work."""
         device = change.device
+        previous = change.previous
+        moved = change.kind == "updated" and previous is not None and previous.uuid != device.uuid
+        if moved and previous is not None:
+            # The Device now names another GPU: the old GPU is released first, as if the Device had gone.
+            self._on_device_change(DeviceChange("removed", previous, previous))
         worker = self.workers.get(device.uuid)
         if worker is None:
             return
@@ -371,7 +376,7 @@ class MapperApp:
                 self._save_desired(worker, device.key)
                 log.info("device %s removed; GPU %s returns to its defaults", device.key, worker.uuid)
             return
-        if change.desired_changed:
+        if change.desired_changed or moved:
             desired = {p.name: p.desired for p in device.properties if p.desired is not None}
             changes = worker.desired.sync_source(self._desired_source(), desired, now_ms)
             if changes:

@@ -106,6 +106,16 @@ async def test_edgecore_drives_the_mapper_register_report_update_and_restart(soc
         assert "not on this node" in err.value.details()
         assert [d.key for d in app.registry.devices()] == ["default/gpu0"]
 
+        # The Device is pointed at the other GPU: the first returns to its default, the second gets the cap.
+        uuid1 = sim.gpus[1].uuid
+        async with edge.mapper(reg.mapper.address) as stub:
+            await stub.UpdateDevice(
+                pb.UpdateDeviceRequest(device=pb_device("gpu0", uuid1, properties=props, cycle_ms=200)), timeout=10
+            )
+        await wait_for(lambda: power_limit_w(sim, uuid1) == 250, what="250 W on the GPU the Device now names")
+        await wait_for(lambda: power_limit_w(sim, uuid0) == 700, what="the first GPU back at its default 700 W")
+        assert app.workers[uuid0].device is None and app.workers[uuid1].device is not None
+
         # EdgeCore restarts (new socket inode): the mapper registers again within 5 s and keeps reporting.
         registers = len(edge.rec.registers)
         await edge.restart()
