@@ -46,6 +46,7 @@ from mapper.model import (
     DeviceModelConfig,
     GpuEvent,
     GpuInfo,
+    Sample,
     Twin,
     format_value,
 )
@@ -138,7 +139,6 @@ class MapperApp:
         self._next_report_s: dict[str, float] = {}
         self._next_state_s: dict[str, float] = {}
         self._reported_state: dict[str, str] = {}
-        self._eventbus_errors = 0
         self._config_mtime = 0.0
         self._background: set[asyncio.Task[Any]] = set()
         #: Set to report at once (a state changed, a device was bound, the broker came back).
@@ -441,7 +441,6 @@ class MapperApp:
         try:
             delta = parse_delta(topic, payload)
         except ValueError as exc:
-            self._eventbus_errors += 1
             log.warning("EventBus delta refused: %s", exc)
             return
         try:
@@ -866,9 +865,8 @@ def _policy_override(device: DeviceConfig | None) -> str | None:
     return str(value) if value not in (None, "") else None
 
 
-def worker_sample(worker: GpuWorker) -> Any:
-    from mapper.model import Sample
-
+def worker_sample(worker: GpuWorker) -> Sample:
+    """The worker's latest values with the mapper's own status twins, as one Sample."""
     values = dict(worker.values)
     values["desired_status"] = worker.desired_status
     values["policy_state"] = worker.policy_state
