@@ -715,9 +715,11 @@ class Reconciler:
                 applied_any = True
             outcomes.append(ActionOutcome(action, outcome.outcome, outcome.error, drift))
 
+        # Nothing applied: the GPU reads as before, so the plan is the one already made (plan is pure).
+        final = first
         if applied_any:
             observed = self._read_back(observed, [o for o in outcomes if o.outcome == "ok"])
-        final = plan_for(observed)
+            final = plan_for(observed)
         # A setter that said yes but the GPU reads otherwise: back off as for a transient error.
         pending_groups = {a.group for a in final.actions}
         for i, out in enumerate(outcomes):
