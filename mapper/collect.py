@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mapper.clock import Clock
-from mapper.desired import DesiredState
+from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.model import (
     NVML_PROPERTIES,
@@ -173,9 +173,10 @@ class GpuWorker:
         observed = Sample(self.uuid, self.values_ts_ms or self.clock.wall_ms(), dict(self.values))
 
         events, self.pending_events = self.pending_events, []
+        effective = self.desired.effective()
         ctx = PolicyContext(
             constraints=self.constraints,
-            desired_power_limit_w=self._desired_power_limit_w(),
+            desired_power_limit_w=_power_limit_w(effective),
             events=tuple(events),
             gpu_lost=self.lost,
             uuid=self.uuid,
@@ -186,7 +187,6 @@ class GpuWorker:
         self.state = "offline" if self.lost else ("unhealthy" if decision.device_state == "unhealthy" else "online")
 
         if not self.lost and self.values:
-            effective = self.desired.effective()
             restore = self.desired.pending_restore()
             limits = decision.limits
             try:
@@ -214,12 +214,6 @@ class GpuWorker:
             log.error("GPU %s is lost: %s", self.uuid, message)
         self.lost = True
 
-    def _desired_power_limit_w(self) -> float | None:
-        d = self.desired.effective().get("power_limit")
-        if d is None or not d.valid or d.value is None:
-            return None
-        return float(d.value)
-
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         # A backend with its own worker thread (NvmlBackend.call_async) runs its methods there directly: one
         # thread wake-up per call instead of two (default executor, then that worker); its own timeouts apply.
@@ -232,6 +226,14 @@ class GpuWorker:
             raise TransientError(
                 f"GPU {self.uuid}: {getattr(fn, '__name__', 'call')} took longer than {self.call_timeout_s}s"
             ) from None
+
+
+def _power_limit_w(desired: Mapping[str, DesiredValue]) -> float | None:
+    """The valid desired power limit in W, or None."""
+    d = desired.get("power_limit")
+    if d is None or not d.valid or d.value is None:
+        return None
+    return float(d.value)
 
 
 async def sleep_or_wake(event: asyncio.Event, timeout_s: float) -> None:
