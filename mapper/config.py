@@ -19,7 +19,7 @@ import yaml
 
 from mapper.errors import ConfigError
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_BARE_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _SIZE_UNITS = {
@@ -44,13 +44,10 @@ def parse_duration_s(value: Any, path: str, *, bare_seconds: bool = True) -> flo
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
     text = str(value).strip()
-    if isinstance(value, int | float) or (_DURATION_RE.match(text) and not text[-1].isalpha()):
+    if isinstance(value, int | float) or _BARE_NUMBER_RE.fullmatch(text):
         if not bare_seconds:
             raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
-        try:
-            seconds = float(text)
-        except ValueError:
-            raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}") from None
+        seconds = float(value)
     else:
         pos, seconds = 0, 0.0
         for m in _DURATION_PART.finditer(text):
