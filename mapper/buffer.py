@@ -1,4 +1,4 @@
-"""The offline buffer: encoded telemetry batches in SQLite (through sqlite-utils), bounded and crash-safe.
+"""The offline buffer: encoded telemetry batches in SQLite (the stdlib sqlite3), bounded and crash-safe.
 
 A batch is committed here BEFORE it is published and deleted only after the broker acknowledged it, so a crash
 at any moment loses nothing that was stored. Durability: WAL journal with ``synchronous=NORMAL``. A process
@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-
-import sqlite_utils
 
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
@@ -100,6 +98,10 @@ class BufferStats:
     oldest_age_s: float | None
     drops_by_reason: dict[str, int] = field(default_factory=dict)
     files_moved_aside: int = 0
+
+
+def _table_names(conn: sqlite3.Connection) -> set[str]:
+    return {str(row[0]) for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
 def _is_corrupt(exc: sqlite3.DatabaseError) -> bool:
@@ -238,8 +240,7 @@ class Buffer:
         no first time (both are in the payload; ``StoredBatch`` reads them from it when asked). ``latest`` and
         ``meta`` are WITHOUT ROWID, so no table here has a separate index. A schema 1 or 2 file (earlier builds)
         is converted in place."""
-        db = sqlite_utils.Database(conn, execute_plugins=False)
-        tables = set(db.table_names())
+        tables = _table_names(conn)
         if "meta" not in tables:
             conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID")
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -271,7 +272,7 @@ class Buffer:
                     "ts_last_rel_ms INTEGER NOT NULL, payload BLOB NOT NULL)"
                 )
             epoch_ms = now_ms
-            if version < 2 and "batches_v1" in set(db.table_names()):
+            if version < 2 and "batches_v1" in _table_names(conn):
                 first = conn.execute("SELECT MIN(ts_first_ms) FROM batches_v1").fetchone()[0]
                 epoch_ms = now_ms if first is None else int(first)
                 conn.execute(
@@ -283,7 +284,7 @@ class Buffer:
                 conn.execute("DROP TABLE batches_v1")
                 conn.execute("DROP TABLE streams_v1")
                 log.warning("buffer: converted a schema 1 file to schema %d", SCHEMA_VERSION)
-            if version == 2 and "batches_v2" in set(db.table_names()):
+            if version == 2 and "batches_v2" in _table_names(conn):
                 conn.execute(
                     "INSERT INTO batches SELECT id, stream, ts_first_rel_ms + span_ms, payload FROM batches_v2"
                 )
