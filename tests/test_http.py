@@ -249,6 +249,31 @@ def test_stop_releases_the_port() -> None:
         again.stop()
 
 
+def _context_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as fh:
+        return sum(int(line.split()[1]) for line in fh if "ctxt_switches" in line)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread counters need Linux /proc")
+def test_an_idle_server_does_not_wake_up_between_scrapes_and_stops_at_once() -> None:
+    srv = MetricsServer("127.0.0.1:0", snapshot=make_snapshot)
+    srv.start()
+    try:
+        assert get(srv.url + "/healthz")[0] == 200
+        thread = next(t for t in threading.enumerate() if t.name == "metrics-http")
+        assert thread.native_id is not None
+        time.sleep(0.2)  # the request's own wake-ups are over
+        before = _context_switches(thread.native_id)
+        time.sleep(1.0)
+        assert _context_switches(thread.native_id) - before <= 1  # a polling server wakes every 0.2-0.5 s
+        assert get(srv.url + "/healthz")[0] == 200  # still answers after the idle second
+    finally:
+        started = time.monotonic()
+        srv.stop()
+        assert time.monotonic() - started < 1.0
+    assert not thread.is_alive()
+
+
 def test_a_port_in_use_is_a_config_error_naming_the_address() -> None:
     with (
         MetricsServer("127.0.0.1:0", snapshot=make_snapshot) as srv,
