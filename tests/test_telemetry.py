@@ -1,16 +1,19 @@
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import io
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapper.model import DeviceConfig, DeviceProperty, PushMqtt, Sample
+from mapper.model import DeviceConfig, DeviceProperty, PushMqtt, Sample, Value
 from mapper.telemetry import (
     FORMAT_VERSION,
     BatchCodec,
@@ -443,3 +446,97 @@ def test_a_batch_written_with_the_first_dictionary_and_the_uuid_in_every_header_
         }
         for i in range(3)
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# The format is frozen: these inputs must encode to these very bytes
+# --------------------------------------------------------------------------------------------------
+
+
+def _golden_batches() -> dict[str, tuple[list[Sample], dict[str, Any]]]:
+    """Deterministic batches covering every coding the encoder picks: int columns as values, deltas and
+    delta-of-deltas (with and without a gcd, negative and beyond 64 bits), decimals of 0-3 places, XOR floats
+    (NaN, infinities, -0.0, subnormals), strings (the uuid, a dictionary wider than one bit, non-ASCII), bools,
+    constant and sparse columns, a custom series name, a property that changes type, uneven timestamps."""
+    energy_mj = 123_456_789_012
+    gpu = []
+    for i in range(10):
+        power_mw = 300_000 + (i * 7919) % 4000
+        energy_mj += power_mw
+        values: dict[str, Value] = {
+            "uuid": UUID,
+            "product_name": "NVIDIA H100 80GB HBM3",
+            "temperature": 70 + i % 3,
+            "memory_total": 85_899_345_920,
+            "memory_used": 40_000_000_000 + i * 1_048_576,
+            "energy_consumption": energy_mj / 1000,
+            "power_usage": power_mw / 1000,
+            "power_limit": 700.0,
+            "utilization_gpu": (i * 37) % 101,
+            "clock_sm": 1980 - 15 * (i // 4),
+            "pcie_tx": i * i * 1024 + 7 + i % 3,
+            "fan_speed": -3 + i if i % 2 else 0,
+            "ecc_errors_corrected": 2**70 + i,
+            "pstate": ("P0", "P2", "P8", "P0")[i % 4],
+            "compute_mode": "default",
+            "persistence_mode": True,
+            "remapped_rows_pending": i % 3 == 0,
+            "temperature_memory": (0.1 * i) + 1 / 3,
+            "x.custom ünicode": "ωμέγα" if i % 2 else "alpha",
+        }
+        if i in (3, 7):
+            values["xid_last"] = 79 if i == 3 else 48
+        if i >= 5:
+            values["clock_event_reasons_text"] = "sw_power_cap"
+        gpu.append(Sample(UUID, T0 + i * 1000, values))
+    odd_floats = [float("nan"), float("inf"), -0.0, 5e-324, -1.7976931348623157e308, 1e-300, 2.5]
+    uneven = [
+        Sample(UUID, T0 + t, {"temperature_slowdown": v, "p": kind})
+        for t, v, kind in zip(
+            [0, 7, 7, 1500, 1503, 9000, 9999], odd_floats, [1, 2, "three", 4.25, True, 5, "six"], strict=True
+        )
+    ]
+    quadratic_ts = [Sample(UUID, T0 + 250 * i * i, {"temperature": 50 + i, "power_usage": 99.5}) for i in range(8)]
+    gcd_ts = [Sample(UUID, T0 + 5000 * i + (2000 if i > 2 else 0), {"pstate": "P0"}) for i in range(6)]
+    common = {"node": "edge-1", "device": "default/gpu0", "uuid": UUID, "boot_id": "0badf00d"}
+    return {
+        "window": (gpu, {**common, "seq": 7}),
+        "window_no_uuid_in_header": (gpu, {**common, "seq": 8, "uuid_in_header": False}),
+        "uneven": (uneven, {**common, "seq": 9, "uuid_in_header": False, "boot_id": "0123456789abcdef"}),
+        "quadratic_timestamps": (quadratic_ts, {**common, "seq": 2**40, "uuid_in_header": False}),
+        "timestamps_with_gcd": (gcd_ts, {**common, "seq": 0, "uuid": "MIG-7", "boot_id": "boot-a"}),
+        "one_row": (gpu[:1], {**common, "seq": 1, "uuid": ""}),
+    }
+
+
+#: Body length and sha256 (first 16 hex digits) per batch: format 2 as the encoder wrote it before its speed-up.
+GOLDEN_BODIES = {
+    "window": (378, "ec1df53a89643cfa"),
+    "window_no_uuid_in_header": (378, "0a44ea73a7a8827e"),
+    "uneven": (161, "370f29efd3727d60"),
+    "quadratic_timestamps": (58, "8e057026c9f6aa0c"),
+    "timestamps_with_gcd": (61, "d47e111c5d59dd68"),
+    "one_row": (231, "526e70d4a9b3e4e6"),
+}
+#: sha256 (first 16 hex digits) of the payloads as one file: header + zstd frame with the current dictionary (a
+#: new dictionary or another zstd changes these bytes, not the format).
+GOLDEN_PAYLOADS = "618028a8b60d17ac"
+GOLDEN_ZSTD_VERSION = (1, 5, 7)
+
+
+def test_the_binary_format_is_frozen_byte_for_byte() -> None:
+    got = {}
+    for name, (samples, kwargs) in _golden_batches().items():
+        body = batch_body(samples, **kwargs)
+        got[name] = (len(body), hashlib.sha256(body).hexdigest()[:16])
+        _assert_same(samples, b"G\x02\x00" + body)
+    assert got == GOLDEN_BODIES
+
+
+@pytest.mark.skipif(zstandard.ZSTD_VERSION != GOLDEN_ZSTD_VERSION, reason="another zstd may compress differently")
+def test_the_compressed_payloads_are_frozen_byte_for_byte_with_this_zstd() -> None:
+    codec = BatchCodec()
+    payloads = [encode_batch(samples, codec=codec, **kwargs).payload for samples, kwargs in _golden_batches().values()]
+    zstd_flags = 0x01 | CURRENT_DICTIONARY_ID << 4
+    assert [p[2] for p in payloads] == [zstd_flags] * 4 + [0] + [zstd_flags], "one body is too small to compress"
+    assert hashlib.sha256(encode_file(payloads)).hexdigest()[:16] == GOLDEN_PAYLOADS
