@@ -73,9 +73,13 @@ class GpuWorker:
     lost: bool = False
     last_tick_s: float = 0.0
     collect_errors: int = 0
-    _due: dict[str, float] = field(default_factory=dict)
-    #: Collect cycle (s) per property for the bound Device, filled on first use, emptied by ``bind``.
-    _cycle_s: dict[str, float] = field(default_factory=dict)
+    #: The NVML properties grouped by collect cycle for the bound Device: (cycle s, names), built on first use,
+    #: dropped by ``bind``. Properties sharing a cycle are sampled together, so a tick handles a few groups.
+    _schedule: list[tuple[float, tuple[str, ...]]] | None = None
+    #: Next due time (monotonic s) per schedule group; empty: everything is due now.
+    _due_at: list[float] = field(default_factory=list)
+    #: The property names of each combination of groups due together (one tuple object per combination).
+    _names: dict[tuple[int, ...], tuple[str, ...]] = field(default_factory=dict)
     #: The reconciler holds the GPU's constraints (read once; again after a driver reload or a lost GPU).
     _constraints_known: bool = False
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -92,35 +96,60 @@ class GpuWorker:
         wanted = prop.collect_cycle_ms if prop is not None and prop.collect_cycle_ms > 0 else spec.collect_cycle_ms
         return max(wanted, self.min_collect_cycle_ms)
 
-    def _next_s(self, name: str, now_s: float) -> float:
-        cycle_s = self._cycle_s.get(name)
-        if cycle_s is None:
-            cycle_s = self._cycle_s[name] = self.cycle_ms(name) / 1000
-        return now_s + cycle_s
+    def _groups(self) -> list[tuple[float, tuple[str, ...]]]:
+        if self._schedule is None:
+            by_cycle: dict[float, list[str]] = {}
+            for spec in NVML_PROPERTIES:
+                by_cycle.setdefault(self.cycle_ms(spec.name) / 1000, []).append(spec.name)
+            self._schedule = sorted((cycle_s, tuple(names)) for cycle_s, names in by_cycle.items())
+            self._names = {}
+            self._due_at = []
+        if not self._due_at:
+            self._due_at = [-1.0] * len(self._schedule)
+        return self._schedule
 
     def driver_reloaded(self) -> None:
         """The driver was reloaded (or the GPU reset): settings are gone, re-read everything."""
         self.reconciler.invalidate()
         self._constraints_known = False
-        self._due.clear()
+        self._due_at = []
         self.wake()
 
-    def due_properties(self, now_s: float) -> list[str]:
+    def _due_groups(self, now_s: float) -> list[int]:
         # Timers may fire a hair early, and cycles drift apart: what falls due within DUE_SLACK_S is read now,
         # in the same NVML round, instead of waking the loop again a few milliseconds later.
+        self._groups()
         horizon_s = now_s + DUE_SLACK_S
-        return [p.name for p in NVML_PROPERTIES if self._due.get(p.name, -1.0) <= horizon_s]
+        return [i for i, at in enumerate(self._due_at) if at <= horizon_s]
+
+    def due_properties(self, now_s: float) -> tuple[str, ...]:
+        """The NVML properties to sample at ``now_s`` (the same tuple object while the same groups are due)."""
+        return self._names_of(self._due_groups(now_s))
+
+    def _names_of(self, groups: list[int]) -> tuple[str, ...]:
+        schedule = self._groups()
+        key = tuple(groups)
+        names = self._names.get(key)
+        if names is None:
+            names = self._names[key] = tuple(name for i in groups for name in schedule[i][1])
+        return names
+
+    def _reschedule(self, groups: list[int], now_s: float, retry_s: float | None = None) -> None:
+        schedule = self._groups()
+        for i in groups:
+            cycle_s = schedule[i][0]
+            self._due_at[i] = now_s + (cycle_s if retry_s is None else min(retry_s, cycle_s))
 
     def next_due_s(self) -> float:
-        if not self._due:
+        if not self._due_at:
             return self.clock.monotonic()
-        return min(self._due.values())
+        return min(self._due_at)
 
     def bind(self, device: DeviceConfig | None) -> None:
         """Attach (or detach) the Device. New cycles apply from now: everything is due at once."""
         self.device = device
-        self._due.clear()
-        self._cycle_s.clear()
+        self._schedule = None
+        self._due_at = []
         self.wake()
 
     def wake(self) -> None:
@@ -135,7 +164,8 @@ class GpuWorker:
         now_s = self.clock.monotonic()
         self.last_tick_s = now_s
         result = TickResult()
-        due = self.due_properties(now_s)
+        due_groups = self._due_groups(now_s)
+        due = self._names_of(due_groups) if due_groups else ()
         before_state = self.state
         if due:
             try:
@@ -143,15 +173,13 @@ class GpuWorker:
             except GpuLostError as exc:
                 self._lost(str(exc))
                 result.error = str(exc)
-                for name in due:
-                    self._due[name] = self._next_s(name, now_s)
+                self._reschedule(due_groups, now_s)
             except MapperError as exc:
                 self.collect_errors += 1
                 result.error = str(exc)
                 log.warning("sampling GPU %s failed: %s", self.uuid, exc)
                 retry_s = exc.retry_after_s if isinstance(exc, TransientError) else 5.0
-                for name in due:
-                    self._due[name] = now_s + min(retry_s, self.cycle_ms(name) / 1000)
+                self._reschedule(due_groups, now_s, retry_s)
             else:
                 if self.lost:
                     log.warning("GPU %s answers again", self.uuid)
@@ -160,8 +188,7 @@ class GpuWorker:
                 self.values.update(sample.values)
                 self.values_ts_ms = sample.ts_ms
                 result.sample = sample
-                for name in due:
-                    self._due[name] = self._next_s(name, now_s)
+                self._reschedule(due_groups, now_s)
         if not self.lost and not self._constraints_known:
             # The reconciler caches them: one thread hop until they are known, none per cycle after that.
             try:
@@ -190,13 +217,14 @@ class GpuWorker:
             restore = self.desired.pending_restore()
             limits = decision.limits
             try:
-                if self.reconciler.would_act(effective, observed, limits, restore=restore):
+                planned = self.reconciler.prepare(effective, observed, limits, restore=restore)
+                if planned is None or planned.actions:
                     rec: ReconcileResult = await self._call(
-                        lambda: self.reconciler.step(effective, observed, limits, restore=restore)
+                        lambda: self.reconciler.step(effective, observed, limits, restore=restore, planned=planned)
                     )
                 else:
                     # Nothing to set: the step only compares and keeps its books, no NVML call, no thread hop.
-                    rec = self.reconciler.step(effective, observed, limits, restore=restore)
+                    rec = self.reconciler.step(effective, observed, limits, restore=restore, planned=planned)
             except MapperError as exc:
                 log.warning("reconciling GPU %s failed: %s", self.uuid, exc)
             else:

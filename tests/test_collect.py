@@ -1,0 +1,173 @@
+"""GpuWorker's schedule: every property on its own collect cycle, sampled together when due together."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pynvml
+import pytest
+
+from mapper.clock import FakeClock
+from mapper.collect import DUE_SLACK_S, GpuWorker
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.simnvml import SimNvml
+from mapper.model import NVML_PROPERTIES, PROPERTY_BY_NAME, DeviceConfig, DeviceProperty, Sample
+from mapper.policy import PolicyEngine
+from mapper.reconcile import Reconciler
+
+
+class Recording:
+    """The backend as GpuWorker sees it, recording which properties each sample asked for."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self.backend = backend
+        self.asked: list[set[str]] = []
+
+    def sample(self, uuid: str, properties: Iterable[str] | None = None) -> Sample:
+        names = set(properties or ())
+        self.asked.append(names)
+        return self.backend.sample(uuid, names)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "call_async":  # its calls go through call_in_thread, so sample() is the recorded one
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+
+@pytest.fixture
+def rig() -> Iterable[tuple[GpuWorker, Recording, SimNvml, FakeClock]]:
+    clock = FakeClock()
+    sim = SimNvml(1, "H100", seed=0, clock=clock.monotonic)
+    backend = NvmlBackend(sim, clock=clock)
+    backend.init()
+    recording = Recording(backend)
+    info = backend.list_gpus()[0]
+    worker = GpuWorker(
+        info=info,
+        backend=recording,
+        reconciler=Reconciler(backend, info.uuid, clock=clock),
+        policies=PolicyEngine(),
+        clock=clock,
+    )
+    yield worker, recording, sim, clock
+    backend.shutdown()
+
+
+def device(gpu_uuid: str, **cycles_ms: int) -> DeviceConfig:
+    props = tuple(DeviceProperty(name, collect_cycle_ms=ms) for name, ms in cycles_ms.items())
+    return DeviceConfig("default", "gpu-0", "gpu-model", gpu_uuid, properties=props)
+
+
+async def test_each_property_is_sampled_on_its_own_collect_cycle(rig: Any) -> None:
+    worker, recording, _, clock = rig
+    worker.bind(device(worker.uuid, temperature=1000, memory_total=5000))
+    seen: dict[str, list[int]] = {"temperature": [], "memory_total": []}
+    for second in range(11):
+        await worker.tick()
+        for name, seconds in seen.items():
+            if recording.asked and name in recording.asked[-1]:
+                seconds.append(second)
+        recording.asked.clear()
+        clock.advance(1.0)
+    assert seen["temperature"] == list(range(11))
+    assert seen["memory_total"] == [0, 5, 10]
+    assert worker.values["memory_total"] > 0
+
+
+async def test_the_first_tick_samples_every_nvml_property_of_the_catalog(rig: Any) -> None:
+    worker, recording, _, _ = rig
+    worker.bind(device(worker.uuid, temperature=1000))
+    await worker.tick()
+    assert recording.asked[0] == {p.name for p in NVML_PROPERTIES}
+
+
+async def test_properties_a_device_does_not_list_keep_the_catalogs_cycle(rig: Any) -> None:
+    worker, recording, _, clock = rig
+    worker.bind(device(worker.uuid, temperature=1000))
+    slow = PROPERTY_BY_NAME["product_name"].collect_cycle_ms / 1000
+    assert slow > 1.0  # the catalog samples identity rarely
+    await worker.tick()
+    clock.advance(1.0)
+    recording.asked.clear()
+    await worker.tick()
+    assert "temperature" in recording.asked[0]
+    assert "product_name" not in recording.asked[0]
+
+
+def test_a_device_asking_for_faster_than_the_floor_gets_the_floor(rig: Any) -> None:
+    worker, _, _, _ = rig
+    worker.min_collect_cycle_ms = 2000
+    worker.bind(device(worker.uuid, temperature=100))
+    assert worker.cycle_ms("temperature") == 2000
+
+
+async def test_next_due_is_the_earliest_group_and_properties_due_within_the_slack_come_along(rig: Any) -> None:
+    worker, recording, _, clock = rig
+    worker.bind(device(worker.uuid, temperature=1000, power_usage=2000))
+    await worker.tick()
+    start = clock.monotonic()
+    assert worker.next_due_s() == pytest.approx(start + 1.0)
+    clock.advance(2.0 - DUE_SLACK_S / 2)  # power_usage is due a hair later: read in this tick too
+    recording.asked.clear()
+    await worker.tick()
+    assert {"temperature", "power_usage"} <= recording.asked[0]
+
+
+def test_the_same_groups_due_give_the_same_tuple_object(rig: Any) -> None:
+    """The backend caches its reading plan by the names it is given: an unchanged schedule must not build a
+    new tuple every tick."""
+    worker, _, _, clock = rig
+    worker.bind(device(worker.uuid, temperature=1000))
+    now = clock.monotonic()
+    first = worker.due_properties(now)
+    assert first is worker.due_properties(now)
+    assert set(first) == {p.name for p in NVML_PROPERTIES}
+
+
+async def test_a_failed_sample_is_retried_after_the_errors_retry_time_not_a_whole_cycle(rig: Any) -> None:
+    worker, _, sim, clock = rig
+    worker.bind(device(worker.uuid, **{p.name: 10_000 for p in NVML_PROPERTIES}))
+    await worker.tick()
+    assert worker.next_due_s() == pytest.approx(clock.monotonic() + 10.0)
+    clock.advance(10.0)
+    sim.inject_errors("*", pynvml.NVML_ERROR_TIMEOUT, count=1)  # NVML timed out: transient, retry in 1 s
+    result = await worker.tick()
+    assert "Timeout" in result.error or "timed out" in result.error.lower()
+    assert result.sample is None
+    assert worker.collect_errors == 1
+    assert worker.next_due_s() == pytest.approx(clock.monotonic() + 1.0)
+    clock.advance(1.0)
+    result = await worker.tick()
+    assert result.error == ""
+    assert result.sample is not None and "temperature" in result.sample.values
+    assert worker.next_due_s() == pytest.approx(clock.monotonic() + 10.0)
+
+
+async def test_a_driver_reload_makes_everything_due_at_once(rig: Any) -> None:
+    worker, recording, _, clock = rig
+    worker.bind(device(worker.uuid, temperature=1000))
+    await worker.tick()
+    clock.advance(1.0)
+    await worker.tick()
+    worker.driver_reloaded()
+    assert worker.next_due_s() <= clock.monotonic()
+    recording.asked.clear()
+    await worker.tick()
+    assert recording.asked[0] == {p.name for p in NVML_PROPERTIES}
+
+
+async def test_binding_another_device_applies_its_cycles_from_now(rig: Any) -> None:
+    worker, recording, _, clock = rig
+    worker.bind(device(worker.uuid, temperature=1000))
+    await worker.tick()
+    worker.bind(device(worker.uuid, temperature=3000))
+    assert worker.cycle_ms("temperature") == 3000
+    recording.asked.clear()
+    await worker.tick()  # everything due again on a new binding
+    clock.advance(1.0)
+    await worker.tick()
+    clock.advance(1.0)
+    await worker.tick()
+    temperature_reads = [i for i, asked in enumerate(recording.asked) if "temperature" in asked]
+    assert temperature_reads == [0]
