@@ -656,20 +656,31 @@ class Reconciler:
     ) -> bool:
         """True when ``step`` with these inputs could call the GPU: constraints not read yet, or the plan
         has actions. When False, ``step`` is pure bookkeeping and may run on the event loop."""
+        planned = self.prepare(desired, observed_sample, limits, restore=restore)
+        return planned is None or bool(planned.actions)
+
+    def prepare(
+        self,
+        desired: Mapping[str, DesiredValue],
+        observed_sample: Sample | Mapping[str, Value] | None,
+        limits: Iterable[PolicyLimit] = (),
+        *,
+        restore: Collection[str] = (),
+    ) -> Plan | None:
+        """The plan ``step`` starts from with these inputs (hand it to ``step`` as ``planned`` so it is not made
+        twice), or None while the constraints are unknown (``step`` must read them: a GPU call). Without
+        actions, ``step`` is pure bookkeeping and may run on the event loop."""
         if self._constraints is None:
-            return True
-        observed = self._observed(observed_sample)
-        restore_set = set(restore) | self._released(desired)
-        first = plan(
+            return None
+        return plan(
             desired,
-            observed,
+            self._observed(observed_sample),
             self._constraints,
             list(limits),
             clamp=self.clamp,
-            restore=restore_set,
+            restore=set(restore) | self._released(desired),
             restore_modes=self.restore_modes,
         )
-        return bool(first.actions)
 
     def step(
         self,
@@ -679,8 +690,10 @@ class Reconciler:
         *,
         restore: Collection[str] = (),
         constraints: Constraints | None = None,
+        planned: Plan | None = None,
     ) -> ReconcileResult:
-        """Plan, apply, read back, compare. ``restore``: ``DesiredState.pending_restore()``."""
+        """Plan, apply, read back, compare. ``restore``: ``DesiredState.pending_restore()``. ``planned``: what
+        ``prepare`` returned for the same inputs just before (saves making the first plan again)."""
         now_s = self.clock.monotonic()
         limits = list(limits)
         cons = constraints if constraints is not None else self.constraints()
@@ -692,7 +705,7 @@ class Reconciler:
                 desired, seen, cons, limits, clamp=self.clamp, restore=restore_set, restore_modes=self.restore_modes
             )
 
-        first = plan_for(observed)
+        first = planned if planned is not None and constraints is None else plan_for(observed)
         # Targets that changed (or vanished) reset their backoff state.
         for group in list(self._groups):
             target = first.targets.get(group)

@@ -7,12 +7,14 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pynvml
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mapper.reconcile as reconcile_module
 from mapper.clock import FakeClock
 from mapper.desired import DesiredState, DesiredValue, make_desired
 from mapper.gpu.nvml import NvmlBackend
@@ -885,3 +887,31 @@ def test_would_act_says_when_a_step_may_call_the_gpu_and_a_quiet_step_calls_noth
     rig.sim.driver_reload()
     rig.reconciler.invalidate()
     assert rig.reconciler.would_act(rig.state.effective(), sample), "after a reload: re-read and re-apply"
+
+
+def test_a_step_given_the_prepared_plan_plans_no_second_time_and_ends_the_same(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sample = rig.backend.sample(rig.uuid)
+    assert rig.reconciler.prepare({}, sample) is None, "constraints not read yet: no plan without them"
+    rig.reconciler.constraints()
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    rig.cycle()
+    sample = rig.backend.sample(rig.uuid)
+    desired = rig.state.effective()
+    planned = rig.reconciler.prepare(desired, sample)
+    assert planned is not None and not planned.actions
+    plans: list[object] = []
+    real_plan = reconcile_module.plan
+
+    def counting_plan(*args: Any, **kwargs: Any) -> Any:
+        plans.append(args)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(reconcile_module, "plan", counting_plan)
+    with_plan = rig.reconciler.step(desired, sample, planned=planned)
+    assert plans == [], "the prepared plan is used as the first plan"
+    without = rig.reconciler.step(desired, sample)
+    assert len(plans) == 1
+    assert with_plan.statuses == without.statuses
+    assert with_plan.targets == without.targets
