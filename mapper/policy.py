@@ -584,6 +584,8 @@ def _thermal(st: ThermalState, run: _Run, ceiling: float | None, last_change_s: 
     temp = run.temperature_c
     if temp is None or ceiling is None:
         return st
+    if temp <= cfg.max_temp_c and st.phase == "normal":
+        return st  # the usual case: cool, nothing to do
     floor = _floor_w(run.ctx)
     effective = min(ceiling, st.cap_w) if st.cap_w is not None else ceiling
     max_txt = format_number(cfg.max_temp_c)
@@ -639,25 +641,30 @@ def _power_saving(
     util = run.utilization_pct
     if util is None:
         return st
-    threshold = format_number(cfg.threshold_pct)
     if util >= cfg.threshold_pct:
         if st.active:
+            threshold = format_number(cfg.threshold_pct)
             run.event(
                 POWER_SAVING, "restore", f"utilization-{format_number(util)}-at-or-above-{threshold}", st.cap_w, None
             )
             run.changed = True
-        return PowerSavingState()
+        return _BUSY
     idle_since = st.idle_since_s if st.idle_since_s is not None else run.now_s
-    st = replace(st, idle_since_s=idle_since)
+    if st.idle_since_s != idle_since:
+        st = replace(st, idle_since_s=idle_since)
     if st.active or ceiling is None:
         return st
     if run.now_s - idle_since >= cfg.idle_for_s and run.interval_passed(last_change_s):
         cap = _idle_cap(cfg, run.ctx, ceiling)
-        reason = f"utilization-below-{threshold}-for-{format_duration(cfg.idle_for_s)}"
+        reason = f"utilization-below-{format_number(cfg.threshold_pct)}-for-{format_duration(cfg.idle_for_s)}"
         run.event(POWER_SAVING, "engage", reason, ceiling, cap)
         run.changed = True
         return PowerSavingState(idle_since, True, cap)
     return st
+
+
+#: Power saving's state while the GPU is busy (immutable, so one instance serves every GPU).
+_BUSY = PowerSavingState()
 
 
 def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthState:
@@ -680,7 +687,8 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
         elif ecc_now < st.ecc_uncorrected:
             reset = True  # volatile counters restart on a driver reload or GPU reset
     ecc = int(ecc_now) if ecc_now is not None else st.ecc_uncorrected
-    new = replace(st, last_xid=last_xid, ecc_uncorrected=ecc)
+    unchanged = last_xid == st.last_xid and ecc == st.ecc_uncorrected
+    new = st if unchanged else replace(st, last_xid=last_xid, ecc_uncorrected=ecc)
 
     if lost:
         if st.status != "offline":

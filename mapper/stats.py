@@ -17,7 +17,7 @@ import bisect
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mapper.model import DEVICE_STATES, GpuInfo, Sample, Value
@@ -70,7 +70,13 @@ class DurationHistogram:
         i = bisect.bisect_left(self.bounds_s, seconds)
         counts = list(self.counts)
         counts[i] += 1
-        return replace(self, counts=tuple(counts), sum_s=self.sum_s + seconds)
+        # Built without ``__post_init__``: the bounds were checked when this histogram was made, and the counts
+        # only grow (observed once per GPU tick, so the checks would cost more than the observation).
+        new = object.__new__(DurationHistogram)
+        object.__setattr__(new, "bounds_s", self.bounds_s)
+        object.__setattr__(new, "counts", tuple(counts))
+        object.__setattr__(new, "sum_s", self.sum_s + seconds)
+        return new
 
     def cumulative(self) -> list[tuple[float, int]]:
         """Prometheus-style ``(upper bound, cumulative count)`` pairs, ending with ``inf``."""
