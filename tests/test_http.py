@@ -415,6 +415,8 @@ def test_histogram_observe_returns_a_new_histogram_and_keeps_the_old() -> None:
     assert h.count == 0
     assert h2.counts == (1, 1, 1)
     assert h2.cumulative()[-1][1] == 3
+    assert h2.sum_s == pytest.approx(7.6)
+    assert h2 == DurationHistogram(bounds_s=(0.1, 1.0), counts=(1, 1, 1), sum_s=h2.sum_s)
     with pytest.raises(ValueError, match="strictly increasing"):
         DurationHistogram(bounds_s=(1.0, 0.5))
 
