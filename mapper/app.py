@@ -22,7 +22,7 @@ from typing import Any
 from mapper import __version__
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
-from mapper.collect import GpuWorker, TickResult, call_in_thread, sleep_or_wake
+from mapper.collect import GpuWorker, TickResult, call_backend, sleep_or_wake
 from mapper.config import Settings, read_file
 from mapper.desired import Source
 from mapper.devicefiles import FolderWatcher, load_folder
@@ -525,8 +525,8 @@ class MapperApp:
         while True:
             self._beat("events", 1.0)
             try:
-                events: list[GpuEvent] = await call_in_thread(self.backend.poll_events, timeout_s=10.0)
-            except (MapperError, TimeoutError) as exc:
+                events: list[GpuEvent] = await call_backend(self.backend, self.backend.poll_events, timeout_s=10.0)
+            except MapperError as exc:
                 log.debug("polling NVML events failed: %s", exc)
                 events = []
             for event in events:

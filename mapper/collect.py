@@ -243,17 +243,21 @@ class GpuWorker:
         self.lost = True
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # A backend with its own worker thread (NvmlBackend.call_async) runs its methods there directly: one
-        # thread wake-up per call instead of two (default executor, then that worker); its own timeouts apply.
-        call_async = getattr(self.backend, "call_async", None)
-        if call_async is not None and getattr(fn, "__self__", None) is self.backend:
-            return await call_async(fn, *args)
-        try:
-            return await call_in_thread(fn, *args, timeout_s=self.call_timeout_s)
-        except TimeoutError:
-            raise TransientError(
-                f"GPU {self.uuid}: {getattr(fn, '__name__', 'call')} took longer than {self.call_timeout_s}s"
-            ) from None
+        return await call_backend(self.backend, fn, *args, timeout_s=self.call_timeout_s, what=f"GPU {self.uuid}: ")
+
+
+async def call_backend(backend: object, fn: Callable[..., Any], *args: Any, timeout_s: float, what: str = "") -> Any:
+    """``fn(*args)`` off the event loop. A backend with its own worker thread (``NvmlBackend.call_async``) runs
+    its own methods there directly: one thread wake-up per call instead of two (default executor, then that
+    worker), and its own timeouts apply. Anything else runs in the default executor, bounded by ``timeout_s``
+    (``TransientError`` after it)."""
+    call_async = getattr(backend, "call_async", None)
+    if call_async is not None and getattr(fn, "__self__", None) is backend:
+        return await call_async(fn, *args)
+    try:
+        return await call_in_thread(fn, *args, timeout_s=timeout_s)
+    except TimeoutError:
+        raise TransientError(f"{what}{getattr(fn, '__name__', 'call')} took longer than {timeout_s}s") from None
 
 
 def _power_limit_w(desired: Mapping[str, DesiredValue]) -> float | None:
