@@ -28,7 +28,7 @@ from mapper.errors import (
     TransientError,
     UnsupportedError,
 )
-from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.nvml import NvmlBackend, _Memo
 from mapper.gpu.profiles import PROFILES, GpuProfile
 from mapper.gpu.simnvml import SimNvml
 from mapper.model import (
@@ -579,6 +579,126 @@ def test_calls_from_several_threads_are_serialised_safely(fake_clock: FakeClock,
         thread.join(timeout=30)
     assert failures == []
     assert [sim.gpu(u).power_limit_w for u in uuids] == [350.0, 250.0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling plans: the names a caller passes and the readers for them are worked out once, not per sample
+# --------------------------------------------------------------------------------------------------
+
+
+def test_remembered_property_sets_give_each_input_its_own_properties(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    _, backend, (uuid,) = build(fake_clock, backends)
+    names = ["temperature", "power_usage"]
+    assert set(backend.sample(uuid, names).values) == {"temperature", "power_usage"}
+    names.append("memory_used")  # the same list object, other contents: other properties
+    assert set(backend.sample(uuid, names).values) == {"temperature", "power_usage", "memory_used"}
+    for asked in (
+        ("temperature",),
+        "temperature",
+        {"temperature", "desired_status"},
+        frozenset({"temperature"}),
+        (name for name in ["temperature"]),
+        ["temperature", "desired_status"],
+    ):
+        assert set(backend.sample(uuid, asked).values) == {"temperature"}, asked
+    assert set(backend.sample(uuid, ("power_usage",)).values) == {"power_usage"}
+    assert set(backend.sample(uuid).values) >= {"temperature", "power_usage", "memory_used", "pstate"}
+    for _ in range(2):  # an unknown name is an error every time, never remembered as an empty set
+        with pytest.raises(InvalidValueError, match="'temprature'"):
+            backend.sample(uuid, ("temprature",))
+
+
+def test_one_property_of_a_reading_group_comes_without_its_neighbours_or_their_errors(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    assert set(backend.sample(uuid, ["memory_used"]).values) == {"memory_used"}
+    assert set(backend.sample(uuid, ["utilization_memory"]).values) == {"utilization_memory"}
+    assert set(backend.sample(uuid, ["clock_event_reasons_text"]).values) == {"clock_event_reasons_text"}
+    sim.inject_errors("nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_NO_PERMISSION, 1)
+    sample = backend.sample(uuid, ["memory_total", "temperature"])
+    assert set(sample.values) == {"temperature"} and set(sample.errors) == {"memory_total"}
+
+
+def test_errors_of_a_getter_name_the_gpu_and_the_call(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends)
+    backend.sample(uuid)
+    sim.inject_errors("nvmlDeviceGetUtilizationRates", pynvml.NVML_ERROR_UNKNOWN, 2)  # (one retry after re-init)
+    with pytest.raises(TransientError, match=f"GPU {uuid}: nvmlDeviceGetUtilizationRates\\(\\) failed"):
+        backend.sample(uuid)
+    sim.inject_errors("nvmlDeviceGetClockInfo", pynvml.NVML_ERROR_INVALID_ARGUMENT, 1)
+    fake_clock.advance(2)  # past the re-init backoff
+    sample = backend.sample(uuid)
+    assert sample.errors["clock_sm"].startswith("out-of-range: ")
+    assert f"GPU {uuid}: nvmlDeviceGetClockInfo(" in sample.errors["clock_sm"]
+
+
+class _Hiding:
+    """An nvml module without some functions (an older binding), recording the field ids asked for."""
+
+    def __init__(self, sim: SimNvml, *hidden: str) -> None:
+        self._sim = sim
+        self._hidden = hidden
+        self.field_ids: list[list[int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._hidden:
+            raise AttributeError(name)
+        if name == "nvmlDeviceGetFieldValues":
+
+            def fields(handle: object, ids: list[int]) -> Any:
+                self.field_ids.append(list(ids))
+                return self._sim.nvmlDeviceGetFieldValues(handle, ids)
+
+            return fields
+        return getattr(self._sim, name)
+
+
+def test_a_getter_missing_from_the_binding_is_absent_and_asked_again_only_rarely(fake_clock: FakeClock) -> None:
+    sim = SimNvml.from_profiles(("H100",), seed=5, clock=fake_clock.monotonic)
+    hiding = _Hiding(sim, "nvmlDeviceGetPowerUsage")
+    backend = NvmlBackend(hiding, clock=fake_clock, unsupported_retry_s=100)
+    uuid = sim.gpus[0].uuid
+    try:
+        for _ in range(3):
+            sample = backend.sample(uuid)
+            assert "power_usage" not in sample.values and "power_limit" in sample.values
+            assert sample.errors == {}
+            fake_clock.advance(1)
+        assert backend._unsupported[uuid]["power_usage"] == pytest.approx(fake_clock.monotonic() - 3 + 100)
+        hiding._hidden = ()  # (a binding cannot gain a function; this shows when it is asked again)
+        fake_clock.advance(50)
+        assert "power_usage" not in backend.sample(uuid).values  # not asked before its retry time
+        fake_clock.advance(50)
+        assert "power_usage" in backend.sample(uuid).values
+    finally:
+        backend.shutdown()
+
+
+def test_a_field_nvml_does_not_support_is_left_out_of_the_request_until_its_retry(fake_clock: FakeClock) -> None:
+    sim = SimNvml.from_profiles(("T4",), seed=5, clock=fake_clock.monotonic)  # no HBM: no memory temperature
+    hiding = _Hiding(sim)
+    backend = NvmlBackend(hiding, clock=fake_clock, unsupported_retry_s=100)
+    uuid = sim.gpus[0].uuid
+    try:
+        for _ in range(3):
+            assert "energy_consumption" in backend.sample(uuid).values
+            fake_clock.advance(1)
+        fake_clock.advance(100)
+        backend.sample(uuid)
+        assert hiding.field_ids == [[82, 191], [191], [191], [82, 191]]
+    finally:
+        backend.shutdown()
+
+
+def test_memo_forgets_the_oldest_entry_when_full() -> None:
+    memo: _Memo[str, int] = _Memo(2)
+    assert memo.put("a", 1) == 1 and memo.put("b", 2) == 2
+    assert memo.put("a", 3) == 3 and len(memo) == 2  # a known key is replaced, nothing forgotten
+    memo.put("c", 4)
+    assert (memo.get("a"), memo.get("b"), memo.get("c")) == (None, 2, 4)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 * ``sample()`` reads every catalog property in catalog units with one NVML call per value
   (``nvmlDeviceGetFieldValues`` for energy and memory temperature). A value NVML reports as NotSupported or
   FunctionNotFound is absent from the sample, remembered per (GPU, call) and asked again only every
-  ``unsupported_retry_s``.
+  ``unsupported_retry_s``. Which readers a set of wanted names needs is worked out once per set (and the set
+  once per list of names a caller passes); a plain getter's function and constants are looked up once.
 * NVML errors are translated once, in ``_translate``, into ``mapper.errors`` types whose messages name the GPU,
   the call and the value.
 * Lazy init; re-init with capped exponential backoff after Unknown, Uninitialized, GpuIsLost, a timeout or a
@@ -31,9 +32,10 @@ import asyncio
 import ctypes
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from functools import partial
 from types import MappingProxyType
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from mapper.clock import Clock, SystemClock
 from mapper.errors import (
@@ -106,6 +108,8 @@ _FI_MEMORY_TEMP = 82
 _FI_ENERGY = 191
 _FIELDS: tuple[tuple[int, str], ...] = ((_FI_MEMORY_TEMP, "temperature_memory"), (_FI_ENERGY, "energy_consumption"))
 _FIELD_PROPS: Mapping[int, str] = MappingProxyType(dict(_FIELDS))
+#: A field's key in a GPU's NotSupported memory (next to the group names of ``_GROUPS``), in ``_FIELDS`` order.
+_FIELD_KEYS: Mapping[int, str] = MappingProxyType({field_id: f"field:{field_id}" for field_id, _ in _FIELDS})
 
 # Event types (pynvml.nvmlEventType*).
 _EV_SBE = 0x1
@@ -115,6 +119,8 @@ _EV_WANTED = _EV_SBE | _EV_DBE | _EV_XID
 
 #: A reload is assumed when the energy counter drops by more than this (joules); a counter never decreases.
 _ENERGY_BACKWARDS_J = 1.0
+#: How many wanted-property sets (and reading plans) a backend remembers; callers use a handful.
+_MEMO_SIZE = 256
 #: Accepted difference between a power limit set and the one read back (some boards round to the watt).
 _READ_BACK_TOLERANCE_MW = 500
 
@@ -183,13 +189,19 @@ class NvmlBackend:
         self._locked_gpu: dict[str, tuple[int, int]] = {}
         self._locked_memory: dict[str, tuple[int, int]] = {}
         # knowledge that outlives a session
-        self._unsupported: dict[tuple[str, str], float] = {}
+        #: NotSupported reads: by GPU, the reading group (or ``field:<id>``) and when to ask again (monotonic s)
+        self._unsupported: dict[str, dict[str, float]] = {}
         self._unsupported_writes: dict[str, set[str]] = {}
         self._legacy_temperature = False
         self._lost: dict[str, float] = {}
         self._energy_j: dict[str, float] = {}
         self._xid_last: dict[str, int] = {}
         self._pending: list[GpuEvent] = []
+        # sampling plans: ``_wanted`` by the names a caller passes (callers pass the same few lists again and
+        # again), and the bound readers for each wanted set (made on the worker thread)
+        self._wanted_sets: _Memo[Hashable, frozenset[str]] = _Memo(_MEMO_SIZE)
+        self._steps: tuple[tuple[str, frozenset[str], Step], ...] | None = None
+        self._plans: _Memo[frozenset[str], _SamplePlan] = _Memo(_MEMO_SIZE)
 
     # ==============================================================================================
     # Public API (GpuBackend)
@@ -220,7 +232,7 @@ class NvmlBackend:
         return self._call("list_gpus", self._list_gpus)
 
     def sample(self, uuid: str, properties: Iterable[str] | None = None) -> Sample:
-        wanted = _wanted(properties)
+        wanted = self._wanted_set(properties)
         return self._call(f"sample of GPU {uuid}", lambda: self._sample(uuid, wanted))
 
     def constraints(self, uuid: str) -> Constraints:
@@ -278,6 +290,24 @@ class NvmlBackend:
     def poll_events(self) -> list[GpuEvent]:
         """XID, ECC, GPU-lost and driver-reload events since the last poll (never blocks on NVML)."""
         return self._call("poll_events", self._poll_events)
+
+    def _wanted_set(self, properties: Iterable[str] | None) -> frozenset[str]:
+        """``_wanted(properties)``, remembered for a tuple, list, set, frozenset or string of names."""
+        if properties is None:
+            return _ALL_NVML
+        key: Hashable
+        if isinstance(properties, tuple | frozenset | str):
+            key = properties
+        elif isinstance(properties, list):
+            key = tuple(properties)
+        elif isinstance(properties, set):
+            key = frozenset(properties)
+        else:  # another iterable (a generator, a dict view): may not give the same names twice
+            return _wanted(properties)
+        known = self._wanted_sets.get(key)
+        if known is None:
+            known = self._wanted_sets.put(key, _wanted(key))
+        return known
 
     # --- introspection for tests and the composition root -----------------------------------------
     def locked_clocks(self, uuid: str) -> dict[str, int]:
@@ -756,49 +786,47 @@ class NvmlBackend:
     # ==============================================================================================
     def _sample(self, uuid: str, wanted: frozenset[str]) -> Sample:
         handle = self._handle(uuid)
+        plan = self._plans.get(wanted) or self._plan(wanted)
         values: dict[str, Value] = {}
         errors: dict[str, str] = {}
         now = self._clock.monotonic()
-        unsupported = self._unsupported
-        for group, props, reader in _GROUPS:
-            if wanted.isdisjoint(props):
-                continue
-            key = (uuid, group)
-            retry_at = unsupported.get(key)
-            if retry_at is not None:
-                if now < retry_at:
-                    continue
-                del unsupported[key]
+        unsupported = self._unsupported.get(uuid)  # retry times by group (None: nothing unsupported yet)
+        for group, props, step in plan.steps:
+            if unsupported:
+                retry_at = unsupported.get(group)
+                if retry_at is not None:
+                    if now < retry_at:
+                        continue
+                    del unsupported[group]
             try:
-                reader(self, handle, uuid, values, errors)
+                step(handle, uuid, values, errors)
             except UnsupportedError:
-                unsupported[key] = now + self._unsupported_retry_s
+                if unsupported is None:
+                    unsupported = self._unsupported.setdefault(uuid, {})
+                unsupported[group] = now + self._unsupported_retry_s
             except (TransientError, NotFoundError):
                 raise
             except PermanentError as exc:
                 for prop in props:
                     errors[prop] = f"{exc.reason}: {exc}"
-        return Sample(
-            uuid=uuid,
-            ts_ms=self._clock.wall_ms(),
-            values={k: v for k, v in values.items() if k in wanted},
-            errors={k: v for k, v in errors.items() if k in wanted},
-        )
+        if not plan.exact:  # a reader also wrote values of its group that were not asked for
+            values = {k: v for k, v in values.items() if k in wanted}
+            if errors:
+                errors = {k: v for k, v in errors.items() if k in wanted}
+        return Sample(uuid=uuid, ts_ms=self._clock.wall_ms(), values=values, errors=errors)
+
+    def _plan(self, wanted: frozenset[str]) -> _SamplePlan:
+        """The reading plan for ``wanted``, made once per set of names (on the worker thread)."""
+        steps = self._steps
+        if steps is None:
+            steps = self._steps = tuple((group, props, _bind(reader, self)) for group, props, reader in _GROUPS)
+        chosen = tuple(entry for entry in steps if not wanted.isdisjoint(entry[1]))
+        return self._plans.put(wanted, _SamplePlan(chosen, wanted))
 
     # Each reader makes ONE NVML call (or none) and fills ``out`` in catalog units.
     def _r_identity(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
         out["uuid"] = uuid
         out["product_name"] = self._names.get(uuid, "")
-
-    def _r_util(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
-        rates = self._nv("nvmlDeviceGetUtilizationRates", h, uuid=uuid)
-        out["utilization_gpu"] = int(rates.gpu)
-        out["utilization_memory"] = int(rates.memory)
-
-    def _r_memory(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
-        info = self._nv("nvmlDeviceGetMemoryInfo", h, uuid=uuid)
-        out["memory_used"] = int(info.used)
-        out["memory_total"] = int(info.total)
 
     def _r_temperature(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
         sensor = self._nvml.NVML_TEMPERATURE_GPU
@@ -812,20 +840,25 @@ class NvmlBackend:
 
     def _r_fields(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
         now = self._clock.monotonic()
-        ids: list[int] = []
-        for field_id, _prop in _FIELDS:
-            retry_at = self._unsupported.get((uuid, f"field:{field_id}"))
-            if retry_at is None or now >= retry_at:
-                ids.append(field_id)
-        if not ids:
-            return
+        unsupported = self._unsupported.get(uuid)
+        if unsupported:
+            ids = [
+                field_id
+                for field_id, key in _FIELD_KEYS.items()
+                if (retry_at := unsupported.get(key)) is None or now >= retry_at
+            ]
+            if not ids:
+                return
+        else:
+            ids = list(_FIELD_KEYS)
         items = self._nv("nvmlDeviceGetFieldValues", h, ids, uuid=uuid, value=ids)
         for item in items:
             field_id = int(item.fieldId)
             prop = _FIELD_PROPS[field_id]
             status = int(item.nvmlReturn)
             if status == 0:
-                self._unsupported.pop((uuid, f"field:{field_id}"), None)
+                if unsupported:
+                    unsupported.pop(_FIELD_KEYS[field_id], None)
                 number = _field_number(item)
                 if field_id == _FI_ENERGY:
                     self._check_energy(uuid, number / 1000.0)
@@ -833,7 +866,9 @@ class NvmlBackend:
                 else:
                     out[prop] = int(number)
             elif status in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED):
-                self._unsupported[(uuid, f"field:{field_id}")] = now + self._unsupported_retry_s
+                if unsupported is None:
+                    unsupported = self._unsupported.setdefault(uuid, {})
+                unsupported[_FIELD_KEYS[field_id]] = now + self._unsupported_retry_s
             elif status == _GPU_IS_LOST:
                 raise self._translate(self._nvml_error(status), "nvmlDeviceGetFieldValues", uuid, field_id, "")
             else:
@@ -965,47 +1000,159 @@ class NvmlBackend:
 # --------------------------------------------------------------------------------------------------
 
 Reader = Callable[[NvmlBackend, Any, str, dict[str, Value], dict[str, str]], None]
+#: A reader bound to one backend and its nvml module, as ``_sample`` runs it: ``step(handle, uuid, out, errors)``.
+Step = Callable[[Any, str, dict[str, Value], dict[str, str]], None]
 
 
-def _simple(prop: str, call: str, convert: Callable[[Any], Value], *args: str) -> Reader:
-    """A reader for ``prop`` = ``convert(nvml.<call>(handle, *constants))``; args name nvml constants."""
+class _Getter:
+    """A reader that is one plain NVML getter: ``convert(nvml.<call>(handle, *constants))`` is the value of the
+    one property in ``props``, or a pair of values for its two properties; ``constants`` name nvml constants.
 
-    def read(backend: NvmlBackend, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+    Called as a ``Reader`` it looks the function and the constants up on every call and goes through ``_nv``.
+    ``bind(backend)`` looks them up once and gives the step ``_sample`` runs: NVML called directly, its errors
+    translated by ``_translate`` exactly as ``_nv`` does (same call name, GPU and reason in the message)."""
+
+    __slots__ = ("call", "constants", "convert", "props")
+
+    def __init__(self, props: tuple[str, ...], call: str, convert: Callable[[Any], Any], *constants: str) -> None:
+        if len(props) not in (1, 2):
+            raise ValueError(f"{call}: a getter reads one or two properties, not {len(props)}")
+        self.props = props
+        self.call = call
+        self.convert = convert
+        self.constants = constants
+
+    def __call__(self, backend: NvmlBackend, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
         nvml = backend._nvml
-        out[prop] = convert(backend._nv(call, h, *(getattr(nvml, a) for a in args), uuid=uuid))
+        value = self.convert(backend._nv(self.call, h, *(getattr(nvml, a) for a in self.constants), uuid=uuid))
+        if len(self.props) == 1:
+            out[self.props[0]] = value
+        else:
+            out[self.props[0]], out[self.props[1]] = value
 
-    return read
+    def bind(self, backend: NvmlBackend) -> Step:
+        nvml = backend._nvml
+        fn = getattr(nvml, self.call, None)
+        try:
+            constants = tuple(getattr(nvml, a) for a in self.constants)
+        except AttributeError:
+            fn = None
+        if fn is None:  # not in this binding: the lookup on every call raises what it always raised
+            return partial(self, backend)
+        call, convert = self.call, self.convert
+        nvml_error, translate = backend._nvml_error, backend._translate
+
+        if len(self.props) == 1:
+            (prop,) = self.props
+
+            def step(h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+                try:
+                    raw = fn(h, *constants)
+                except nvml_error as exc:
+                    raise translate(exc, call, uuid, None, "out-of-range") from exc
+                out[prop] = convert(raw)
+
+            return step
+
+        first, second = self.props
+
+        def step_pair(h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+            try:
+                raw = fn(h, *constants)
+            except nvml_error as exc:
+                raise translate(exc, call, uuid, None, "out-of-range") from exc
+            out[first], out[second] = convert(raw)
+
+        return step_pair
 
 
-def _pair(props: tuple[str, str], call: str, convert: Callable[[Any], tuple[Value, Value]]) -> Reader:
-    def read(backend: NvmlBackend, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
-        first, second = convert(backend._nv(call, h, uuid=uuid))
-        out[props[0]] = first
-        out[props[1]] = second
+def _simple(prop: str, call: str, convert: Callable[[Any], Value], *args: str) -> _Getter:
+    """A reader for ``prop`` = ``convert(nvml.<call>(handle, *constants))``; args name nvml constants."""
+    return _Getter((prop,), call, convert, *args)
 
-    return read
+
+def _pair(props: tuple[str, str], call: str, convert: Callable[[Any], tuple[Value, Value]]) -> _Getter:
+    return _Getter(props, call, convert)
+
+
+def _bind(reader: Reader, backend: NvmlBackend) -> Step:
+    if isinstance(reader, _Getter):
+        return reader.bind(backend)
+    return partial(reader, backend)
 
 
 def _mw_to_w(value: Any) -> float:
     return int(value) / 1000.0
 
 
-def _reasons(backend: NvmlBackend, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
-    mask = int(backend._nv("nvmlDeviceGetCurrentClocksEventReasons", h, uuid=uuid))
-    out["clock_event_reasons"] = mask
-    out["clock_event_reasons_text"] = clock_event_reasons_text(mask)
+def _reasons(value: Any) -> tuple[Value, Value]:
+    mask = int(value)
+    return mask, clock_event_reasons_text(mask)
 
 
 def _compute_mode(value: Any) -> Value:
     return COMPUTE_MODE_NAMES.get(int(value), f"mode{int(value)}")
 
 
+class _SamplePlan:
+    """What one sample of a set of wanted properties reads: the ``_GROUPS`` entries it needs, bound to the
+    backend, in ``_GROUPS`` order. ``exact``: every value those readers write is wanted (nothing to filter)."""
+
+    __slots__ = ("exact", "steps")
+
+    def __init__(self, steps: tuple[tuple[str, frozenset[str], Step], ...], wanted: frozenset[str]) -> None:
+        self.steps = steps
+        self.exact = all(props <= wanted for _, props, _ in steps)
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Memo(Generic[K, V]):
+    """At most ``size`` remembered results; when full, the oldest one is forgotten first. A lookup takes no
+    lock (one dict read); a store does, because callers on several threads may store at once."""
+
+    __slots__ = ("_known", "_lock", "_size")
+
+    def __init__(self, size: int) -> None:
+        self._known: dict[K, V] = {}
+        self._lock = threading.Lock()
+        self._size = size
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def get(self, key: K) -> V | None:
+        return self._known.get(key)
+
+    def put(self, key: K, value: V) -> V:
+        with self._lock:
+            known = self._known
+            if key not in known and len(known) >= self._size:
+                del known[next(iter(known))]
+            known[key] = value
+        return value
+
+
 _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
     (name, frozenset(props), reader)
     for name, props, reader in (
         ("identity", ("uuid", "product_name"), NvmlBackend._r_identity),
-        ("utilization", ("utilization_gpu", "utilization_memory"), NvmlBackend._r_util),
-        ("memory", ("memory_used", "memory_total"), NvmlBackend._r_memory),
+        (
+            "utilization",
+            ("utilization_gpu", "utilization_memory"),
+            _pair(
+                ("utilization_gpu", "utilization_memory"),
+                "nvmlDeviceGetUtilizationRates",
+                lambda v: (int(v.gpu), int(v.memory)),
+            ),
+        ),
+        (
+            "memory",
+            ("memory_used", "memory_total"),
+            _pair(("memory_used", "memory_total"), "nvmlDeviceGetMemoryInfo", lambda v: (int(v.used), int(v.total))),
+        ),
         ("temperature", ("temperature",), NvmlBackend._r_temperature),
         ("fields", ("temperature_memory", "energy_consumption"), NvmlBackend._r_fields),
         (
@@ -1057,7 +1204,13 @@ _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
             ("clock_sm_max",),
             _simple("clock_sm_max", "nvmlDeviceGetMaxClockInfo", int, "NVML_CLOCK_SM"),
         ),
-        ("clock_event_reasons", ("clock_event_reasons", "clock_event_reasons_text"), _reasons),
+        (
+            "clock_event_reasons",
+            ("clock_event_reasons", "clock_event_reasons_text"),
+            _pair(
+                ("clock_event_reasons", "clock_event_reasons_text"), "nvmlDeviceGetCurrentClocksEventReasons", _reasons
+            ),
+        ),
         ("pstate", ("pstate",), _simple("pstate", "nvmlDeviceGetPerformanceState", int)),
         (
             "pcie_tx",
@@ -1248,19 +1401,24 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: ``nvmlValue_t`` member and conversion by ``nvmlValueType_t`` (pynvml.NVML_VALUE_TYPE_*).
+_FIELD_VALUE_MEMBERS: Mapping[int, tuple[str, Callable[[Any], float]]] = MappingProxyType(
+    {
+        0: ("dVal", float),
+        1: ("uiVal", int),
+        2: ("ulVal", int),
+        3: ("ullVal", int),
+        4: ("sllVal", int),
+        5: ("siVal", int),
+        6: ("usVal", int),
+    }
+)
+
+
 def _field_number(item: Any) -> float:
-    """The value of one ``nvmlDeviceGetFieldValues`` item by its value type."""
-    value_type = int(item.valueType)
-    union = item.value
-    return {
-        0: lambda: float(union.dVal),
-        1: lambda: int(union.uiVal),
-        2: lambda: int(union.ulVal),
-        3: lambda: int(union.ullVal),
-        4: lambda: int(union.sllVal),
-        5: lambda: int(union.siVal),
-        6: lambda: int(union.usVal),
-    }.get(value_type, lambda: int(union.ullVal))()
+    """The value of one ``nvmlDeviceGetFieldValues`` item by its value type (unknown types: unsigned long long)."""
+    member, convert = _FIELD_VALUE_MEMBERS.get(int(item.valueType), ("ullVal", int))
+    return convert(getattr(item.value, member))
 
 
 def _number(prop: str, value: object) -> float:
