@@ -21,8 +21,8 @@ from typing import Any
 
 from mapper import __version__
 from mapper.buffer import Buffer
-from mapper.clock import Clock, SystemClock
-from mapper.collect import GpuWorker, TickResult, call_backend, sleep_or_wake
+from mapper.clock import Clock, SystemClock, sleep_or_wake
+from mapper.collect import GpuWorker, TickResult, call_backend
 from mapper.config import Settings, read_file
 from mapper.desired import Source
 from mapper.devicefiles import FolderWatcher, load_folder

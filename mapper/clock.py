@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,3 +44,18 @@ class FakeClock:
         if seconds < 0:
             raise ValueError("time does not run backwards")
         self.now_s += seconds
+
+
+async def sleep_or_wake(event: asyncio.Event, timeout_s: float) -> None:
+    """Sleep ``timeout_s`` or until ``event`` is set, then clear it.
+
+    A timer sets the event instead of ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a cancellation
+    that arrives in the same loop iteration as the wake-up, and the loop then never stops (a hung shutdown); it
+    also costs a task per wait."""
+    if timeout_s > 0 and not event.is_set():
+        handle = asyncio.get_running_loop().call_later(timeout_s, event.set)
+        try:
+            await event.wait()
+        finally:
+            handle.cancel()
+    event.clear()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper.clock import Clock
+from mapper.clock import Clock, sleep_or_wake
 from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.model import (
@@ -266,21 +266,6 @@ def _power_limit_w(desired: Mapping[str, DesiredValue]) -> float | None:
     if d is None or not d.valid or d.value is None:
         return None
     return float(d.value)
-
-
-async def sleep_or_wake(event: asyncio.Event, timeout_s: float) -> None:
-    """Sleep ``timeout_s`` or until ``event`` is set, then clear it.
-
-    A timer sets the event instead of ``asyncio.wait_for``: on Python 3.11 ``wait_for`` swallows a cancellation
-    that arrives in the same loop iteration as the wake-up, and the loop then never stops (a hung shutdown); it
-    also costs a task per wait."""
-    if timeout_s > 0 and not event.is_set():
-        handle = asyncio.get_running_loop().call_later(timeout_s, event.set)
-        try:
-            await event.wait()
-        finally:
-            handle.cancel()
-    event.clear()
 
 
 async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:

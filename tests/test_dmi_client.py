@@ -381,6 +381,25 @@ async def test_reporter_run_loop_sends_offers_in_real_time(edge: FakeEdgeCore, s
     assert edge.rec.statuses[0].deviceName == "gpu1"
 
 
+async def test_an_idle_reporter_sleeps_long_and_an_offer_wakes_it_at_once(edge: FakeEdgeCore, sock_dir: str) -> None:
+    client = make_client(edge, sock_dir)
+    reporter = DmiReporter(client, idle_wait_s=30.0)
+    assert reporter.next_wait_s() == reporter.idle_poll_s, "not registered yet: look again soon"
+    tasks = [asyncio.create_task(client.run()), asyncio.create_task(reporter.run())]
+    try:
+        await wait_until(lambda: client.registered, 5)
+        assert reporter.next_wait_s() == 30.0, "registered, nothing pending: no polling"
+        await asyncio.sleep(0.3)  # the loop is asleep now, with 30 s to go
+        started = time.monotonic()
+        reporter.offer_state("default", "gpu1", "online")
+        await wait_until(lambda: len(edge.rec.states) == 1, 5)
+        assert time.monotonic() - started < 2.0
+    finally:
+        reporter.stop()
+        await client.close()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+
 async def test_reporter_leaves_out_a_twin_devicetwin_would_reject_and_sends_the_rest(
     edge: FakeEdgeCore, sock_dir: str
 ) -> None:

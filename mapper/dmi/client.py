@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from mapper.clock import Clock, SystemClock
+from mapper.clock import Clock, SystemClock, sleep_or_wake
 from mapper.dmi import convert
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
@@ -367,14 +367,17 @@ class DmiReporter:
         client: DmiClient,
         *,
         clock: Clock | None = None,
-        sleep: Sleep = asyncio.sleep,
         idle_poll_s: float = 0.25,
+        idle_wait_s: float = 5.0,
     ) -> None:
         self.client = client
         self.scheduler = ReportScheduler(client.bucket)
         self._clock: Clock = clock or client._clock
-        self._sleep = sleep
+        #: How often ``run`` looks again while not registered (reports wait for the registration).
         self.idle_poll_s = idle_poll_s
+        #: The longest ``run`` sleeps with nothing to send: a new report wakes it at once.
+        self.idle_wait_s = idle_wait_s
+        self._wake = asyncio.Event()
         self._paused_until = 0.0
         self._stopping = False
         self.sent: dict[str, int] = {"status": 0, "state": 0}
@@ -387,12 +390,14 @@ class DmiReporter:
 
     def offer_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None:
         self.scheduler.offer_status(namespace, name, twins)
+        self._wake.set()
 
     def offer_state(self, namespace: str, name: str, state: str) -> None:
         """Raises ValueError at once for a state EdgeCore would drop."""
         if state not in DEVICE_STATES:
             raise ValueError(f"device {namespace}/{name}: state {state!r} is not one of {', '.join(DEVICE_STATES)}")
         self.scheduler.offer_state(namespace, name, state)
+        self._wake.set()
 
     def forget(self, namespace: str, name: str) -> None:
         self.scheduler.forget(namespace, name)
@@ -445,15 +450,26 @@ class DmiReporter:
 
     def stop(self) -> None:
         self._stopping = True
+        self._wake.set()
+
+    def next_wait_s(self) -> float:
+        """How long ``run`` may sleep now: until the budget or a pause allows the next pending report; with
+        nothing pending, ``idle_wait_s`` (an offer wakes it sooner); while not registered, ``idle_poll_s``."""
+        if not self.client.registered:
+            return self.idle_poll_s
+        wait = self.scheduler.wait_s()
+        if wait is None:
+            return self.idle_wait_s
+        pause = self._paused_until - self._clock.monotonic()
+        return min(self.idle_wait_s, max(wait, pause, 0.01))
 
     async def run(self) -> None:
-        """Send pending reports as the budget allows until ``stop()`` or cancellation."""
+        """Send pending reports as the budget allows until ``stop()`` or cancellation. Event-driven: it sleeps
+        until a report is offered or the rate limit lets the next one go, not on a fixed poll."""
         self._stopping = False
         while not self._stopping:
+            self._wake.clear()
             await self.send_ready()
-            delay = self.idle_poll_s
-            wait = self.scheduler.wait_s()
-            if wait is not None and self.client.registered:
-                pause = self._paused_until - self._clock.monotonic()
-                delay = min(self.idle_poll_s, max(wait, pause, 0.01))
-            await self._sleep(delay)
+            if self._stopping:
+                break
+            await sleep_or_wake(self._wake, self.next_wait_s())
