@@ -74,6 +74,8 @@ GROUPS: Mapping[str, tuple[str, ...]] = {
     "compute_mode": ("compute_mode",),
 }
 _GROUP_OF: Mapping[str, str] = {prop: group for group, props in GROUPS.items() for prop in props}
+#: The properties a desired value can set, in catalog order (the order acks go out in).
+_WRITABLE_IN_ORDER = tuple(p for p in PROPERTY_BY_NAME if p in _GROUP_OF)
 
 #: NVML keeps power limits in mW; a read-back within this many watts of the target is the target.
 POWER_TOLERANCE_W = 0.0011
@@ -457,6 +459,8 @@ def desired_status_twin(statuses: Mapping[str, Status]) -> str:
     A clock pair shows its min side's status (both sides share it but for a bad side's own reason).
     Always within ``[a-zA-Z0-9-_.,:/@#]{1,512}``: reasons and policy names are sanitised and at most 32 chars.
     """
+    if not statuses:
+        return "none"
     parts: list[str] = []
     for group, props in GROUPS.items():
         status = next((statuses[p] for p in props if p in statuses), None)
@@ -907,7 +911,7 @@ class Reconciler:
     ) -> list[Ack]:
         acks: list[Ack] = []
         now_ms = self.clock.wall_ms()
-        for prop in [p for p in PROPERTY_BY_NAME if p in _GROUP_OF]:
+        for prop in _WRITABLE_IN_ORDER:
             d = desired.get(prop)
             status = statuses.get(prop)
             target = final.targets.get(_GROUP_OF[prop])
