@@ -13,7 +13,8 @@ Ratios: ``encode_pack_ratio`` = us_per_batch / pack, ``body_pack_ratio`` = body 
 
 ``--baseline FILE`` loads another copy of ``mapper/telemetry.py`` (e.g. ``git show REV:mapper/telemetry.py >
 /tmp/telemetry_old.py``), checks that it writes the very same bytes, and times it in the same process:
-the ``baseline`` object holds its figures and ``speedup`` = baseline us / our us. Prints one JSON line last.
+the ``baseline`` object holds its figures and ``speedup`` = baseline us / our us (the two take turns at
+each timed pass). Prints one JSON line last.
 Run: ``.venv/bin/python benchmarks/encode.py [--batches-per-gpu N] [--repeats R] [--baseline FILE]``.
 """
 
@@ -62,14 +63,10 @@ def simulated_batches(batches_per_gpu: int) -> list[tuple[str, str, list[Sample]
         backend.shutdown()
 
 
-def best_us(repeats: int, items: int, work: Callable[[], object]) -> float:
-    """The lowest CPU microseconds per item over ``repeats`` runs of ``work`` (which handles ``items`` items)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        work()
-        best = min(best, time.process_time() - t0)
-    return best / items * 1e6
+def cpu_s(work: Callable[[], object]) -> float:
+    t0 = time.process_time()
+    work()
+    return time.process_time() - t0
 
 
 def load_module(path: Path) -> ModuleType:
@@ -82,8 +79,12 @@ def load_module(path: Path) -> ModuleType:
     return module
 
 
-def measure(mod: Any, batches: list[tuple[str, str, list[Sample]]], repeats: int) -> tuple[dict[str, float], bytes]:
-    """The figures of one telemetry module, and every payload it wrote (to compare modules byte for byte)."""
+Workload = dict[str, tuple[Callable[[], object], int]]
+
+
+def workload(mod: Any, batches: list[tuple[str, str, list[Sample]]]) -> tuple[Workload, bytes]:
+    """What is timed with one telemetry module, by figure: (the work, items it handles); and every payload it
+    wrote (to compare modules byte for byte)."""
     codec = mod.BatchCodec()
 
     def kwargs(i: int, device: str, uuid: str) -> dict[str, Any]:
@@ -117,13 +118,25 @@ def measure(mod: Any, batches: list[tuple[str, str, list[Sample]]], repeats: int
             streams[gpu].add(s)
 
     n = len(batches)
-    figures = {
-        "us_per_batch": best_us(repeats, n, encode_all),
-        "body_us_per_batch": best_us(repeats, n, bodies_all),
-        "pack_us_per_batch": best_us(repeats, n, pack_all),
-        "us_per_add": best_us(repeats, len(samples_flat), add_all),
+    work: Workload = {
+        "us_per_batch": (encode_all, n),
+        "body_us_per_batch": (bodies_all, n),
+        "pack_us_per_batch": (pack_all, n),
+        "us_per_add": (add_all, len(samples_flat)),
     }
-    return figures, b"".join(payloads)
+    return work, b"".join(payloads)
+
+
+def measure(workloads: list[Workload], repeats: int) -> list[dict[str, float]]:
+    """The best CPU microseconds per item of every figure of every workload; the workloads take turns at
+    each pass, so that a busy neighbour slows them alike."""
+    best = [dict.fromkeys(w, float("inf")) for w in workloads]
+    for figure in workloads[0]:
+        for _ in range(repeats):
+            for w, b in zip(workloads, best, strict=True):
+                work, items = w[figure]
+                b[figure] = min(b[figure], cpu_s(work) / items * 1e6)
+    return best
 
 
 def rounded(figures: dict[str, float]) -> dict[str, float]:
@@ -137,7 +150,7 @@ def rounded(figures: dict[str, float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches-per-gpu", type=int, default=6, help="10 s windows per GPU (default 6)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed passes, the best counts (default 5)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed passes, the best counts (default 9)")
     parser.add_argument("--baseline", type=Path, help="another mapper/telemetry.py to compare against")
     args = parser.parse_args()
 
@@ -150,19 +163,19 @@ def main() -> None:
         "samples_per_batch": SAMPLES_PER_BATCH,
         "values_per_batch": round(sum(len(s.values) for _, _, ss in batches for s in ss) / len(batches), 1),
     }
-    # Ours, the baseline, ours again (the best of both counts): a noisy neighbour hurts both alike.
-    ours, our_bytes = measure(telemetry, batches, args.repeats)
-    if baseline is not None:
-        theirs, their_bytes = measure(baseline, batches, args.repeats)
-        ours_again, _ = measure(telemetry, batches, args.repeats)
-        ours = {k: min(v, ours_again[k]) for k, v in ours.items()}
+    ours, our_bytes = workload(telemetry, batches)
+    if baseline is None:
+        (our_figures,) = measure([ours], args.repeats)
+    else:
+        theirs, their_bytes = workload(baseline, batches)
+        our_figures, their_figures = measure([ours, theirs], args.repeats)
         result["same_bytes"] = their_bytes == our_bytes
-        result["baseline"] = rounded(theirs)
+        result["baseline"] = rounded(their_figures)
         result["speedup"] = {
-            k: round(theirs[k] / ours[k], 2) for k in ("us_per_batch", "body_us_per_batch", "us_per_add")
+            k: round(their_figures[k] / our_figures[k], 2) for k in ("us_per_batch", "body_us_per_batch", "us_per_add")
         }
     result["payload_bytes_per_batch"] = round(len(our_bytes) / len(batches), 1)
-    result.update(rounded(ours))
+    result.update(rounded(our_figures))
     result["python"] = platform.python_version()
     print(json.dumps(result))
 
