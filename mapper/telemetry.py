@@ -34,7 +34,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal, NamedTuple
+from typing import IO, Any, Literal, NamedTuple, cast
 
 import zstandard
 
@@ -391,8 +391,13 @@ class _IntPlan(NamedTuple):
     base: int
     gcd: int
     width: int
-    fields: list[int]
+    #: The values (order 0) or differences (order 1, 2) coded as base + gcd * field.
+    seq: list[int]
     cost: int
+
+    def fields(self) -> list[int]:
+        base, g = self.base, self.gcd
+        return [(x - base) // g for x in self.seq] if g > 1 else [x - base for x in self.seq]
 
 
 def _base_cost(base: int, g: int) -> int:
@@ -405,23 +410,24 @@ def _int_plan(ints: Sequence[int]) -> _IntPlan:
     best: _IntPlan | None = None
     seq = list(ints)
     seeds: list[int] = []
+    seeds_cost = 0
     for order in range(3):
-        if order:
-            seeds = [*seeds, seq[0]]
-            seq = [b - a for a, b in itertools.pairwise(seq)]
+        diffs = [b - a for a, b in itertools.pairwise(seq)]
         base = min(seq)
-        g = 0
-        for x in seq:
-            g = math.gcd(g, x - base)
-        g = max(g, 1)
-        fields = [(x - base) // g for x in seq] if g > 1 else [x - base for x in seq]
-        width = max(fields).bit_length()
-        cost = sum(_uvarint_len(_zz(s)) for s in seeds) + _base_cost(base, g) + _uvarint_len(width << 2)
-        cost += (_uvarint_len(g) if g > 1 else 0) + (len(fields) * width + 7) // 8
+        # The gcd of every x - base is the gcd of the differences: each is a sum of consecutive differences.
+        g = math.gcd(*diffs) or 1
+        width = ((max(seq) - base) // g).bit_length()
+        cost = seeds_cost + _base_cost(base, g) + _uvarint_len(width << 2)
+        cost += (_uvarint_len(g) if g > 1 else 0) + (len(seq) * width + 7) // 8
         if best is None or cost < best.cost:
-            best = _IntPlan(order, seeds, base, g, width, fields, cost)
-        if len(seq) < 3:
+            best = _IntPlan(order, seeds, base, g, width, seq, cost)
+        # Width 0 (a constant sequence): each further order costs one byte more (a seed repeats the base, and the
+        # new base is 0), so it cannot win.
+        if len(seq) < 3 or width == 0:
             break
+        seeds = [*seeds, seq[0]]
+        seeds_cost += _uvarint_len(_zz(seq[0]))
+        seq = diffs
     assert best is not None
     return best
 
@@ -438,11 +444,13 @@ class _BitWriter:
     def put(self, numbers: Iterable[int], width: int) -> None:
         if width == 0:
             return
-        acc, shift = self.acc, self.nbits
+        # Pack the (few) numbers into a small int first: the stream's own int is shifted and copied once.
+        chunk = shift = 0
         for n in numbers:
-            acc |= n << shift
+            chunk |= n << shift
             shift += width
-        self.acc, self.nbits = acc, shift
+        self.acc |= chunk << self.nbits
+        self.nbits += shift
 
     def bytes(self) -> bytes:
         return self.acc.to_bytes((self.nbits + 7) // 8, "little")
@@ -491,7 +499,8 @@ class _Sections:
         for s in plan.seeds:
             _put_uvarint(self.data, _zz(s))
         _put_uvarint(self.data, _zz(plan.base // plan.gcd))
-        self.bits.put(plan.fields, plan.width)
+        if plan.width:
+            self.bits.put(plan.fields(), plan.width)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -499,7 +508,14 @@ class _Sections:
 # --------------------------------------------------------------------------------------------------
 
 
+#: The type code of each value type (``_type_of`` also takes subclasses of int, float and str).
+_TYPE_CODES: dict[type, int] = {bool: _T_BOOL, int: _T_INT, float: _T_DEC, str: _T_STR}
+
+
 def _type_of(value: Value) -> int:
+    code = _TYPE_CODES.get(type(value))
+    if code is not None:
+        return code
     if isinstance(value, bool):
         return _T_BOOL
     if isinstance(value, int):
@@ -511,41 +527,57 @@ def _type_of(value: Value) -> int:
     raise TypeError(f"telemetry value {value!r} has type {type(value).__name__}; expected int, float, str or bool")
 
 
-def _decimal_scale(values: Sequence[float]) -> int | None:
-    """The fewest decimals d such that every value equals round(v * 10**d) / 10**d exactly, or None."""
+_POWERS_OF_TEN = tuple(10**d for d in range(_MAX_DECIMALS + 1))
+
+
+def _decimals(values: Sequence[float]) -> tuple[int, list[int]] | None:
+    """The fewest decimals d such that every value equals round(v * 10**d) / 10**d exactly, with the values
+    times 10**d; None when no d up to ``_MAX_DECIMALS`` does, or a value is not finite, too big or -0.0."""
     for v in values:
-        if not math.isfinite(v) or abs(v) >= _DEC_LIMIT or (v == 0.0 and math.copysign(1.0, v) < 0):
+        if not abs(v) < _DEC_LIMIT or (v == 0.0 and math.copysign(1.0, v) < 0):  # NaN compares false too
             return None
-    for d in range(_MAX_DECIMALS + 1):
-        scale = 10**d
-        if all(abs(round(v * scale)) < _DEC_LIMIT and round(v * scale) / scale == v for v in values):
-            return d
+    for d, scale in enumerate(_POWERS_OF_TEN):
+        ints = []
+        for v in values:
+            i = round(v * scale)
+            if not abs(i) < _DEC_LIMIT or i / scale != v:
+                break  # usually at the first value: try the next d
+            ints.append(i)
+        else:
+            return d, ints
     return None
 
 
 def _encode_series(
-    out: _Sections, name: str, rows: list[int], values: list[Value], vtype: int, n_rows: int, header_uuid: str
+    out: _Sections,
+    name: str,
+    rows: Sequence[int],
+    values: Sequence[Value],
+    vtype: int,
+    n_rows: int,
+    header_uuid: str,
 ) -> None:
     meta, data = out.meta, out.data
     code = _KNOWN_CODE.get(name, 0)
     _put_uvarint(meta, code)
     if code == 0:
         _put_str(meta, name)
-    const = all(v == values[0] and type(v) is type(values[0]) for v in values)
+    types = set(map(type, values))
+    # Every value of one type and equal to the first (a NaN equals itself here: see the XOR case).
+    const = len(types) == 1 and values.count(values[0]) == len(values)
     kind = vtype
     scale: int | None = None
-    ints: list[int] = []
+    ints: Sequence[int] = ()
     if vtype == _T_DEC:
-        floats = [float(v) for v in values]
-        scale = _decimal_scale(floats)
-        if scale is None:
+        floats = cast("Sequence[float]", values) if types == {float} else [float(v) for v in values]
+        decimals = _decimals(floats)
+        if decimals is None:
             kind = _T_XOR
             const = all(_bits(v) == _bits(floats[0]) for v in floats)
         else:
-            factor = 10**scale
-            ints = [round(v * factor) for v in floats]
+            scale, ints = decimals
     elif vtype == _T_INT:
-        ints = [int(v) for v in values]
+        ints = cast("Sequence[int]", values) if types == {int} else [int(v) for v in values]
     dense = len(rows) == n_rows
     plan = _int_plan(ints) if ints and not const else None
     gcd_flag = _K_GCD if plan is not None and plan.gcd > 1 else 0
@@ -573,9 +605,8 @@ def _encode_series(
                 _put_uvarint(data, b ^ prev)
                 prev = b
     elif kind == _T_STR:
-        index: dict[str, int] = {}
-        for v in values:
-            index.setdefault(str(v), len(index))
+        texts = cast("Sequence[str]", values) if types == {str} else [str(v) for v in values]
+        index = {text: i for i, text in enumerate(dict.fromkeys(texts))}
         _put_uvarint(meta, len(index))
         for text in index:
             if header_uuid and text == header_uuid:
@@ -585,7 +616,7 @@ def _encode_series(
                 _put_uvarint(meta, len(raw) + 1)
                 meta += raw
         if not const:
-            out.bits.put([index[str(v)] for v in values], (len(index) - 1).bit_length())
+            out.bits.put([index[text] for text in texts], (len(index) - 1).bit_length())
     elif const:  # bool
         meta.append(1 if values[0] else 0)
     else:
@@ -832,22 +863,13 @@ def body_parts(
     _put_str(meta, node)
     _put_str(meta, device)
     head_end = len(meta)
-    # Columns: one per (property, value type), in first-seen order.
-    columns: dict[tuple[str, int], tuple[list[int], list[Value]]] = {}
-    for row, s in enumerate(samples):
-        for name, value in s.values.items():
-            key = (name, _type_of(value))
-            col = columns.get(key)
-            if col is None:
-                col = columns[key] = ([], [])
-            col[0].append(row)
-            col[1].append(value)
+    columns = _columns(samples)
     if uuid and not uuid_in_header:
         # A string value equal to the uuid refers to the header's copy (packed, 16 bytes): carry it then.
-        uuid_in_header = any(vt == _T_STR and uuid in vals for (_, vt), (_, vals) in columns.items())
+        uuid_in_header = any(vtype == _T_STR and uuid in values for _, vtype, _, values in columns)
     carried = uuid if uuid_in_header else ""
     _put_uvarint(meta, len(columns))
-    for (name, vtype), (rows, values) in columns.items():
+    for name, vtype, rows, values in columns:
         _encode_series(out, name, rows, values, vtype, n_rows, carried)
     series_end = len(meta)
     _put_ids(meta, carried, boot_id)
@@ -860,6 +882,53 @@ def body_parts(
         "data": bytes(out.data),
         "bits": out.bits.bytes(),
     }
+
+
+_ColumnValues = tuple[str, int, Sequence[int], Sequence[Value]]
+
+
+def _columns(samples: Sequence[Sample]) -> list[_ColumnValues]:
+    """The series of a batch: one per (property, value type), in first-seen order, as (name, type code, rows,
+    values). Gathered a property at a time; ``_columns_by_value`` does it when a property's values are not all
+    of one plain type (int, float, str or bool): a property that changes type, a subclass, a wrong type."""
+    names = tuple(samples[0].values)
+    by_name: Mapping[str, tuple[Sequence[int], Sequence[Value]]]
+    if all(tuple(s.values) == names for s in samples):  # the usual batch: the same properties in every sample
+        every_row = range(len(samples))
+        transposed = zip(*(s.values.values() for s in samples), strict=True)
+        by_name = {name: (every_row, col) for name, col in zip(names, transposed, strict=True)}
+    else:
+        gathered: dict[str, tuple[list[int], list[Value]]] = {}
+        for row, s in enumerate(samples):
+            for name, value in s.values.items():
+                col = gathered.get(name)
+                if col is None:
+                    col = gathered[name] = ([], [])
+                col[0].append(row)
+                col[1].append(value)
+        by_name = gathered
+    columns: list[_ColumnValues] = []
+    for name, (rows, values) in by_name.items():
+        types = set(map(type, values))
+        vtype = _TYPE_CODES.get(types.pop()) if len(types) == 1 else None
+        if vtype is None:
+            return _columns_by_value(samples)
+        columns.append((name, vtype, rows, values))
+    return columns
+
+
+def _columns_by_value(samples: Sequence[Sample]) -> list[_ColumnValues]:
+    """``_columns`` the long way, a value at a time: a (property, type) series is where its first value is."""
+    columns: dict[tuple[str, int], tuple[list[int], list[Value]]] = {}
+    for row, s in enumerate(samples):
+        for name, value in s.values.items():
+            key = (name, _type_of(value))
+            col = columns.get(key)
+            if col is None:
+                col = columns[key] = ([], [])
+            col[0].append(row)
+            col[1].append(value)
+    return [(name, vtype, rows, values) for (name, vtype), (rows, values) in columns.items()]
 
 
 def _evenly(ts: Sequence[int], step: int) -> bool:
@@ -1148,6 +1217,9 @@ class DeviceTelemetry:
         self.next_seq = start_seq
 
     def add(self, sample: Sample) -> None:
+        if self._claimed.keys().isdisjoint(sample.values):  # the usual sample: every value takes the default route
+            self._encoders[0].add(Sample(sample.uuid, sample.ts_ms, dict(sample.values)))
+            return
         parts: list[dict[str, Value]] = [{} for _ in self.routes]
         for name, value in sample.values.items():
             parts[self._claimed.get(name, 0)][name] = value
