@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,10 +136,20 @@ class GpuWorker:
         return names
 
     def _reschedule(self, groups: list[int], now_s: float, retry_s: float | None = None) -> None:
+        """Due times on a grid of each cycle (multiples of it on the monotonic clock): every GPU's groups with
+        the same cycle fall due at the same instant, so the loops wake together and their NVML reads go to the
+        worker as one job. A late tick skips to the next grid point rather than catching up in a burst. After
+        an error the retry comes after ``retry_s`` (at most a cycle), off the grid until it succeeds."""
         schedule = self._groups()
         for i in groups:
             cycle_s = schedule[i][0]
-            self._due_at[i] = now_s + (cycle_s if retry_s is None else min(retry_s, cycle_s))
+            if retry_s is not None:
+                self._due_at[i] = now_s + min(retry_s, cycle_s)
+                continue
+            due = self._due_at[i] + cycle_s
+            if due <= now_s + DUE_SLACK_S:
+                due = (math.floor(now_s / cycle_s) + 1) * cycle_s
+            self._due_at[i] = due
 
     def next_due_s(self) -> float:
         if not self._due_at:

@@ -157,17 +157,43 @@ async def test_a_driver_reload_makes_everything_due_at_once(rig: Any) -> None:
     assert recording.asked[0] == {p.name for p in NVML_PROPERTIES}
 
 
-async def test_binding_another_device_applies_its_cycles_from_now(rig: Any) -> None:
+async def test_binding_another_device_applies_its_cycles_at_once(rig: Any) -> None:
     worker, recording, _, clock = rig
     worker.bind(device(worker.uuid, temperature=1000))
     await worker.tick()
     worker.bind(device(worker.uuid, temperature=3000))
     assert worker.cycle_ms("temperature") == 3000
     recording.asked.clear()
-    await worker.tick()  # everything due again on a new binding
-    clock.advance(1.0)
+    read_at: list[float] = []
+    for _ in range(8):
+        await worker.tick()  # the first: everything due again on a new binding
+        if "temperature" in recording.asked[-1]:
+            read_at.append(clock.monotonic())
+        clock.advance(1.0)
+    assert read_at[0] == 1000.0
+    assert read_at[1:] == [1002.0, 1005.0]  # then on the 3 s grid
+
+
+async def test_gpus_whose_loops_started_apart_fall_due_at_the_same_instant(rig: Any) -> None:
+    """Due times lie on a grid of the cycle, so the GPUs' loops wake together (one NVML job for all)."""
+    worker, _, _, clock = rig
+    other = GpuWorker(
+        info=worker.info,
+        backend=worker.backend,
+        reconciler=worker.reconciler,
+        policies=PolicyEngine(),
+        clock=clock,
+    )
+    worker.bind(device(worker.uuid, temperature=1000))
+    other.bind(device(worker.uuid, temperature=1000))
+    clock.advance(0.3)
     await worker.tick()
-    clock.advance(1.0)
+    clock.advance(0.41)
+    await other.tick()
+    assert worker.next_due_s() == other.next_due_s() == pytest.approx(1001.0)
+    clock.advance(1001.02 - clock.monotonic())  # a late tick keeps to the grid
     await worker.tick()
-    temperature_reads = [i for i, asked in enumerate(recording.asked) if "temperature" in asked]
-    assert temperature_reads == [0]
+    assert worker.next_due_s() == pytest.approx(1002.0)
+    clock.advance(5.0)  # much later: no burst of catch-up ticks, the next grid point
+    await worker.tick()
+    assert worker.next_due_s() == pytest.approx(1007.0)
