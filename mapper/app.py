@@ -504,7 +504,9 @@ class MapperApp:
             for ack in result.reconcile.acks:
                 text = ack_to_json(ack)
                 log.info("desired %s on %s: %s", ack.property, device_key, text)
-                self._publish_soon(f"gpu-mapper/{self.node}/{device_key}/desired/ack", text.encode())
+                self._publish_or_keep(
+                    f"gpu-mapper/{self.node}/{device_key}/desired/ack", text.encode(), device_key, worker.uuid
+                )
             if result.reconcile.acks:
                 self._save_desired(worker, device_key)
         if result.decision is not None:
@@ -516,7 +518,9 @@ class MapperApp:
                 log.warning(
                     "policy %s %s on %s (GPU %s): %s", event.policy, event.action, device_key, worker.uuid, event.reason
                 )
-                self._publish_soon(f"gpu-mapper/{self.node}/{device_key}/events", json.dumps(payload).encode())
+                self._publish_or_keep(
+                    f"gpu-mapper/{self.node}/{device_key}/events", json.dumps(payload).encode(), device_key, worker.uuid
+                )
         if result.state_changed and worker.device is not None:
             self._next_state_s[worker.device.key] = 0.0
             self._report_wake.set()
@@ -686,8 +690,35 @@ class MapperApp:
             self._next_state_s[key] = 0.0
         self._report_wake.set()
 
+    def _publish_or_keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
+        """Acks and policy events: published at once while the broker is up; while it is down (or when that
+        publish fails) stored in the buffer and sent in order with the telemetry when it is back. They record
+        what the mapper did on its own, which the cloud must learn even after hours offline. Never blocking."""
+        session = self.session
+        if session is None:
+            return
+        if not session.connected:
+            self._keep(topic, payload, device, uuid)
+            return
+
+        async def send() -> None:
+            try:
+                await session.publish(topic, payload, qos=self.settings.mqtt.qos, timeout_s=5.0)
+            except MapperError as exc:
+                log.debug("publish to %s failed (%s): kept for replay", topic, exc)
+                self._keep(topic, payload, device, uuid)
+
+        self._background_task(send())
+
+    def _keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
+        if self.shipper is not None:
+            self.shipper.submit_message(
+                device=device, uuid=uuid, topic=topic, payload=payload, ts_ms=self.clock.wall_ms(), qos=1
+            )
+
     def _publish_soon(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
-        """Fire-and-forget publish for status messages (acks, events, twins): never buffered, never blocking."""
+        """Fire-and-forget publish for EventBus twins and states and the status topic: never buffered (each
+        is reported again, current, on reconnect; an old one replayed later would only mislead), never blocking."""
         session = self.session
         if session is None or not session.connected:
             return

@@ -155,6 +155,8 @@ class TelemetryShipper:
         self._next_send_at = 0.0
         # counters
         self.submitted_batches = 0
+        #: Status messages (acks, policy events) stored to go out with the telemetry.
+        self.submitted_messages = 0
         self.published_batches = 0
         self.published_bytes = 0
         self.publish_failures = 0
@@ -198,6 +200,32 @@ class TelemetryShipper:
         self.submitted_batches += 1
         self._wake.set()
         return batch_id
+
+    def submit_message(
+        self, *, device: str, uuid: str, topic: str, payload: bytes, ts_ms: int, qos: int = 1
+    ) -> int | None:
+        """Store one status message (a desired-state ack, a policy event) to go out in order with the telemetry,
+        on the default broker: what the mapper did while the broker was away reaches it when it is back. Not a
+        batch (its row has no sequence number); returns its buffer id, or None when it could not be stored."""
+        try:
+            message_id = self.buffer.put(
+                device=device,
+                uuid=uuid,
+                boot_id="",
+                seq=-1,
+                ts_first_ms=ts_ms,
+                ts_last_ms=ts_ms,
+                topic=topic,
+                payload=payload,
+                qos=qos,
+            )
+        except TransientError as exc:
+            self.buffer_failures += 1
+            log.error("status message for %s on %s not stored: %s", device, topic, exc)
+            return None
+        self.submitted_messages += 1
+        self._wake.set()
+        return message_id
 
     def update_state(self, device: str, payload: bytes) -> None:
         """Keep a device's latest state snapshot (published retained first on every reconnect, and soon now)."""

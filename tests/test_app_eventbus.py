@@ -205,3 +205,58 @@ async def test_dmi_and_eventbus_twins_never_conflict_in_type(mosquitto, tmp_path
     finally:
         listener.close()
         await edge.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_acks_and_policy_events_made_while_the_broker_is_down_arrive_when_it_is_back(
+    mosquitto, tmp_path: Path
+) -> None:
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "gpu0.yaml").write_text(DEVICE.format(uuid=uuid0))
+    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices), mqtt=_mqtt(mosquitto.url))
+    async with running_app(settings, sim) as app:
+        await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+        mosquitto.stop()
+        await wait_for(lambda: app.session is not None and not app.session.connected, what="MQTT disconnected")
+
+        # Offline: the cloud's desired power limit (the Device file) is enforced and acked, and the health policy
+        # reacts to a critical XID. Neither can be published now.
+        desired = DEVICE.format(uuid=uuid0).replace(
+            "  - {name: power_limit, collectCycle: 100, reportCycle: 300, reportToCloud: true}",
+            '  - {name: power_limit, desired: {value: "300"}, collectCycle: 100, reportCycle: 300, '
+            "reportToCloud: true}",
+        )
+        assert desired != DEVICE.format(uuid=uuid0)
+        (devices / "gpu0.yaml").write_text(desired)
+        await wait_for(lambda: sim.gpu(uuid0).power_limit_w == 300, timeout_s=15, what="300 W on the GPU offline")
+        sim.inject_xid(uuid0, 48)
+        assert app.shipper is not None
+        await wait_for(lambda: app.shipper.submitted_messages >= 2, timeout_s=15, what="ack and event kept")
+
+        listener_box: list[Listener] = []
+        try:
+            mosquitto.start()
+            # Subscribe before the mapper reconnects would be racy; the kept messages are QoS 1 and replayed
+            # after the reconnect, so subscribe at once and wait.
+            listener_box.append(Listener(mosquitto.port, "gpu-mapper/#"))
+            listener = listener_box[0]
+            acks = await wait_for(
+                lambda: [a for a in matching(listener, "/desired/ack") if a["result"] == "applied"],
+                timeout_s=30,
+                what="the offline ack after the broker came back",
+            )
+            assert acks[0]["property"] == "power_limit" and acks[0]["desired"] == "300"
+            events = await wait_for(
+                lambda: [e for e in matching(listener, "/events") if e["policy"] == "health"],
+                timeout_s=30,
+                what="the offline health event",
+            )
+            assert events[0]["device"] == "default/gpu0" and "xid48" in json.dumps(events[0])
+            # Made before the broker came back: their timestamps say so.
+            assert acks[0]["ts_ms"] <= events[0]["ts_ms"]
+        finally:
+            for listener in listener_box:
+                listener.close()

@@ -317,3 +317,37 @@ async def test_nothing_stored_is_lost_when_the_mapper_is_killed_while_offline(
         task.cancel()
     await session.stop(2)
     buf.close()
+
+
+async def test_a_status_message_kept_offline_goes_out_in_order_between_the_batches_around_it(
+    tmp_path: Path, mosquitto: Mosquitto, session: MqttSession
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    gate = asyncio.Event()
+    shipper = _shipper(buf, session, gated(session, gate))
+    task = asyncio.create_task(shipper.run())
+    async with Consumer(mosquitto.url) as consumer:
+        assert await session.wait_connected(5)
+        mosquitto.stop()
+        await _until(lambda: not session.connected)
+        ack_topic = "gpu-mapper/n1/default/gpu0/desired/ack"
+        shipper.submit(_batch("default/gpu0", 0))
+        message_id = shipper.submit_message(
+            device="default/gpu0", uuid="GPU-0", topic=ack_topic, payload=b'{"result":"applied"}', ts_ms=T0
+        )
+        shipper.submit(_batch("default/gpu0", 1))
+        assert message_id is not None and shipper.submitted_messages == 1
+        assert buf.stats().batches == 3  # stored, not lost
+
+        mosquitto.start()
+        await _until(lambda: consumer.session.connected)
+        await asyncio.sleep(0.2)  # its SUBACK
+        gate.set()
+        await _until(lambda: len(consumer.messages) == 3, timeout_s=20)
+        await _until(lambda: buf.stats().batches == 0)  # removed after PUBACK, like a batch
+    topics = [t.rsplit("/", 1)[-1] for t, _ in consumer.messages]
+    assert topics == ["telemetry", "ack", "telemetry"]
+    assert consumer.messages[1] == (ack_topic, b'{"result":"applied"}')
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
