@@ -95,6 +95,7 @@ PublishTo = Callable[[str], Awaitable[PublishFn]]
 @dataclass(frozen=True)
 class ShipperStats:
     submitted_batches: int
+    submitted_messages: int
     published_batches: int
     published_bytes: int
     publish_failures: int
@@ -478,6 +479,7 @@ class TelemetryShipper:
     def stats(self) -> ShipperStats:
         return ShipperStats(
             submitted_batches=self.submitted_batches,
+            submitted_messages=self.submitted_messages,
             published_batches=self.published_batches,
             published_bytes=self.published_bytes,
             publish_failures=self.publish_failures,

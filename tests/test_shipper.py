@@ -336,7 +336,7 @@ async def test_a_status_message_kept_offline_goes_out_in_order_between_the_batch
             device="default/gpu0", uuid="GPU-0", topic=ack_topic, payload=b'{"result":"applied"}', ts_ms=T0
         )
         shipper.submit(_batch("default/gpu0", 1))
-        assert message_id is not None and shipper.submitted_messages == 1
+        assert message_id is not None and shipper.stats().submitted_messages == 1
         assert buf.stats().batches == 3  # stored, not lost
 
         mosquitto.start()
