@@ -10,6 +10,7 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 
+from mapper.config import Settings
 from mapper.gpu.simnvml import SimNvml
 from mapper.telemetry import decode_batch
 from tests.apphelpers import fast_settings, running_app, wait_for
@@ -58,18 +59,23 @@ class Listener:
         self.client.disconnect()
 
 
+def standalone(tmp_path: Path, mqtt_url: str) -> tuple[SimNvml, str, Path, Settings]:
+    """One simulated H100 and its Device in a devices folder, and settings for standalone mode on the broker."""
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "gpu0.yaml").write_text(DEVICE.format(uuid=uuid0))
+    return sim, uuid0, devices, fast_settings(str(tmp_path / "data"), devices_dir=str(devices), mqtt=_mqtt(mqtt_url))
+
+
 def matching(listener: Listener, suffix: str) -> list[dict]:
     return [json.loads(p) for t, p in listener.drain() if t.endswith(suffix)]
 
 
 @pytest.mark.timeout(60)
 async def test_an_edge_application_sets_the_power_limit_through_an_eventbus_delta(mosquitto, tmp_path: Path):
-    sim = SimNvml(1, "H100", seed=0, scenario="steady")
-    uuid0 = sim.gpus[0].uuid
-    devices = tmp_path / "devices"
-    devices.mkdir()
-    (devices / "gpu0.yaml").write_text(DEVICE.format(uuid=uuid0))
-    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices), mqtt=_mqtt(mosquitto.url))
+    sim, uuid0, _, settings = standalone(tmp_path, mosquitto.url)
     listener = Listener(mosquitto.port, "$hw/events/device/default/gpu0/#", "gpu-mapper/#")
     try:
         async with running_app(settings, sim) as app:
@@ -211,12 +217,7 @@ async def test_dmi_and_eventbus_twins_never_conflict_in_type(mosquitto, tmp_path
 async def test_acks_and_policy_events_made_while_the_broker_is_down_arrive_when_it_is_back(
     mosquitto, tmp_path: Path
 ) -> None:
-    sim = SimNvml(1, "H100", seed=0, scenario="steady")
-    uuid0 = sim.gpus[0].uuid
-    devices = tmp_path / "devices"
-    devices.mkdir()
-    (devices / "gpu0.yaml").write_text(DEVICE.format(uuid=uuid0))
-    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices), mqtt=_mqtt(mosquitto.url))
+    sim, uuid0, devices, settings = standalone(tmp_path, mosquitto.url)
     async with running_app(settings, sim) as app:
         await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
         mosquitto.stop()
