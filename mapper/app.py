@@ -912,7 +912,7 @@ def console_table(app: MapperApp) -> str:
     lines = [
         time.strftime("%H:%M:%S")
         + f"  node {app.node}  buffer {app.buffer.stats().batches if app.buffer else 0} batches"
-        + ("  mqtt up" if app.session is not None and app.session.connected else "  mqtt down"),
+        + ("  mqtt off" if app.session is None else "  mqtt up" if app.session.connected else "  mqtt down"),
         f"{'device':<22} {'power W':>9} {'cap W':>6} {'temp C':>6} {'util %':>6} {'sm MHz':>6} {'mem MHz':>7}"
         f"  {'state':<9} policy / desired",
     ]
