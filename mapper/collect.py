@@ -139,17 +139,18 @@ class GpuWorker:
         """Due times on a grid of each cycle (multiples of it on the monotonic clock): every GPU's groups with
         the same cycle fall due at the same instant, so the loops wake together and their NVML reads go to the
         worker as one job. A late tick skips to the next grid point rather than catching up in a burst. After
-        an error the retry comes after ``retry_s`` (at most a cycle), off the grid until it succeeds."""
+        an error the retry comes after ``retry_s`` (at most a cycle), off the grid until it succeeds.
+
+        The next due time is the first grid point beyond the slack: counted from ``now_s``, not from the last due
+        time, so a read after a retry (or the first read) lands back on the grid, and a tick that ran within the
+        slack of a grid point (it read that point's values) is not due again a few milliseconds later."""
         schedule = self._groups()
         for i in groups:
             cycle_s = schedule[i][0]
             if retry_s is not None:
                 self._due_at[i] = now_s + min(retry_s, cycle_s)
                 continue
-            due = self._due_at[i] + cycle_s
-            if due <= now_s + DUE_SLACK_S:
-                due = (math.floor(now_s / cycle_s) + 1) * cycle_s
-            self._due_at[i] = due
+            self._due_at[i] = (math.floor((now_s + DUE_SLACK_S) / cycle_s) + 1) * cycle_s
 
     def next_due_s(self) -> float:
         if not self._due_at:

@@ -141,7 +141,8 @@ async def test_a_failed_sample_is_retried_after_the_errors_retry_time_not_a_whol
     result = await worker.tick()
     assert result.error == ""
     assert result.sample is not None and "temperature" in result.sample.values
-    assert worker.next_due_s() == pytest.approx(clock.monotonic() + 10.0)
+    # The retry was off the grid; once it succeeds the group is back on it (in step with the other GPUs).
+    assert worker.next_due_s() == pytest.approx(1020.0)
 
 
 async def test_a_driver_reload_makes_everything_due_at_once(rig: Any) -> None:
@@ -197,3 +198,40 @@ async def test_gpus_whose_loops_started_apart_fall_due_at_the_same_instant(rig: 
     clock.advance(5.0)  # much later: no burst of catch-up ticks, the next grid point
     await worker.tick()
     assert worker.next_due_s() == pytest.approx(1007.0)
+
+
+async def test_a_tick_late_by_almost_a_cycle_does_not_sample_again_within_the_slack(rig: Any) -> None:
+    """A tick that ran just before the next grid point has read that point's values: the next read is the one
+    after it, not a few milliseconds later."""
+    worker, recording, _, clock = rig
+    worker.bind(device(worker.uuid, **{p.name: 1000 for p in NVML_PROPERTIES}))
+    await worker.tick()
+    clock.advance(1.0 - DUE_SLACK_S / 2 + 1.0)  # the tick due at 1001 runs at 1001.975 (a slow NVML call)
+    await worker.tick()
+    assert worker.next_due_s() == pytest.approx(1003.0)
+    recording.asked.clear()
+    clock.advance(0.01)
+    await worker.tick()
+    assert recording.asked == []
+
+
+async def test_the_first_due_times_lie_on_the_grid_even_when_the_monotonic_clock_is_young() -> None:
+    """Monotonic time counts from boot: a mapper started a few seconds after it still keeps to the grid."""
+    clock = FakeClock(now_s=3.0)
+    sim = SimNvml(1, "H100", seed=0, clock=clock.monotonic)
+    backend = NvmlBackend(sim, clock=clock)
+    backend.init()
+    try:
+        info = backend.list_gpus()[0]
+        worker = GpuWorker(
+            info=info,
+            backend=backend,
+            reconciler=Reconciler(backend, info.uuid, clock=clock),
+            policies=PolicyEngine(),
+            clock=clock,
+        )
+        worker.bind(device(info.uuid, **{p.name: 10_000 for p in NVML_PROPERTIES}))
+        await worker.tick()
+        assert worker.next_due_s() == pytest.approx(10.0)
+    finally:
+        backend.shutdown()
