@@ -178,6 +178,7 @@ class GpuWorker:
         result = TickResult()
         due_groups = self._due_groups(now_s)
         due = self._names_of(due_groups) if due_groups else ()
+        due_at = self._due_at
         before_state = self.state
         if due:
             try:
@@ -185,13 +186,15 @@ class GpuWorker:
             except GpuLostError as exc:
                 self._lost(str(exc))
                 result.error = str(exc)
-                self._reschedule(due_groups, now_s)
+                if self._due_at is due_at:
+                    self._reschedule(due_groups, now_s)
             except MapperError as exc:
                 self.collect_errors += 1
                 result.error = str(exc)
                 log.warning("sampling GPU %s failed: %s", self.uuid, exc)
                 retry_s = exc.retry_after_s if isinstance(exc, TransientError) else 5.0
-                self._reschedule(due_groups, now_s, retry_s)
+                if self._due_at is due_at:
+                    self._reschedule(due_groups, now_s, retry_s)
             else:
                 if self.lost:
                     log.warning("GPU %s answers again", self.uuid)
@@ -200,7 +203,10 @@ class GpuWorker:
                 self.values.update(sample.values)
                 self.values_ts_ms = sample.ts_ms
                 result.sample = sample
-                self._reschedule(due_groups, now_s)
+                # A ``bind`` or ``driver_reloaded`` while the sample was read made everything due (and ``bind``
+                # may have made other groups, which ``due_groups`` does not index): keep it so.
+                if self._due_at is due_at:
+                    self._reschedule(due_groups, now_s)
         if not self.lost and not self._constraints_known:
             # The reconciler caches them: one thread hop until they are known, none per cycle after that.
             try:

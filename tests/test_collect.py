@@ -235,3 +235,51 @@ async def test_the_first_due_times_lie_on_the_grid_even_when_the_monotonic_clock
         assert worker.next_due_s() == pytest.approx(10.0)
     finally:
         backend.shutdown()
+
+
+class RebindingBackend:
+    """A backend whose sample is answered after ``during_sample`` ran on the event loop (a Device update that
+    arrives while the GPU loop waits for NVML)."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self.backend = backend
+        self.during_sample: list[Any] = []
+
+    def sample(self, uuid: str, properties: Iterable[str] | None = None) -> Sample:
+        return self.backend.sample(uuid, properties)
+
+    async def call_async(self, fn: Any, *args: Any) -> Any:
+        while self.during_sample and fn == self.sample:
+            self.during_sample.pop(0)()
+        return fn(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
+async def test_a_device_bound_while_a_sample_is_in_flight_gets_everything_due_at_once(rig: Any) -> None:
+    worker, _, _, clock = rig
+    rebinding = RebindingBackend(worker.backend.backend)
+    worker.backend = rebinding
+    worker.bind(device(worker.uuid, temperature=1000))  # the catalog's cycles: several groups
+    await worker.tick()
+    clock.advance(60.0)
+    one_cycle = device(worker.uuid, **{p.name: 2000 for p in NVML_PROPERTIES})  # one group
+    rebinding.during_sample.append(lambda: worker.bind(one_cycle))
+    result = await worker.tick()
+    assert result.error == ""
+    assert worker.due_properties(clock.monotonic()) == tuple(p.name for p in NVML_PROPERTIES)
+
+
+async def test_a_driver_reload_while_a_sample_is_in_flight_leaves_everything_due(rig: Any) -> None:
+    """The values in flight may predate the reload: everything is read again, as ``driver_reloaded`` says."""
+    worker, _, _, clock = rig
+    rebinding = RebindingBackend(worker.backend.backend)
+    worker.backend = rebinding
+    worker.bind(device(worker.uuid, temperature=1000))
+    await worker.tick()
+    clock.advance(1.0)
+    rebinding.during_sample.append(worker.driver_reloaded)
+    await worker.tick()
+    assert worker.next_due_s() <= clock.monotonic()
+    assert set(worker.due_properties(clock.monotonic())) == {p.name for p in NVML_PROPERTIES}
