@@ -707,14 +707,26 @@ class MapperApp:
             except MapperError as exc:
                 log.debug("publish to %s failed (%s): kept for replay", topic, exc)
                 self._keep(topic, payload, device, uuid)
+            except asyncio.CancelledError:  # shutting down before the PUBACK: keep it for the next start
+                self._keep(topic, payload, device, uuid)
+                raise
 
         self._background_task(send())
 
     def _keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
-        if self.shipper is not None:
+        if self.shipper is None:
+            return
+        try:
             self.shipper.submit_message(
-                device=device, uuid=uuid, topic=topic, payload=payload, ts_ms=self.clock.wall_ms(), qos=1
+                device=device,
+                uuid=uuid,
+                topic=topic,
+                payload=payload,
+                ts_ms=self.clock.wall_ms(),
+                qos=self.settings.mqtt.qos,
             )
+        except MapperError as exc:  # the buffer is closed or broken: the message is logged, not kept
+            log.warning("status message for %s on %s not kept: %s", device, topic, exc)
 
     def _publish_soon(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
         """Fire-and-forget publish for EventBus twins and states and the status topic: never buffered (each
