@@ -909,3 +909,50 @@ def test_any_power_limit_is_either_applied_exactly_or_refused_with_the_gpu_uncha
             assert sim.gpu(uuid).power_limit_mw == 250_000
     finally:
         backend.shutdown()
+
+
+STATIC_CALLS = (
+    "nvmlDeviceGetPowerManagementLimitConstraints",
+    "nvmlDeviceGetPowerManagementDefaultLimit",
+    "nvmlDeviceGetTemperatureThreshold",
+    "nvmlDeviceGetMaxClockInfo",
+)
+
+
+def test_values_the_board_fixes_are_read_once_per_nvml_session_and_again_after_a_reload(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (a, b) = build(fake_clock, backends, "H100", "A100")
+    first = backend.sample(a).values
+    before = {call: sim.calls[call] for call in STATIC_CALLS}
+    for _ in range(5):
+        fake_clock.advance(1)
+        values = backend.sample(a).values
+        for prop in ("power_limit_min", "power_limit_max", "power_limit_default", "temperature_slowdown"):
+            assert values[prop] == first[prop]
+        assert values["clock_sm_max"] == first["clock_sm_max"]
+    assert {call: sim.calls[call] for call in STATIC_CALLS} == before, "served from the session's cache"
+    assert sim.calls["nvmlDeviceGetPowerUsage"] >= 6, "what changes is still read every time"
+
+    backend.sample(b)  # the other GPU reads its own
+    assert sim.calls["nvmlDeviceGetMaxClockInfo"] == before["nvmlDeviceGetMaxClockInfo"] + 1
+    assert backend.sample(b).values["power_limit_max"] != first["power_limit_max"]  # an A100 is not an H100
+
+    sim.driver_reload()
+    fake_clock.advance(1)
+    backend.sample(a)
+    assert (
+        sim.calls["nvmlDeviceGetPowerManagementLimitConstraints"]
+        > before["nvmlDeviceGetPowerManagementLimitConstraints"] + 1
+    ), "read again in the new session"
+
+
+def test_a_static_value_that_failed_is_not_cached_and_is_read_again(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (a,) = build(fake_clock, backends, "H100")
+    sim.inject_errors("nvmlDeviceGetMaxClockInfo", pynvml.NVML_ERROR_NO_PERMISSION, count=1)
+    sample = backend.sample(a)
+    assert "clock_sm_max" not in sample.values and "clock_sm_max" in sample.errors
+    fake_clock.advance(1)
+    assert backend.sample(a).values["clock_sm_max"] > 0

@@ -188,6 +188,9 @@ class NvmlBackend:
         self._enumerated = False
         self._locked_gpu: dict[str, tuple[int, int]] = {}
         self._locked_memory: dict[str, tuple[int, int]] = {}
+        #: Values of the ``_STATIC_GROUPS`` read in this session, by GPU: fixed by the board and the driver, so
+        #: read once per NVML session (again after a re-init or a driver reload), not every cycle.
+        self._static: dict[str, dict[str, Value]] = {}
         # knowledge that outlives a session
         #: NotSupported reads: by GPU, the reading group (or ``field:<id>``) and when to ask again (monotonic s)
         self._unsupported: dict[str, dict[str, float]] = {}
@@ -557,6 +560,7 @@ class NvmlBackend:
         self._enumerated = False
         self._locked_gpu.clear()
         self._locked_memory.clear()
+        self._static.clear()
 
     def _shutdown_session(self) -> None:
         if not self._initialized:
@@ -578,6 +582,7 @@ class NvmlBackend:
         """A driver reload happened: forget what we set, probe lost GPUs again, tell the loops."""
         self._locked_gpu.clear()
         self._locked_memory.clear()
+        self._static.clear()
         self._lost.clear()
         self._energy_j.clear()
         ts = self._clock.wall_ms()
@@ -791,6 +796,7 @@ class NvmlBackend:
         errors: dict[str, str] = {}
         now = self._clock.monotonic()
         unsupported = self._unsupported.get(uuid)  # retry times by group (None: nothing unsupported yet)
+        static = self._static.get(uuid)
         for group, props, step in plan.steps:
             if unsupported:
                 retry_at = unsupported.get(group)
@@ -798,6 +804,10 @@ class NvmlBackend:
                     if now < retry_at:
                         continue
                     del unsupported[group]
+            if static is not None and group in _STATIC_GROUPS and props <= static.keys():
+                for prop in props:
+                    values[prop] = static[prop]
+                continue
             try:
                 step(handle, uuid, values, errors)
             except UnsupportedError:
@@ -809,6 +819,11 @@ class NvmlBackend:
             except PermanentError as exc:
                 for prop in props:
                     errors[prop] = f"{exc.reason}: {exc}"
+            else:
+                if group in _STATIC_GROUPS:
+                    if static is None:
+                        static = self._static.setdefault(uuid, {})
+                    static.update((prop, values[prop]) for prop in props if prop in values)
         if not plan.exact:  # a reader also wrote values of its group that were not asked for
             values = {k: v for k, v in values.items() if k in wanted}
             if errors:
@@ -1134,6 +1149,12 @@ class _Memo(Generic[K, V]):
             known[key] = value
         return value
 
+
+#: Reading groups whose values the board and the driver fix (power limit range and default, temperature
+#: thresholds, maximum SM clock): read once per NVML session and per GPU, then served from ``_static``.
+_STATIC_GROUPS = frozenset(
+    {"temperature_slowdown", "temperature_shutdown", "power_limit_constraints", "power_limit_default", "clock_sm_max"}
+)
 
 _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
     (name, frozenset(props), reader)
