@@ -931,6 +931,7 @@ def test_values_the_board_fixes_are_read_once_per_nvml_session_and_again_after_a
         for prop in ("power_limit_min", "power_limit_max", "power_limit_default", "temperature_slowdown"):
             assert values[prop] == first[prop]
         assert values["clock_sm_max"] == first["clock_sm_max"]
+        assert list(values) == list(first), "the same order as read (the telemetry encoder keeps it)"
     assert {call: sim.calls[call] for call in STATIC_CALLS} == before, "served from the session's cache"
     assert sim.calls["nvmlDeviceGetPowerUsage"] >= 6, "what changes is still read every time"
 

@@ -188,9 +188,10 @@ class NvmlBackend:
         self._enumerated = False
         self._locked_gpu: dict[str, tuple[int, int]] = {}
         self._locked_memory: dict[str, tuple[int, int]] = {}
-        #: Values of the ``_STATIC_GROUPS`` read in this session, by GPU: fixed by the board and the driver, so
-        #: read once per NVML session (again after a re-init or a driver reload), not every cycle.
-        self._static: dict[str, dict[str, Value]] = {}
+        #: Values of the ``_STATIC_GROUPS`` read in this session, by GPU and group, in the order their reader
+        #: wrote them: fixed by the board and the driver, so read once per NVML session (again after a re-init
+        #: or a driver reload), not every cycle.
+        self._static: dict[str, dict[str, tuple[tuple[str, Value], ...]]] = {}
         # knowledge that outlives a session
         #: NotSupported reads: by GPU, the reading group (or ``field:<id>``) and when to ask again (monotonic s)
         self._unsupported: dict[str, dict[str, float]] = {}
@@ -804,9 +805,8 @@ class NvmlBackend:
                     if now < retry_at:
                         continue
                     del unsupported[group]
-            if static is not None and group in _STATIC_GROUPS and props <= static.keys():
-                for prop in props:
-                    values[prop] = static[prop]
+            if static is not None and group in static:
+                values.update(static[group])  # in the order the reader wrote them
                 continue
             try:
                 step(handle, uuid, values, errors)
@@ -823,7 +823,7 @@ class NvmlBackend:
                 if group in _STATIC_GROUPS:
                     if static is None:
                         static = self._static.setdefault(uuid, {})
-                    static.update((prop, values[prop]) for prop in props if prop in values)
+                    static[group] = tuple((k, v) for k, v in values.items() if k in props)
         if not plan.exact:  # a reader also wrote values of its group that were not asked for
             values = {k: v for k, v in values.items() if k in wanted}
             if errors:
