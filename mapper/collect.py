@@ -150,7 +150,9 @@ class GpuWorker:
             if retry_s is not None:
                 self._due_at[i] = now_s + min(retry_s, cycle_s)
                 continue
-            self._due_at[i] = (math.floor((now_s + DUE_SLACK_S) / cycle_s) + 1) * cycle_s
+            # (Half a cycle at most, so a cycle shorter than the slack is not skipped every other time.)
+            slack_s = min(DUE_SLACK_S, cycle_s / 2)
+            self._due_at[i] = (math.floor((now_s + slack_s) / cycle_s) + 1) * cycle_s
 
     def next_due_s(self) -> float:
         if not self._due_at:

@@ -283,3 +283,18 @@ async def test_a_driver_reload_while_a_sample_is_in_flight_leaves_everything_due
     await worker.tick()
     assert worker.next_due_s() <= clock.monotonic()
     assert set(worker.due_properties(clock.monotonic())) == {p.name for p in NVML_PROPERTIES}
+
+
+async def test_a_cycle_shorter_than_the_slack_is_still_sampled_every_cycle(rig: Any) -> None:
+    worker, recording, _, clock = rig
+    worker.min_collect_cycle_ms = 20
+    worker.bind(device(worker.uuid, temperature=40))
+    await worker.tick()
+    reads = 0
+    for _ in range(10):
+        clock.advance(worker.next_due_s() - clock.monotonic())
+        recording.asked.clear()
+        await worker.tick()
+        reads += "temperature" in recording.asked[-1]
+    assert reads == 10
+    assert clock.monotonic() == pytest.approx(1000.0 + 10 * 0.04, abs=0.041)
