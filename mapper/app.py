@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 from mapper import __version__
 from mapper.buffer import Buffer
-from mapper.clock import Clock, SystemClock, sleep_or_wake
+from mapper.clock import Clock, SystemClock, next_on_grid, sleep_or_wake
 from mapper.collect import GpuWorker, TickResult, call_backend
 from mapper.config import Settings, read_file
 from mapper.desired import Source
@@ -64,6 +63,8 @@ log = logging.getLogger("mapper.app")
 
 #: How long shutdown waits for the cancelled tasks.
 SHUTDOWN_TASKS_TIMEOUT_S = 5.0
+#: A report made this close before its grid point counts for that point (not due again a moment later).
+REPORT_SLACK_S = 0.05
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state")
@@ -435,7 +436,8 @@ class MapperApp:
                     len(contents.models),
                     len(changes),
                 )
-            await asyncio.sleep(2.0)
+            now_s = self.clock.monotonic()
+            await asyncio.sleep(next_on_grid(now_s, 2.0) - now_s)  # on the GPU loops' grid: no wake-up of its own
 
     def _on_delta(self, topic: str, payload: bytes) -> None:
         """An edge application set desired values through ``twin/update/delta``."""
@@ -549,7 +551,7 @@ class MapperApp:
                 worker.wake()
             # On the whole second, where the GPU loops' 1 s grid lies: the poll joins their NVML job.
             now_s = self.clock.monotonic()
-            await asyncio.sleep(math.floor(now_s) + 1.0 - now_s)
+            await asyncio.sleep(next_on_grid(now_s, 1.0) - now_s)
 
     # ==============================================================================================
     # reporting: DMI twins and states, EventBus
@@ -609,11 +611,12 @@ class MapperApp:
                 changed = self._reported_state.get(device.key) != worker.state
                 due = now >= self._next_state_s.get(device.key, 0.0) and device.state_report_to_cloud
                 if changed or due:
-                    self._next_state_s[device.key] = now + self._state_cycle_s(device)
+                    # On the grid: every device's reports (and the GPU loops) wake the mapper once, together.
+                    self._next_state_s[device.key] = next_on_grid(now, self._state_cycle_s(device), REPORT_SLACK_S)
                     self._report_state(device, worker.state)
                 # Twins wait for the first sample: a report with only the status twins helps nobody.
                 if now >= self._next_report_s.get(device.key, 0.0) and worker.values:
-                    self._next_report_s[device.key] = now + self._report_cycle_s(device)
+                    self._next_report_s[device.key] = next_on_grid(now, self._report_cycle_s(device), REPORT_SLACK_S)
                     twins = self._twins(worker)
                     if twins:
                         self._report_twins(device, twins)
@@ -843,7 +846,8 @@ class MapperApp:
             except (OSError, MapperError) as exc:
                 log.warning("could not write the status file: %s", exc)
             self._maybe_reload_config()
-            await asyncio.sleep(self.housekeeping_interval_s)
+            now_s = self.clock.monotonic()
+            await asyncio.sleep(next_on_grid(now_s, self.housekeeping_interval_s) - now_s)
 
     def _maybe_reload_config(self) -> None:
         path = self.settings.config_file

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper.clock import Clock, sleep_or_wake
+from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.model import (
@@ -150,9 +149,8 @@ class GpuWorker:
             if retry_s is not None:
                 self._due_at[i] = now_s + min(retry_s, cycle_s)
                 continue
-            # (Half a cycle at most, so a cycle shorter than the slack is not skipped every other time.)
-            slack_s = min(DUE_SLACK_S, cycle_s / 2)
-            self._due_at[i] = (math.floor((now_s + slack_s) / cycle_s) + 1) * cycle_s
+            # (next_on_grid counts half a cycle of slack at most: a cycle shorter than the slack is not skipped.)
+            self._due_at[i] = next_on_grid(now_s, cycle_s, DUE_SLACK_S)
 
     def next_due_s(self) -> float:
         if not self._due_at:
