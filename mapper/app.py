@@ -63,8 +63,8 @@ log = logging.getLogger("mapper.app")
 
 #: How long shutdown waits for the cancelled tasks.
 SHUTDOWN_TASKS_TIMEOUT_S = 5.0
-#: A report made this close before its grid point counts for that point (not due again a moment later).
-REPORT_SLACK_S = 0.05
+#: A periodic loop that ran this close before a grid point counts for that point (not due again a moment later).
+GRID_SLACK_S = 0.05
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state")
@@ -436,8 +436,8 @@ class MapperApp:
                     len(contents.models),
                     len(changes),
                 )
-            now_s = self.clock.monotonic()
-            await asyncio.sleep(next_on_grid(now_s, 2.0) - now_s)  # on the GPU loops' grid: no wake-up of its own
+            now_s = self.clock.monotonic()  # on the GPU loops' grid: no wake-up of its own
+            await asyncio.sleep(next_on_grid(now_s, 2.0, GRID_SLACK_S) - now_s)
 
     def _on_delta(self, topic: str, payload: bytes) -> None:
         """An edge application set desired values through ``twin/update/delta``."""
@@ -551,7 +551,7 @@ class MapperApp:
                 worker.wake()
             # On the whole second, where the GPU loops' 1 s grid lies: the poll joins their NVML job.
             now_s = self.clock.monotonic()
-            await asyncio.sleep(next_on_grid(now_s, 1.0) - now_s)
+            await asyncio.sleep(next_on_grid(now_s, 1.0, GRID_SLACK_S) - now_s)
 
     # ==============================================================================================
     # reporting: DMI twins and states, EventBus
@@ -612,11 +612,11 @@ class MapperApp:
                 due = now >= self._next_state_s.get(device.key, 0.0) and device.state_report_to_cloud
                 if changed or due:
                     # On the grid: every device's reports (and the GPU loops) wake the mapper once, together.
-                    self._next_state_s[device.key] = next_on_grid(now, self._state_cycle_s(device), REPORT_SLACK_S)
+                    self._next_state_s[device.key] = next_on_grid(now, self._state_cycle_s(device), GRID_SLACK_S)
                     self._report_state(device, worker.state)
                 # Twins wait for the first sample: a report with only the status twins helps nobody.
                 if now >= self._next_report_s.get(device.key, 0.0) and worker.values:
-                    self._next_report_s[device.key] = next_on_grid(now, self._report_cycle_s(device), REPORT_SLACK_S)
+                    self._next_report_s[device.key] = next_on_grid(now, self._report_cycle_s(device), GRID_SLACK_S)
                     twins = self._twins(worker)
                     if twins:
                         self._report_twins(device, twins)
@@ -847,7 +847,7 @@ class MapperApp:
                 log.warning("could not write the status file: %s", exc)
             self._maybe_reload_config()
             now_s = self.clock.monotonic()
-            await asyncio.sleep(next_on_grid(now_s, self.housekeeping_interval_s) - now_s)
+            await asyncio.sleep(next_on_grid(now_s, self.housekeeping_interval_s, GRID_SLACK_S) - now_s)
 
     def _maybe_reload_config(self) -> None:
         path = self.settings.config_file
