@@ -19,7 +19,10 @@ with the mapper's heavy imports (grpc, paho, prometheus_client, yaml, zstandard,
 ``mapper.app`` imported, is measured too, so the RSS figure can be read honestly. A subscriber on each broker
 counts what each side delivered (messages, bytes, values), to show both did the same work.
 
-Run: ``.venv/bin/python benchmarks/overhead.py [--quick] [--seconds S] [--warmup-s W]``. Default 60 s
+``--dmi``: the mapper runs as on a KubeEdge node instead (no devices folder; a test EdgeCore in this process serves
+the Devices over real gRPC; twins and states over DMI, telemetry over MQTT, no EventBus).
+
+Run: ``.venv/bin/python benchmarks/overhead.py [--quick] [--dmi] [--seconds S] [--warmup-s W]``. Default 60 s
 measured (30 s with --quick). Prints one JSON line last. Targets: mapper CPU < 0.5 % of one core,
 < 1/5 of the naive loop's CPU, peak RSS < 60 MB.
 """
@@ -169,6 +172,39 @@ class Counter:
         self.client.disconnect()
 
 
+class EdgeCoreThread:
+    """``--dmi``: the test EdgeCore (tests/fake_edgecore.py, real gRPC on a Unix socket) on its own event loop in
+    a thread of this benchmark process, serving the same 8 Devices and the model, so the mapper runs as on a
+    KubeEdge node: twins and states over DMI (rate-limited), telemetry over MQTT, no EventBus."""
+
+    def __init__(self, folder: Path, socket_path: str) -> None:
+        import asyncio
+
+        from mapper.devicefiles import load_folder
+        from mapper.dmi.convert import device_to_pb, model_to_pb
+        from tests.fake_edgecore import FakeEdgeCore
+
+        contents = load_folder(folder, NODE)
+        self.edge = FakeEdgeCore(socket_path)
+        self.edge.devices = [device_to_pb(d) for d in contents.devices]
+        self.edge.models = [model_to_pb(m) for m in contents.models]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="edgecore", daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.edge.start(), self.loop).result(10)
+
+    def counts(self) -> dict[str, int]:
+        rec = self.edge.rec
+        return {"status_rpcs": len(rec.statuses), "state_rpcs": len(rec.states)}
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.edge.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
 def wait_http(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
@@ -210,6 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     brokers: list[Mosquitto] = []
     counters: list[Counter] = []
+    edgecore: EdgeCoreThread | None = None
+    edgecore_counts: dict[str, int] = {}
     try:
         folder = tmp / "devices"
         props_per_device = write_devices_folder(folder)
@@ -219,6 +257,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             brokers.append(b)
         counter_m, counter_n = Counter(broker_m.port), Counter(broker_n.port)
         counters += [counter_m, counter_n]
+        edge_socket = str(tmp / "dmi.sock")
+        mapper_socket = str(tmp / "gpu.sock")
+        if args.dmi:
+            edgecore = EdgeCoreThread(folder, edge_socket)
         metrics_port = free_port()
         base = f"http://127.0.0.1:{metrics_port}"
         exe = shutil.which("gpu-mapper", path=str(Path(sys.executable).parent)) or "gpu-mapper"
@@ -235,8 +277,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             SCENARIO,
             "--node-name",
             NODE,
-            "--devices",
-            str(folder),
+            *(
+                ["--edgecore-socket", edge_socket, "--socket", mapper_socket]
+                if args.dmi
+                else ["--devices", str(folder)]
+            ),
             "--mqtt",
             broker_m.url,
             "--data-dir",
@@ -317,6 +362,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for c in counters:
             c.close()
+        if edgecore is not None:
+            edgecore_counts = edgecore.counts()
+            edgecore.close()
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -335,6 +383,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     values_per_s = GPUS * props_per_device / (COLLECT_CYCLE_MS / 1000)
     result: dict[str, Any] = {
         "benchmark": "overhead",
+        "mode": "dmi" if args.dmi else "standalone",
         "gpus": GPUS,
         "collect_cycle_ms": COLLECT_CYCLE_MS,
         "measured_s": round(wall, 1),
@@ -367,6 +416,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "python": platform.python_version(),
     }
+    if args.dmi:
+        result["edgecore"] = edgecore_counts
     if args.keep:
         result["kept"] = str(tmp)
     return result
@@ -378,6 +429,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="measured window (default 60, 30 with --quick)")
     parser.add_argument("--warmup-s", type=float, default=15.0, help="excluded start-up time (default 15)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, databases)")
+    parser.add_argument(
+        "--dmi",
+        action="store_true",
+        help="DMI mode: a test EdgeCore serves the Devices (no devices folder, no EventBus)",
+    )
     args = parser.parse_args()
     args.seconds = args.seconds if args.seconds is not None else (30.0 if args.quick else 60.0)
     if args.seconds <= 0 or args.warmup_s < 0:
