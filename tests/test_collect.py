@@ -35,6 +35,18 @@ class Recording:
         return getattr(self.backend, name)
 
 
+def make_worker(backend: NvmlBackend, clock: FakeClock, seen_as: Any = None) -> GpuWorker:
+    """A GpuWorker for the backend's first GPU; ``seen_as``: the backend object the worker calls instead."""
+    info = backend.list_gpus()[0]
+    return GpuWorker(
+        info=info,
+        backend=seen_as if seen_as is not None else backend,
+        reconciler=Reconciler(backend, info.uuid, clock=clock),
+        policies=PolicyEngine(),
+        clock=clock,
+    )
+
+
 @pytest.fixture
 def rig() -> Iterable[tuple[GpuWorker, Recording, SimNvml, FakeClock]]:
     clock = FakeClock()
@@ -42,14 +54,7 @@ def rig() -> Iterable[tuple[GpuWorker, Recording, SimNvml, FakeClock]]:
     backend = NvmlBackend(sim, clock=clock)
     backend.init()
     recording = Recording(backend)
-    info = backend.list_gpus()[0]
-    worker = GpuWorker(
-        info=info,
-        backend=recording,
-        reconciler=Reconciler(backend, info.uuid, clock=clock),
-        policies=PolicyEngine(),
-        clock=clock,
-    )
+    worker = make_worker(backend, clock, recording)
     yield worker, recording, sim, clock
     backend.shutdown()
 
@@ -222,15 +227,8 @@ async def test_the_first_due_times_lie_on_the_grid_even_when_the_monotonic_clock
     backend = NvmlBackend(sim, clock=clock)
     backend.init()
     try:
-        info = backend.list_gpus()[0]
-        worker = GpuWorker(
-            info=info,
-            backend=backend,
-            reconciler=Reconciler(backend, info.uuid, clock=clock),
-            policies=PolicyEngine(),
-            clock=clock,
-        )
-        worker.bind(device(info.uuid, **{p.name: 10_000 for p in NVML_PROPERTIES}))
+        worker = make_worker(backend, clock)
+        worker.bind(device(worker.uuid, **{p.name: 10_000 for p in NVML_PROPERTIES}))
         await worker.tick()
         assert worker.next_due_s() == pytest.approx(10.0)
     finally:
