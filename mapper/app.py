@@ -436,8 +436,7 @@ class MapperApp:
                     len(contents.models),
                     len(changes),
                 )
-            now_s = self.clock.monotonic()  # on the GPU loops' grid: no wake-up of its own
-            await asyncio.sleep(next_on_grid(now_s, 2.0, GRID_SLACK_S) - now_s)
+            await asyncio.sleep(2.0)
 
     def _on_delta(self, topic: str, payload: bytes) -> None:
         """An edge application set desired values through ``twin/update/delta``."""
@@ -611,12 +610,11 @@ class MapperApp:
                 changed = self._reported_state.get(device.key) != worker.state
                 due = now >= self._next_state_s.get(device.key, 0.0) and device.state_report_to_cloud
                 if changed or due:
-                    # On the grid: every device's reports (and the GPU loops) wake the mapper once, together.
-                    self._next_state_s[device.key] = next_on_grid(now, self._state_cycle_s(device), GRID_SLACK_S)
+                    self._next_state_s[device.key] = now + self._state_cycle_s(device)
                     self._report_state(device, worker.state)
                 # Twins wait for the first sample: a report with only the status twins helps nobody.
                 if now >= self._next_report_s.get(device.key, 0.0) and worker.values:
-                    self._next_report_s[device.key] = next_on_grid(now, self._report_cycle_s(device), GRID_SLACK_S)
+                    self._next_report_s[device.key] = now + self._report_cycle_s(device)
                     twins = self._twins(worker)
                     if twins:
                         self._report_twins(device, twins)
@@ -846,8 +844,7 @@ class MapperApp:
             except (OSError, MapperError) as exc:
                 log.warning("could not write the status file: %s", exc)
             self._maybe_reload_config()
-            now_s = self.clock.monotonic()
-            await asyncio.sleep(next_on_grid(now_s, self.housekeeping_interval_s, GRID_SLACK_S) - now_s)
+            await asyncio.sleep(self.housekeeping_interval_s)
 
     def _maybe_reload_config(self) -> None:
         path = self.settings.config_file
