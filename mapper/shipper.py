@@ -179,27 +179,24 @@ class TelemetryShipper:
         ``route`` None = the device's default topic on the default broker, QoS 1, not retained. Returns None
         when the buffer could not store it (counted in ``buffer_failures``).
         """
-        topic = route.topic if route else default_topic(self.node, batch.device)
-        try:
-            batch_id = self.buffer.put(
+        batch_id = self._store(
+            f"telemetry: batch {batch.device} seq {batch.seq}",
+            lambda: self.buffer.put(
                 device=batch.device,
                 uuid=batch.uuid,
                 boot_id=batch.boot_id,
                 seq=batch.seq,
                 ts_first_ms=batch.ts_first_ms,
                 ts_last_ms=batch.ts_last_ms,
-                topic=topic,
+                topic=route.topic if route else default_topic(self.node, batch.device),
                 payload=batch.payload,
                 qos=route.qos if route else 1,
                 retain=route.retain if route else False,
                 address=route.address if route else "",
-            )
-        except TransientError as exc:
-            self.buffer_failures += 1
-            log.error("telemetry: batch %s seq %d not stored: %s", batch.device, batch.seq, exc)
-            return None
-        self.submitted_batches += 1
-        self._wake.set()
+            ),
+        )
+        if batch_id is not None:
+            self.submitted_batches += 1
         return batch_id
 
     def submit_message(
@@ -208,8 +205,9 @@ class TelemetryShipper:
         """Store one status message (a desired-state ack, a policy event) to go out in order with the telemetry,
         on the default broker: what the mapper did while the broker was away reaches it when it is back. Not a
         batch (its row has no sequence number); returns its buffer id, or None when it could not be stored."""
-        try:
-            message_id = self.buffer.put(
+        message_id = self._store(
+            f"status message for {device} on {topic}",
+            lambda: self.buffer.put(
                 device=device,
                 uuid=uuid,
                 boot_id="",
@@ -219,14 +217,22 @@ class TelemetryShipper:
                 topic=topic,
                 payload=payload,
                 qos=qos,
-            )
+            ),
+        )
+        if message_id is not None:
+            self.submitted_messages += 1
+        return message_id
+
+    def _store(self, what: str, put: Callable[[], int]) -> int | None:
+        """Run ``put`` (one ``buffer.put``) and wake the loop; a buffer that cannot store it is counted and logged."""
+        try:
+            row_id = put()
         except TransientError as exc:
             self.buffer_failures += 1
-            log.error("status message for %s on %s not stored: %s", device, topic, exc)
+            log.error("%s not stored: %s", what, exc)
             return None
-        self.submitted_messages += 1
         self._wake.set()
-        return message_id
+        return row_id
 
     def update_state(self, device: str, payload: bytes) -> None:
         """Keep a device's latest state snapshot (published retained first on every reconnect, and soon now)."""
