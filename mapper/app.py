@@ -22,7 +22,7 @@ from typing import Any
 from mapper import __version__
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock, next_on_grid, sleep_or_wake
-from mapper.collect import GpuWorker, TickResult, call_backend
+from mapper.collect import DUE_SLACK_S, GpuWorker, TickResult, call_backend
 from mapper.config import Settings, read_file
 from mapper.desired import Source
 from mapper.devicefiles import FolderWatcher, load_folder
@@ -63,8 +63,6 @@ log = logging.getLogger("mapper.app")
 
 #: How long shutdown waits for the cancelled tasks.
 SHUTDOWN_TASKS_TIMEOUT_S = 5.0
-#: A periodic loop that ran this close before a grid point counts for that point (not due again a moment later).
-GRID_SLACK_S = 0.05
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state")
@@ -550,7 +548,7 @@ class MapperApp:
                 worker.wake()
             # On the whole second, where the GPU loops' 1 s grid lies: the poll joins their NVML job.
             now_s = self.clock.monotonic()
-            await asyncio.sleep(next_on_grid(now_s, 1.0, GRID_SLACK_S) - now_s)
+            await asyncio.sleep(next_on_grid(now_s, 1.0, DUE_SLACK_S) - now_s)
 
     # ==============================================================================================
     # reporting: DMI twins and states, EventBus
