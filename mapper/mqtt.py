@@ -1,10 +1,13 @@
 """One long-lived MQTT session per broker (paho-mqtt 2.x); the only module that touches paho or ssl.
 
-paho runs its own network thread (``loop_start``); every event it sees (CONNACK, PUBACK, a message, a lost
-connection) is handed to the asyncio loop with ``call_soon_threadsafe``, so all session state that callers see
-is changed on the loop. A session never gives up: without a broker, ``start()`` returns and the network thread
-keeps reconnecting with capped exponential backoff and jitter. Nothing here raises on a broker error except
-``publish``, which raises ``TransientError`` when the message cannot be confirmed.
+paho is driven from the asyncio event loop, with no network thread of its own: the loop watches the session's
+socket (``add_reader``, and ``add_writer`` only while paho has bytes it could not write), a publish is written
+in the caller's loop iteration, and paho's keepalive housekeeping runs on a timer on whole seconds. So a publish
+or a PUBACK costs no thread hand-off and no extra wake-up. Only the blocking part of a (re)connect (TCP connect,
+TLS handshake, each bounded by ``connect_timeout_s``) runs in a worker thread. A session never gives up: without
+a broker, ``start()`` returns and the session keeps reconnecting with capped exponential backoff and jitter.
+Nothing here raises on a broker error except ``publish``, which raises ``TransientError`` when the message
+cannot be confirmed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import logging
 import random
 import socket
 import ssl
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ from urllib.parse import urlsplit
 
 import paho.mqtt.client as paho
 
+from mapper.clock import next_on_grid, sleep_or_wake
 from mapper.errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
@@ -102,6 +105,8 @@ class MqttSession:
             )
         if keepalive_s < 5:
             raise ConfigError(f"MQTT keepalive_s must be >= 5, got {keepalive_s}")
+        if connect_timeout_s <= 0:
+            raise ConfigError(f"MQTT connect_timeout_s must be > 0, got {connect_timeout_s}")
         if (cert_file is None) != (key_file is None):
             raise ConfigError("MQTT client certificate needs both cert_file and key_file")
         if not self.address.tls and (ca_file or cert_file):
@@ -112,6 +117,9 @@ class MqttSession:
         self.reconnect_min_s = reconnect_min_s
         self.reconnect_max_s = reconnect_max_s
         self.connect_timeout_s = connect_timeout_s
+        #: How often paho's housekeeping (keepalive PINGREQ, a missing PINGRESP) runs: on whole seconds, so
+        #: it shares the wake-up of the mapper's 1 s collect grid.
+        self.misc_interval_s = float(max(1, min(5, keepalive_s // 4)))
         self._rng = rng or random.Random()
         self._failures = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,10 +131,17 @@ class MqttSession:
         self.connect_failures = 0
         self._acks: dict[int, asyncio.Future[None]] = {}
         self._subs: dict[str, tuple[int, list[MessageCallback]]] = {}
-        self._subs_lock = threading.Lock()
         self._on_connect: list[ConnectCallback] = []
         self._connected_event: asyncio.Event | None = None
+        self._stop_event: asyncio.Event | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._runner: asyncio.Task[None] | None = None
+        #: The socket the event loop watches (its fd), whether it also waits to write, and the end of the
+        #: current connection (resolved by a disconnect, a missing CONNACK or stop).
+        self._fd: int | None = None
+        self._writing = False
+        self._conn_ended: asyncio.Future[str] | None = None
+        self._misc_handle: asyncio.TimerHandle | None = None
 
         client = paho.Client(
             callback_api_version=paho.CallbackAPIVersion.VERSION2,
@@ -154,13 +169,13 @@ class MqttSession:
                 client.tls_insecure_set(True)
         if will_topic is not None:
             client.will_set(will_topic, will_payload, qos=1, retain=will_retain)
-        client.reconnect_delay_set(reconnect_min_s, reconnect_min_s)  # type: ignore[arg-type]
+        client.connect_async(self.address.host, self.address.port, keepalive=keepalive_s)
         client.on_connect = self._paho_connect
         client.on_disconnect = self._paho_disconnect
-        client.on_connect_fail = self._paho_connect_fail
         client.on_publish = self._paho_publish
         client.on_message = self._paho_message
         client.on_socket_open = _no_delay
+        client.on_socket_close = self._paho_socket_close
         self._client = client
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -175,9 +190,9 @@ class MqttSession:
             return
         self._loop = asyncio.get_running_loop()
         self._connected_event = asyncio.Event()
+        self._stop_event = asyncio.Event()
         self._started = True
-        self._client.connect_async(self.address.host, self.address.port, keepalive=self.keepalive_s)
-        self._client.loop_start()
+        self._runner = self._loop.create_task(self._run(), name=f"mqtt {self.url}")
         log.info("mqtt %s: session %s started", self.url, self.client_id)
 
     async def wait_connected(self, timeout_s: float) -> bool:
@@ -193,16 +208,28 @@ class MqttSession:
         return True
 
     async def stop(self, timeout_s: float = 5.0) -> None:
-        """Disconnect cleanly (the broker does not publish the last will) and end the network thread."""
+        """Disconnect cleanly (the broker does not publish the last will) and end the session."""
         if not self._started or self._stopping:
             return
         self._stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
         with contextlib.suppress(Exception):
-            self._client.disconnect()
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self._client.loop_stop), timeout_s)
-        except TimeoutError:
-            log.warning("mqtt %s: network thread did not stop within %.1fs", self.url, timeout_s)
+            self._client.disconnect()  # writes DISCONNECT now when it can; paho closes the socket after it
+            self._sync_writer()
+        runner = self._runner
+        if runner is not None and not runner.done():
+            done, _ = await asyncio.wait((runner,), timeout=timeout_s)
+            if not done:
+                log.warning("mqtt %s: the session did not end within %.1fs; closing its socket", self.url, timeout_s)
+                runner.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await runner
+        self._drop_socket()
+        sock = self._client.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()  # DISCONNECT could not be written: the broker will see the connection drop
         self._connected = False
         self._fail_pending("session stopped")
         log.info("mqtt %s: session %s stopped", self.url, self.client_id)
@@ -233,13 +260,15 @@ class MqttSession:
             info = self._client.publish(topic, payload, qos=qos, retain=retain)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"mqtt publish to {topic!r}: {exc}") from None
+        finally:
+            self._sync_writer()
         if info.rc != paho.MQTT_ERR_SUCCESS:
             raise TransientError(
                 f"mqtt {self.url}: publish to {topic} refused: {paho.error_string(info.rc)}", reason="mqtt-offline"
             )
         if qos == 0:
             return
-        # The PUBACK is handed to the loop with call_soon_threadsafe, so it runs after this registration.
+        # paho reads PUBACKs on this loop, in a later iteration: registering the future now is in time.
         fut: asyncio.Future[None] = self._loop.create_future()
         self._acks[info.mid] = fut
         try:
@@ -255,62 +284,179 @@ class MqttSession:
         """Subscribe now (if connected) and after every reconnect; ``callback(topic, payload)`` runs on the loop."""
         if qos not in (0, 1, 2):
             raise ValueError(f"MQTT qos must be 0, 1 or 2, got {qos}")
-        with self._subs_lock:
-            _, callbacks = self._subs.get(topic_filter, (qos, []))
-            callbacks.append(callback)
-            self._subs[topic_filter] = (qos, callbacks)
+        _, callbacks = self._subs.get(topic_filter, (qos, []))
+        callbacks.append(callback)
+        self._subs[topic_filter] = (qos, callbacks)
         if self._connected:
             self._client.subscribe(topic_filter, qos)
+            self._sync_writer()
 
-    # ------------------------------------------------------------------------------------------ paho thread side
+    # ------------------------------------------------------------------------------------------ connection
 
-    def _to_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
+    async def _run(self) -> None:
+        """Connect, serve the connection until it ends, wait a backoff, again; until ``stop``."""
+        while not self._stopping:
+            try:
+                await self._serve_one_connection()
+            except Exception:
+                log.exception("mqtt %s: unexpected error in the session; reconnecting", self.url)
+                self._drop_socket()
+            if self._stopping:
+                break
+            delay = self._next_delay()
+            if self._ever_connected and not self._connected_event_is_set():
+                log.debug("mqtt %s: next connection attempt in %.1fs", self.url, delay)
+            assert self._stop_event is not None
+            await sleep_or_wake(self._stop_event, delay)
+            if self._stopping:
+                break
+
+    def _connected_event_is_set(self) -> bool:
+        return self._connected_event is not None and self._connected_event.is_set()
+
+    async def _serve_one_connection(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            # TCP connect, TLS handshake and CONNECT block (each bounded by connect_timeout_s): off the loop.
+            rc = await asyncio.to_thread(self._client.reconnect)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            self.connect_failures += 1
+            log.debug("mqtt %s: connect failed: %s", self.url, exc)
             return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(fn, *args)
+        sock = self._client.socket()
+        if self._stopping or sock is None or rc != paho.MQTT_ERR_SUCCESS:
+            if rc != paho.MQTT_ERR_SUCCESS:
+                self.connect_failures += 1
+                log.debug("mqtt %s: sending CONNECT failed: %s", self.url, paho.error_string(rc))
+            with contextlib.suppress(OSError, AttributeError):
+                if sock is not None:
+                    sock.close()
+            return
+        ended: asyncio.Future[str] = loop.create_future()
+        self._conn_ended = ended
+        self._fd = sock.fileno()
+        loop.add_reader(self._fd, self._on_readable)
+        self._sync_writer()
+        connack_deadline = loop.call_later(self.connect_timeout_s, self._no_connack)
+        self._schedule_misc()
+        try:
+            why = await ended
+        finally:
+            connack_deadline.cancel()
+            if self._misc_handle is not None:
+                self._misc_handle.cancel()
+                self._misc_handle = None
+            self._conn_ended = None
+        if why == "no CONNACK":
+            self.connect_failures += 1
+
+    def _no_connack(self) -> None:
+        if self._connected or self._conn_ended is None:
+            return
+        log.warning("mqtt %s: no CONNACK within %.1fs; reconnecting", self.url, self.connect_timeout_s)
+        self._end_connection("no CONNACK")
+        with contextlib.suppress(Exception):
+            self._client.disconnect()
+        self._drop_socket()
+        sock = self._client.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _end_connection(self, why: str) -> None:
+        ended = self._conn_ended
+        if ended is not None and not ended.done():
+            ended.set_result(why)
+
+    def _schedule_misc(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        at = next_on_grid(loop.time(), self.misc_interval_s)
+        self._misc_handle = loop.call_at(at, self._misc)
+
+    def _misc(self) -> None:
+        """Keepalive: a PINGREQ when the link was quiet for ``keepalive_s``, a disconnect when no PINGRESP came."""
+        self._misc_handle = None
+        if self._fd is None:
+            return
+        self._client.loop_misc()
+        self._sync_writer()
+        if self._fd is not None:
+            self._schedule_misc()
+
+    def _on_readable(self) -> None:
+        self._client.loop_read()
+        self._sync_writer()
+
+    def _on_writable(self) -> None:
+        self._client.loop_write()
+        self._sync_writer()
+
+    def _sync_writer(self) -> None:
+        """Watch the socket for writability exactly while paho has bytes it could not write yet."""
+        loop, fd = self._loop, self._fd
+        if loop is None or fd is None:
+            return
+        want = self._client.want_write()
+        if want and not self._writing:
+            loop.add_writer(fd, self._on_writable)
+            self._writing = True
+        elif not want and self._writing:
+            loop.remove_writer(fd)
+            self._writing = False
+
+    def _drop_socket(self) -> None:
+        """Stop watching the current socket (before paho closes it, or after a failed connection)."""
+        loop, fd = self._loop, self._fd
+        self._fd = None
+        if loop is None or fd is None or loop.is_closed():
+            return
+        loop.remove_reader(fd)
+        if self._writing:
+            loop.remove_writer(fd)
+            self._writing = False
 
     def _next_delay(self) -> float:
         cap = min(self.reconnect_max_s, self.reconnect_min_s * (2 ** min(self._failures, 30)))
         self._failures += 1
         return max(self.reconnect_min_s, cap / 2 + self._rng.uniform(0, cap / 2))
 
+    # ------------------------------------------------------------------------------------------ paho callbacks
+    # paho calls these on the event loop's thread, from loop_read / loop_write / loop_misc / disconnect, while
+    # it holds its callback lock: they only change state and schedule the rest with call_soon.
+
+    def _paho_socket_close(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        if self._fd is not None and sock is not None and sock.fileno() == self._fd:
+            self._drop_socket()
+
     def _paho_connect(self, client: paho.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
             self.connect_failures += 1
-            delay = self._next_delay()
-            client.reconnect_delay_set(delay, delay)  # type: ignore[arg-type]
-            log.warning("mqtt %s: broker refused the connection (%s); retry in %.1fs", self.url, reason_code, delay)
-            return
+            log.warning("mqtt %s: broker refused the connection (%s)", self.url, reason_code)
+            return  # paho closes the connection next: the session waits a backoff and tries again
         self._failures = 0
-        with self._subs_lock:
-            subs = [(f, q) for f, (q, _) in self._subs.items()]
-        for topic_filter, qos in subs:
+        for topic_filter, (qos, _) in self._subs.items():
             client.subscribe(topic_filter, qos)
         self._connected = True
-        self._to_loop(self._loop_connected)
+        if self._loop is not None:
+            self._loop.call_soon(self._loop_connected)
 
     def _paho_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason_code: Any, props: Any) -> None:
         was = self._connected
         self._connected = False
-        delay = self._next_delay()
-        client.reconnect_delay_set(delay, delay)  # type: ignore[arg-type]
+        self._drop_socket()
         if was and not self._stopping:
-            log.warning("mqtt %s: connection lost (%s); reconnecting in %.1fs", self.url, reason_code, delay)
-        self._to_loop(self._fail_pending, "connection lost")
-
-    def _paho_connect_fail(self, client: paho.Client, userdata: Any) -> None:
-        self.connect_failures += 1
-        delay = self._next_delay()
-        client.reconnect_delay_set(delay, delay)  # type: ignore[arg-type]
-        log.debug("mqtt %s: connect failed; retry in %.1fs", self.url, delay)
+            log.warning("mqtt %s: connection lost (%s); reconnecting", self.url, reason_code)
+        self._fail_pending("connection lost")
+        self._end_connection("disconnected")
 
     def _paho_publish(self, client: paho.Client, userdata: Any, mid: int, reason_code: Any, props: Any) -> None:
-        self._to_loop(self._loop_ack, mid)
+        self._loop_ack(mid)
 
     def _paho_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
-        self._to_loop(self._loop_message, message.topic, bytes(message.payload))
+        if self._loop is not None:
+            self._loop.call_soon(self._loop_message, message.topic, bytes(message.payload))
 
     # ------------------------------------------------------------------------------------------ loop side
 
@@ -355,8 +501,7 @@ class MqttSession:
                 fut.exception()  # mark retrieved: the publisher may already have timed out
 
     def _loop_message(self, topic: str, payload: bytes) -> None:
-        with self._subs_lock:
-            matched = [cbs for f, (_, cbs) in self._subs.items() if topic_matches(f, topic)]
+        matched = [cbs for f, (_, cbs) in self._subs.items() if topic_matches(f, topic)]
         for callbacks in matched:
             for cb in callbacks:
                 try:

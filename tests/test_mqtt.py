@@ -280,3 +280,84 @@ async def test_the_session_socket_sends_small_messages_at_once_tcp_nodelay(mosqu
     assert sock is not None
     assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
     await session.stop(2)
+
+
+async def test_the_session_has_no_network_thread_and_publishes_from_the_event_loop(
+    mosquitto: Mosquitto, listener: tuple[MqttSession, list[tuple[str, bytes]]]
+) -> None:
+    import threading
+
+    _, got = listener
+    before = {t.ident for t in threading.enumerate()}
+    pub = _session(mosquitto.url, "nothread")
+    await pub.start()
+    assert await pub.wait_connected(5)
+    await pub.publish("t/x", b"hello", timeout_s=5)
+    # The connect ran in a short-lived worker thread; nothing of paho's keeps running beside the loop.
+    assert not [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("paho")]
+    await _until(lambda: ("t/x", b"hello") in got)
+    await pub.stop(2)
+
+
+async def test_a_payload_larger_than_the_socket_buffer_arrives_whole(
+    mosquitto: Mosquitto, listener: tuple[MqttSession, list[tuple[str, bytes]]]
+) -> None:
+    _, got = listener
+    pub = _session(mosquitto.url, "big")
+    await pub.start()
+    assert await pub.wait_connected(5)
+    # 24 MiB: more than the socket buffers on both ends hold, so paho cannot write it in one send
+    payload = bytes(range(256)) * (24 * 4096)
+    writable_calls: list[int] = []
+    on_writable = pub._on_writable
+
+    def counting() -> None:
+        writable_calls.append(1)
+        on_writable()
+
+    pub._on_writable = counting  # type: ignore[method-assign]
+    small = [pub.publish("t/small", f"s{i}".encode(), timeout_s=10) for i in range(3)]
+    await asyncio.gather(pub.publish("t/big", payload, timeout_s=10), *small)
+    await _until(lambda: any(t == "t/big" for t, _ in got), timeout_s=10)
+    big = [p for t, p in got if t == "t/big"]
+    assert big == [payload]
+    assert sorted(p for t, p in got if t == "t/small") == [b"s0", b"s1", b"s2"]
+    assert writable_calls  # the rest was written when the socket became writable again
+    assert not pub._writing  # nothing left to write: the loop stopped watching for writability
+    await pub.stop(2)
+
+
+async def test_an_idle_session_keeps_its_connection_alive_with_pings(tmp_path: Path) -> None:
+    # mosquitto drops a client that sends nothing for 1.5 keepalive periods; the session's timer sends PINGREQ.
+    broker = Mosquitto(tmp_path, extra_config=f"{KEEP_USER}log_type all\nlog_dest stderr")
+    broker.start()
+    sess = _session(broker.url, "idle-keepalive", keepalive_s=5)
+    try:
+        await sess.start()
+        assert await sess.wait_connected(5)
+        await asyncio.sleep(9.0)
+        assert sess.connected
+        assert sess.reconnects == 0
+        assert "PINGREQ from idle-keepalive" in broker.log_path.read_text()
+    finally:
+        await sess.stop(2)
+        broker.stop()
+
+
+async def test_a_server_that_never_sends_connack_counts_as_a_failed_connect_and_is_retried() -> None:
+    import socket
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    sess = _session(f"mqtt://127.0.0.1:{port}", "no-connack", connect_timeout_s=0.3)
+    try:
+        await sess.start()
+        await _until(lambda: sess.connect_failures >= 2, timeout_s=5)
+        assert not sess.connected
+        with pytest.raises(TransientError, match="not connected"):
+            await sess.publish("t", b"x")
+    finally:
+        await sess.stop(2)
+        server.close()
