@@ -4,16 +4,24 @@
 GPU Devices (``spec.protocol.protocolName: gpu``) and DeviceModels it finds, converted as EdgeCore would: the
 model's ``protocolConfigData`` and property visitors are the base, the Device's own values win. A file that
 cannot be read or parsed is reported (path and reason) and skipped; the others still load.
-``FolderWatcher`` notices changes by polling file names, sizes and modification times.
+``FolderWatcher`` tells when the folder changed: Linux inotify says when to look (no wake-up while the folder is
+idle), a fingerprint of the files' names, sizes, inodes and modification times says whether anything changed.
+Where inotify cannot watch the folder (no inotify in the C library, the watch limit reached, the folder missing, a
+filesystem that refuses it) the caller polls, and every look tries to watch again.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
+import logging
+import os
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -21,6 +29,8 @@ from mapper.errors import InvalidValueError
 from mapper.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Scalar
 
 PROTOCOL = "gpu"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -197,12 +207,196 @@ def load_folder(path: str | Path, node_name: str | None = None) -> FolderContent
     return out
 
 
-class FolderWatcher:
-    """Tells whether the YAML files of a folder changed since the last look (names, sizes, mtimes)."""
+# inotify(7) constants, from <sys/inotify.h>.
+IN_MODIFY = 0x00000002
+IN_ATTRIB = 0x00000004
+IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_FROM = 0x00000040
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+IN_DELETE_SELF = 0x00000400
+IN_MOVE_SELF = 0x00000800
+IN_UNMOUNT = 0x00002000
+IN_Q_OVERFLOW = 0x00004000
+IN_IGNORED = 0x00008000
+IN_ONLYDIR = 0x01000000
+#: What the folder's watch asks for. A Kubernetes ConfigMap volume is updated by renaming a new ``..data``
+#: symlink over the old one (IN_MOVED_TO); editors write in place (IN_MODIFY, IN_CLOSE_WRITE) or rename a
+#: temporary file over the old one; the folder itself may go away (IN_DELETE_SELF, IN_MOVE_SELF).
+WATCH_MASK = (
+    IN_CREATE
+    | IN_DELETE
+    | IN_MODIFY
+    | IN_CLOSE_WRITE
+    | IN_MOVED_TO
+    | IN_MOVED_FROM
+    | IN_ATTRIB
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_ONLYDIR
+)
+#: Events after which the watch is gone (or follows a folder that is no longer at the watched path).
+_WATCH_LOST = IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT
+#: struct inotify_event: int wd; uint32_t mask, cookie, len; char name[len].
+_EVENT_HEADER = struct.Struct("iIII")
+#: Larger than one event can be (header + NAME_MAX + 1), so a read never fails with EINVAL.
+_READ_BYTES = 64 * 1024
 
-    def __init__(self, path: str | Path) -> None:
+
+def _check(result: int, call: str) -> int:
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{call} failed: {os.strerror(code)}")
+    return result
+
+
+class Inotify:
+    """The three inotify calls of the C library, through ctypes; each failure raises ``OSError`` with errno."""
+
+    def __init__(self, libc: Any) -> None:
+        """``libc`` is a ``ctypes.CDLL`` loaded with ``use_errno=True``. AttributeError where it has no inotify."""
+        self._init1 = libc.inotify_init1
+        self._add_watch = libc.inotify_add_watch
+        self._rm_watch = libc.inotify_rm_watch
+        self._init1.argtypes = [ctypes.c_int]
+        self._init1.restype = ctypes.c_int
+        self._add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        self._add_watch.restype = ctypes.c_int
+        self._rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+        self._rm_watch.restype = ctypes.c_int
+
+    def init(self) -> int:
+        """A new non-blocking, close-on-exec inotify instance: its file descriptor."""
+        return _check(self._init1(os.O_NONBLOCK | os.O_CLOEXEC), "inotify_init1")
+
+    def add_watch(self, fd: int, path: Path, mask: int) -> int:
+        return _check(self._add_watch(fd, os.fsencode(path), mask), "inotify_add_watch")
+
+    def rm_watch(self, fd: int, wd: int) -> None:
+        _check(self._rm_watch(fd, wd), "inotify_rm_watch")
+
+
+def load_inotify(libc: Any = None) -> Inotify | None:
+    """inotify from ``libc`` (default: the C library this process runs on), or None where it has none."""
+    try:
+        return Inotify(libc if libc is not None else ctypes.CDLL(None, use_errno=True))
+    except (OSError, AttributeError):
+        return None
+
+
+class FolderWatcher:
+    """Tells whether the YAML files of a folder changed since the last look (names, sizes, inodes, mtimes).
+
+    With inotify, ``fileno()`` is a descriptor that turns readable when something in the folder changed: wait on
+    it, ``drain()`` it, then ask ``changed()``; ``poll_interval_s`` is then a long safety poll (a file changed
+    through a symlink into another folder, or on a network filesystem that reports nothing, is seen then). An
+    event only says "look again": the fingerprint decides. Without a watch, ``poll_interval_s`` is the short poll,
+    and every ``changed()`` tries to watch the folder again (a folder created after start, or re-created, is
+    watched again). ``close()`` releases the inotify descriptor.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        inotify: Inotify | Literal["auto"] | None = "auto",
+        safety_poll_s: float = 60.0,
+        fallback_poll_s: float = 2.0,
+        settle_s: float = 0.2,
+    ) -> None:
+        """``inotify``: "auto" loads it from the C library; None polls only. ``settle_s`` is how long a caller
+        waits after the first event of a burst (an editor's save, a ConfigMap swap) before looking."""
         self.path = Path(path)
+        self.safety_poll_s = safety_poll_s
+        self.fallback_poll_s = fallback_poll_s
+        self.settle_s = settle_s
         self._last = ""
+        self._inotify = load_inotify() if inotify == "auto" else inotify
+        self._fd: int | None = None
+        self._wd: int | None = None
+        #: Reading the descriptor failed: stay on polling (the descriptor stays open until ``close()``).
+        self._broken = False
+        self._closed = False
+        #: Why the folder is polled (logged once per reason), None while watched.
+        self._poll_reason: str | None = None
+        if self._inotify is None:
+            why = "inotify is turned off" if inotify is None else "the C library has no inotify"
+            self._polling(why)
+        self._watch()
+
+    @property
+    def watching(self) -> bool:
+        """True while inotify watches the folder."""
+        return self._wd is not None
+
+    @property
+    def poll_interval_s(self) -> float:
+        """How long a caller may wait for an event before it looks anyway."""
+        return self.safety_poll_s if self.watching else self.fallback_poll_s
+
+    def fileno(self) -> int | None:
+        """The inotify descriptor to wait on (readable when events are pending), or None where there is none."""
+        return None if self._broken else self._fd
+
+    def _polling(self, reason: str) -> None:
+        if reason != self._poll_reason:
+            log.warning("devices folder %s: %s; polling every %g s", self.path, reason, self.fallback_poll_s)
+        self._poll_reason = reason
+
+    def _watch(self) -> None:
+        if self._wd is not None or self._inotify is None or self._broken or self._closed:
+            return
+        try:
+            if self._fd is None:
+                self._fd = self._inotify.init()
+            self._wd = self._inotify.add_watch(self._fd, self.path, WATCH_MASK)
+        except OSError as exc:
+            hint = " (raise the sysctl fs.inotify.max_user_watches)" if exc.errno == errno.ENOSPC else ""
+            hint = " (raise the sysctl fs.inotify.max_user_instances)" if exc.errno == errno.EMFILE else hint
+            self._polling(f"cannot watch with inotify: {exc.strerror}{hint}")
+            return
+        if self._poll_reason is not None:
+            log.info("devices folder %s: watched with inotify", self.path)
+        self._poll_reason = None
+
+    def drain(self) -> bool:
+        """Read every pending event without blocking. True when there was any (a queue overflow, IN_Q_OVERFLOW,
+        included): look again (``changed()``)."""
+        if self._fd is None or self._broken:
+            return False
+        seen = False
+        while True:
+            try:
+                data = os.read(self._fd, _READ_BYTES)
+            except BlockingIOError:
+                return seen
+            except OSError as exc:
+                self._broken = True
+                self._wd = None
+                self._polling(f"reading inotify events failed: {exc}")
+                return True
+            if not data:
+                return seen
+            seen = True
+            self._read_events(data)
+
+    def _read_events(self, data: bytes) -> None:
+        offset = 0
+        while offset + _EVENT_HEADER.size <= len(data):
+            wd, mask, _cookie, name_len = _EVENT_HEADER.unpack_from(data, offset)
+            offset += _EVENT_HEADER.size + name_len
+            if wd != self._wd or not mask & _WATCH_LOST:
+                continue
+            # Deleted, unmounted, or moved away (the watch would follow the folder to its new name): drop it;
+            # the next look watches whatever is at the path then.
+            if self._fd is not None and self._inotify is not None and not mask & IN_IGNORED:
+                try:
+                    self._inotify.rm_watch(self._fd, wd)
+                except OSError:
+                    pass  # the kernel removed it already
+            self._wd = None
+            self._polling("the folder was deleted, moved or unmounted")
 
     def fingerprint(self) -> str:
         h = hashlib.sha1()
@@ -211,12 +405,24 @@ class FolderWatcher:
                 st = file.stat()
             except OSError:
                 continue
-            h.update(f"{file.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+            # The inode catches a symlink swapped to a file of the same size and mtime (a ConfigMap update).
+            h.update(f"{file.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino};".encode())
         return h.hexdigest()
 
     def changed(self) -> bool:
+        """Whether the files changed since the last call (True on the first). Watches the folder again if needed
+        (before looking, so a change right after the look still wakes the caller)."""
+        self._watch()
         current = self.fingerprint()
         if current != self._last:
             self._last = current
             return True
         return False
+
+    def close(self) -> None:
+        """Release the inotify descriptor (its watch goes with it). The watcher polls from then on."""
+        self._closed = True
+        self._wd = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
