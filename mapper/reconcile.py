@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 from mapper.clock import Clock
@@ -572,6 +573,10 @@ class ReconcileResult:
         return desired_status_twin(self.statuses)
 
 
+#: What ``plan`` returns when there is nothing to enforce (``Reconciler._idle``).
+_IDLE_PLAN = Plan(actions=(), statuses=MappingProxyType({}), targets=MappingProxyType({}))
+
+
 @dataclass
 class _GroupState:
     target: tuple[Value, ...]
@@ -676,11 +681,14 @@ class Reconciler:
         actions, ``step`` is pure bookkeeping and may run on the event loop."""
         if self._constraints is None:
             return None
+        limits = list(limits)
+        if self._idle(desired, limits, restore):
+            return _IDLE_PLAN
         return plan(
             desired,
             self._observed(observed_sample),
             self._constraints,
-            list(limits),
+            limits,
             clamp=self.clamp,
             restore=set(restore) | self._released(desired),
             restore_modes=self.restore_modes,
@@ -698,8 +706,10 @@ class Reconciler:
     ) -> ReconcileResult:
         """Plan, apply, read back, compare. ``restore``: ``DesiredState.pending_restore()``. ``planned``: what
         ``prepare`` returned for the same inputs just before (saves making the first plan again)."""
-        now_s = self.clock.monotonic()
         limits = list(limits)
+        if constraints is None and self._constraints is not None and self._idle(desired, limits, restore):
+            return self._idle_result(observed_sample)
+        now_s = self.clock.monotonic()
         cons = constraints if constraints is not None else self.constraints()
         observed = self._observed(observed_sample)
         restore_set = set(restore) | self._released(desired)
@@ -781,6 +791,45 @@ class Reconciler:
         )
 
     # --- internals -----------------------------------------------------------------------------------
+    def _idle(
+        self, desired: Mapping[str, DesiredValue], limits: Collection[PolicyLimit], restore: Collection[str]
+    ) -> bool:
+        """Nothing to enforce and nothing left over: no desired value, no policy cap, nothing to restore, and this
+        reconciler holds no state from earlier steps (no group it manages, verified or is backing off, no ack it
+        must follow up). ``plan`` would return an empty plan and ``step`` an empty result, so both are skipped:
+        the common case of a GPU that is only watched costs next to nothing per cycle. (Values it set earlier
+        still fill in what NVML cannot read back: see ``_idle_result``.)"""
+        return (
+            not desired
+            and not restore
+            and not limits
+            and not self._managed
+            and not self._groups
+            and not self._verified
+            and not self._acked
+        )
+
+    def _idle_result(self, observed_sample: Sample | Mapping[str, Value] | None) -> ReconcileResult:
+        observed: Mapping[str, Value]
+        if self._last_set:
+            observed = self._observed(observed_sample)
+        elif isinstance(observed_sample, Sample):
+            if observed_sample.uuid != self.uuid:
+                raise ValueError(f"Reconciler of GPU {self.uuid} was given a sample of GPU {observed_sample.uuid}")
+            observed = observed_sample.values
+        else:
+            observed = observed_sample or {}
+        return ReconcileResult(
+            uuid=self.uuid,
+            statuses={},
+            actions=(),
+            acks=(),
+            counters=self.counters.copy(),
+            targets={},
+            restored=frozenset(),
+            observed=observed,
+        )
+
     def _observed(self, sample: Sample | Mapping[str, Value] | None) -> dict[str, Value]:
         values: Mapping[str, Value]
         if sample is None:

@@ -915,3 +915,41 @@ def test_a_step_given_the_prepared_plan_plans_no_second_time_and_ends_the_same(
     assert len(plans) == 1
     assert with_plan.statuses == without.statuses
     assert with_plan.targets == without.targets
+
+
+def test_a_gpu_with_nothing_desired_is_not_planned_each_cycle_and_leaves_idle_at_once_when_asked(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plans: list[object] = []
+    real_plan = reconcile_module.plan
+
+    def counting_plan(*args: Any, **kwargs: Any) -> Any:
+        plans.append(args)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(reconcile_module, "plan", counting_plan)
+    rig.reconciler.constraints()
+    idle = rig.cycle()
+    assert plans == [], "nothing desired, no cap, nothing held: no plan to make"
+    assert (idle.statuses, idle.actions, idle.acks, idle.targets) == ({}, (), (), {})
+    assert idle.observed["power_limit"] == 700.0 and idle.desired_status == "none"
+    # The same answer as the full path (a plan from scratch) gives for these inputs.
+    full = real_plan({}, idle.observed, rig.reconciler.constraints(), [])
+    assert (full.actions, dict(full.statuses), dict(full.targets)) == ((), {}, {})
+    # A policy cap is enforced in the very next step.
+    capped = rig.cycle(limits=[PolicyLimit("thermal", 500.0, "too hot")])
+    assert rig.gpu.power_limit_mw == 500_000 and capped.actions
+    plans.clear()
+    # Lifting it restores the default, with its acks, and only then is the GPU idle again.
+    lifted = rig.cycle()
+    assert rig.gpu.power_limit_mw == 700_000 and lifted.actions and plans
+    for _ in range(3):
+        rig.cycle()
+    plans.clear()
+    rig.cycle()
+    assert plans == [], "back to idle once the default is verified and acked"
+    # A desired value set from the cloud is applied in the next step.
+    rig.state.set("power_limit", "450", "cloud", 5_000)
+    applied = rig.cycle()
+    assert rig.gpu.power_limit_mw == 450_000
+    assert [a.property for a in applied.acks] == ["power_limit"]
