@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -187,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+#: Threads of the default executor (``asyncio.to_thread``). NVML calls have their own thread, so only start-up,
+#: the status file, devices-folder reads and MQTT (re)connects (each bounded by its connect timeout) use it, and
+#: two threads keep those going. Python's default, ``min(32, cores + 4)``, leaves start-up's burst of threads
+#: idle for the whole run, each with its own stack and possibly its own glibc malloc arena.
+DEFAULT_EXECUTOR_WORKERS = 2
+
+
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     setup_logging(settings.log_format, settings.log_level)
@@ -194,6 +202,10 @@ def _run(args: argparse.Namespace) -> int:
 
     async def main_task() -> int:
         loop = asyncio.get_running_loop()
+        # asyncio.run shuts the default executor down (and joins its threads) when main_task returns.
+        loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(max_workers=DEFAULT_EXECUTOR_WORKERS, thread_name_prefix="mapper-io")
+        )
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
