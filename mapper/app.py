@@ -147,8 +147,9 @@ class MapperApp:
         self._background: set[asyncio.Task[Any]] = set()
         #: Set to report at once (a state changed, a device was bound, the broker came back).
         self._report_wake = asyncio.Event()
-        #: How often the status file is written and the config file checked for changes.
-        self.housekeeping_interval_s = 5.0
+        #: How often the status file is written and the config file checked for changes. (Each round wakes the
+        #: loop and a thread; the status file is the offline fallback of ``gpu-mapper status``, /status is live.)
+        self.housekeeping_interval_s = 10.0
 
     # ==============================================================================================
     # start-up and shutdown
