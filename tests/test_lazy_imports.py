@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from tests.brokers import free_port
 
@@ -77,11 +78,16 @@ APP_CHILD = textwrap.dedent(
 
 
 def run_app_child(mode: str, tmp_path: Path) -> dict[str, object]:
-    script = tmp_path / "child.py"
-    script.write_text(APP_CHILD)
     # The broker port is free and nothing listens on it: the session keeps retrying, which is all start() needs.
+    return run_child(APP_CHILD, [mode, str(tmp_path), str(free_port())], tmp_path)
+
+
+def run_child(code: str, args: list[str], tmp_path: Path) -> dict[str, Any]:
+    """Run ``code`` as a script in a fresh interpreter; its last stdout line is JSON with ``exit_code`` 0."""
+    script = tmp_path / "child.py"
+    script.write_text(code)
     out = subprocess.run(
-        [sys.executable, str(script), mode, str(tmp_path), str(free_port())],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -89,7 +95,7 @@ def run_app_child(mode: str, tmp_path: Path) -> dict[str, object]:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["exit_code"] == 0, out.stderr[-3000:]
     return result
 
@@ -146,19 +152,7 @@ CLI_CHILD = textwrap.dedent(
 
 
 def test_gpu_mapper_run_uses_a_small_named_default_executor_and_shuts_it_down(tmp_path: Path) -> None:
-    script = tmp_path / "child.py"
-    script.write_text(CLI_CHILD)
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(free_port()), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["exit_code"] == 0, out.stderr[-3000:]
+    result = run_child(CLI_CHILD, [str(tmp_path), str(free_port()), str(free_port())], tmp_path)
     threads = result["threads"]
     assert threads is not None, "the mapper never wrote its status file"
     assert not [t for t in threads if t.startswith("asyncio_")], f"the default executor was not replaced: {threads}"

@@ -889,6 +889,19 @@ def test_would_act_says_when_a_step_may_call_the_gpu_and_a_quiet_step_calls_noth
     assert rig.reconciler.would_act(rig.state.effective(), sample), "after a reload: re-read and re-apply"
 
 
+def count_plans(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every call of ``reconcile.plan`` from now on, recorded (the real plan still runs)."""
+    plans: list[object] = []
+    real_plan = reconcile_module.plan
+
+    def counting_plan(*args: Any, **kwargs: Any) -> Any:
+        plans.append(args)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(reconcile_module, "plan", counting_plan)
+    return plans
+
+
 def test_a_step_given_the_prepared_plan_plans_no_second_time_and_ends_the_same(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -901,14 +914,7 @@ def test_a_step_given_the_prepared_plan_plans_no_second_time_and_ends_the_same(
     desired = rig.state.effective()
     planned = rig.reconciler.prepare(desired, sample)
     assert planned is not None and not planned.actions
-    plans: list[object] = []
-    real_plan = reconcile_module.plan
-
-    def counting_plan(*args: Any, **kwargs: Any) -> Any:
-        plans.append(args)
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(reconcile_module, "plan", counting_plan)
+    plans = count_plans(monkeypatch)
     with_plan = rig.reconciler.step(desired, sample, planned=planned)
     assert plans == [], "the prepared plan is used as the first plan"
     without = rig.reconciler.step(desired, sample)
@@ -920,21 +926,14 @@ def test_a_step_given_the_prepared_plan_plans_no_second_time_and_ends_the_same(
 def test_a_gpu_with_nothing_desired_is_not_planned_each_cycle_and_leaves_idle_at_once_when_asked(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plans: list[object] = []
-    real_plan = reconcile_module.plan
-
-    def counting_plan(*args: Any, **kwargs: Any) -> Any:
-        plans.append(args)
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(reconcile_module, "plan", counting_plan)
+    plans = count_plans(monkeypatch)
     rig.reconciler.constraints()
     idle = rig.cycle()
     assert plans == [], "nothing desired, no cap, nothing held: no plan to make"
     assert (idle.statuses, idle.actions, idle.acks, idle.targets) == ({}, (), (), {})
     assert idle.observed["power_limit"] == 700.0 and idle.desired_status == "none"
     # The same answer as the full path (a plan from scratch) gives for these inputs.
-    full = real_plan({}, idle.observed, rig.reconciler.constraints(), [])
+    full = plan({}, idle.observed, rig.reconciler.constraints(), [])
     assert (full.actions, dict(full.statuses), dict(full.targets)) == ((), {}, {})
     # A policy cap is enforced in the very next step.
     capped = rig.cycle(limits=[PolicyLimit("thermal", 500.0, "too hot")])
