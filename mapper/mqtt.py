@@ -304,15 +304,11 @@ class MqttSession:
             if self._stopping:
                 break
             delay = self._next_delay()
-            if self._ever_connected and not self._connected_event_is_set():
-                log.debug("mqtt %s: next connection attempt in %.1fs", self.url, delay)
+            log.debug("mqtt %s: next connection attempt in %.1fs", self.url, delay)
             assert self._stop_event is not None
             await sleep_or_wake(self._stop_event, delay)
             if self._stopping:
                 break
-
-    def _connected_event_is_set(self) -> bool:
-        return self._connected_event is not None and self._connected_event.is_set()
 
     async def _serve_one_connection(self) -> None:
         loop = asyncio.get_running_loop()
