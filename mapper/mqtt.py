@@ -225,11 +225,7 @@ class MqttSession:
                 runner.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await runner
-        self._drop_socket()
-        sock = self._client.socket()
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.close()  # DISCONNECT could not be written: the broker will see the connection drop
+        self._close_socket()  # still open if DISCONNECT could not be written: the broker sees the link drop
         self._connected = False
         self._fail_pending("session stopped")
         log.info("mqtt %s: session %s stopped", self.url, self.client_id)
@@ -324,9 +320,7 @@ class MqttSession:
             if rc != paho.MQTT_ERR_SUCCESS:
                 self.connect_failures += 1
                 log.debug("mqtt %s: sending CONNECT failed: %s", self.url, paho.error_string(rc))
-            with contextlib.suppress(OSError, AttributeError):
-                if sock is not None:
-                    sock.close()
+            self._close_socket()
             return
         ended: asyncio.Future[str] = loop.create_future()
         self._conn_ended = ended
@@ -353,11 +347,7 @@ class MqttSession:
         self._end_connection("no CONNACK")
         with contextlib.suppress(Exception):
             self._client.disconnect()
-        self._drop_socket()
-        sock = self._client.socket()
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.close()
+        self._close_socket()
 
     def _end_connection(self, why: str) -> None:
         ended = self._conn_ended
@@ -412,6 +402,14 @@ class MqttSession:
         if self._writing:
             loop.remove_writer(fd)
             self._writing = False
+
+    def _close_socket(self) -> None:
+        """Stop watching paho's socket and close it (a connection given up on, or left over at stop)."""
+        self._drop_socket()
+        sock = self._client.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                sock.close()
 
     def _next_delay(self) -> float:
         cap = min(self.reconnect_max_s, self.reconnect_min_s * (2 ** min(self._failures, 30)))
