@@ -316,8 +316,19 @@ async def test_a_payload_larger_than_the_socket_buffer_arrives_whole(
         on_writable()
 
     pub._on_writable = counting  # type: ignore[method-assign]
-    small = [pub.publish("t/small", f"s{i}".encode(), timeout_s=10) for i in range(3)]
-    await asyncio.gather(pub.publish("t/big", payload, timeout_s=10), *small)
+    # The broker is paused while the publish starts, so the first write surely stops short (a broker that reads
+    # as fast as we write would otherwise take it all in one go, and the writability path would go untested).
+    assert mosquitto.proc is not None
+    mosquitto.proc.send_signal(signal.SIGSTOP)
+    try:
+        sending = asyncio.gather(
+            pub.publish("t/big", payload, timeout_s=10),
+            *[pub.publish("t/small", f"s{i}".encode(), timeout_s=10) for i in range(3)],
+        )
+        await _until(lambda: pub._writing, timeout_s=5)
+    finally:
+        mosquitto.proc.send_signal(signal.SIGCONT)
+    await sending
     await _until(lambda: any(t == "t/big" for t, _ in got), timeout_s=10)
     big = [p for t, p in got if t == "t/big"]
     assert big == [payload]
