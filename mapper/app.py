@@ -265,7 +265,9 @@ class MapperApp:
                 ", ".join(f"{k}={v.raw}" for k, v in stored.state.effective().items()) or "defaults to restore",
             )
 
-    async def run(self, stop: asyncio.Event) -> int:
+    async def run(self, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:
+        """Start, run every loop until ``stop`` is set, shut down; the exit code. ``on_started`` is called once
+        everything has started (the CLI freezes the start-up heap for the garbage collector there)."""
         self._stop = stop
         try:
             await self.start()
@@ -288,6 +290,8 @@ class MapperApp:
             self._spawn("devices-dir", self._folder_loop(self.settings.devices_dir))
         if self.settings.print_interval_s > 0:
             self._spawn("console", self._console_loop(self.settings.print_interval_s))
+        if on_started is not None:
+            on_started()
         await stop.wait()
         await self.shutdown()
         return self.exit_code
@@ -987,8 +991,8 @@ def console_table(app: MapperApp) -> str:
     return "\n".join(lines) + "\n\n"
 
 
-async def run(settings: Settings, stop: asyncio.Event) -> int:
-    """Entry point of ``gpu-mapper run``."""
+async def run(settings: Settings, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:
+    """Entry point of ``gpu-mapper run`` (``on_started``: see ``MapperApp.run``)."""
     clock = SystemClock()
     try:
         backend = build_backend(settings, clock)
@@ -996,4 +1000,4 @@ async def run(settings: Settings, stop: asyncio.Event) -> int:
         log.error("cannot load NVML: %s", exc)
         return 1
     app = MapperApp(settings, backend, clock=clock)
-    return await app.run(stop)
+    return await app.run(stop, on_started)

@@ -86,3 +86,22 @@ async def test_policies_are_reloaded_when_the_config_file_changes_and_a_bad_edit
 
         await asyncio.sleep(0.5)
         assert app.policies.config.thermal.max_temp_c == 78, "a bad edit keeps the previous policies"
+
+
+async def test_on_started_is_called_once_when_every_loop_runs(tmp_path: Path):
+    import asyncio
+
+    from mapper.app import MapperApp
+    from mapper.gpu.nvml import NvmlBackend
+
+    app = MapperApp(fast_settings(str(tmp_path)), NvmlBackend(SimNvml(2, "H100", seed=1)))
+    seen: list[tuple[bool, int]] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(app.run(stop, on_started=lambda: seen.append((app.nvml_ready, len(app.workers)))))
+    try:
+        await wait_for(lambda: seen, what="on_started")
+        await asyncio.sleep(0.3)
+        assert seen == [(True, 2)], "called once, after NVML is up and both GPUs have their loops"
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0

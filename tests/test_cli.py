@@ -88,6 +88,7 @@ def test_run_on_simulated_gpus_prints_a_live_table_and_stops_cleanly_on_ctrl_c(t
     assert "power W" in stdout and "demo-node-gpu0" in stdout
     assert "applied" in stdout, "the example desired values are applied and shown"
     assert "Traceback" not in stderr
+    assert "start-up objects frozen" in stderr, "the start-up heap is frozen once everything has started"
 
     status = gpu_mapper("status", "--data-dir", str(data))
     assert status.returncode == 0, status.stderr
@@ -136,3 +137,21 @@ def test_decode_turns_a_batch_file_or_stdin_into_json_lines_and_survives_a_close
         timeout=60,
     )
     assert head.stdout.count("\n") == 1 and "Traceback" not in head.stderr
+
+
+def test_freezing_the_start_up_heap_moves_live_objects_out_of_the_collectors_way():
+    import gc
+
+    from mapper.cli import freeze_startup_heap
+
+    gc.unfreeze()
+    try:
+        young = [[i] for i in range(1000)]  # containers the collector tracks
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() and frozen >= len(young)
+        assert gc.get_count()[0] < 100, "generation 0 is emptied by the collect before the freeze"
+        later = [[i] for i in range(10)]
+        assert gc.get_freeze_count() == frozen, "objects made afterwards stay with the collector"
+        del later
+    finally:
+        gc.unfreeze()
