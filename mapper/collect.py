@@ -47,6 +47,19 @@ class TickResult:
     error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class TickStart:
+    """What ``GpuWorker.begin`` found due, handed to ``finish`` with the sample of ``names``."""
+
+    now_s: float
+    groups: list[int]
+    names: tuple[str, ...]
+    #: The due-time list the groups index (a ``bind`` meanwhile replaces it: then nothing is rescheduled).
+    due_at: list[float]
+    #: The device state before the step (``TickResult.state_changed`` compares with it).
+    state: str
+
+
 @dataclass
 class GpuWorker:
     """Everything the mapper knows about one GPU, and the step that moves it forward."""
@@ -84,6 +97,8 @@ class GpuWorker:
     _constraints_known: bool = False
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     on_change: Callable[[], None] | None = None
+    #: Called by ``wake`` (the composition root's collector loop, which ticks every GPU in one task).
+    notify: Callable[[], None] | None = None
 
     @property
     def uuid(self) -> str:
@@ -166,6 +181,12 @@ class GpuWorker:
 
     def wake(self) -> None:
         self._wake.set()
+        if self.notify is not None:
+            self.notify()
+
+    def is_due(self, now_s: float) -> bool:
+        """Whether a tick at ``now_s`` has work: a property group due (within the slack) or a ``wake``."""
+        return self._wake.is_set() or self.next_due_s() <= now_s + DUE_SLACK_S
 
     async def wait(self, timeout_s: float) -> None:
         """Sleep until the next due time or a ``wake``."""
@@ -173,40 +194,57 @@ class GpuWorker:
 
     # --- the step ----------------------------------------------------------------------------------
     async def tick(self) -> TickResult:
+        """One step: sample what is due, then ``finish``. (The app's collector runs ``begin``, one NVML job for
+        every due GPU's sample, and ``finish`` per GPU: the same step, one task and one thread hop for all.)"""
+        start = self.begin()
+        outcome: Sample | MapperError | None = None
+        if start.names:
+            try:
+                outcome = await self._call(self.backend.sample, self.uuid, start.names)
+            except MapperError as exc:
+                outcome = exc
+        return await self.finish(start, outcome)
+
+    def begin(self) -> TickStart:
+        """The start of a step: what is due now (``names``: sample these, or nothing). Clears a ``wake``."""
         now_s = self.clock.monotonic()
         self.last_tick_s = now_s
+        self._wake.clear()
+        groups = self._due_groups(now_s)
+        names = self._names_of(groups) if groups else ()
+        return TickStart(now_s, groups, names, self._due_at, self.state)
+
+    async def finish(self, start: TickStart, outcome: Sample | MapperError | None) -> TickResult:
+        """The rest of a step, given the sample of ``start.names`` (or the error reading it; None when nothing
+        was due): the GPU's values, the policies' decision, the reconciler's step. Awaits NVML only when the
+        constraints are not known yet or the reconciler has something to set."""
+        now_s, due_groups, due_at = start.now_s, start.groups, start.due_at
         result = TickResult()
-        due_groups = self._due_groups(now_s)
-        due = self._names_of(due_groups) if due_groups else ()
-        due_at = self._due_at
-        before_state = self.state
-        if due:
-            try:
-                sample = await self._call(self.backend.sample, self.uuid, due)
-            except GpuLostError as exc:
-                self._lost(str(exc))
-                result.error = str(exc)
-                if self._due_at is due_at:
-                    self._reschedule(due_groups, now_s)
-            except MapperError as exc:
-                self.collect_errors += 1
-                result.error = str(exc)
-                log.warning("sampling GPU %s failed: %s", self.uuid, exc)
-                retry_s = exc.retry_after_s if isinstance(exc, TransientError) else 5.0
-                if self._due_at is due_at:
-                    self._reschedule(due_groups, now_s, retry_s)
-            else:
-                if self.lost:
-                    log.warning("GPU %s answers again", self.uuid)
-                    self._constraints_known = False
-                self.lost = False
-                self.values.update(sample.values)
-                self.values_ts_ms = sample.ts_ms
-                result.sample = sample
-                # A ``bind`` or ``driver_reloaded`` while the sample was read made everything due (and ``bind``
-                # may have made other groups, which ``due_groups`` does not index): keep it so.
-                if self._due_at is due_at:
-                    self._reschedule(due_groups, now_s)
+        if isinstance(outcome, GpuLostError):
+            self._lost(str(outcome))
+            result.error = str(outcome)
+            if self._due_at is due_at:
+                self._reschedule(due_groups, now_s)
+        elif isinstance(outcome, MapperError):
+            self.collect_errors += 1
+            result.error = str(outcome)
+            log.warning("sampling GPU %s failed: %s", self.uuid, outcome)
+            retry_s = outcome.retry_after_s if isinstance(outcome, TransientError) else 5.0
+            if self._due_at is due_at:
+                self._reschedule(due_groups, now_s, retry_s)
+        elif outcome is not None:
+            sample = outcome
+            if self.lost:
+                log.warning("GPU %s answers again", self.uuid)
+                self._constraints_known = False
+            self.lost = False
+            self.values.update(sample.values)
+            self.values_ts_ms = sample.ts_ms
+            result.sample = sample
+            # A ``bind`` or ``driver_reloaded`` while the sample was read made everything due (and ``bind``
+            # may have made other groups, which ``due_groups`` does not index): keep it so.
+            if self._due_at is due_at:
+                self._reschedule(due_groups, now_s)
         if not self.lost and not self._constraints_known:
             # The reconciler caches them: one thread hop until they are known, none per cycle after that.
             try:
@@ -252,7 +290,7 @@ class GpuWorker:
                 self.statuses = {prop: status.text for prop, status in rec.statuses.items()}
                 self.desired_status = rec.desired_status
                 self.values.update(rec.observed)
-        result.state_changed = self.state != before_state
+        result.state_changed = self.state != start.state
         return result
 
     def _lost(self, message: str) -> None:

@@ -296,3 +296,37 @@ async def test_a_cycle_shorter_than_the_slack_is_still_sampled_every_cycle(rig: 
         reads += "temperature" in recording.asked[-1]
     assert reads == 10
     assert clock.monotonic() == pytest.approx(1000.0 + 10 * 0.04, abs=0.041)
+
+
+async def test_a_worker_is_due_on_its_grid_or_when_woken_and_the_wake_reaches_the_collector(rig: Any) -> None:
+    worker, recording, _, clock = rig
+    notified: list[int] = []
+    worker.notify = lambda: notified.append(1)
+    worker.bind(device(worker.uuid, temperature=1000))
+    assert notified == [1], "bind wakes the worker and tells the collector"
+    assert worker.is_due(clock.monotonic())
+    start = worker.begin()
+    assert "temperature" in start.names
+    result = await worker.finish(start, recording.backend.sample(worker.uuid, start.names))
+    assert result.sample is not None and result.error == ""
+    assert not worker.is_due(clock.monotonic()), "sampled: nothing due until the next grid point"
+    worker.wake()
+    assert worker.is_due(clock.monotonic()) and notified == [1, 1]
+    woken = worker.begin()
+    assert woken.names == () and not worker.is_due(clock.monotonic()), "a wake samples nothing that is not due"
+    await worker.finish(woken, None)
+    clock.advance(worker.next_due_s() - clock.monotonic())
+    assert worker.is_due(clock.monotonic())
+
+
+async def test_finish_takes_a_sampling_error_as_tick_would(rig: Any) -> None:
+    from mapper.errors import GpuLostError, TransientError
+
+    worker, _, _, _ = rig
+    worker.bind(device(worker.uuid, temperature=1000))
+    start = worker.begin()
+    result = await worker.finish(start, TransientError("NVML busy", retry_after_s=0.5))
+    assert result.sample is None and "NVML busy" in result.error and worker.collect_errors == 1
+    assert worker.next_due_s() == pytest.approx(start.now_s + 0.5), "retried after the error's retry_after_s"
+    lost = await worker.finish(worker.begin(), GpuLostError("gone"))
+    assert worker.lost and worker.state == "offline" and lost.state_changed

@@ -22,6 +22,7 @@ from mapper.clock import FakeClock
 from mapper.errors import (
     GpuLostError,
     InvalidValueError,
+    MapperError,
     NoPermissionError,
     NotFoundError,
     PermanentError,
@@ -380,6 +381,30 @@ def test_a_gpu_lost_in_the_middle_of_a_sample_raises_and_is_reported(
     fake_clock.advance(61)  # the backend probes again; this GPU was not really gone
     assert backend.sample(lost).values["uuid"] == lost
     assert not backend.is_lost(lost)
+
+
+def test_sample_many_reads_every_gpu_in_one_job_and_keeps_one_gpus_failure_to_itself(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (a, lost, b) = build(fake_clock, backends, "H100", "H100", "A100")
+    backend.poll_events()
+    sim.inject_gpu_lost(lost)
+    backend.poll_events()
+    got = backend.sample_many([(a, ("power_usage", "temperature")), (lost, None), (b, ("temperature",))])
+    assert len(got) == 3
+    first, second, third = got
+    assert isinstance(first, Sample) and first.uuid == a and set(first.values) == {"power_usage", "temperature"}
+    assert isinstance(second, GpuLostError) and lost in str(second)
+    assert isinstance(third, Sample) and third.uuid == b and set(third.values) == {"temperature"}
+    assert backend.sample_many([]) == []
+    with pytest.raises(InvalidValueError, match="no_such_property"):
+        backend.sample_many([(a, ("no_such_property",))])
+
+    async def via_the_loop() -> list[Sample | MapperError]:
+        return await backend.call_async(backend.sample_many, [(b, ("temperature",)), (a, ("temperature",))])
+
+    on_loop = asyncio.run(via_the_loop())
+    assert [type(x) for x in on_loop] == [Sample, Sample] and [x.uuid for x in on_loop] == [b, a]  # type: ignore[union-attr]
 
 
 def test_a_gpu_that_falls_off_the_bus_gives_xid_79_and_stays_lost(

@@ -32,7 +32,7 @@ import asyncio
 import ctypes
 import queue
 import threading
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from functools import partial
 from types import MappingProxyType
 from typing import Any, Generic, Literal, TypeVar, overload
@@ -238,6 +238,23 @@ class NvmlBackend:
     def sample(self, uuid: str, properties: Iterable[str] | None = None) -> Sample:
         wanted = self._wanted_set(properties)
         return self._call(f"sample of GPU {uuid}", lambda: self._sample(uuid, wanted))
+
+    def sample_many(self, requests: Sequence[tuple[str, Iterable[str] | None]]) -> list[Sample | MapperError]:
+        """``sample`` of several GPUs as one NVML job: per request (uuid, properties), in order, its Sample or the
+        ``MapperError`` reading it raised (a lost or failing GPU does not stop the others; each GPU gets the
+        re-initialise-and-retry-once of a single ``sample``). Bad property names raise at once, as ``sample``'s."""
+        wanted = [(uuid, self._wanted_set(properties)) for uuid, properties in requests]
+
+        def run_all() -> list[Sample | MapperError]:
+            out: list[Sample | MapperError] = []
+            for uuid, names in wanted:
+                try:
+                    out.append(self._guarded(partial(self._sample, uuid, names), True))
+                except MapperError as exc:
+                    out.append(exc)
+            return out
+
+        return self._call(f"sample of {len(wanted)} GPU(s)", run_all)
 
     def constraints(self, uuid: str) -> Constraints:
         return self._call(f"constraints of GPU {uuid}", lambda: self._constraints(uuid))
