@@ -504,10 +504,18 @@ class Decision:
 
 def _num(values: Mapping[str, Value], name: str) -> float | None:
     v = values.get(name)
+    # The common types first (exact types: bool is an int, float subclasses take the general path).
+    if type(v) is float:
+        return v if _isfinite(v) else None
+    if type(v) is int:
+        return float(v)
     if v is None or isinstance(v, bool | str):
         return None
     f = float(v)
-    return f if math.isfinite(f) else None
+    return f if _isfinite(f) else None
+
+
+_isfinite = math.isfinite
 
 
 def _ceiling(state: PolicyState, ctx: PolicyContext, current_w: float | None) -> float | None:
@@ -548,6 +556,8 @@ class _Run:
 
     config: PolicyConfig
     ctx: PolicyContext
+    #: For the events: ``ctx.uuid``, or the engine's key when the context carries none.
+    uuid: str
     now_s: float
     temperature_c: float | None
     utilization_pct: float | None
@@ -560,7 +570,7 @@ class _Run:
                 policy=policy,
                 action=action,
                 reason=twin_safe(reason),
-                uuid=self.ctx.uuid,
+                uuid=self.uuid,
                 ts_s=self.now_s,
                 temperature_c=self.temperature_c,
                 utilization_pct=self.utilization_pct,
@@ -580,7 +590,7 @@ def _thermal(st: ThermalState, run: _Run, ceiling: float | None, last_change_s: 
         if st.phase != "normal":
             run.event(THERMAL, "disabled", "policy-disabled", st.cap_w, None)
             run.changed = True
-        return ThermalState()
+        return _THERMAL_NORMAL
     temp = run.temperature_c
     if temp is None or ceiling is None:
         return st
@@ -637,7 +647,7 @@ def _power_saving(
         if st.active:
             run.event(POWER_SAVING, "disabled", "policy-disabled", st.cap_w, None)
             run.changed = True
-        return PowerSavingState()
+        return _BUSY
     util = run.utilization_pct
     if util is None:
         return st
@@ -663,8 +673,10 @@ def _power_saving(
     return st
 
 
-#: Power saving's state while the GPU is busy (immutable, so one instance serves every GPU).
+#: Power saving's state while the GPU is busy or the policy is off (immutable, so one instance serves every GPU).
 _BUSY = PowerSavingState()
+#: Thermal throttling's state while the policy is off (immutable, shared likewise).
+_THERMAL_NORMAL = ThermalState()
 
 
 def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthState:
@@ -732,7 +744,98 @@ def decide(
     Missing values hold the policy that needs them (no temperature: no thermal change). The state returned
     replaces ``state``; keep it per GPU across config swaps.
     """
-    run = _Run(config, ctx, now_s, _num(sample_values, "temperature"), _num(sample_values, "utilization_gpu"))
+    steady = _steady(state, sample_values, ctx, config, now_s)
+    if steady is not None:
+        return steady
+    return _decide_full(state, sample_values, ctx, config, now_s, ctx.uuid)
+
+
+#: The decisions of a GPU where nothing is going on (no limit, no event, healthy), by ``dry_run``. Frozen, so
+#: one instance serves every GPU and every call.
+_STEADY_DECISIONS: dict[bool, Decision] = {
+    False: Decision(),
+    True: Decision(policy_state="dry-run:normal", dry_run=True),
+}
+
+
+def _steady(
+    state: PolicyState, values: Mapping[str, Value], ctx: PolicyContext, config: PolicyConfig, now_s: float
+) -> tuple[PolicyState, Decision] | None:
+    """The usual decision, cheaply: a healthy GPU under no policy cap, no event, cool, no power-saving action due.
+
+    Returns what ``_decide_full`` would return (the same ``state`` object when nothing moved, a shared
+    ``Decision``), or None where any policy might act, emit or change phase: then the full decision runs.
+    Every test here is a sufficient condition for "``_decide_full`` does nothing but keep its books".
+    """
+    if ctx.events or ctx.gpu_lost or state.capped:
+        return None
+    health = state.health
+    thermal = state.thermal
+    power = state.power_saving
+    if health.status != "ok" or thermal.phase != "normal" or power.active:
+        return None
+    # Health: a new XID or uncorrected ECC count (or a first reading) goes the full way. Values the full path
+    # would convert with a loss (not a plain int, or an int beyond a float's exact range) too.
+    xid = values.get("xid_last")
+    if xid is not None and (type(xid) is not int or xid != health.last_xid or float(xid) != xid):
+        return None
+    ecc = values.get("ecc_errors_uncorrected")
+    if ecc is not None and (type(ecc) is not int or ecc != health.ecc_uncorrected or float(ecc) != ecc):
+        return None
+    # Thermal: enabled and at or below maxTemp (NaN and -inf read as "no temperature" both ways), or off.
+    thermal_cfg = config.thermal
+    if thermal_cfg.enabled:
+        temp = values.get("temperature")
+        if temp is not None and ((type(temp) is not int and type(temp) is not float) or temp > thermal_cfg.max_temp_c):
+            return None
+    else:
+        thermal = _THERMAL_NORMAL
+    # Power saving: off, busy, or idle for less than idleFor.
+    power_cfg = config.power_saving
+    if not power_cfg.enabled:
+        power = _BUSY
+    else:
+        util = _num(values, "utilization_gpu")
+        if util is not None:
+            if util >= power_cfg.threshold_pct:
+                power = _BUSY
+            else:
+                idle_since = power.idle_since_s if power.idle_since_s is not None else now_s
+                if now_s - idle_since >= power_cfg.idle_for_s:
+                    return None
+                if power.idle_since_s is None:
+                    power = PowerSavingState(idle_since, False, power.cap_w)
+    # No limit: the bookkeeping of ``_decide_full`` with ``emitted`` empty.
+    current_w = ctx.current_power_limit_w
+    if current_w is None:
+        current_w = _num(values, "power_limit")
+    applied = state.applied_w
+    if applied is not None and (current_w is None or not abs(current_w - applied) < 0.5):
+        applied = None
+    baseline = state.baseline_w if state.baseline_w is not None else current_w
+    if applied is None and current_w is not None:
+        baseline = current_w
+    decision = _STEADY_DECISIONS[config.dry_run]
+    if (
+        thermal is state.thermal
+        and power is state.power_saving
+        and applied is state.applied_w
+        and baseline == state.baseline_w
+    ):
+        return state, decision
+    return PolicyState(thermal, power, health, baseline, state.last_change_s, applied, False), decision
+
+
+def _decide_full(
+    state: PolicyState,
+    sample_values: Mapping[str, Value],
+    ctx: PolicyContext,
+    config: PolicyConfig,
+    now_s: float,
+    uuid: str,
+) -> tuple[PolicyState, Decision]:
+    """``decide`` the long way, for every case (``_steady`` covers the usual one); events carry ``uuid``."""
+    run = _Run(config, ctx, uuid, now_s, _num(sample_values, "temperature"), _num(sample_values, "utilization_gpu"))
     current_w = ctx.current_power_limit_w
     if current_w is None:
         current_w = _num(sample_values, "power_limit")
@@ -845,7 +948,8 @@ class PolicyEngine:
         return self._overrides.get(uuid, self._config)
 
     def state(self, uuid: str) -> PolicyState:
-        return self._states.get(uuid, PolicyState())
+        state = self._states.get(uuid)
+        return state if state is not None else PolicyState()
 
     def forget(self, uuid: str) -> None:
         """Drop a GPU that left the node (its Device was deleted)."""
@@ -854,9 +958,14 @@ class PolicyEngine:
         self._overrides.pop(uuid, None)
 
     def decide(self, uuid: str, sample_values: Mapping[str, Value], ctx: PolicyContext, now_s: float) -> Decision:
-        """``decide`` for one GPU with its own config and state; the new state is kept."""
-        if not ctx.uuid:
-            ctx = replace(ctx, uuid=uuid)
-        state, decision = decide(self.state(uuid), sample_values, ctx, self.config_for(uuid), now_s)
-        self._states[uuid] = state
-        return decision
+        """``decide`` for one GPU with its own config and state (events carry ``uuid`` when ``ctx`` names no
+        GPU); the new state is kept."""
+        old = self._states.get(uuid)
+        if old is None:
+            old = PolicyState()
+        config = self._overrides.get(uuid, self._config)
+        result = _steady(old, sample_values, ctx, config, now_s)
+        if result is None:
+            result = _decide_full(old, sample_values, ctx, config, now_s, ctx.uuid or uuid)
+        self._states[uuid] = result[0]
+        return result[1]

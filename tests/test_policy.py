@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mapper import policy
+from mapper.clock import FakeClock
 from mapper.errors import ConfigError
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.simnvml import SimNvml
 from mapper.model import DEVICE_STATES, TWIN_VALUE_RE, Constraints, GpuEvent, Value
 from mapper.policy import (
     Amount,
     Decision,
+    HealthState,
     PolicyConfig,
     PolicyContext,
     PolicyEngine,
     PolicyState,
+    PowerSavingState,
+    ThermalState,
     decide,
     format_duration,
     merge_override,
@@ -679,3 +686,186 @@ def test_a_critical_xid_arriving_both_as_event_and_in_the_sample_is_reported_onc
     d2 = gpu.step(1.0, xid_last=74)
     assert [e.action for e in d1.events] == ["unhealthy"] and d2.events == ()
     assert d2.policy_state == "health:unhealthy-xid74"
+
+
+# --------------------------------------------------------------------------------------------------
+# The steady fast path decides exactly as the full decision
+# --------------------------------------------------------------------------------------------------
+
+#: Configs the equivalence tests switch between: defaults, the issue's (power saving on), dry run, policies off,
+#: the min-power health action, no change interval and no idle wait.
+EQUIVALENCE_CONFIGS = (
+    PolicyConfig(),
+    config(),
+    config(dryRun=True),
+    config(thermalThrottling={"enabled": False}, powerSaving={"enabled": False}, health={"enabled": False}),
+    config(health={"action": "min-power"}, minChangeInterval="0s"),
+    config(powerSaving={"idleFor": "0s", "idlePowerLimit": "50%"}, thermalThrottling={"step": "60W"}),
+)
+NAN = float("nan")
+INF = float("inf")
+BIG = 2**60 + 1  # an int a float cannot hold exactly
+
+
+def test_a_steady_call_returns_its_state_and_the_fresh_computations_decision() -> None:
+    values: dict[str, Value] = {"temperature": 46, "utilization_gpu": 30, "power_limit": 700.0}
+    values |= {"xid_last": 0, "ecc_errors_uncorrected": 0}
+    ctx = PolicyContext(constraints=H100, uuid="GPU-test")
+    for cfg in (PolicyConfig(), config(), config(dryRun=True)):
+        state, _ = decide(PolicyState(), values, ctx, cfg, 0.0)  # learns the baseline and the counters
+        again, decision = decide(state, values, ctx, cfg, 1.0)
+        assert again is state, "a call where nothing moves keeps the state object"
+        assert (again, decision) == policy._decide_full(state, values, ctx, cfg, 1.0, "GPU-test")
+        assert decision.policy_state == ("dry-run:normal" if cfg.dry_run else "normal")
+
+
+def test_the_fast_path_leaves_the_events_to_the_full_decision() -> None:
+    ctx = PolicyContext(constraints=H100, current_power_limit_w=700.0, uuid="GPU-test")
+    state, _ = decide(PolicyState(), {"temperature": 46, "xid_last": 0, "ecc_errors_uncorrected": 0}, ctx, config(), 0)
+    for changed in ({"temperature": 86}, {"xid_last": 79}, {"ecc_errors_uncorrected": 1}):
+        values: dict[str, Value] = {"temperature": 46, "xid_last": 0, "ecc_errors_uncorrected": 0, **changed}
+        _, decision = decide(state, values, ctx, config(), 1.0)
+        assert len(decision.events) == 1, changed
+
+
+@pytest.mark.parametrize(
+    ("start", "values", "cfg"),
+    [
+        # Counters a float cannot hold: the full path reads them through a float and sees them change.
+        (PolicyState(health=HealthState(last_xid=BIG)), {"xid_last": BIG}, PolicyConfig()),
+        (PolicyState(health=HealthState(ecc_uncorrected=BIG)), {"ecc_errors_uncorrected": BIG}, PolicyConfig()),
+        # The applied cap is kept while the reading is within 0.5 W of it, not further.
+        (PolicyState(baseline_w=700.0, applied_w=630.0), {"power_limit": 630.45}, PolicyConfig()),
+        (PolicyState(baseline_w=700.0, applied_w=630.0), {"power_limit": 630.55}, PolicyConfig()),
+        # Exactly at maxTemp (cool) and exactly idleFor idle (engage).
+        (PolicyState(), {"temperature": 85.0, "power_limit": 700.0}, PolicyConfig()),
+        (PolicyState(power_saving=PowerSavingState(0.0)), {"utilization_gpu": 0, "power_limit": 700.0}, config()),
+        (PolicyState(power_saving=PowerSavingState(1.0)), {"utilization_gpu": 0, "power_limit": 700.0}, config()),
+    ],
+)
+def test_edge_values_decide_the_same_on_both_paths(
+    start: PolicyState, values: dict[str, Value], cfg: PolicyConfig
+) -> None:
+    ctx = PolicyContext(constraints=H100, uuid="GPU-test")
+    assert decide(start, values, ctx, cfg, 120.0) == policy._decide_full(start, values, ctx, cfg, 120.0, "GPU-test")
+
+
+def _equal_runs(steps: list[tuple[int, float, dict[str, Value], PolicyContext]], start: PolicyState) -> int:
+    """Drive ``decide`` and ``_decide_full`` side by side from ``start``; every state and decision must match.
+    Returns how many events the run produced (so a test can check it exercised the policies)."""
+    fast = slow = start
+    events = 0
+    for i, (config_index, now_s, values, ctx) in enumerate(steps):
+        cfg = EQUIVALENCE_CONFIGS[config_index]
+        fast, fast_decision = decide(fast, values, ctx, cfg, now_s)
+        slow, slow_decision = policy._decide_full(slow, values, ctx, cfg, now_s, ctx.uuid)
+        assert fast_decision == slow_decision, f"step {i}: {values} {ctx}"
+        assert fast == slow, f"step {i}: {values} {ctx}"
+        events += len(slow_decision.events)
+    return events
+
+
+SAMPLE_VALUES = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": st.sampled_from([46, 79, 80, 84, 85, 85.0, 85.5, 86, 95, NAN, INF, -INF, True, "hot"]),
+        "utilization_gpu": st.sampled_from([0, 5, 9.99, 10, 50, 100, NAN, INF, False]),
+        "power_limit": st.sampled_from([700.0, 630.0, 630.45, 630.55, 567, 200.0, 699.8, NAN]),
+        "xid_last": st.sampled_from([0, 0, 13, 79, 79.0, BIG, -1]),
+        "ecc_errors_uncorrected": st.sampled_from([0, 0, 1, 2, 2.0, BIG]),
+    },
+)
+CONTEXTS = st.builds(
+    PolicyContext,
+    constraints=st.sampled_from([H100, Constraints()]),
+    desired_power_limit_w=st.sampled_from([None, None, 400.0, 650.0, 700.0]),
+    current_power_limit_w=st.sampled_from([None, None, 630.0, 700.0]),
+    events=st.sampled_from(
+        [(), (), (), (GpuEvent("GPU-test", 0, "xid", xid=79),), (GpuEvent("GPU-test", 0, "driver_reload"),)]
+    ),
+    gpu_lost=st.sampled_from([False, False, False, False, True]),
+    uuid=st.just("GPU-test"),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from([0, 0, 0, 0, 1, 2, 3, 4, 5]),
+            st.sampled_from([0.0, 1.0, 1.0, 5.0, 30.0, 120.0, 301.0]),
+            SAMPLE_VALUES,
+            CONTEXTS,
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    first_config=st.integers(0, len(EQUIVALENCE_CONFIGS) - 1),
+    start=st.sampled_from(
+        [
+            PolicyState(),
+            PolicyState(health=HealthState(last_xid=BIG, ecc_uncorrected=BIG)),
+            PolicyState(thermal=ThermalState(last_change_s=0.0), baseline_w=700.0, applied_w=630.0),
+            PolicyState(power_saving=PowerSavingState(idle_since_s=0.0), baseline_w=650.0, capped=True),
+        ]
+    ),
+)
+def test_the_fast_path_decides_exactly_as_the_full_decision(
+    steps: list[tuple[int, float, dict[str, Value], PolicyContext]], first_config: int, start: PolicyState
+) -> None:
+    # Mostly one config (so timers run out), now and then a swap; time moves on by the step's delta.
+    now_s = 0.0
+    timed = []
+    for config_index, dt_s, values, ctx in steps:
+        now_s += dt_s
+        timed.append((config_index or first_config, now_s, values, ctx))
+    _equal_runs(timed, start)
+
+
+@pytest.mark.parametrize("config_index", range(len(EQUIVALENCE_CONFIGS)))
+def test_a_simulated_hot_and_cold_hour_decides_the_same_on_both_paths(
+    config_index: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    sim = SimNvml(1, "H100", clock=clock.monotonic, scenario="inference")
+    backend = NvmlBackend(sim, clock=clock)
+    backend.init()
+    try:
+        (gpu,) = backend.list_gpus()
+        constraints = backend.constraints(gpu.uuid)
+        steps = []
+        for second in range(3600):
+            if second % 900 == 0:  # inference, heat, idle, heat: cool, hot, idle and cooling-down stretches
+                sim.set_scenario(gpu.uuid, ("inference", "heat", "idle", "heat")[second // 900])
+            clock.advance(1.0)
+            values = dict(backend.sample(gpu.uuid).values)
+            steps.append((config_index, clock.monotonic(), values, PolicyContext(constraints=constraints)))
+        full_calls = cool_full_calls = 0
+        full = policy._decide_full
+
+        def counted(*args: object, **kwargs: object) -> tuple[PolicyState, Decision]:
+            nonlocal full_calls
+            full_calls += 1
+            return full(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(policy, "_decide_full", counted)
+        engine = PolicyEngine(EQUIVALENCE_CONFIGS[config_index])
+        fast, slow = PolicyState(), PolicyState()
+        events = 0
+        for i, (_, now_s, values, ctx) in enumerate(steps):
+            if i == 900:
+                cool_full_calls = full_calls
+            decision = engine.decide(gpu.uuid, values, ctx, now_s)
+            fast, fast_decision = decide(fast, values, ctx, EQUIVALENCE_CONFIGS[config_index], now_s)
+            slow, slow_decision = full(slow, values, ctx, EQUIVALENCE_CONFIGS[config_index], now_s, gpu.uuid)
+            assert decision == slow_decision and engine.state(gpu.uuid) == slow, f"second {i}"
+            assert fast == slow and fast_decision.events == tuple(replace(e, uuid="") for e in slow_decision.events)
+            events += len(slow_decision.events)
+    finally:
+        backend.shutdown()
+    # The policies acted (the heat crosses maxTemp, idle engages power saving where it is on) ...
+    assert events >= (0 if config_index == 3 else 2)
+    # ... and in the first, cool stretch of inference (where power saving waits 2 min, which inference never
+    # idles for) only the first decision of the engine and of ``decide`` took the full path.
+    if EQUIVALENCE_CONFIGS[config_index].power_saving.idle_for_s > 0:
+        assert cool_full_calls == 2
