@@ -36,7 +36,7 @@ from mapper.eventbus import (
     twin_update_payload,
     twin_update_topic,
 )
-from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.nvml import NvmlBackend, SampleRound
 from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
 from mapper.model import (
     PROPERTY_BY_NAME,
@@ -67,6 +67,8 @@ log = logging.getLogger("mapper.app")
 
 #: How long shutdown waits for the cancelled tasks.
 SHUTDOWN_TASKS_TIMEOUT_S = 5.0
+#: NVML's events (XID, ECC, GPU lost, driver reload) are polled this often, in the collector's NVML job.
+EVENTS_POLL_S = 1.0
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state")
@@ -280,7 +282,6 @@ class MapperApp:
             return 2 if isinstance(exc, ConfigError) else 1
         self._spawn("collect", self._collect_loop())
         self._spawn("report", self._report_loop())
-        self._spawn("events", self._events_loop())
         if self.session is not None:
             # Without a broker the batches only accumulate in the buffer, bounded by its caps.
             self._spawn("shipper", self._run_shipper())
@@ -531,35 +532,66 @@ class MapperApp:
     async def _collect_loop(self) -> None:
         """Every GPU in one task: at each due time (the collect cycles lie on a shared grid, see
         ``GpuWorker._reschedule``) or ``wake``, the due GPUs' samples are read as one NVML job, then each GPU's
-        step is finished and published in turn. One task, one timer and one thread hop per round instead of one
-        per GPU: on a small edge node the wake-ups and task switches cost more CPU than the work."""
+        step is finished and published in turn. NVML's events (XID, ECC, GPU lost, driver reload) are polled in
+        the same job on the whole second. One task, one timer and one thread hop per round instead of one per GPU
+        and one for the events: on a small edge node the wake-ups and task switches cost more CPU than the work."""
         workers = list(self.workers.values())
+        next_poll_s = 0.0
         while True:
             now_s = self.clock.monotonic()
             due = [w for w in workers if w.is_due(now_s)]
-            if due:
+            poll = next_poll_s <= now_s + DUE_SLACK_S
+            if due or poll:
                 started = time.perf_counter()
-                for worker, result in zip(due, await self._tick_all(due), strict=True):
+                results, events = await self._tick_all(due, poll)
+                for worker, result in zip(due, results, strict=True):
                     self._after_tick(worker, result)
-                self._collect_hist = self._collect_hist.observe(time.perf_counter() - started)
-            next_s = min((w.next_due_s() for w in workers), default=self.clock.monotonic() + 60.0)
+                if due:
+                    self._collect_hist = self._collect_hist.observe(time.perf_counter() - started)
+                if poll:
+                    next_poll_s = next_on_grid(now_s, EVENTS_POLL_S, DUE_SLACK_S)
+                    self._route_events(events)
+            next_s = min([next_poll_s, *(w.next_due_s() for w in workers)])
             delay_s = max(0.0, next_s - self.clock.monotonic())
             # The beat's period is this loop's own sleep, so long collect cycles never look like a stall.
             self._beat("collect", max(1.0, delay_s))
             await sleep_or_wake(self._collect_wake, delay_s)
 
-    async def _tick_all(self, due: list[GpuWorker]) -> list[TickResult]:
-        """``GpuWorker.tick`` of each of ``due``, with their samples read in one NVML job."""
+    async def _tick_all(self, due: list[GpuWorker], poll: bool) -> tuple[list[TickResult], list[GpuEvent]]:
+        """``GpuWorker.tick`` of each of ``due``, their samples (and, with ``poll``, NVML's events) read in one
+        NVML job; the results and the events."""
         starts = [w.begin() for w in due]
         requests = [(w.uuid, start.names) for w, start in zip(due, starts, strict=True) if start.names]
         samples: dict[str, Sample | MapperError] = {}
-        if requests:
+        events: list[GpuEvent] = []
+        if requests or poll:
             try:
-                got = await call_backend(self.backend, self.backend.sample_many, requests, timeout_s=10.0)
+                got: SampleRound = await call_backend(
+                    self.backend, self.backend.sample_many, requests, poll, timeout_s=10.0
+                )
             except MapperError as exc:  # the job as a whole (NVML hung or not initialised): each GPU gets it
-                got = [exc] * len(requests)
-            samples = {uuid: outcome for (uuid, _), outcome in zip(requests, got, strict=True)}
-        return [await w.finish(start, samples.get(w.uuid)) for w, start in zip(due, starts, strict=True)]
+                got = SampleRound([exc] * len(requests), [], exc)
+            samples = {uuid: outcome for (uuid, _), outcome in zip(requests, got.samples, strict=True)}
+            events = got.events
+            if got.events_error is not None:
+                log.debug("polling NVML events failed: %s", got.events_error)
+        return [await w.finish(start, samples.get(w.uuid)) for w, start in zip(due, starts, strict=True)], events
+
+    def _route_events(self, events: list[GpuEvent]) -> None:
+        """XID / ECC / GPU-lost / driver-reload events to their GPU: counted, logged, handed to its next step."""
+        for event in events:
+            worker = self.workers.get(event.uuid)
+            if worker is None:
+                continue
+            if event.kind == "xid":
+                per_gpu = self._xids.setdefault(event.uuid, {})
+                per_gpu[event.xid] = per_gpu.get(event.xid, 0) + 1
+                log.error("GPU %s: XID %d %s", event.uuid, event.xid, event.detail)
+            if event.kind == "driver_reload":
+                log.warning("GPU %s: driver reload detected; every setting is re-applied", event.uuid)
+                worker.driver_reloaded()
+            worker.pending_events.append(event)
+            worker.wake()
 
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
         device_key = worker.device.key if worker.device is not None else _unbound_device(worker.info).key
@@ -595,32 +627,6 @@ class MapperApp:
         if result.state_changed and worker.device is not None:
             self._next_state_s[worker.device.key] = 0.0
             self._report_wake.set()
-
-    async def _events_loop(self) -> None:
-        """XID / ECC / GPU-lost / driver-reload events from NVML, routed to their GPU."""
-        while True:
-            self._beat("events", 1.0)
-            try:
-                events: list[GpuEvent] = await call_backend(self.backend, self.backend.poll_events, timeout_s=10.0)
-            except MapperError as exc:
-                log.debug("polling NVML events failed: %s", exc)
-                events = []
-            for event in events:
-                worker = self.workers.get(event.uuid)
-                if worker is None:
-                    continue
-                if event.kind == "xid":
-                    per_gpu = self._xids.setdefault(event.uuid, {})
-                    per_gpu[event.xid] = per_gpu.get(event.xid, 0) + 1
-                    log.error("GPU %s: XID %d %s", event.uuid, event.xid, event.detail)
-                if event.kind == "driver_reload":
-                    log.warning("GPU %s: driver reload detected; every setting is re-applied", event.uuid)
-                    worker.driver_reloaded()
-                worker.pending_events.append(event)
-                worker.wake()
-            # On the whole second, where the GPU loops' 1 s grid lies: the poll joins their NVML job.
-            now_s = self.clock.monotonic()
-            await asyncio.sleep(next_on_grid(now_s, 1.0, DUE_SLACK_S) - now_s)
 
     # ==============================================================================================
     # reporting: DMI twins and states, EventBus

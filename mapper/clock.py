@@ -65,7 +65,7 @@ async def sleep_or_wake(event: asyncio.Event, timeout_s: float) -> None:
 def next_on_grid(now_s: float, period_s: float, slack_s: float = 0.0) -> float:
     """The first multiple of ``period_s`` (on the monotonic clock) after ``now_s + slack_s``.
 
-    The GPU loops and the NVML event poll wake on this grid, so loops with the same (or a whole multiple of the)
+    The GPUs' due times and the NVML event poll lie on this grid, so work with the same (or a whole multiple of the)
     period wake at the same instant: one wake-up serves them all, and on a small VM a wake-up costs more CPU than
     the work it wakes for. ``slack_s`` (at most half a period counts) keeps a loop that ran a hair before a grid
     point from being due again at that point."""

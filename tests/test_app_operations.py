@@ -112,12 +112,14 @@ async def test_one_collector_reads_every_gpu_in_one_nvml_job_and_a_lost_gpu_does
     settings = fast_settings(str(tmp_path), devices_dir=None)
     async with running_app(settings, sim) as app:
         rounds: list[list[str]] = []
+        polls: list[bool] = []
         singles: list[str] = []
         sample_many, sample = app.backend.sample_many, app.backend.sample
 
-        def counting_many(_backend, requests):  # type: ignore[no-untyped-def]
+        def counting_many(_backend, requests, events=False):  # type: ignore[no-untyped-def]
             rounds.append([uuid for uuid, _ in requests])
-            return sample_many(requests)
+            polls.append(events)
+            return sample_many(requests, events)
 
         def counting_one(_backend, uuid, properties=None):  # type: ignore[no-untyped-def]
             singles.append(uuid)
@@ -131,6 +133,10 @@ async def test_one_collector_reads_every_gpu_in_one_nvml_job_and_a_lost_gpu_does
         uuids = sorted(app.workers)
         assert all(sorted(r) == uuids for r in rounds[1:]), rounds  # every GPU, one job per round
         assert singles == []
+        assert any(polls), "NVML's events are polled in the same job"
+        assert not [t for t in app._tasks if t.get_name() == "events"], "no loop of their own"
+        sim.inject_xid(uuids[0], 13)
+        await wait_for(lambda: app._xids.get(uuids[0], {}).get(13) == 1, what="the XID to be counted")
 
         lost = uuids[1]
         sim.inject_gpu_lost(lost)

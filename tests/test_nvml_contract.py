@@ -389,22 +389,39 @@ def test_sample_many_reads_every_gpu_in_one_job_and_keeps_one_gpus_failure_to_it
     sim, backend, (a, lost, b) = build(fake_clock, backends, "H100", "H100", "A100")
     backend.poll_events()
     sim.inject_gpu_lost(lost)
-    backend.poll_events()
-    got = backend.sample_many([(a, ("power_usage", "temperature")), (lost, None), (b, ("temperature",))])
-    assert len(got) == 3
-    first, second, third = got
+    got = backend.sample_many([(a, ("power_usage", "temperature")), (lost, None), (b, ("temperature",))], True)
+    assert [(e.uuid, e.kind) for e in got.events] == [(lost, "xid"), (lost, "gpu_lost")], "polled first"
+    assert got.events_error is None
+    assert len(got.samples) == 3
+    first, second, third = got.samples
     assert isinstance(first, Sample) and first.uuid == a and set(first.values) == {"power_usage", "temperature"}
     assert isinstance(second, GpuLostError) and lost in str(second)
     assert isinstance(third, Sample) and third.uuid == b and set(third.values) == {"temperature"}
-    assert backend.sample_many([]) == []
+    sim.inject_xid(a, 13)
+    quiet = backend.sample_many([])
+    assert quiet.samples == [] and quiet.events == [], "no poll unless asked: the XID waits for the next one"
+    assert [(e.uuid, e.xid) for e in backend.sample_many([], True).events] == [(a, 13)]
     with pytest.raises(InvalidValueError, match="no_such_property"):
         backend.sample_many([(a, ("no_such_property",))])
 
     async def via_the_loop() -> list[Sample | MapperError]:
-        return await backend.call_async(backend.sample_many, [(b, ("temperature",)), (a, ("temperature",))])
+        round_ = await backend.call_async(backend.sample_many, [(b, ("temperature",)), (a, ("temperature",))])
+        return round_.samples
 
     on_loop = asyncio.run(via_the_loop())
     assert [type(x) for x in on_loop] == [Sample, Sample] and [x.uuid for x in on_loop] == [b, a]  # type: ignore[union-attr]
+
+
+def test_a_failed_event_poll_in_sample_many_leaves_the_samples_alone(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (a,) = build(fake_clock, backends, "H100")
+    backend.poll_events()
+    sim.inject_errors("nvmlEventSetWait", pynvml.NVML_ERROR_NOT_SUPPORTED, 1)
+    got = backend.sample_many([(a, ("temperature",))], True)
+    assert got.events == [] and isinstance(got.events_error, MapperError)
+    assert "nvmlEventSetWait" in str(got.events_error)
+    assert isinstance(got.samples[0], Sample) and "temperature" in got.samples[0].values
 
 
 def test_a_gpu_that_falls_off_the_bus_gives_xid_79_and_stays_lost(

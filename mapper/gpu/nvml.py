@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from functools import partial
 from types import MappingProxyType
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
 from mapper.clock import Clock, SystemClock
 from mapper.errors import (
@@ -127,6 +127,17 @@ _READ_BACK_TOLERANCE_MW = 500
 
 class _FunctionMissing(UnsupportedError):
     """The binding or the driver lacks the function (FunctionNotFound / no such attribute)."""
+
+
+class SampleRound(NamedTuple):
+    """What ``NvmlBackend.sample_many`` read in one job."""
+
+    #: Per request, in order: the GPU's Sample, or the error reading it raised.
+    samples: list[Sample | MapperError]
+    #: ``poll_events``'s events (empty when not asked for, or when the poll failed).
+    events: list[GpuEvent]
+    #: The poll's error, when it failed.
+    events_error: MapperError | None = None
 
 
 class NvmlBackend:
@@ -239,20 +250,28 @@ class NvmlBackend:
         wanted = self._wanted_set(properties)
         return self._call(f"sample of GPU {uuid}", lambda: self._sample(uuid, wanted))
 
-    def sample_many(self, requests: Sequence[tuple[str, Iterable[str] | None]]) -> list[Sample | MapperError]:
+    def sample_many(self, requests: Sequence[tuple[str, Iterable[str] | None]], events: bool = False) -> SampleRound:
         """``sample`` of several GPUs as one NVML job: per request (uuid, properties), in order, its Sample or the
         ``MapperError`` reading it raised (a lost or failing GPU does not stop the others; each GPU gets the
-        re-initialise-and-retry-once of a single ``sample``). Bad property names raise at once, as ``sample``'s."""
+        re-initialise-and-retry-once of a single ``sample``). With ``events``, ``poll_events`` first, in the same
+        job (its error, if any, in ``events_error``). Bad property names raise at once, as ``sample``'s."""
         wanted = [(uuid, self._wanted_set(properties)) for uuid, properties in requests]
 
-        def run_all() -> list[Sample | MapperError]:
+        def run_all() -> SampleRound:
+            polled: list[GpuEvent] = []
+            events_error: MapperError | None = None
+            if events:
+                try:
+                    polled = self._guarded(self._poll_events, True)
+                except MapperError as exc:
+                    events_error = exc
             out: list[Sample | MapperError] = []
             for uuid, names in wanted:
                 try:
                     out.append(self._guarded(partial(self._sample, uuid, names), True))
                 except MapperError as exc:
                     out.append(exc)
-            return out
+            return SampleRound(out, polled, events_error)
 
         return self._call(f"sample of {len(wanted)} GPU(s)", run_all)
 
