@@ -26,9 +26,9 @@ type; the decoder merges them back by row.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
+import operator
 import re
 import struct
 import sys
@@ -222,6 +222,9 @@ class BatchCodec:
 
 
 def _put_uvarint(out: bytearray, n: int) -> None:
+    if n < 0x80:  # the usual case: one byte
+        out.append(n)
+        return
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
@@ -234,10 +237,6 @@ def _zz(n: int) -> int:
 
 def _unzz(n: int) -> int:
     return n >> 1 if not n & 1 else -((n + 1) >> 1)
-
-
-def _uvarint_len(n: int) -> int:
-    return max(1, (n.bit_length() + 6) // 7)
 
 
 def _put_str(out: bytearray, text: str) -> None:
@@ -392,43 +391,68 @@ class _IntPlan(NamedTuple):
     gcd: int
     width: int
     #: The values (order 0) or differences (order 1, 2) coded as base + gcd * field.
-    seq: list[int]
+    seq: Sequence[int]
     cost: int
-
-    def fields(self) -> list[int]:
-        base, g = self.base, self.gcd
-        return [(x - base) // g for x in self.seq] if g > 1 else [x - base for x in self.seq]
-
-
-def _base_cost(base: int, g: int) -> int:
-    return _uvarint_len(_zz(base // g)) + (_uvarint_len(base % g) if g > 1 else 0)
 
 
 def _int_plan(ints: Sequence[int]) -> _IntPlan:
     """The smallest coding of a non-constant int column (at least two values): values, deltas or
     delta-of-deltas, each as base + gcd * field with fields bit-packed at the smallest width."""
-    best: _IntPlan | None = None
-    seq = list(ints)
-    seeds: list[int] = []
-    seeds_cost = 0
-    for order in range(3):
-        diffs = [b - a for a, b in itertools.pairwise(seq)]
-        base = min(seq)
-        # The gcd of every x - base is the gcd of the differences: each is a sum of consecutive differences.
-        g = math.gcd(*diffs) or 1
-        width = ((max(seq) - base) // g).bit_length()
-        cost = seeds_cost + _base_cost(base, g) + _uvarint_len(width << 2)
-        cost += (_uvarint_len(g) if g > 1 else 0) + (len(seq) * width + 7) // 8
-        if best is None or cost < best.cost:
-            best = _IntPlan(order, seeds, base, g, width, seq, cost)
-        # Width 0 (a constant sequence): each further order costs one byte more (a seed repeats the base, and the
-        # new base is 0), so it cannot win.
-        if len(seq) < 3 or width == 0:
-            break
-        seeds = [*seeds, seq[0]]
-        seeds_cost += _uvarint_len(_zz(seq[0]))
-        seq = diffs
-    assert best is not None
+    return _IntPlan(*_plan_fields(ints))
+
+
+_PlanFields = tuple[int, list[int], int, int, int, Sequence[int], int]
+
+
+def _zz_len(n: int) -> int:
+    """The bytes of ``n`` as a zigzag varint."""
+    return 1 if -64 <= n < 64 else ((n << 1 if n >= 0 else (-n << 1) - 1).bit_length() + 6) // 7
+
+
+def _order_cost(base: int, g: int, width: int, count: int) -> int:
+    """The bytes of one order's coding but its seeds: the base (div gcd), the gcd and base mod gcd when the gcd is
+    above 1, the width and the ``count`` fields of ``width`` bits."""
+    if g > 1:
+        cost = _zz_len(base // g) + (((base % g).bit_length() + 6) // 7 or 1) + (g.bit_length() + 6) // 7
+    else:
+        cost = 1 if -64 <= base < 64 else _zz_len(base)
+    return cost + (1 if width < 32 else ((width << 2).bit_length() + 6) // 7) + (count * width + 7) // 8
+
+
+def _plan_fields(values: Sequence[int]) -> _PlanFields:
+    """``_int_plan`` as a plain tuple, the three orders written out (this runs for every changing int or decimal
+    column of every batch). On a tie the lower order wins. The gcd of every x - base is the gcd of the
+    differences: each is a sum of consecutive differences."""
+    sub, gcd = operator.sub, math.gcd
+    n = len(values)
+    d1 = list(map(sub, values[1:], values))
+    base = min(values)
+    g = gcd(*d1) or 1
+    width = ((max(values) - base) // g).bit_length()
+    best: _PlanFields = (0, [], base, g, width, values, _order_cost(base, g, width, n))
+    # Width 0 (a constant sequence): each further order costs one byte more (a seed repeats the base, and the new
+    # base is 0), so it cannot win; nor is there a further order below 3 values.
+    if n < 3 or width == 0:
+        return best
+    s0 = values[0]
+    seeds_cost = _zz_len(s0)
+    d2 = list(map(sub, d1[1:], d1))
+    base = min(d1)
+    g = gcd(*d2) or 1
+    width = ((max(d1) - base) // g).bit_length()
+    cost = seeds_cost + _order_cost(base, g, width, n - 1)
+    if cost < best[6]:
+        best = (1, [s0], base, g, width, d1, cost)
+    if n < 4 or width == 0:
+        return best
+    s1 = d1[0]
+    seeds_cost += _zz_len(s1)
+    base = min(d2)
+    g = gcd(*map(sub, d2[1:], d2)) or 1
+    width = ((max(d2) - base) // g).bit_length()
+    cost = seeds_cost + _order_cost(base, g, width, n - 2)
+    if cost < best[6]:
+        best = (2, [s0, s1], base, g, width, d2, cost)
     return best
 
 
@@ -490,17 +514,40 @@ class _Sections:
         self.data = bytearray()
         self.bits = _BitWriter()
 
-    def plan(self, plan: _IntPlan) -> None:
+    def plan(self, plan: _IntPlan | _PlanFields) -> None:
         """Meta: [gcd, base mod gcd]; data: width << 2 | order, seeds, base (div gcd); bits: fields."""
-        if plan.gcd > 1:
-            _put_uvarint(self.meta, plan.gcd)
-            _put_uvarint(self.meta, plan.base % plan.gcd)
-        _put_uvarint(self.data, plan.width << 2 | plan.order)
-        for s in plan.seeds:
-            _put_uvarint(self.data, _zz(s))
-        _put_uvarint(self.data, _zz(plan.base // plan.gcd))
-        if plan.width:
-            self.bits.put(plan.fields(), plan.width)
+        order, seeds, base, g, width, seq, _ = plan
+        data = self.data
+        if g > 1:
+            _put_uvarint(self.meta, g)
+            _put_uvarint(self.meta, base % g)
+        head = width << 2 | order
+        if head < 0x80:
+            data.append(head)
+        else:
+            _put_uvarint(data, head)
+        for s in seeds:
+            _put_uvarint(data, s << 1 if s >= 0 else (-s << 1) - 1)
+        q = base // g
+        q = q << 1 if q >= 0 else (-q << 1) - 1
+        if q < 0x80:
+            data.append(q)
+        else:
+            _put_uvarint(data, q)
+        if width:
+            # The fields, (x - base) // gcd, straight into one int (as ``_BitWriter.put`` would).
+            chunk = shift = 0
+            if g > 1:
+                for x in seq:
+                    chunk |= (x - base) // g << shift
+                    shift += width
+            else:
+                for x in seq:
+                    chunk |= (x - base) << shift
+                    shift += width
+            bits = self.bits
+            bits.acc |= chunk << bits.nbits
+            bits.nbits += shift
 
 
 # --------------------------------------------------------------------------------------------------
@@ -621,6 +668,108 @@ def _encode_series(
         meta.append(1 if values[0] else 0)
     else:
         out.bits.put([1 if v else 0 for v in values], 1)
+
+
+def _uvarint_bytes(n: int) -> bytes:
+    out = bytearray()
+    _put_uvarint(out, n)
+    return bytes(out)
+
+
+#: The meta bytes that open a known series: its code as a varint.
+_SERIES_CODE_BYTES: dict[str, bytes] = {name: _uvarint_bytes(code) for name, code in _KNOWN_CODE.items()}
+
+
+def _decimal(v: float) -> tuple[int, int] | None:
+    """``_decimals([v])`` for one value: (decimals, v times 10**decimals), or None."""
+    if not abs(v) < _DEC_LIMIT or (v == 0.0 and math.copysign(1.0, v) < 0):
+        return None
+    for d, scale in enumerate(_POWERS_OF_TEN):
+        i = round(v * scale)
+        if abs(i) < _DEC_LIMIT and i / scale == v:
+            return d, i
+    return None
+
+
+def _encode_dense_columns(
+    out: _Sections, names: Sequence[str], codes: Sequence[int], cols: Sequence[Sequence[Any]], header_uuid: str
+) -> None:
+    """``_encode_series`` of every column of a ``_dense_columns`` batch: the very same bytes, with the usual series
+    (a known name, a constant, an int, decimal or string column) written here without the general case's tests."""
+    meta = out.meta
+    put_uvarint = _put_uvarint
+    code_bytes = _SERIES_CODE_BYTES
+    for name, vtype, values in zip(names, codes, cols, strict=True):
+        n = len(values)
+        prefix = code_bytes.get(name)
+        if prefix is None:
+            _encode_series(out, name, range(n), values, vtype, n, header_uuid)
+            continue
+        v0 = values[0]
+        # Same test as ``_encode_series``: equal to the first value, or the very same object (a NaN).
+        if values.count(v0) == n:
+            if vtype == _T_INT:
+                meta += prefix
+                meta.append(_T_INT | _K_DENSE | _K_CONST)
+                if 0 <= v0 < 0x40:
+                    meta.append(v0 << 1)
+                else:
+                    put_uvarint(meta, _zz(v0))
+            elif vtype == _T_DEC:
+                if v0 == 0.0:  # 0.0 and -0.0 are equal but differ in bits and coding: the general case
+                    _encode_series(out, name, range(n), values, vtype, n, header_uuid)
+                    continue
+                # Values equal to a float other than zero, or the same NaN object, have its very bits.
+                dec = _decimal(v0)
+                meta += prefix
+                if dec is None:
+                    meta.append(_T_XOR | _K_DENSE | _K_CONST)
+                    put_uvarint(meta, _bits(v0))
+                else:
+                    meta.append(_T_DEC | _K_DENSE | _K_CONST)
+                    meta.append(dec[0])  # at most _MAX_DECIMALS: one byte
+                    put_uvarint(meta, _zz(dec[1]))
+            elif vtype == _T_STR:
+                meta += prefix
+                meta.append(_T_STR | _K_DENSE | _K_CONST)
+                meta.append(1)  # a dictionary of one string
+                if header_uuid and v0 == header_uuid:
+                    meta.append(0)  # "the batch's uuid"
+                else:
+                    raw = v0.encode("utf-8")
+                    put_uvarint(meta, len(raw) + 1)
+                    meta += raw
+            else:  # bool
+                meta += prefix
+                meta.append(_T_BOOL | _K_DENSE | _K_CONST)
+                meta.append(1 if v0 else 0)
+        elif vtype == _T_INT:
+            plan = _plan_fields(values)
+            meta += prefix
+            meta.append(_T_INT | _K_DENSE | (_K_GCD if plan[3] > 1 else 0))
+            out.plan(plan)
+        elif vtype == _T_DEC and (decimals := _decimals(values)) is not None:
+            plan = _plan_fields(decimals[1])
+            meta += prefix
+            meta.append(_T_DEC | _K_DENSE | (_K_GCD if plan[3] > 1 else 0))
+            meta.append(decimals[0])
+            out.plan(plan)
+        elif vtype == _T_STR:
+            words = dict.fromkeys(values)
+            meta += prefix
+            meta.append(_T_STR | _K_DENSE)
+            put_uvarint(meta, len(words))
+            for text in words:
+                if header_uuid and text == header_uuid:
+                    meta.append(0)  # "the batch's uuid"
+                else:
+                    raw = text.encode("utf-8")
+                    put_uvarint(meta, len(raw) + 1)
+                    meta += raw
+            index = dict(zip(words, range(len(words)), strict=True))
+            out.bits.put(map(index.__getitem__, values), (len(words) - 1).bit_length())
+        else:  # XOR floats, changing bools
+            _encode_series(out, name, range(n), values, vtype, n, header_uuid)
 
 
 #: Placeholder for "the batch's uuid" in a string dictionary until the uuid is read (compared by identity).
@@ -787,10 +936,10 @@ def encode_batch(
     if seq < 0:
         raise ValueError(f"seq must be >= 0, got {seq}")
     ts = [s.ts_ms for s in samples]
-    if any(t < 0 for t in ts):
-        raise ValueError("sample timestamps must be >= 0 ms")
     ts_first, ts_last = min(ts), max(ts)
-    n_values = sum(len(s.values) for s in samples)
+    if ts_first < 0:
+        raise ValueError("sample timestamps must be >= 0 ms")
+    n_values = sum([len(s.values) for s in samples])
     if fmt == "json":
         doc = {
             "format": JSON_FORMAT_NAME,
@@ -806,10 +955,8 @@ def encode_batch(
         }
         payload = json.dumps(doc, separators=(",", ":")).encode("utf-8")
     elif fmt == "binary":
-        body = batch_body(
-            samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq, uuid_in_header=uuid_in_header
-        )
-        payload = (codec or BatchCodec()).pack(body)
+        meta, _, _, out = _body(samples, node, device, uuid, boot_id, seq, uuid_in_header)
+        payload = (codec or BatchCodec()).pack(b"".join((meta, out.data, out.bits.bytes())))
     else:
         raise ValueError(f"telemetry format must be 'binary' or 'json', got {fmt!r}")
     return EncodedBatch(device, uuid, boot_id, seq, ts_first, ts_last, payload, fmt, len(samples), n_values)
@@ -826,10 +973,8 @@ def batch_body(
     uuid_in_header: bool = True,
 ) -> bytes:
     """The uncompressed body of a binary batch (what the zstd frame holds; the dictionary is built from these)."""
-    parts = body_parts(
-        samples, node=node, device=device, uuid=uuid, boot_id=boot_id, seq=seq, uuid_in_header=uuid_in_header
-    )
-    return b"".join(parts.values())
+    meta, _, _, out = _body(samples, node, device, uuid, boot_id, seq, uuid_in_header)
+    return b"".join((meta, out.data, out.bits.bytes()))
 
 
 def body_parts(
@@ -846,6 +991,21 @@ def body_parts(
     (each series' name, kind and constants), ``ids`` (uuid if carried, boot id, seq, first timestamp), ``data``
     (per-batch varints) and ``bits`` (the packed fields). For measuring where the bytes go; ``batch_body`` joins
     them. The uuid is carried when ``uuid_in_header`` or when a string value of the batch equals it."""
+    meta, head_end, series_end, out = _body(samples, node, device, uuid, boot_id, seq, uuid_in_header)
+    return {
+        "head": bytes(meta[:head_end]),
+        "series": bytes(meta[head_end:series_end]),
+        "ids": bytes(meta[series_end:]),
+        "data": bytes(out.data),
+        "bits": out.bits.bytes(),
+    }
+
+
+def _body(
+    samples: Sequence[Sample], node: str, device: str, uuid: str, boot_id: str, seq: int, uuid_in_header: bool
+) -> tuple[bytearray, int, int, _Sections]:
+    """The body's sections: the meta part (head, series and ids one after the other) with where the head and the
+    series end in it, the data part and the bit stream."""
     ts = [s.ts_ms for s in samples]
     ts_first, ts_last = min(ts), max(ts)
     n_rows = len(samples)
@@ -863,28 +1023,50 @@ def body_parts(
     _put_str(meta, node)
     _put_str(meta, device)
     head_end = len(meta)
-    columns = _columns(samples)
-    if uuid and not uuid_in_header:
-        # A string value equal to the uuid refers to the header's copy (packed, 16 bytes): carry it then.
-        uuid_in_header = any(vtype == _T_STR and uuid in values for _, vtype, _, values in columns)
-    carried = uuid if uuid_in_header else ""
-    _put_uvarint(meta, len(columns))
-    for name, vtype, rows, values in columns:
-        _encode_series(out, name, rows, values, vtype, n_rows, carried)
+    dense = _dense_columns(samples)
+    if dense is not None:  # the usual batch
+        names, codes, cols = dense
+        if uuid and not uuid_in_header:
+            # A string value equal to the uuid refers to the header's copy (packed, 16 bytes): carry it then.
+            uuid_in_header = any(uuid in col for code, col in zip(codes, cols, strict=True) if code == _T_STR)
+        carried = uuid if uuid_in_header else ""
+        _put_uvarint(meta, len(names))
+        _encode_dense_columns(out, names, codes, cols, carried)
+    else:
+        columns = _columns(samples)
+        if uuid and not uuid_in_header:
+            uuid_in_header = any(vtype == _T_STR and uuid in values for _, vtype, _, values in columns)
+        carried = uuid if uuid_in_header else ""
+        _put_uvarint(meta, len(columns))
+        for name, vtype, rows, values in columns:
+            _encode_series(out, name, rows, values, vtype, n_rows, carried)
     series_end = len(meta)
     _put_ids(meta, carried, boot_id)
     _put_uvarint(meta, seq)
     _put_uvarint(meta, ts_first)
-    return {
-        "head": bytes(meta[:head_end]),
-        "series": bytes(meta[head_end:series_end]),
-        "ids": bytes(meta[series_end:]),
-        "data": bytes(out.data),
-        "bits": out.bits.bytes(),
-    }
+    return meta, head_end, series_end, out
 
 
 _ColumnValues = tuple[str, int, Sequence[int], Sequence[Value]]
+
+
+def _dense_columns(samples: Sequence[Sample]) -> tuple[tuple[str, ...], list[int], list[tuple[Value, ...]]] | None:
+    """The usual batch's series, a property at a time: (names, type codes, values) when every sample holds the
+    same properties in the same order, each of exactly one of the types int, float, str or bool throughout (what
+    ``_columns`` gives with every row); None for any other batch."""
+    first = samples[0].values
+    names = tuple(first)
+    rest = samples[1:]
+    if not all(tuple(s.values) == names for s in rest):
+        return None
+    # Every column holds one type if and only if every row holds the first row's types.
+    types = tuple(map(type, first.values()))
+    if not all(tuple(map(type, s.values.values())) == types for s in rest):
+        return None
+    codes = list(map(_TYPE_CODES.get, types))
+    if None in codes:
+        return None
+    return names, cast("list[int]", codes), list(zip(*(s.values.values() for s in samples), strict=True))
 
 
 def _columns(samples: Sequence[Sample]) -> list[_ColumnValues]:
@@ -931,9 +1113,11 @@ def _columns_by_value(samples: Sequence[Sample]) -> list[_ColumnValues]:
     return [(name, vtype, rows, values) for (name, vtype), (rows, values) in columns.items()]
 
 
-def _evenly(ts: Sequence[int], step: int) -> bool:
+def _evenly(ts: list[int], step: int) -> bool:
     first = ts[0]
-    return all(t == first + i * step for i, t in enumerate(ts))
+    if step > 0:
+        return ts == list(range(first, first + step * len(ts), step))
+    return ts.count(first) == len(ts)
 
 
 def decode_batch(data: bytes, codec: BatchCodec | None = None) -> DecodedBatch:
