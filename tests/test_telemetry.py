@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mapper import telemetry
 from mapper.model import DeviceConfig, DeviceProperty, PushMqtt, Sample, Value
 from mapper.telemetry import (
     FORMAT_VERSION,
@@ -112,6 +114,110 @@ def test_float_columns_keep_their_exact_bits(floats: list[float]) -> None:
         assert isinstance(g, float)
         assert math.copysign(1.0, g) == math.copysign(1.0, want)
         assert (math.isnan(g) and math.isnan(want)) or g == want
+
+
+@st.composite
+def dense_sample_lists(draw: st.DrawFn) -> list[Sample]:
+    """Batches as the NVML backend makes them: every sample holds the same properties, each of one type, mostly
+    constant or changing a little (the encoder's short path), with the awkward values mixed in."""
+    n = draw(st.integers(1, 12))
+    props = draw(st.lists(st.sampled_from([*telemetry.KNOWN_SERIES[:20], "x.custom"]), unique=True, max_size=10))
+    columns: dict[str, list[Value]] = {}
+    for name in props:
+        kind = draw(st.sampled_from(["int", "slow int", "float", "str", "bool"]))
+        if kind == "slow int":
+            start, step, bend = draw(st.integers(-(2**40), 2**40)), draw(st.integers(-9, 9)), draw(st.integers(-2, 2))
+            noise = draw(st.lists(st.sampled_from([0, 0, 1, 1024]), min_size=n, max_size=n))
+            columns[name] = [start + step * i + bend * i * i + noise[i] for i in range(n)]
+            continue
+        elements: st.SearchStrategy[Any] = {
+            "int": st.one_of(st.integers(-3, 3), st.integers(-(2**70), 2**70), st.sampled_from([63, 64, -64, -65])),
+            "float": st.one_of(nvml_floats, st.sampled_from([0.0, -0.0, 700.0, float("nan"), float("inf")])),
+            "str": st.sampled_from(["default", "ωμέγα", UUID, ""]),
+            "bool": st.booleans(),
+        }[kind]
+        if draw(st.booleans()):  # constant: the very same object in every row (a NaN too)
+            columns[name] = [draw(elements)] * n
+        else:
+            columns[name] = draw(st.lists(elements, min_size=n, max_size=n))
+    return [Sample(UUID, T0 + i * 1000, {name: col[i] for name, col in columns.items()}) for i in range(n)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(dense_sample_lists(), st.sampled_from(["", UUID]))
+def test_the_usual_batch_takes_a_short_path_that_writes_what_the_general_path_writes(
+    samples: list[Sample], header_uuid: str
+) -> None:
+    dense = telemetry._dense_columns(samples)
+    assert dense is not None
+    short = telemetry._Sections()
+    telemetry._encode_dense_columns(short, *dense, header_uuid)
+    general = telemetry._Sections()
+    for name, vtype, rows, values in telemetry._columns(samples):
+        telemetry._encode_series(general, name, rows, values, vtype, len(samples), header_uuid)
+    assert (short.meta, short.data, short.bits.bytes()) == (general.meta, general.data, general.bits.bytes())
+    _assert_same(samples, _encode(samples, uuid_in_header=bool(header_uuid)))
+
+
+def test_a_batch_whose_properties_change_order_or_type_takes_the_general_path_and_comes_back() -> None:
+    reordered = [
+        Sample(UUID, T0, {"temperature": 60, "power_usage": 1.5}),
+        Sample(UUID, T0 + 1, {"power_usage": 2.5, "temperature": 61}),
+    ]
+    retyped = [Sample(UUID, T0, {"temperature": 60}), Sample(UUID, T0 + 1, {"temperature": True})]
+    for samples in (reordered, retyped):
+        assert telemetry._dense_columns(samples) is None
+        _assert_same(samples, _encode(samples))
+
+
+def _varint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def _zigzag(n: int) -> int:
+    return n * 2 if n >= 0 else -n * 2 - 1
+
+
+def _plan_by_its_definition(ints: list[int]) -> tuple[int, list[int], int, int, int, list[int], int]:
+    """The cheapest coding of every order whose sequence has two values or more (the lower order on a tie), each
+    as (order, seeds, base, gcd, width, sequence, bytes)."""
+    plans: list[tuple[int, list[int], int, int, int, list[int], int]] = []
+    seq, seeds = list(ints), list[int]()
+    for order in range(3):
+        if len(seq) < 2:
+            break
+        base = min(seq)
+        g = math.gcd(*(x - base for x in seq)) or 1
+        width = ((max(seq) - base) // g).bit_length()
+        cost = sum(_varint_len(_zigzag(s)) for s in seeds) + _varint_len(_zigzag(base // g)) + _varint_len(width << 2)
+        cost += (_varint_len(g) + _varint_len(base % g) if g > 1 else 0) + (len(seq) * width + 7) // 8
+        plans.append((order, list(seeds), base, g, width, list(seq), cost))
+        seeds.append(seq[0])
+        seq = [b - a for a, b in itertools.pairwise(seq)]
+    return min(plans, key=lambda p: (p[6], p[0]))
+
+
+int_columns = st.one_of(
+    st.lists(st.integers(-(2**70), 2**70), min_size=2, max_size=25),
+    st.lists(st.integers(-70, 70), min_size=2, max_size=25),
+    st.builds(
+        lambda start, step, bend, k, n: [k * (start + step * i + bend * i * i) for i in range(n)],
+        st.integers(-(2**40), 2**40),
+        st.integers(-1000, 1000),
+        st.integers(-3, 3),
+        st.sampled_from([1, 2, 6, 1024]),
+        st.integers(2, 25),
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(int_columns)
+def test_an_int_column_is_coded_by_the_cheapest_order_as_the_format_defines_it(ints: list[int]) -> None:
+    if len(set(ints)) == 1:
+        ints = [*ints, ints[0] + 1]  # a constant column is written as a constant, not planned
+    plan = telemetry._int_plan(tuple(ints))
+    assert (*plan[:5], list(plan.seq), plan.cost) == _plan_by_its_definition(ints)
 
 
 def test_a_property_absent_in_some_samples_stays_absent_after_decoding() -> None:
