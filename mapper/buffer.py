@@ -12,7 +12,9 @@ last sample time); the OLDEST batches go first and every drop is counted by reas
 ``disk_full``, ``corrupt``). A corrupt or unreadable file is renamed ``<file>.corrupt-<wall ms>`` and a fresh
 one started (logged at ERROR). A full disk drops the oldest batches and retries.
 
-All calls are quick, synchronous SQLite statements; call them from one thread (the asyncio loop).
+Writes: ``put`` stores one batch, ``put_many`` several (a collect round's) in one transaction, as the same
+puts would one by one; both enforce the bounds in the transaction that stores. All calls are quick, synchronous
+SQLite statements; call them from one thread (the asyncio loop).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
@@ -100,6 +102,52 @@ class BufferStats:
     files_moved_aside: int = 0
 
 
+class BatchFields(Protocol):
+    """What ``Buffer.put_many`` reads from each item: the keyword arguments of ``Buffer.put``."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def boot_id(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def ts_first_ms(self) -> int: ...
+    @property
+    def ts_last_ms(self) -> int: ...
+    @property
+    def topic(self) -> str: ...
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def qos(self) -> int: ...
+    @property
+    def retain(self) -> bool: ...
+    @property
+    def address(self) -> str: ...
+
+
+class NewBatch(NamedTuple):
+    """One batch to store, as ``Buffer.put`` takes it (an item of ``Buffer.put_many``)."""
+
+    device: str
+    uuid: str
+    boot_id: str
+    seq: int
+    ts_first_ms: int
+    ts_last_ms: int
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = False
+    address: str = ""
+
+
+_StreamKey = tuple[str, str, str, str, int, bool, str]
+
+
 def _table_names(conn: sqlite3.Connection) -> set[str]:
     return {str(row[0]) for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
@@ -133,6 +181,38 @@ def _stored(r: Sequence[Any], epoch_ms: int) -> StoredBatch:
         size=int(r[9]),
         address=r[10],
     )
+
+
+#: A checked batch ready to insert: (stream key, ts_last_ms, payload).
+_Row = tuple[_StreamKey, int, bytes]
+#: Batches deleted by a bound, to count once committed: (reason, batches, bytes).
+_Drop = tuple[str, int, int]
+
+
+def _batches(n: int) -> str:
+    return "batch" if n == 1 else f"{n} batches"
+
+
+def _refusal(device: str, seq: int, topic: str, qos: int, ts_first_ms: int, ts_last_ms: int, where: str) -> str:
+    """Why a batch is refused (it has one of the faults ``put`` checks for)."""
+    what = f"batch {device} seq {seq}{where}"
+    if not topic:
+        return f"{what}: empty topic"
+    if qos not in (0, 1, 2):
+        return f"{what}: qos must be 0, 1 or 2, got {qos}"
+    return f"{what}: ts_last_ms {ts_last_ms} is before ts_first_ms {ts_first_ms}"
+
+
+def _extend(runs: list[tuple[int, str]], row_id: int, reason: str) -> None:
+    """Add a dropped row to the runs of drops by reason (the last run grows when the reason is the same)."""
+    if runs and runs[-1][1] == reason:
+        runs[-1] = (row_id, reason)
+    else:
+        runs.append((row_id, reason))
+
+
+#: Larger than any row id: ``enforce_bounds`` sees every stored batch.
+_NO_ID_LIMIT = 2**63 - 1
 
 
 class _Corrupt(Exception):
@@ -171,7 +251,7 @@ class Buffer:
         self._conn: sqlite3.Connection | None = None
         self._closed = False
         self._last_drop_log: float | None = None
-        self._streams: dict[tuple[str, str, str, str, int, bool, str], int] = {}
+        self._streams: dict[_StreamKey, int] = {}
         self._next_id = 1
         self._epoch_ms = 0
         self._bytes = 0
@@ -380,134 +460,181 @@ class Buffer:
         retain: bool = False,
         address: str = "",
     ) -> int:
-        """Store one batch (committed when this returns) and return its id; then enforce the bounds."""
-        if not topic:
-            raise ValueError(f"batch {device} seq {seq}: empty topic")
-        if qos not in (0, 1, 2):
-            raise ValueError(f"batch {device} seq {seq}: qos must be 0, 1 or 2, got {qos}")
-        key = (device, uuid, boot_id, topic, qos, bool(retain), address)
-        size = len(payload) + ROW_OVERHEAD_BYTES
-        span = ts_last_ms - ts_first_ms
-        if span < 0:
-            raise ValueError(f"batch {device} seq {seq}: ts_last_ms {ts_last_ms} is before ts_first_ms {ts_first_ms}")
+        """Store one batch (committed when this returns) and return its id; the bounds are enforced in the same
+        transaction. ``put_many`` with one item."""
+        if not topic or qos not in (0, 1, 2) or ts_last_ms < ts_first_ms:
+            raise ValueError(_refusal(device, seq, topic, qos, ts_first_ms, ts_last_ms, ""))
+        return self._store((((device, uuid, boot_id, topic, qos, bool(retain), address), ts_last_ms, payload),))
 
-        def insert(conn: sqlite3.Connection) -> int:
-            conn.execute("BEGIN IMMEDIATE")
-            stream = self._streams.get(key)
-            if stream is None:
-                # No unique index on streams (it would cost a page): a scan of this small table instead.
-                row = conn.execute(
-                    "SELECT id FROM streams WHERE device=? AND uuid=? AND boot_id=? AND topic=? AND qos=? "
-                    "AND retain=? AND address=?",
-                    key,
-                ).fetchone()
-                if row is None:
-                    cur = conn.execute(
-                        "INSERT INTO streams (device, uuid, boot_id, topic, qos, retain, address) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        key,
-                    )
-                    stream = int(cur.lastrowid or 0)
-                else:
-                    stream = int(row[0])
-            new_id = self._next_id
-            conn.execute(
-                "INSERT INTO batches (id, stream, ts_last_rel_ms, payload) VALUES (?, ?, ?, ?)",
-                (new_id, stream, ts_last_ms - self._epoch_ms, payload),
+    def put_many(self, items: Sequence[BatchFields]) -> list[int]:
+        """Store several batches in ONE transaction (committed when this returns) and return their ids, in order.
+
+        The same as ``put`` for each item in turn, at the cost of one commit: every item is checked first (a bad
+        one raises ValueError and nothing of the call is stored), the ids are increasing in item order, and the
+        bounds are enforced as if the items had been put one by one (the same batches dropped, counted under the
+        same reasons), in the same transaction. All or nothing: a ``TransientError`` (disk still full after
+        dropping, or nothing left to drop) means none of them was stored, each counted as a ``disk_full`` drop.
+        """
+        n = len(items)
+        rows: list[_Row] = []
+        for i, it in enumerate(items):
+            topic, qos = it.topic, it.qos
+            if not topic or qos not in (0, 1, 2) or it.ts_last_ms < it.ts_first_ms:
+                where = f" (item {i} of {n})" if n > 1 else ""
+                raise ValueError(_refusal(it.device, it.seq, topic, qos, it.ts_first_ms, it.ts_last_ms, where))
+            rows.append(
+                ((it.device, it.uuid, it.boot_id, topic, qos, bool(it.retain), it.address), it.ts_last_ms, it.payload)
             )
-            conn.execute("COMMIT")
-            self._streams[key] = stream
-            self._next_id = new_id + 1
-            return new_id
+        if not rows:
+            return []
+        first_id = self._store(rows)
+        return list(range(first_id, first_id + n))
 
-        new_id = 0
+    def _store(self, rows: Sequence[_Row]) -> int:
+        """Insert checked rows in one transaction that also enforces the bounds; the id of the first row."""
+        n = len(rows)
+
+        def write(conn: sqlite3.Connection) -> tuple[int, int, list[_Drop]]:
+            conn.execute("BEGIN IMMEDIATE")
+            first_id = self._next_id
+            epoch_ms = self._epoch_ms  # read here: a file replaced after corruption has a new epoch
+            new_streams: dict[_StreamKey, int] = {}
+            values = []
+            steps = []
+            added = 0
+            for row_id, (key, ts_last_ms, payload) in enumerate(rows, first_id):
+                stream = self._streams.get(key)
+                if stream is None:
+                    stream = new_streams.get(key)
+                    if stream is None:
+                        stream = new_streams[key] = self._stream_id(conn, key)
+                values.append((row_id, stream, ts_last_ms - epoch_ms, payload))
+                size = len(payload) + ROW_OVERHEAD_BYTES
+                steps.append((row_id, size))
+                added += size
+            conn.executemany("INSERT INTO batches (id, stream, ts_last_rel_ms, payload) VALUES (?, ?, ?, ?)", values)
+            drops = self._drop_due(conn, self._bytes, steps)
+            conn.execute("COMMIT")
+            # Only now: a rolled-back transaction must leave no stream id or row id behind.
+            self._streams.update(new_streams)
+            self._next_id = first_id + n
+            return first_id, added, drops
+
         for _attempt in range(8):
             try:
-                new_id = self._run(insert)
+                first_id, added, drops = self._run(write)
                 break
             except sqlite3.OperationalError as exc:
                 self._rollback()
                 if not _is_full(exc):
-                    raise TransientError(f"buffer {self.path}: cannot store batch: {exc}") from None
+                    raise TransientError(f"buffer {self.path}: cannot store {_batches(n)}: {exc}") from None
                 if self._batches == 0:
-                    self.drops["disk_full"] += 1
+                    self.drops["disk_full"] += n
                     raise TransientError(
-                        f"buffer {self.path}: disk full and nothing left to drop; batch lost"
+                        f"buffer {self.path}: disk full and nothing left to drop; {_batches(n)} lost"
                     ) from None
-                n = max(1, self._batches // 10)
-                log.warning("buffer %s: disk full; dropping the %d oldest batches", self.path, n)
-                self._drop_oldest(n, "disk_full")
+                oldest = max(1, self._batches // 10)
+                log.warning("buffer %s: disk full; dropping the %d oldest batches", self.path, oldest)
+                self._drop_oldest(oldest, "disk_full")
         else:
-            self.drops["disk_full"] += 1
-            raise TransientError(f"buffer {self.path}: disk still full after dropping; batch lost")
-        self._batches += 1
-        self._bytes += size
-        self.enforce_bounds()
-        return new_id
+            self.drops["disk_full"] += n
+            raise TransientError(f"buffer {self.path}: disk still full after dropping; {_batches(n)} lost")
+        self._batches += n
+        self._bytes += added
+        for drop in drops:
+            self._count_drop(*drop)
+        return first_id
+
+    @staticmethod
+    def _stream_id(conn: sqlite3.Connection, key: _StreamKey) -> int:
+        """The id of a stream, inserted when the file has none (inside the caller's transaction)."""
+        # No unique index on streams (it would cost a page): a scan of this small table instead.
+        row = conn.execute(
+            "SELECT id FROM streams WHERE device=? AND uuid=? AND boot_id=? AND topic=? AND qos=? "
+            "AND retain=? AND address=?",
+            key,
+        ).fetchone()
+        if row is not None:
+            return int(row[0])
+        cur = conn.execute(
+            "INSERT INTO streams (device, uuid, boot_id, topic, qos, retain, address) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            key,
+        )
+        return int(cur.lastrowid or 0)
 
     def enforce_bounds(self) -> None:
         """Drop batches older than ``max_age_s``, then the oldest until within ``max_bytes``."""
+
+        def enforce(conn: sqlite3.Connection) -> list[_Drop]:
+            conn.execute("BEGIN IMMEDIATE")
+            drops = self._drop_due(conn, self._bytes, ((_NO_ID_LIMIT, 0),))
+            conn.execute("COMMIT")
+            return drops
+
+        for drop in self._run(enforce):
+            self._count_drop(*drop)
+
+    def _drop_due(self, conn: sqlite3.Connection, stored: int, steps: Iterable[tuple[int, int]]) -> list[_Drop]:
+        """Delete what the bounds drop when they are enforced once after each step, as consecutive puts do.
+
+        A step is (the newest id it sees, the bytes it added); ``stored`` is the bytes stored before the first.
+        Each step drops, oldest first by id (no index on time), the batches older than ``max_age_s`` up to the
+        first one young enough to keep, then the oldest until within ``max_bytes``. Only the head of the table
+        is read: as many rows as are dropped, plus one. Returns the drops to count, once committed: (reason,
+        batches, bytes), one per run of batches dropped for the same reason (usually none, or one).
+        """
         cutoff = self.clock.wall_ms() - round(self.max_age_s * 1000) - self._epoch_ms
-
-        def last_expired(conn: sqlite3.Connection) -> int | None:
-            # Oldest first by id (no index on time): stop at the first batch young enough to keep.
-            last = None
-            for row_id, ts_last in conn.execute("SELECT id, ts_last_rel_ms FROM batches ORDER BY id"):
-                if ts_last >= cutoff:
-                    break
-                last = row_id
-            return last
-
-        expired = self._run(last_expired)
-        if expired is not None:
-            self._drop_where("id <= ?", (expired,), "age")
-        if self._bytes > self.max_bytes:
-            excess = self._bytes - self.max_bytes
-
-            def last_id_to_drop(conn: sqlite3.Connection) -> int | None:
-                total, last = 0, None
-                for row_id, size in conn.execute(f"SELECT id, {_SIZE_SQL} FROM batches ORDER BY id"):
-                    total += size
-                    last = row_id
-                    if total >= excess:
-                        break
-                return last
-
-            last = self._run(last_id_to_drop)
-            if last is not None:
-                self._drop_where("id <= ?", (last,), "size")
+        max_bytes = self.max_bytes
+        runs: list[tuple[int, str]] = []  # (the last id of the run, its reason), oldest first
+        cur = conn.execute(f"SELECT id, ts_last_rel_ms, {_SIZE_SQL} FROM batches ORDER BY id")
+        try:
+            head = cur.fetchone()
+            for newest_id, added in steps:
+                stored += added
+                while head is not None and head[0] <= newest_id and head[1] < cutoff:
+                    _extend(runs, head[0], "age")
+                    stored -= head[2]
+                    head = cur.fetchone()
+                while head is not None and head[0] <= newest_id and stored > max_bytes:
+                    _extend(runs, head[0], "size")
+                    stored -= head[2]
+                    head = cur.fetchone()
+        finally:
+            cur.close()
+        drops: list[_Drop] = []
+        for last, reason in runs:
+            deleted = conn.execute(f"DELETE FROM batches WHERE id <= ? RETURNING {_SIZE_SQL}", (last,)).fetchall()
+            drops.append((reason, len(deleted), sum(int(r[0]) for r in deleted)))
+        return drops
 
     def _drop_oldest(self, n: int, reason: str) -> None:
-        def nth(conn: sqlite3.Connection) -> int | None:
+        def delete(conn: sqlite3.Connection) -> tuple[int, int]:
             row = conn.execute("SELECT id FROM batches ORDER BY id LIMIT 1 OFFSET ?", (n - 1,)).fetchone()
             if row is None:
                 row = conn.execute("SELECT MAX(id) FROM batches").fetchone()
-            return None if row is None or row[0] is None else int(row[0])
-
-        last = self._run(nth)
-        if last is not None:
-            self._drop_where("id <= ?", (last,), reason)
-
-    def _drop_where(self, where: str, params: Sequence[Any], reason: str) -> int:
-        def delete(conn: sqlite3.Connection) -> tuple[int, int]:
-            rows = conn.execute(f"DELETE FROM batches WHERE {where} RETURNING {_SIZE_SQL}", tuple(params)).fetchall()
+            if row is None or row[0] is None:
+                return 0, 0
+            rows = conn.execute(f"DELETE FROM batches WHERE id <= ? RETURNING {_SIZE_SQL}", (row[0],)).fetchall()
             return len(rows), sum(int(r[0]) for r in rows)
 
-        count, size = self._run(delete)
-        if count:
-            self._batches -= count
-            self._bytes -= size
-            self.drops[reason] += count
-            now = self.clock.monotonic()
-            if self._last_drop_log is None or now - self._last_drop_log >= 60.0:
-                self._last_drop_log = now
-                log.warning(
-                    "buffer %s: dropping the oldest batches (%d now, %s so far by reason; logged once a minute)",
-                    self.path,
-                    count,
-                    self.drops,
-                )
-        return count
+        self._count_drop(reason, *self._run(delete))
+
+    def _count_drop(self, reason: str, count: int, size: int) -> None:
+        """Account for ``count`` batches (``size`` bytes) deleted, once that is committed; logged once a minute."""
+        if not count:
+            return
+        self._batches -= count
+        self._bytes -= size
+        self.drops[reason] += count
+        now = self.clock.monotonic()
+        if self._last_drop_log is None or now - self._last_drop_log >= 60.0:
+            self._last_drop_log = now
+            log.warning(
+                "buffer %s: dropping the oldest batches (%d now, %s so far by reason; logged once a minute)",
+                self.path,
+                count,
+                self.drops,
+            )
 
     def ack(self, batch_id: int) -> None:
         """The broker has the batch: forget it. Unknown ids (already dropped or acked) are ignored."""

@@ -1,14 +1,15 @@
 from __future__ import annotations
 
 import logging
+import random
 import sqlite3
 from pathlib import Path
 
 import pytest
 
-from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
+from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer, NewBatch
 from mapper.clock import FakeClock
-from mapper.errors import ConfigError, PermanentError
+from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.model import Sample
 from mapper.telemetry import encode_batch
 
@@ -271,3 +272,152 @@ def test_a_schema_2_file_is_converted_in_place_and_keeps_its_batches(tmp_path: P
     assert (row.id, row.device, row.ts_last_ms, row.payload) == (7, "default/gpu0", 1_780_000_014_000, b"\x01\x02")
     assert buf.latest() == {"default/gpu0": b"{}"}
     assert _put(buf, fake_clock, 42) == 8
+
+
+def _item(clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200, age_s: float = 0.0) -> NewBatch:
+    last = clock.wall_ms() - round(age_s * 1000)
+    return NewBatch(
+        device=device,
+        uuid="GPU-1",
+        boot_id="boot-a",
+        seq=seq,
+        ts_first_ms=last - 10_000,
+        ts_last_ms=last,
+        topic=f"gpu-mapper/n/{device}/telemetry",
+        payload=bytes([seq % 256]) * size,
+    )
+
+
+def _contents(buf: Buffer) -> tuple[object, ...]:
+    rows = [(r.id, r.device, r.topic, r.qos, r.retain, r.address, r.ts_last_ms, r.payload) for r in buf.pending(10_000)]
+    s = buf.stats()
+    return rows, s.bytes, s.batches, s.oldest_ts_ms, s.drops_by_reason
+
+
+def test_put_many_stores_a_round_in_order_with_increasing_ids(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    first = _put(buf, fake_clock, 0)
+    items = [_item(fake_clock, seq, device=f"default/gpu{seq % 8}") for seq in range(1, 9)]
+    other = NewBatch(
+        "default/gpu3", "GPU-3", "boot-a", 9, 5, 6, "site/power", b"\x09", qos=0, retain=True, address="tcp://b:1883"
+    )
+    ids = buf.put_many([*items, other])
+    assert ids == sorted(set(ids)) and ids[0] > first  # strictly increasing, after what was there
+    assert _put(buf, fake_clock, 10) > ids[-1]
+    rows = buf.pending(4) + buf.pending(100, after_id=ids[2])
+    assert [r.id for r in rows] == [first, *ids, ids[-1] + 1]
+    assert [r.payload[0] for r in rows] == list(range(11))
+    assert [r.device for r in rows[1:9]] == [f"default/gpu{seq % 8}" for seq in range(1, 9)]
+    assert (rows[9].topic, rows[9].qos, rows[9].retain, rows[9].address, rows[9].ts_last_ms) == (
+        "site/power",
+        0,
+        True,
+        "tcp://b:1883",
+        6,
+    )
+    assert buf.stats().batches == 11
+    assert buf.put_many([]) == []
+
+
+def test_put_many_rows_are_committed_when_it_returns(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    ids = buf.put_many([_item(fake_clock, seq) for seq in range(8)])
+    other = sqlite3.connect(tmp_path / "b.db")  # what a crash right now would leave: another reader's view
+    try:
+        seen = other.execute("SELECT id, length(payload) FROM batches ORDER BY id").fetchall()
+    finally:
+        other.close()
+    assert seen == [(i, 200) for i in ids]
+
+
+def test_a_bad_item_stores_nothing_of_its_put_many(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    before = _put(buf, fake_clock, 0)
+    good = [_item(fake_clock, seq, device="default/gpu7") for seq in (1, 2)]  # a device the file does not know yet
+    bad = {
+        "empty topic": _item(fake_clock, 3)._replace(topic=""),
+        "qos": _item(fake_clock, 3)._replace(qos=3),
+        "before ts_first_ms": _item(fake_clock, 3)._replace(ts_first_ms=fake_clock.wall_ms() + 1),
+    }
+    for why, item in bad.items():
+        with pytest.raises(ValueError, match=f"default/gpu0 seq 3 \\(item 2 of 3\\): .*{why}"):
+            buf.put_many([*good, item])
+    assert [r.id for r in buf.pending(10)] == [before]
+    assert buf.stats().batches == 1
+    ids = buf.put_many(good)  # the refused calls left nothing behind: their stream is new here
+    assert ids[0] > before
+    assert [r.device for r in buf.pending(10)] == ["default/gpu0", "default/gpu7", "default/gpu7"]
+
+
+def test_put_many_enforces_the_bounds_exactly_as_the_same_puts_one_by_one(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    # Rounds of 0-9 batches of mixed sizes and ages against tight caps: drops for age and for size interleave
+    # within a round (a batch enforced against the caps only at the end of a round would be dropped for size
+    # where the puts drop it for age, or kept where they drop it). Acks and time pass between rounds.
+    rng = random.Random(20240611)
+    for case in range(6):
+        max_bytes, max_age_s = [(700, 60.0), (1_500, 30.0), (4_000, 60.0), (10**9, 60.0), (900, 10**6), (3_000, 45.0)][
+            case
+        ]
+        one = _open(tmp_path / f"one{case}.db", fake_clock, max_bytes=max_bytes, max_age_s=max_age_s)
+        many = _open(tmp_path / f"many{case}.db", fake_clock, max_bytes=max_bytes, max_age_s=max_age_s)
+        seq = 0
+        for _round in range(25):
+            items = []
+            for _ in range(rng.randint(0, 9)):
+                age_s = rng.choice([0.0, 0.0, 20.0, 50.0, 70.0, 200.0])
+                items.append(
+                    _item(fake_clock, seq, device=f"default/gpu{seq % 3}", size=rng.choice([20, 200, 450]), age_s=age_s)
+                )
+                seq += 1
+            ids_one = [one.put(**item._asdict()) for item in items]
+            assert many.put_many(items) == ids_one
+            assert _contents(many) == _contents(one)
+            if rng.random() < 0.3 and ids_one:
+                one.ack(ids_one[0])
+                many.ack(ids_one[0])
+            fake_clock.advance(rng.choice([0.0, 5.0, 20.0]))
+        drops = many.stats().drops_by_reason
+        assert drops == one.stats().drops_by_reason
+    assert drops["age"] > 0 and drops["size"] > 0  # the last case dropped for both reasons
+
+
+def test_put_many_after_the_file_went_bad_stores_the_round_in_a_new_file(tmp_path: Path, fake_clock: FakeClock) -> None:
+    path = tmp_path / "b.db"
+    buf = _open(path, fake_clock)
+    _put(buf, fake_clock, 0)
+    buf.close()
+    data = bytearray(path.read_bytes())
+    data[0:16] = b"garbage garbage!"
+    path.write_bytes(bytes(data))
+    fake_clock.advance(3600)  # the new file's time base differs from the old one's
+    buf = _open(path, fake_clock, check_on_open=False)
+    items = [_item(fake_clock, seq) for seq in range(1, 9)]
+    buf.put_many(items)
+    rows = buf.pending(10)
+    assert [(r.payload[0], r.ts_last_ms) for r in rows] == [(i.seq, i.ts_last_ms) for i in items]
+    assert buf.stats().files_moved_aside == 1
+    assert buf.stats().batches == 8
+
+
+def test_put_many_on_a_full_disk_drops_the_oldest_and_stores_the_round(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock, max_page_count=40)
+    stored = 0
+    for rnd in range(40):
+        buf.put_many([_item(fake_clock, rnd * 8 + g, device=f"default/gpu{g}", size=1000) for g in range(8)])
+        stored += 8
+    rows = buf.pending(1000)
+    drops = buf.stats().drops_by_reason["disk_full"]
+    assert drops > 0
+    assert len(rows) + drops == stored
+    assert [r.payload[0] for r in rows] == [s % 256 for s in range(stored - len(rows), stored)]
+
+
+def test_put_many_that_cannot_fit_stores_none_and_counts_each_as_lost(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock, max_page_count=40)  # 160 KiB
+    with pytest.raises(TransientError, match="3 batches lost"):
+        buf.put_many([_item(fake_clock, seq, size=100_000) for seq in range(3)])
+    assert buf.pending(10) == []
+    assert (buf.stats().batches, buf.stats().drops_by_reason["disk_full"]) == (0, 3)
+    assert buf.put_many([_item(fake_clock, 3, size=1000)]) != []  # and the buffer still works
