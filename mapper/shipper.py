@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from mapper.clock import Clock
 from mapper.errors import MapperError, PermanentError, TransientError
@@ -55,6 +55,22 @@ class BufferStatsLike(Protocol):
     def batches(self) -> int: ...
 
 
+class BatchToStore(NamedTuple):
+    """One item of ``BufferLike.put_many``: the keyword arguments of ``BufferLike.put``."""
+
+    device: str
+    uuid: str
+    boot_id: str
+    seq: int
+    ts_first_ms: int
+    ts_last_ms: int
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = False
+    address: str = ""
+
+
 class BufferLike(Protocol):
     """What the shipper needs from ``mapper.buffer.Buffer``."""
 
@@ -73,6 +89,7 @@ class BufferLike(Protocol):
         retain: bool = False,
         address: str = "",
     ) -> int: ...
+    def put_many(self, items: Sequence[BatchToStore]) -> list[int]: ...
     def pending(self, limit: int = 100, after_id: int | None = None) -> Sequence[StoredBatchLike]: ...
     def ack(self, batch_id: int) -> None: ...
     def put_latest(self, device: str, payload: bytes, ts_ms: int | None = None) -> None: ...
@@ -179,25 +196,45 @@ class TelemetryShipper:
         ``route`` None = the device's default topic on the default broker, QoS 1, not retained. Returns None
         when the buffer could not store it (counted in ``buffer_failures``).
         """
-        batch_id = self._store(
-            f"telemetry: batch {batch.device} seq {batch.seq}",
-            lambda: self.buffer.put(
-                device=batch.device,
-                uuid=batch.uuid,
-                boot_id=batch.boot_id,
-                seq=batch.seq,
-                ts_first_ms=batch.ts_first_ms,
-                ts_last_ms=batch.ts_last_ms,
-                topic=route.topic if route else default_topic(self.node, batch.device),
-                payload=batch.payload,
-                qos=route.qos if route else 1,
-                retain=route.retain if route else False,
-                address=route.address if route else "",
-            ),
-        )
-        if batch_id is not None:
-            self.submitted_batches += 1
-        return batch_id
+        return self.submit_many(((batch, route),))[0]
+
+    def submit_many(self, pairs: Sequence[tuple[EncodedBatch, Route | None]]) -> list[int | None]:
+        """Store several batches in one buffer transaction (committed before this returns); their buffer ids.
+
+        Each (batch, route) as ``submit`` takes it, e.g. the batches every GPU cut in one collect round: one
+        commit for all, and the loop is woken once. When the buffer cannot store them, none is stored: every
+        id is None and every batch is counted in ``buffer_failures``. A batch the buffer refuses (ValueError)
+        stores none of them either, and the error propagates, as from ``submit``.
+        """
+        if not pairs:
+            return []
+        node = self.node
+        items = [
+            BatchToStore(
+                batch.device,
+                batch.uuid,
+                batch.boot_id,
+                batch.seq,
+                batch.ts_first_ms,
+                batch.ts_last_ms,
+                default_topic(node, batch.device) if route is None else route.topic,
+                batch.payload,
+                1 if route is None else route.qos,
+                False if route is None else route.retain,
+                "" if route is None else route.address,
+            )
+            for batch, route in pairs
+        ]
+        try:
+            ids = self.buffer.put_many(items)
+        except TransientError as exc:
+            self.buffer_failures += len(items)
+            what = ", ".join(f"{it.device} seq {it.seq}" for it in items)
+            log.error("telemetry: %s not stored: %s", f"batch {what}" if len(items) == 1 else f"batches {what}", exc)
+            return [None] * len(items)
+        self.submitted_batches += len(ids)
+        self._wake.set()
+        return list(ids)
 
     def submit_message(
         self, *, device: str, uuid: str, topic: str, payload: bytes, ts_ms: int, qos: int = 1

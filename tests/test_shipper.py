@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from mapper.buffer import Buffer
 from mapper.clock import FakeClock, SystemClock
 from mapper.model import Sample
 from mapper.mqtt import MqttSession
-from mapper.shipper import PublishFn, TelemetryShipper
+from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
 from mapper.telemetry import EncodedBatch, Route, decode_batch, encode_batch
 from tests.brokers import Mosquitto
 
@@ -264,7 +264,7 @@ def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[by
         from mapper.buffer import Buffer
         from mapper.clock import SystemClock
         from mapper.mqtt import MqttSession
-        from mapper.shipper import PublishFn, TelemetryShipper
+        from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
         from mapper.telemetry import BatchEncoder
         from mapper.model import Sample
 
@@ -350,4 +350,99 @@ async def test_a_status_message_kept_offline_goes_out_in_order_between_the_batch
     assert consumer.messages[1] == (ack_topic, b'{"result":"applied"}')
     await shipper.stop(2)
     task.cancel()
+    buf.close()
+
+
+class _CountingBuffer:
+    """A real buffer that counts its write calls (one transaction each): the size of each call."""
+
+    def __init__(self, buf: Buffer) -> None:
+        self.buf = buf
+        self.calls: list[int] = []
+
+    def put(self, **kw: object) -> int:
+        self.calls.append(1)
+        return self.buf.put(**kw)  # type: ignore[arg-type]
+
+    def put_many(self, items: Sequence[BatchToStore]) -> list[int]:
+        self.calls.append(len(items))
+        return self.buf.put_many(items)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.buf, name)
+
+
+class _CountingEvent(asyncio.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+async def test_submit_many_stores_a_round_in_one_call_wakes_the_loop_once_and_it_goes_out_in_order(
+    tmp_path: Path,
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    counting = _CountingBuffer(buf)
+    sent: list[tuple[str, int, int, bool]] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        sent.append((topic, decode_batch(payload).seq, qos, retain))
+
+    shipper = TelemetryShipper(counting, publish, node="n1", clock=SystemClock())  # type: ignore[arg-type]
+    wake = _CountingEvent()
+    shipper._wake = wake
+    route = Route("", "site/power", 0, True, frozenset({"power_usage"}))
+    pairs = [(_batch(f"default/gpu{g}", 40 + g), route if g == 5 else None) for g in range(8)]
+    ids = shipper.submit_many(pairs)
+    assert len(ids) == 8 and all(i is not None for i in ids) and ids == sorted(set(ids))
+    assert counting.calls == [8]  # one buffer call: one transaction
+    assert wake.sets == 1
+    stats = shipper.stats()
+    assert (stats.submitted_batches, stats.buffer_failures) == (8, 0)
+    assert shipper.submit(_batch("default/gpu0", 48)) == ids[-1] + 1  # submit goes the same way
+    assert counting.calls == [8, 1] and wake.sets == 2
+
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0)
+    expected = [(f"gpu-mapper/n1/default/gpu{g}/telemetry", 40 + g, 1, False) for g in range(8)]
+    expected[5] = ("site/power", 45, 0, True)
+    assert sent == [*expected, ("gpu-mapper/n1/default/gpu0/telemetry", 48, 1, False)]
+    assert shipper.stats().published_batches == 9
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+def test_submit_many_counts_every_batch_as_a_failure_when_the_buffer_cannot_store_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9, max_page_count=40)  # 160 KiB of file
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        raise AssertionError("not running")
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock())
+    wake = _CountingEvent()
+    shipper._wake = wake
+    too_big = [
+        EncodedBatch(f"default/gpu{g}", f"GPU-{g}", "boot-a", 7, T0, T0 + 9_000, bytes([g]) * 100_000) for g in range(3)
+    ]
+    with caplog.at_level(logging.ERROR, logger="mapper.shipper"):
+        assert shipper.submit_many([(b, None) for b in too_big]) == [None, None, None]
+    assert any("default/gpu2 seq 7" in r.getMessage() and "not stored" in r.getMessage() for r in caplog.records)
+    stats = shipper.stats()
+    assert (stats.submitted_batches, stats.buffer_failures, buf.stats().batches) == (0, 3, 0)
+    assert wake.sets == 0
+
+    with pytest.raises(ValueError, match="empty topic"):  # a refused batch: nothing of the call is stored
+        shipper.submit_many([(_batch("default/gpu0", 1), None), (_batch("default/gpu1", 1), Route("", "", 1, False))])
+    assert (buf.stats().batches, shipper.stats().submitted_batches, wake.sets) == (0, 0, 0)
+
+    assert shipper.submit_many([(_batch("default/gpu0", 2), None)]) != [None]  # the buffer still works
+    assert (shipper.stats().submitted_batches, shipper.stats().buffer_failures, wake.sets) == (1, 3, 1)
+    assert shipper.submit_many([]) == [] and wake.sets == 1
     buf.close()
