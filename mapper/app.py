@@ -55,7 +55,7 @@ from mapper.registry import DeviceChange, PreconditionError, Registry
 from mapper.shipper import TelemetryShipper
 from mapper.stats import DurationHistogram, GpuSnapshot, LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.store import DesiredStore
-from mapper.telemetry import BatchCodec, DeviceTelemetry, state_payload
+from mapper.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route, state_payload
 
 if TYPE_CHECKING:
     # Imported in ``start`` only when DMI is on: grpc, protobuf and the generated stubs add ~12 MB to the
@@ -140,6 +140,8 @@ class MapperApp:
         self._beats: dict[str, LoopHeartbeat] = {}
         self._collect_hist = DurationHistogram()
         self._collect_errors: dict[str, int] = {}
+        #: The telemetry batches cut in the current collect round, stored together at its end (one transaction).
+        self._round_batches: list[tuple[EncodedBatch, Route | None]] = []
         self._policy_events: dict[tuple[str, str], int] = {}
         self._xids: dict[str, dict[int, int]] = {}
         self._next_report_s: dict[str, float] = {}
@@ -546,6 +548,7 @@ class MapperApp:
                 results, events = await self._tick_all(due, poll)
                 for worker, result in zip(due, results, strict=True):
                     self._after_tick(worker, result)
+                self._store_round_batches()
                 if due:
                     self._collect_hist = self._collect_hist.observe(time.perf_counter() - started)
                 if poll:
@@ -602,7 +605,7 @@ class MapperApp:
             telemetry = self.telemetry[worker.uuid]
             telemetry.add(result.sample)
             for route, batch in telemetry.flush_due(self.clock.wall_ms()):
-                self.shipper.submit(batch, route)
+                self._round_batches.append((batch, route))
         if result.reconcile is not None:
             for ack in result.reconcile.acks:
                 text = ack_to_json(ack)
@@ -790,9 +793,16 @@ class MapperApp:
 
         self._background_task(send())
 
+    def _store_round_batches(self) -> None:
+        """The batches cut so far in this collect round into the buffer, in one transaction."""
+        if self._round_batches and self.shipper is not None:
+            pairs, self._round_batches = self._round_batches, []
+            self.shipper.submit_many(pairs)
+
     def _keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
         if self.shipper is None:
             return
+        self._store_round_batches()  # a message kept during a round goes after the batches cut before it
         try:
             self.shipper.submit_message(
                 device=device,

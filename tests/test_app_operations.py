@@ -148,3 +148,22 @@ async def test_one_collector_reads_every_gpu_in_one_nvml_job_and_a_lost_gpu_does
             what="the other GPUs to be sampled again",
         )
         assert app.workers[lost].state == "offline"
+
+
+async def test_the_batches_every_gpu_cut_in_one_round_are_stored_in_one_call(tmp_path: Path):
+    sim = SimNvml(3, "H100", seed=3, scenario="steady")
+    settings = fast_settings(str(tmp_path), devices_dir=None, telemetry_window_s=1.0)
+    async with running_app(settings, sim) as app:
+        assert app.shipper is not None
+        calls: list[list[str]] = []
+        submit_many = app.shipper.submit_many
+
+        def recording(pairs):  # type: ignore[no-untyped-def]
+            calls.append([batch.uuid for batch, _ in pairs])
+            return submit_many(pairs)
+
+        app.shipper.submit_many = recording  # type: ignore[method-assign]
+        await wait_for(lambda: len(calls) >= 3, timeout_s=15, what="three rounds with batches")
+        assert any(sorted(c) == sorted(app.workers) for c in calls), calls  # all GPUs' batches in one call
+        assert all(len(c) == len(set(c)) for c in calls), "one batch per GPU and round"
+        assert app._round_batches == [], "nothing left behind after a round"
