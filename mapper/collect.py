@@ -253,9 +253,12 @@ class GpuWorker:
                 log.warning("reading the constraints of GPU %s failed: %s", self.uuid, exc)
             else:
                 self._constraints_known = self.constraints != Constraints()
-        observed = Sample(self.uuid, self.values_ts_ms or self.clock.wall_ms(), dict(self.values))
+        # Not a copy: the reconciler copies what it keeps, and a step run on the NVML thread gets its own (below).
+        observed = Sample(self.uuid, self.values_ts_ms or self.clock.wall_ms(), self.values)
 
-        events, self.pending_events = self.pending_events, []
+        events = self.pending_events
+        if events:
+            self.pending_events = []
         effective = self.desired.effective()
         ctx = PolicyContext(
             constraints=self.constraints,
@@ -275,8 +278,9 @@ class GpuWorker:
             try:
                 planned = self.reconciler.prepare(effective, observed, limits, restore=restore)
                 if planned is None or planned.actions:
+                    snapshot = Sample(observed.uuid, observed.ts_ms, dict(self.values))
                     rec: ReconcileResult = await self._call(
-                        lambda: self.reconciler.step(effective, observed, limits, restore=restore, planned=planned)
+                        lambda: self.reconciler.step(effective, snapshot, limits, restore=restore, planned=planned)
                     )
                 else:
                     # Nothing to set: the step only compares and keeps its books, no NVML call, no thread hop.
@@ -287,9 +291,10 @@ class GpuWorker:
                 result.reconcile = rec
                 for prop in rec.restored:
                     self.desired.mark_restored(prop)
-                self.statuses = {prop: status.text for prop, status in rec.statuses.items()}
+                self.statuses = {prop: status.text for prop, status in rec.statuses.items()} if rec.statuses else {}
                 self.desired_status = rec.desired_status
-                self.values.update(rec.observed)
+                if rec.observed is not self.values:  # (an idle step hands back the values it was given)
+                    self.values.update(rec.observed)
         result.state_changed = self.state != start.state
         return result
 
