@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
@@ -127,22 +127,6 @@ class BatchFields(Protocol):
     def retain(self) -> bool: ...
     @property
     def address(self) -> str: ...
-
-
-class NewBatch(NamedTuple):
-    """One batch to store, as ``Buffer.put`` takes it (an item of ``Buffer.put_many``)."""
-
-    device: str
-    uuid: str
-    boot_id: str
-    seq: int
-    ts_first_ms: int
-    ts_last_ms: int
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = False
-    address: str = ""
 
 
 _StreamKey = tuple[str, str, str, str, int, bool, str]

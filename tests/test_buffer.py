@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer, NewBatch
+from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import FakeClock
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.model import Sample
+from mapper.shipper import BatchToStore
 from mapper.telemetry import encode_batch
 
 
@@ -274,9 +275,11 @@ def test_a_schema_2_file_is_converted_in_place_and_keeps_its_batches(tmp_path: P
     assert _put(buf, fake_clock, 42) == 8
 
 
-def _item(clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200, age_s: float = 0.0) -> NewBatch:
+def _item(
+    clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200, age_s: float = 0.0
+) -> BatchToStore:
     last = clock.wall_ms() - round(age_s * 1000)
-    return NewBatch(
+    return BatchToStore(
         device=device,
         uuid="GPU-1",
         boot_id="boot-a",
@@ -298,7 +301,7 @@ def test_put_many_stores_a_round_in_order_with_increasing_ids(tmp_path: Path, fa
     buf = _open(tmp_path / "b.db", fake_clock)
     first = _put(buf, fake_clock, 0)
     items = [_item(fake_clock, seq, device=f"default/gpu{seq % 8}") for seq in range(1, 9)]
-    other = NewBatch(
+    other = BatchToStore(
         "default/gpu3", "GPU-3", "boot-a", 9, 5, 6, "site/power", b"\x09", qos=0, retain=True, address="tcp://b:1883"
     )
     ids = buf.put_many([*items, other])
