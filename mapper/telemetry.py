@@ -245,6 +245,16 @@ def _put_str(out: bytearray, text: str) -> None:
     out += raw
 
 
+def _put_word(meta: bytearray, text: str, header_uuid: str) -> None:
+    """One entry of a string dictionary: 0 for "the batch's uuid", else its UTF-8 length + 1 and the bytes."""
+    if header_uuid and text == header_uuid:
+        meta.append(0)
+    else:
+        raw = text.encode("utf-8")
+        _put_uvarint(meta, len(raw) + 1)
+        meta += raw
+
+
 def _pack_bits(out: bytearray, numbers: Sequence[int], width: int) -> None:
     """``numbers`` (each < 2**width) as consecutive ``width``-bit fields, least significant bit first."""
     if width == 0:
@@ -656,12 +666,7 @@ def _encode_series(
         index = {text: i for i, text in enumerate(dict.fromkeys(texts))}
         _put_uvarint(meta, len(index))
         for text in index:
-            if header_uuid and text == header_uuid:
-                _put_uvarint(meta, 0)  # "the batch's uuid"
-            else:
-                raw = text.encode("utf-8")
-                _put_uvarint(meta, len(raw) + 1)
-                meta += raw
+            _put_word(meta, text, header_uuid)
         if not const:
             out.bits.put([index[text] for text in texts], (len(index) - 1).bit_length())
     elif const:  # bool
@@ -733,12 +738,7 @@ def _encode_dense_columns(
                 meta += prefix
                 meta.append(_T_STR | _K_DENSE | _K_CONST)
                 meta.append(1)  # a dictionary of one string
-                if header_uuid and v0 == header_uuid:
-                    meta.append(0)  # "the batch's uuid"
-                else:
-                    raw = v0.encode("utf-8")
-                    put_uvarint(meta, len(raw) + 1)
-                    meta += raw
+                _put_word(meta, v0, header_uuid)
             else:  # bool
                 meta += prefix
                 meta.append(_T_BOOL | _K_DENSE | _K_CONST)
@@ -760,12 +760,7 @@ def _encode_dense_columns(
             meta.append(_T_STR | _K_DENSE)
             put_uvarint(meta, len(words))
             for text in words:
-                if header_uuid and text == header_uuid:
-                    meta.append(0)  # "the batch's uuid"
-                else:
-                    raw = text.encode("utf-8")
-                    put_uvarint(meta, len(raw) + 1)
-                    meta += raw
+                _put_word(meta, text, header_uuid)
             index = dict(zip(words, range(len(words)), strict=True))
             out.bits.put(map(index.__getitem__, values), (len(words) - 1).bit_length())
         else:  # XOR floats, changing bools
