@@ -424,6 +424,39 @@ def test_a_failed_event_poll_in_sample_many_leaves_the_samples_alone(
     assert isinstance(got.samples[0], Sample) and "temperature" in got.samples[0].values
 
 
+def test_sample_many_keeps_the_reinit_backoff_when_every_read_in_it_failed(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    # The backoff of test_unknown_errors_reinitialise_nvml_with_capped_exponential_backoff, through sample_many: a
+    # round whose every read failed is no success, so it must not reset the re-init backoff (nor re-init first).
+    sim, backend, (uuid,) = build(fake_clock, backends)
+
+    def power() -> Sample | MapperError:
+        (got,) = backend.sample_many([(uuid, ("power_usage",))]).samples
+        return got
+
+    assert isinstance(power(), Sample)
+    assert sim.calls["nvmlInitWithFlags"] == 1
+    sim.inject_errors("nvmlDeviceGetPowerUsage", pynvml.NVML_ERROR_UNKNOWN, 3)
+    failed = power()  # fails, re-inits, fails again
+    assert isinstance(failed, TransientError) and "Unknown" in str(failed)
+    assert sim.calls["nvmlInitWithFlags"] == 2
+    backing_off = power()
+    assert isinstance(backing_off, TransientError) and "backs off 1.0 s" in str(backing_off)
+    assert sim.calls["nvmlInitWithFlags"] == 2, "no re-init before the backoff has passed"
+    fake_clock.advance(1.0)
+    again = power()
+    assert isinstance(again, TransientError) and "Unknown" in str(again)
+    assert sim.calls["nvmlInitWithFlags"] == 3
+    fake_clock.advance(1.0)
+    still = power()
+    assert isinstance(still, TransientError) and "backs off 1.0 s" in str(still), "the second wait is 2 s"
+    fake_clock.advance(1.0)
+    ok = power()
+    assert isinstance(ok, Sample) and "power_usage" in ok.values
+    assert sim.calls["nvmlInitWithFlags"] == 4
+
+
 def test_a_gpu_that_falls_off_the_bus_gives_xid_79_and_stays_lost(
     fake_clock: FakeClock, backends: list[NvmlBackend]
 ) -> None:

@@ -273,7 +273,10 @@ class NvmlBackend:
                     out.append(exc)
             return SampleRound(out, polled, events_error)
 
-        return self._call(f"sample of {len(wanted)} GPU(s)", run_all)
+        # Each read above is guarded on its own (init, re-init and retry once, backoff), as a batch of ``sample``
+        # calls is: the job as a whole must neither initialise first nor, as a "successful call", reset the
+        # re-init backoff after a round in which every read failed.
+        return self._call(f"sample of {len(wanted)} GPU(s)", run_all, needs_session=None)
 
     def constraints(self, uuid: str) -> Constraints:
         return self._call(f"constraints of GPU {uuid}", lambda: self._constraints(uuid))
@@ -481,7 +484,7 @@ class NvmlBackend:
         return bound
 
     # --- worker thread, timeouts, init --------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], T], *, needs_session: bool = True) -> T:
+    def _call(self, what: str, fn: Callable[[], T], *, needs_session: bool | None = True) -> T:
         if getattr(self._planning, "active", False):
             self._planning.active = False
             raise _Planned(what, fn, needs_session)
@@ -538,7 +541,12 @@ class NvmlBackend:
             retry_after_s=timeout_s,
         )
 
-    def _guarded(self, fn: Callable[[], T], needs_session: bool) -> T:
+    def _guarded(self, fn: Callable[[], T], needs_session: bool | None) -> T:
+        """``fn()`` with NVML initialised first (``needs_session``), re-initialised and retried once when the session
+        died under it, and the re-init backoff reset when it succeeds. ``needs_session`` None: ``fn`` guards each
+        of its calls itself (``sample_many``), nothing is added."""
+        if needs_session is None:
+            return fn()
         if needs_session:
             self._ensure_init()
         try:
@@ -1358,7 +1366,7 @@ class _Planned(BaseException):
     """Raised by ``_call`` while ``call_async`` plans a public method: the job to run instead of running it.
     A BaseException so that no ``except Exception`` in a public method can swallow it."""
 
-    def __init__(self, what: str, fn: Callable[[], Any], needs_session: bool) -> None:
+    def __init__(self, what: str, fn: Callable[[], Any], needs_session: bool | None) -> None:
         super().__init__(what)
         self.what = what
         self.fn = fn
