@@ -335,8 +335,10 @@ class MapperApp:
             for task in stragglers:
                 log.error("task %s did not stop within %.0f s; leaving it", task.get_name(), SHUTDOWN_TASKS_TIMEOUT_S)
         self._tasks.clear()
-        # Whatever was sampled but not yet cut into a batch is stored now.
+        # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
+        # stored yet (a collector that crashed in the middle of publishing its round).
         if self.shipper is not None:
+            self._store_round_batches()
             for telemetry in self.telemetry.values():
                 for route, batch in telemetry.flush():
                     self.shipper.submit(batch, route)

@@ -167,3 +167,38 @@ async def test_the_batches_every_gpu_cut_in_one_round_are_stored_in_one_call(tmp
         assert any(sorted(c) == sorted(app.workers) for c in calls), calls  # all GPUs' batches in one call
         assert all(len(c) == len(set(c)) for c in calls), "one batch per GPU and round"
         assert app._round_batches == [], "nothing left behind after a round"
+
+
+async def test_batches_cut_in_a_round_the_collector_crashed_in_are_stored_at_shutdown(tmp_path: Path):
+    import asyncio
+
+    from mapper.app import MapperApp
+    from mapper.gpu.nvml import NvmlBackend
+
+    app = MapperApp(fast_settings(str(tmp_path), devices_dir=None), NvmlBackend(SimNvml(2, "H100", seed=4)))
+    after_tick = app._after_tick
+    cut: list[tuple[str, int]] = []
+
+    def crashing(worker, result):  # type: ignore[no-untyped-def]
+        after_tick(worker, result)
+        if not cut and app._round_batches and worker is list(app.workers.values())[-1]:
+            cut.extend((batch.uuid, batch.seq) for batch, _ in app._round_batches)
+            raise RuntimeError("a bug in publishing a step")
+
+    app._after_tick = crashing  # type: ignore[method-assign]
+    stored: list[tuple[str, int]] = []
+
+    def started() -> None:
+        assert app.shipper is not None
+        submit_many = app.shipper.submit_many
+
+        def recording(pairs):  # type: ignore[no-untyped-def]
+            stored.extend((batch.uuid, batch.seq) for batch, _ in pairs)
+            return submit_many(pairs)
+
+        app.shipper.submit_many = recording  # type: ignore[method-assign]
+
+    code = await asyncio.wait_for(app.run(asyncio.Event(), on_started=started), 20)
+    assert code == 1, "a crashed collector stops the mapper"
+    assert cut, "the crash came after a batch was cut in its round"
+    assert set(cut) <= set(stored), "the batches cut before the crash are stored, not dropped"
