@@ -412,6 +412,34 @@ def test_sample_many_reads_every_gpu_in_one_job_and_keeps_one_gpus_failure_to_it
     assert [type(x) for x in on_loop] == [Sample, Sample] and [x.uuid for x in on_loop] == [b, a]  # type: ignore[union-attr]
 
 
+def test_events_polled_by_a_sample_many_job_that_timed_out_come_back_with_the_next_poll(
+    backends: list[NvmlBackend],
+) -> None:
+    sim = SimNvml.from_profiles(("H100",), seed=5)
+    backend = NvmlBackend(sim, call_timeout_s=0.3)
+    backends.append(backend)
+    (a,) = [g.uuid for g in sim.gpus]
+    backend.poll_events()
+    sim.inject_xid(a, 48)
+    sim.set_call_delay_s(0.8, "nvmlDeviceGetPowerUsage")  # the read after the poll outlives the job's timeout
+
+    async def round_() -> object:
+        return await backend.call_async(backend.sample_many, [(a, ("power_usage",))], True)
+
+    with pytest.raises(TransientError, match="no answer from NVML"):
+        asyncio.run(round_())
+    sim.set_call_delay_s(0, "nvmlDeviceGetPowerUsage")
+    time.sleep(0.8)  # the hung read returns; the job ends and hands its events back
+    deadline = time.monotonic() + 5
+    seen: list[tuple[str, int]] = []
+    while not seen and time.monotonic() < deadline:
+        try:
+            seen = [(e.kind, e.xid) for e in backend.poll_events()]
+        except TransientError:  # re-initialising after the hang
+            time.sleep(0.1)
+    assert ("xid", 48) in seen, "the XID taken by the dropped job is reported by the next poll"
+
+
 def test_a_failed_event_poll_in_sample_many_leaves_the_samples_alone(
     fake_clock: FakeClock, backends: list[NvmlBackend]
 ) -> None:

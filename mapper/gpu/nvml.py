@@ -32,6 +32,7 @@ import asyncio
 import ctypes
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from functools import partial
 from types import MappingProxyType
@@ -258,6 +259,7 @@ class NvmlBackend:
         wanted = [(uuid, self._wanted_set(properties)) for uuid, properties in requests]
 
         def run_all() -> SampleRound:
+            started_s = time.monotonic()  # real time, as the job's timeout is
             polled: list[GpuEvent] = []
             events_error: MapperError | None = None
             if events:
@@ -271,6 +273,10 @@ class NvmlBackend:
                     out.append(self._guarded(partial(self._sample, uuid, names), True))
                 except MapperError as exc:
                     out.append(exc)
+            if polled and time.monotonic() - started_s > self._call_timeout_s:
+                # A read hung past the job's timeout: the caller has given up on this result, so the events it
+                # took from NVML go back to the next poll instead of being lost with it.
+                self._pending[:0] = polled
             return SampleRound(out, polled, events_error)
 
         # Each read above is guarded on its own (init, re-init and retry once, backoff), as a batch of ``sample``
