@@ -16,17 +16,7 @@ from mapper.telemetry import encode_batch
 
 
 def _put(buf: Buffer, clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200) -> int:
-    now = clock.wall_ms()
-    return buf.put(
-        device=device,
-        uuid="GPU-1",
-        boot_id="boot-a",
-        seq=seq,
-        ts_first_ms=now - 10_000,
-        ts_last_ms=now,
-        topic=f"gpu-mapper/n/{device}/telemetry",
-        payload=bytes([seq % 256]) * size,  # the first byte marks the batch: r.payload[0] == seq % 256
-    )
+    return buf.put(**_item(clock, seq, device=device, size=size)._asdict())
 
 
 def _open(path: Path, clock: FakeClock, **kw: object) -> Buffer:
@@ -287,7 +277,7 @@ def _item(
         ts_first_ms=last - 10_000,
         ts_last_ms=last,
         topic=f"gpu-mapper/n/{device}/telemetry",
-        payload=bytes([seq % 256]) * size,
+        payload=bytes([seq % 256]) * size,  # the first byte marks the batch: r.payload[0] == seq % 256
     )
 
 
