@@ -531,7 +531,7 @@ class MapperApp:
         log.info("EventBus membership of %s: added %s, removed %s", self.node, added, removed)
 
     # ==============================================================================================
-    # the GPU loops
+    # the collector: every GPU's steps
     # ==============================================================================================
     async def _collect_loop(self) -> None:
         """Every GPU in one task: at each due time (the collect cycles lie on a shared grid, see

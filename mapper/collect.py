@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper.clock import Clock, next_on_grid, sleep_or_wake
+from mapper.clock import Clock, next_on_grid
 from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.model import (
@@ -95,7 +95,8 @@ class GpuWorker:
     _names: dict[tuple[int, ...], tuple[str, ...]] = field(default_factory=dict)
     #: The reconciler holds the GPU's constraints (read once; again after a driver reload or a lost GPU).
     _constraints_known: bool = False
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set by ``wake``, cleared by ``begin``: the next round runs this GPU's step even if nothing is due.
+    _woken: bool = False
     on_change: Callable[[], None] | None = None
     #: Called by ``wake`` (the composition root's collector loop, which ticks every GPU in one task).
     notify: Callable[[], None] | None = None
@@ -180,17 +181,13 @@ class GpuWorker:
         self.wake()
 
     def wake(self) -> None:
-        self._wake.set()
+        self._woken = True
         if self.notify is not None:
             self.notify()
 
     def is_due(self, now_s: float) -> bool:
         """Whether a tick at ``now_s`` has work: a property group due (within the slack) or a ``wake``."""
-        return self._wake.is_set() or self.next_due_s() <= now_s + DUE_SLACK_S
-
-    async def wait(self, timeout_s: float) -> None:
-        """Sleep until the next due time or a ``wake``."""
-        await sleep_or_wake(self._wake, timeout_s)
+        return self._woken or self.next_due_s() <= now_s + DUE_SLACK_S
 
     # --- the step ----------------------------------------------------------------------------------
     async def tick(self) -> TickResult:
@@ -209,7 +206,7 @@ class GpuWorker:
         """The start of a step: what is due now (``names``: sample these, or nothing). Clears a ``wake``."""
         now_s = self.clock.monotonic()
         self.last_tick_s = now_s
-        self._wake.clear()
+        self._woken = False
         groups = self._due_groups(now_s)
         names = self._names_of(groups) if groups else ()
         return TickStart(now_s, groups, names, self._due_at, self.state)
