@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, Protocol
 
 from mapper.errors import InvalidValueError
@@ -681,15 +682,19 @@ class DeviceConfig:
     state_report_to_cloud: bool = True
     state_report_cycle_ms: int = 0
 
-    @property
+    @cached_property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    def property(self, name: str) -> DeviceProperty | None:
+    @cached_property
+    def _property_by_name(self) -> dict[str, DeviceProperty]:
+        by_name: dict[str, DeviceProperty] = {}
         for p in self.properties:
-            if p.name == name:
-                return p
-        return None
+            by_name.setdefault(p.name, p)  # the first of a name, as a scan finds it
+        return by_name
+
+    def property(self, name: str) -> DeviceProperty | None:
+        return self._property_by_name.get(name)
 
 
 @dataclass(frozen=True)

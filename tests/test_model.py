@@ -122,3 +122,16 @@ def test_clock_event_reasons_by_name():
     assert clock_event_reasons_text(0) == "none"
     assert clock_event_reasons_text(0x24) == "sw_power_cap,sw_thermal_slowdown"
     assert not math.isnan(0x24)
+
+
+def test_a_devices_property_lookup_finds_the_first_of_a_name_and_nothing_for_an_unknown_one() -> None:
+    from mapper.model import DeviceConfig, DeviceProperty
+
+    first = DeviceProperty("power_limit", collect_cycle_ms=1000)
+    device = DeviceConfig(
+        "edge", "gpu-0", "gpu-model", "GPU-1", properties=(first, DeviceProperty("power_limit", collect_cycle_ms=5000))
+    )
+    assert device.property("power_limit") is first
+    assert device.property("temperature") is None
+    assert device.key == "edge/gpu-0"
+    assert device == DeviceConfig("edge", "gpu-0", "gpu-model", "GPU-1", properties=device.properties)
