@@ -758,6 +758,32 @@ _STEADY_DECISIONS: dict[bool, Decision] = {
 }
 
 
+def _current_limit_w(ctx: PolicyContext, values: Mapping[str, Value]) -> float | None:
+    """The power limit in force: the context's, else the sample's."""
+    current_w = ctx.current_power_limit_w
+    return current_w if current_w is not None else _num(values, "power_limit")
+
+
+def _limit_books(
+    state: PolicyState, current_w: float | None, tightest: float | None
+) -> tuple[float | None, float | None]:
+    """(applied, baseline) after a decision whose tightest emitted limit is ``tightest``. The cap we imposed is
+    remembered until the GPU's reading moves off it (the reconciler may lag a cycle), so the pre-policy baseline
+    is never learnt from our own cap."""
+    applied = tightest
+    if (
+        applied is None
+        and state.applied_w is not None
+        and current_w is not None
+        and abs(current_w - state.applied_w) < 0.5
+    ):
+        applied = state.applied_w
+    baseline = state.baseline_w if state.baseline_w is not None else current_w
+    if applied is None and current_w is not None:
+        baseline = current_w
+    return applied, baseline
+
+
 def _steady(
     state: PolicyState, values: Mapping[str, Value], ctx: PolicyContext, config: PolicyConfig, now_s: float
 ) -> tuple[PolicyState, Decision] | None:
@@ -806,15 +832,7 @@ def _steady(
                 if power.idle_since_s is None:
                     power = PowerSavingState(idle_since, False, power.cap_w)
     # No limit: the bookkeeping of ``_decide_full`` with ``emitted`` empty.
-    current_w = ctx.current_power_limit_w
-    if current_w is None:
-        current_w = _num(values, "power_limit")
-    applied = state.applied_w
-    if applied is not None and (current_w is None or not abs(current_w - applied) < 0.5):
-        applied = None
-    baseline = state.baseline_w if state.baseline_w is not None else current_w
-    if applied is None and current_w is not None:
-        baseline = current_w
+    applied, baseline = _limit_books(state, _current_limit_w(ctx, values), None)
     decision = _STEADY_DECISIONS[config.dry_run]
     if (
         thermal is state.thermal
@@ -836,9 +854,7 @@ def _decide_full(
 ) -> tuple[PolicyState, Decision]:
     """``decide`` the long way, for every case (``_steady`` covers the usual one); events carry ``uuid``."""
     run = _Run(config, ctx, uuid, now_s, _num(sample_values, "temperature"), _num(sample_values, "utilization_gpu"))
-    current_w = ctx.current_power_limit_w
-    if current_w is None:
-        current_w = _num(sample_values, "power_limit")
+    current_w = _current_limit_w(ctx, sample_values)
     ceiling = _ceiling(state, ctx, current_w)
 
     health = _health(state.health, run, sample_values)
@@ -860,19 +876,7 @@ def _decide_full(
 
     emitted = () if config.dry_run else tuple(limits)
     tightest = min((lim.power_limit_w for lim in emitted if lim.power_limit_w is not None), default=None)
-    # Remember the cap we imposed until the GPU's reading moves off it (the reconciler may lag a cycle), so
-    # the pre-policy baseline is never learnt from our own cap.
-    applied = tightest
-    if (
-        applied is None
-        and state.applied_w is not None
-        and current_w is not None
-        and abs(current_w - state.applied_w) < 0.5
-    ):
-        applied = state.applied_w
-    baseline = state.baseline_w if state.baseline_w is not None else current_w
-    if applied is None and current_w is not None:
-        baseline = current_w
+    applied, baseline = _limit_books(state, current_w, tightest)
     restore = state.baseline_w if state.capped and not emitted else None
 
     parts: list[str] = []
@@ -960,10 +964,8 @@ class PolicyEngine:
     def decide(self, uuid: str, sample_values: Mapping[str, Value], ctx: PolicyContext, now_s: float) -> Decision:
         """``decide`` for one GPU with its own config and state (events carry ``uuid`` when ``ctx`` names no
         GPU); the new state is kept."""
-        old = self._states.get(uuid)
-        if old is None:
-            old = PolicyState()
-        config = self._overrides.get(uuid, self._config)
+        old = self.state(uuid)
+        config = self.config_for(uuid)
         result = _steady(old, sample_values, ctx, config, now_s)
         if result is None:
             result = _decide_full(old, sample_values, ctx, config, now_s, ctx.uuid or uuid)
