@@ -537,27 +537,14 @@ class _Sections:
         else:
             _put_uvarint(data, head)
         for s in seeds:
-            _put_uvarint(data, s << 1 if s >= 0 else (-s << 1) - 1)
-        q = base // g
-        q = q << 1 if q >= 0 else (-q << 1) - 1
+            _put_uvarint(data, _zz(s))
+        q = _zz(base // g)
         if q < 0x80:
             data.append(q)
         else:
             _put_uvarint(data, q)
         if width:
-            # The fields, (x - base) // gcd, straight into one int (as ``_BitWriter.put`` would).
-            chunk = shift = 0
-            if g > 1:
-                for x in seq:
-                    chunk |= (x - base) // g << shift
-                    shift += width
-            else:
-                for x in seq:
-                    chunk |= (x - base) << shift
-                    shift += width
-            bits = self.bits
-            bits.acc |= chunk << bits.nbits
-            bits.nbits += shift
+            self.bits.put([(x - base) // g for x in seq] if g > 1 else [x - base for x in seq], width)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -685,17 +672,6 @@ def _uvarint_bytes(n: int) -> bytes:
 _SERIES_CODE_BYTES: dict[str, bytes] = {name: _uvarint_bytes(code) for name, code in _KNOWN_CODE.items()}
 
 
-def _decimal(v: float) -> tuple[int, int] | None:
-    """``_decimals([v])`` for one value: (decimals, v times 10**decimals), or None."""
-    if not abs(v) < _DEC_LIMIT or (v == 0.0 and math.copysign(1.0, v) < 0):
-        return None
-    for d, scale in enumerate(_POWERS_OF_TEN):
-        i = round(v * scale)
-        if abs(i) < _DEC_LIMIT and i / scale == v:
-            return d, i
-    return None
-
-
 def _encode_dense_columns(
     out: _Sections, names: Sequence[str], codes: Sequence[int], cols: Sequence[Sequence[Any]], header_uuid: str
 ) -> None:
@@ -725,7 +701,7 @@ def _encode_dense_columns(
                     _encode_series(out, name, range(n), values, vtype, n, header_uuid)
                     continue
                 # Values equal to a float other than zero, or the same NaN object, have its very bits.
-                dec = _decimal(v0)
+                dec = _decimals((v0,))
                 meta += prefix
                 if dec is None:
                     meta.append(_T_XOR | _K_DENSE | _K_CONST)
@@ -733,7 +709,7 @@ def _encode_dense_columns(
                 else:
                     meta.append(_T_DEC | _K_DENSE | _K_CONST)
                     meta.append(dec[0])  # at most _MAX_DECIMALS: one byte
-                    put_uvarint(meta, _zz(dec[1]))
+                    put_uvarint(meta, _zz(dec[1][0]))
             elif vtype == _T_STR:
                 meta += prefix
                 meta.append(_T_STR | _K_DENSE | _K_CONST)
