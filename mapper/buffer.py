@@ -177,14 +177,30 @@ def _batches(n: int) -> str:
     return "batch" if n == 1 else f"{n} batches"
 
 
-def _refusal(device: str, seq: int, topic: str, qos: int, ts_first_ms: int, ts_last_ms: int, where: str) -> str:
-    """Why a batch is refused (it has one of the faults ``put`` checks for)."""
+def _checked_row(
+    device: str,
+    uuid: str,
+    boot_id: str,
+    seq: int,
+    ts_first_ms: int,
+    ts_last_ms: int,
+    topic: str,
+    payload: bytes,
+    qos: int,
+    retain: bool,
+    address: str,
+    where: str,
+) -> _Row:
+    """A batch as ``_store`` inserts it; ValueError naming the batch (``where``: its place in a call) and its
+    fault when it has an empty topic, a QoS other than 0, 1, 2, or ``ts_last_ms`` before ``ts_first_ms``."""
+    if topic and qos in (0, 1, 2) and ts_last_ms >= ts_first_ms:
+        return (device, uuid, boot_id, topic, qos, bool(retain), address), ts_last_ms, payload
     what = f"batch {device} seq {seq}{where}"
     if not topic:
-        return f"{what}: empty topic"
+        raise ValueError(f"{what}: empty topic")
     if qos not in (0, 1, 2):
-        return f"{what}: qos must be 0, 1 or 2, got {qos}"
-    return f"{what}: ts_last_ms {ts_last_ms} is before ts_first_ms {ts_first_ms}"
+        raise ValueError(f"{what}: qos must be 0, 1 or 2, got {qos}")
+    raise ValueError(f"{what}: ts_last_ms {ts_last_ms} is before ts_first_ms {ts_first_ms}")
 
 
 def _extend(runs: list[tuple[int, str]], row_id: int, reason: str) -> None:
@@ -446,9 +462,10 @@ class Buffer:
     ) -> int:
         """Store one batch (committed when this returns) and return its id; the bounds are enforced in the same
         transaction. ``put_many`` with one item."""
-        if not topic or qos not in (0, 1, 2) or ts_last_ms < ts_first_ms:
-            raise ValueError(_refusal(device, seq, topic, qos, ts_first_ms, ts_last_ms, ""))
-        return self._store((((device, uuid, boot_id, topic, qos, bool(retain), address), ts_last_ms, payload),))
+        row = _checked_row(
+            device, uuid, boot_id, seq, ts_first_ms, ts_last_ms, topic, payload, qos, retain, address, ""
+        )
+        return self._store((row,))
 
     def put_many(self, items: Sequence[BatchFields]) -> list[int]:
         """Store several batches in ONE transaction (committed when this returns) and return their ids, in order.
@@ -460,15 +477,23 @@ class Buffer:
         dropping, or nothing left to drop) means none of them was stored, each counted as a ``disk_full`` drop.
         """
         n = len(items)
-        rows: list[_Row] = []
-        for i, it in enumerate(items):
-            topic, qos = it.topic, it.qos
-            if not topic or qos not in (0, 1, 2) or it.ts_last_ms < it.ts_first_ms:
-                where = f" (item {i} of {n})" if n > 1 else ""
-                raise ValueError(_refusal(it.device, it.seq, topic, qos, it.ts_first_ms, it.ts_last_ms, where))
-            rows.append(
-                ((it.device, it.uuid, it.boot_id, topic, qos, bool(it.retain), it.address), it.ts_last_ms, it.payload)
+        rows = [
+            _checked_row(
+                it.device,
+                it.uuid,
+                it.boot_id,
+                it.seq,
+                it.ts_first_ms,
+                it.ts_last_ms,
+                it.topic,
+                it.payload,
+                it.qos,
+                it.retain,
+                it.address,
+                f" (item {i} of {n})" if n > 1 else "",
             )
+            for i, it in enumerate(items)
+        ]
         if not rows:
             return []
         first_id = self._store(rows)
