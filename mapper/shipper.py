@@ -20,11 +20,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from mapper.clock import Clock
 from mapper.errors import MapperError, PermanentError, TransientError
 from mapper.telemetry import EncodedBatch, Route, default_topic, state_topic
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -225,15 +227,12 @@ class TelemetryShipper:
             )
             for batch, route in pairs
         ]
-        try:
-            ids = self.buffer.put_many(items)
-        except TransientError as exc:
-            self.buffer_failures += len(items)
-            what = ", ".join(f"{it.device} seq {it.seq}" for it in items)
-            log.error("telemetry: %s not stored: %s", f"batch {what}" if len(items) == 1 else f"batches {what}", exc)
+        listed = ", ".join(f"{it.device} seq {it.seq}" for it in items)
+        what = f"telemetry: batch {listed}" if len(items) == 1 else f"telemetry: batches {listed}"
+        ids = self._store(what, lambda: self.buffer.put_many(items), len(items))
+        if ids is None:
             return [None] * len(items)
         self.submitted_batches += len(ids)
-        self._wake.set()
         return list(ids)
 
     def submit_message(
@@ -260,16 +259,17 @@ class TelemetryShipper:
             self.submitted_messages += 1
         return message_id
 
-    def _store(self, what: str, put: Callable[[], int]) -> int | None:
-        """Run ``put`` (one ``buffer.put``) and wake the loop; a buffer that cannot store it is counted and logged."""
+    def _store(self, what: str, put: Callable[[], _T], count: int = 1) -> _T | None:
+        """Run ``put`` (one buffer write of ``count`` rows) and wake the loop; a buffer that cannot store them is
+        counted (``count`` failures) and logged, and None returned."""
         try:
-            row_id = put()
+            stored = put()
         except TransientError as exc:
-            self.buffer_failures += 1
+            self.buffer_failures += count
             log.error("%s not stored: %s", what, exc)
             return None
         self._wake.set()
-        return row_id
+        return stored
 
     def update_state(self, device: str, payload: bytes) -> None:
         """Keep a device's latest state snapshot (published retained first on every reconnect, and soon now)."""
