@@ -338,10 +338,9 @@ class MapperApp:
         # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
         # stored yet (a collector that crashed in the middle of publishing its round).
         if self.shipper is not None:
-            self._store_round_batches()
             for telemetry in self.telemetry.values():
-                for route, batch in telemetry.flush():
-                    self.shipper.submit(batch, route)
+                self._round_batches.extend((batch, route) for route, batch in telemetry.flush())
+            self._store_round_batches()
             with contextlib.suppress(Exception):
                 await self.shipper.stop(timeout_s=2.0)
         if self.session is not None and self.session.connected:
