@@ -8,10 +8,13 @@ from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
 
 from mapper.metrics import (
     EXPORTED_PROPERTIES,
     GPU_LABELS,
+    TextRenderer,
     build_registry,
     metric_names,
     render_metrics,
@@ -324,3 +327,71 @@ def test_promtool_check_metrics_accepts_the_output() -> None:
     proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
     assert proc.stdout.strip() == b"" and proc.stderr.strip() == b"", "promtool has lint remarks"
+
+
+# --- the text renderer: generate_latest's bytes, cheaper -----------------------------------------------------------
+
+
+class _Families:
+    """A collector of fixed families, for ``generate_latest``."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def awkward_snapshot() -> MapperSnapshot:
+    """Label values that need escaping, values that need Go's float format, a GPU without a sample."""
+    snap = make_snapshot()
+    h100, t4 = snap.gpus
+    assert h100.sample is not None
+    odd_info = replace(h100.info, name='NVIDIA "H100"\\ line\nbreak', driver_version="550.54.15 \u00e9")
+    big = {**h100.sample.values, "energy_consumption": 12_345_678.5, "pcie_tx": 1e21, "power_usage": -0.0}
+    odd = replace(h100, info=odd_info, sample=replace(h100.sample, values=big), policy_state='thermal "hold"')
+    bare = replace(t4, sample=None)
+    return replace(snap, gpus=(odd, bare))
+
+
+@pytest.mark.parametrize("make", [make_snapshot, awkward_snapshot, lambda: MapperSnapshot(node="edge1")])
+def test_the_renderer_writes_exactly_what_generate_latest_writes(make: object) -> None:
+    snap = make()  # type: ignore[operator]
+    reg = scrape(snap)
+    expected = generate_latest(reg)
+    renderer = TextRenderer()
+    assert render_metrics(reg, renderer) == expected
+    assert render_metrics(reg, renderer) == expected, "the second scrape (label texts from the cache) differs"
+    assert render_metrics(reg) == expected
+
+
+def test_the_renderer_handles_created_timestamps_histograms_and_other_types_like_generate_latest() -> None:
+    counter = CounterMetricFamily("jobs", "jobs done\nby kind \\ source", labels=("kind",))
+    counter.add_metric(["a"], 3, created=1_700_000_000.25)
+    counter.add_metric(['b"\\'], 4.5, timestamp=1_700_000_001.5)
+    gauge = GaugeMetricFamily("temp_celsius", "temperature", labels=("z", "a", "m"))
+    for value in (float("inf"), float("-inf"), float("nan"), 1e6, 999_999.5, 2.5e-7, -3e20, 0, 7):
+        gauge.add_metric(["z1", f"a{value}", "m"], value)
+    hist = HistogramMetricFamily("wait_seconds", "waits", labels=("where",))
+    hist.add_metric(["here"], [("0.1", 1.0), ("1e+06", 2.0), ("+Inf", 3.0)], sum_value=4.25)
+    plain = Metric("raw_thing", "no type", "unknown")
+    plain.add_sample("raw_thing", {}, 1.0)
+    info = Metric("build", "build info", "info")
+    info.add_sample("build_info", {"version": "1"}, 1.0)
+    families = [counter, gauge, hist, plain, info]
+    assert TextRenderer().render(families) == generate_latest(_Families(families))
+
+
+def test_label_texts_kept_between_scrapes_follow_changed_labels_and_the_cache_bound() -> None:
+    renderer = TextRenderer(max_label_sets=3)
+    first = make_snapshot()
+    assert renderer.render(scrape(first).collect()) == generate_latest(scrape(first))
+    h100 = replace(first.gpus[0], policy_state="thermal-throttle", device="default/renamed")
+    second = replace(first, gpus=(h100,))
+    text = renderer.render(scrape(second).collect())
+    assert text == generate_latest(scrape(second))
+    assert b'device="renamed"' in text and b"edge1-gpu0" not in text
+    assert b'state="thermal-throttle"' in text
+    # Past its bound the cache started afresh: it holds the second scrape's label sets only.
+    label_sets = {tuple(s.labels.items()) for fam in scrape(second).collect() for s in fam.samples if s.labels}
+    assert len(renderer._label_texts) == len(label_sets)
