@@ -34,6 +34,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import IO, Any, Literal, NamedTuple, cast
 
 import zstandard
@@ -432,35 +433,56 @@ def _order_cost(base: int, g: int, width: int, count: int) -> int:
 def _plan_fields(values: Sequence[int]) -> _PlanFields:
     """``_int_plan`` as a plain tuple, the three orders written out (this runs for every changing int or decimal
     column of every batch). On a tie the lower order wins. The gcd of every x - base is the gcd of the
-    differences: each is a sum of consecutive differences."""
-    sub, gcd = operator.sub, math.gcd
+    differences: each is a sum of consecutive differences.
+
+    Each order costs a handful of C calls (one ``sorted`` gives both ends of a column, cheaper than ``min`` and
+    ``max``); the usual head (no gcd, a one-byte base and width) is costed inline, ``_order_cost`` does the rest."""
+    sub, gcd, order_cost = operator.sub, math.gcd, _order_cost
     n = len(values)
     d1 = list(map(sub, values[1:], values))
-    base = min(values)
+    ends = sorted(values)
+    base = ends[0]
     g = gcd(*d1) or 1
-    width = ((max(values) - base) // g).bit_length()
-    best: _PlanFields = (0, [], base, g, width, values, _order_cost(base, g, width, n))
+    width = ((ends[-1] - base) // g).bit_length()
+    cost = 2 + (n * width + 7) // 8 if g == 1 and -64 <= base < 64 and width < 32 else order_cost(base, g, width, n)
+    best: _PlanFields = (0, [], base, g, width, values, cost)
     # Width 0 (a constant sequence): each further order costs one byte more (a seed repeats the base, and the new
     # base is 0), so it cannot win; nor is there a further order below 3 values.
     if n < 3 or width == 0:
         return best
     s0 = values[0]
-    seeds_cost = _zz_len(s0)
+    seeds_cost = 1 if -64 <= s0 < 64 else _zz_len(s0)
     d2 = list(map(sub, d1[1:], d1))
-    base = min(d1)
+    ends = sorted(d1)
+    base = ends[0]
     g = gcd(*d2) or 1
-    width = ((max(d1) - base) // g).bit_length()
-    cost = seeds_cost + _order_cost(base, g, width, n - 1)
+    width = ((ends[-1] - base) // g).bit_length()
+    if g == 1 and -64 <= base < 64 and width < 32:
+        cost = seeds_cost + 2 + ((n - 1) * width + 7) // 8
+    else:
+        cost = seeds_cost + order_cost(base, g, width, n - 1)
     if cost < best[6]:
         best = (1, [s0], base, g, width, d1, cost)
     if n < 4 or width == 0:
         return best
     s1 = d1[0]
-    seeds_cost += _zz_len(s1)
-    base = min(d2)
-    g = gcd(*map(sub, d2[1:], d2)) or 1
-    width = ((max(d2) - base) // g).bit_length()
-    cost = seeds_cost + _order_cost(base, g, width, n - 2)
+    seeds_cost += 1 if -64 <= s1 < 64 else _zz_len(s1)
+    ends = sorted(d2)
+    base = ends[0]
+    span = ends[-1] - base
+    # The gcd of the third differences divides the first of them and d2's range (a sum of some of them), so the
+    # gcd of those two is a multiple of it: when 1, it is the gcd; else it bounds the width from below, and the
+    # third differences are worked out only when that bound does not rule the order out already.
+    g = gcd(d2[1] - d2[0], span) or 1
+    if g > 1:
+        if seeds_cost + 2 + ((n - 2) * (span // g).bit_length() + 7) // 8 >= best[6]:
+            return best
+        g = gcd(*map(sub, d2[1:], d2))
+    width = (span // g).bit_length()
+    if g == 1 and -64 <= base < 64 and width < 32:
+        cost = seeds_cost + 2 + ((n - 2) * width + 7) // 8
+    else:
+        cost = seeds_cost + order_cost(base, g, width, n - 2)
     if cost < best[6]:
         best = (2, [s0, s1], base, g, width, d2, cost)
     return best
@@ -475,16 +497,24 @@ class _BitWriter:
         self.acc = 0
         self.nbits = 0
 
-    def put(self, numbers: Iterable[int], width: int) -> None:
-        if width == 0:
-            return
-        # Pack the (few) numbers into a small int first: the stream's own int is shifted and copied once.
-        chunk = shift = 0
-        for n in numbers:
-            chunk |= n << shift
-            shift += width
-        self.acc |= chunk << self.nbits
-        self.nbits += shift
+    def put(self, numbers: Sequence[int], width: int) -> None:
+        if width:
+            # The fields side by side as one int, summed in C (the fields do not overlap, so + is |); the stream's
+            # own int is shifted and copied once per call.
+            shift = len(numbers) * width
+            self.acc |= sum(map(operator.lshift, numbers, range(0, shift, width))) << self.nbits
+            self.nbits += shift
+
+    def put_offsets(self, seq: Sequence[int], base: int, g: int, width: int) -> None:
+        """``put`` of ``(x - base) // g`` for each x of ``seq`` (each a multiple of g above base). The fields are
+        not built one by one: the sum of ``(x - base) << shift`` is g times the packed fields, exactly."""
+        if width:
+            shift = len(seq) * width
+            chunk = sum(
+                map(operator.lshift, map(operator.sub, seq, repeat(base)) if base else seq, range(0, shift, width))
+            )
+            self.acc |= (chunk // g if g > 1 else chunk) << self.nbits
+            self.nbits += shift
 
     def bytes(self) -> bytes:
         return self.acc.to_bytes((self.nbits + 7) // 8, "little")
@@ -543,8 +573,7 @@ class _Sections:
             data.append(q)
         else:
             _put_uvarint(data, q)
-        if width:
-            self.bits.put([(x - base) // g for x in seq] if g > 1 else [x - base for x in seq], width)
+        self.bits.put_offsets(seq, base, g, width)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -738,7 +767,7 @@ def _encode_dense_columns(
             for text in words:
                 _put_word(meta, text, header_uuid)
             index = dict(zip(words, range(len(words)), strict=True))
-            out.bits.put(map(index.__getitem__, values), (len(words) - 1).bit_length())
+            out.bits.put(list(map(index.__getitem__, values)), (len(words) - 1).bit_length())
         else:  # XOR floats, changing bools
             _encode_series(out, name, range(n), values, vtype, n, header_uuid)
 

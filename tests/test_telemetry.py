@@ -208,6 +208,15 @@ int_columns = st.one_of(
         st.sampled_from([1, 2, 6, 1024]),
         st.integers(2, 25),
     ),
+    # A bend with a little noise, all times k: the second differences are nearly even and share k, so the
+    # delta-of-deltas order competes with a gcd above 1 (the planner's bound on their width, and past it).
+    st.builds(
+        lambda start, bend, k, noise: [k * (start + bend * i * i + e) for i, e in enumerate(noise)],
+        st.integers(-(2**40), 2**40),
+        st.integers(-500, 500),
+        st.sampled_from([1, 3, 6, 1024]),
+        st.lists(st.sampled_from([0, 0, 0, 1, -1, 2]), min_size=4, max_size=25),
+    ),
 )
 
 
