@@ -636,6 +636,9 @@ class Reconciler:
         self._last_set: dict[str, Value] = {}
         #: The last ack key per property (status text, raw, version) to publish only changes.
         self._acked: dict[str, tuple[object, ...]] = {}
+        #: The result of the last idle step, handed out again while idle steps see the same values dict: nothing
+        #: an idle step reports can change until a step that is not idle (which drops it) or ``invalidate``.
+        self._idle_cached: ReconcileResult | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def invalidate(self) -> None:
@@ -644,6 +647,7 @@ class Reconciler:
         self._constraints = None
         self._last_set.clear()
         self._groups.clear()
+        self._idle_cached = None
 
     def constraints(self) -> Constraints:
         """The GPU's constraints, read once and cached (re-read after ``invalidate``); unknown on error."""
@@ -709,6 +713,7 @@ class Reconciler:
         limits = list(limits)
         if constraints is None and self._constraints is not None and self._idle(desired, limits, restore):
             return self._idle_result(observed_sample)
+        self._idle_cached = None  # this step may count actions, set values or keep books an idle result shows
         now_s = self.clock.monotonic()
         cons = constraints if constraints is not None else self.constraints()
         observed = self._observed(observed_sample)
@@ -810,6 +815,10 @@ class Reconciler:
         )
 
     def _idle_result(self, observed_sample: Sample | Mapping[str, Value] | None) -> ReconcileResult:
+        """What an idle step returns: no statuses, actions or acks, the counters, and the values it was given
+        (with what this reconciler set filled in). The GPU loop hands in the same values dict every cycle, so
+        the result made for it is kept and returned again (counters and ``_last_set`` only change in a step
+        that is not idle, which drops it): no copy of the counters and no new result per GPU per cycle."""
         observed: Mapping[str, Value]
         if self._last_set:
             observed = self._observed(observed_sample)
@@ -817,9 +826,12 @@ class Reconciler:
             if observed_sample.uuid != self.uuid:
                 raise ValueError(f"Reconciler of GPU {self.uuid} was given a sample of GPU {observed_sample.uuid}")
             observed = observed_sample.values
+            cached = self._idle_cached
+            if cached is not None and cached.observed is observed:
+                return cached
         else:
             observed = observed_sample or {}
-        return ReconcileResult(
+        result = self._idle_cached = ReconcileResult(
             uuid=self.uuid,
             statuses={},
             actions=(),
@@ -829,6 +841,7 @@ class Reconciler:
             restored=frozenset(),
             observed=observed,
         )
+        return result
 
     def _observed(self, sample: Sample | Mapping[str, Value] | None) -> dict[str, Value]:
         values: Mapping[str, Value]

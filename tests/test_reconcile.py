@@ -952,3 +952,30 @@ def test_a_gpu_with_nothing_desired_is_not_planned_each_cycle_and_leaves_idle_at
     applied = rig.cycle()
     assert rig.gpu.power_limit_mw == 450_000
     assert [a.property for a in applied.acks] == ["power_limit"]
+
+
+def test_idle_steps_on_the_same_values_share_one_result_until_a_real_step_changes_the_counters(rig: Rig) -> None:
+    rig.reconciler.constraints()
+    values = dict(rig.backend.sample(rig.uuid).values)
+    first = rig.reconciler.step({}, Sample(rig.uuid, 1, values))
+    again = rig.reconciler.step({}, Sample(rig.uuid, 2, values))
+    assert again is first, "the GPU loop's values dict did not change: the idle result is kept"
+    assert again.observed is values
+    other = dict(values)
+    fresh = rig.reconciler.step({}, Sample(rig.uuid, 3, other))
+    assert fresh is not first and fresh.observed is other
+    # A policy cap is enforced (an action counted), lifted (the default restored), then the GPU is idle again:
+    # the idle result now shows the new counts, not the ones kept from before.
+    rig.cycle(limits=[PolicyLimit("thermal", 500.0, "too hot")])
+    for _ in range(5):
+        rig.cycle()
+    assert rig.reconciler.counters.actions.get(("power_limit", "ok"), 0) >= 2
+    idle = rig.reconciler.step({}, Sample(rig.uuid, 4, other))
+    assert idle is not fresh
+    assert idle.counters == rig.reconciler.counters
+    assert idle.counters is not rig.reconciler.counters, "a result holds a copy, not the live counters"
+    assert fresh.counters.actions == {}, "the earlier result kept the counts of its own time"
+    # A driver reload (invalidate) drops the kept result as well.
+    rig.reconciler.invalidate()
+    rig.reconciler.constraints()
+    assert rig.reconciler.step({}, Sample(rig.uuid, 5, other)) is not idle
