@@ -13,7 +13,7 @@ import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from mapper.clock import Clock, next_on_grid
 from mapper.desired import DesiredState, DesiredValue
@@ -47,9 +47,9 @@ class TickResult:
     error: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class TickStart:
-    """What ``GpuWorker.begin`` found due, handed to ``finish`` with the sample of ``names``."""
+class TickStart(NamedTuple):
+    """What ``GpuWorker.begin`` found due, handed to ``finish`` with the sample of ``names``. (A NamedTuple: one
+    is made per GPU per cycle, and a frozen dataclass costs several times as much to build.)"""
 
     now_s: float
     groups: list[int]
@@ -100,6 +100,8 @@ class GpuWorker:
     on_change: Callable[[], None] | None = None
     #: Called by ``wake`` (the composition root's collector loop, which ticks every GPU in one task).
     notify: Callable[[], None] | None = None
+    #: The policies' context of the last step without events, used again while its inputs are the same.
+    _context: PolicyContext | None = None
 
     @property
     def uuid(self) -> str:
@@ -257,13 +259,24 @@ class GpuWorker:
         if events:
             self.pending_events = []
         effective = self.desired.effective()
-        ctx = PolicyContext(
-            constraints=self.constraints,
-            desired_power_limit_w=_power_limit_w(effective),
-            events=tuple(events),
-            gpu_lost=self.lost,
-            uuid=self.uuid,
-        )
+        desired_w = _power_limit_w(effective)
+        ctx = self._context
+        if (
+            events
+            or ctx is None
+            or ctx.constraints is not self.constraints
+            or ctx.desired_power_limit_w != desired_w
+            or ctx.gpu_lost != self.lost
+        ):
+            ctx = PolicyContext(
+                constraints=self.constraints,
+                desired_power_limit_w=desired_w,
+                events=tuple(events),
+                gpu_lost=self.lost,
+                uuid=self.uuid,
+            )
+            # Kept for the next step unless it carries events (those are for this step only).
+            self._context = None if events else ctx
         decision = self.policies.decide(self.uuid, self.values, ctx, now_s)
         result.decision = decision
         self.policy_state = decision.policy_state

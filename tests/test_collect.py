@@ -12,7 +12,7 @@ from mapper.clock import FakeClock
 from mapper.collect import DUE_SLACK_S, GpuWorker
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import NVML_PROPERTIES, PROPERTY_BY_NAME, DeviceConfig, DeviceProperty, Sample
+from mapper.model import NVML_PROPERTIES, PROPERTY_BY_NAME, DeviceConfig, DeviceProperty, GpuEvent, Sample
 from mapper.policy import PolicyEngine
 from mapper.reconcile import Reconciler
 
@@ -330,3 +330,42 @@ async def test_finish_takes_a_sampling_error_as_tick_would(rig: Any) -> None:
     assert worker.next_due_s() == pytest.approx(start.now_s + 0.5), "retried after the error's retry_after_s"
     lost = await worker.finish(worker.begin(), GpuLostError("gone"))
     assert worker.lost and worker.state == "offline" and lost.state_changed
+
+
+class SeenContexts(PolicyEngine):
+    """The policy engine, keeping every context it was asked to decide with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contexts: list[Any] = []
+
+    def decide(self, uuid: str, sample_values: Any, ctx: Any, now_s: float) -> Any:
+        self.contexts.append(ctx)
+        return super().decide(uuid, sample_values, ctx, now_s)
+
+
+async def test_the_policies_see_each_event_once_and_every_change_of_desired_cap_constraints_or_loss(rig: Any) -> None:
+    worker, _, sim, clock = rig
+    seen = worker.policies = SeenContexts()
+    await worker.tick()
+    clock.advance(1.0)
+    await worker.tick()
+    first, second = seen.contexts
+    assert second is first, "nothing changed: the context is used again"
+    assert first.constraints == worker.constraints and first.constraints.power_limit_max_w > 0
+    event = GpuEvent(uuid=worker.uuid, ts_ms=1, kind="xid", xid=13, detail="XID 13")
+    worker.pending_events.append(event)
+    clock.advance(1.0)
+    await worker.tick()
+    clock.advance(1.0)
+    await worker.tick()
+    with_event, after = seen.contexts[2:]
+    assert with_event.events == (event,) and after.events == ()
+    worker.desired.set("power_limit", "450", "cloud", 1_000)
+    clock.advance(1.0)
+    await worker.tick()
+    assert seen.contexts[-1].desired_power_limit_w == 450.0
+    sim.inject_gpu_lost(worker.uuid)
+    clock.advance(1.0)
+    await worker.tick()
+    assert worker.lost and seen.contexts[-1].gpu_lost is True
