@@ -26,6 +26,7 @@ type; the decoder merges them back by row.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import operator
@@ -34,7 +35,6 @@ import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import IO, Any, Literal, NamedTuple, cast
 
 import zstandard
@@ -226,6 +226,10 @@ def _put_uvarint(out: bytearray, n: int) -> None:
     if n < 0x80:  # the usual case: one byte
         out.append(n)
         return
+    if n < 0x4000:  # the next most usual: two
+        out.append(n & 0x7F | 0x80)
+        out.append(n >> 7)
+        return
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
@@ -252,7 +256,10 @@ def _put_word(meta: bytearray, text: str, header_uuid: str) -> None:
         meta.append(0)
     else:
         raw = text.encode("utf-8")
-        _put_uvarint(meta, len(raw) + 1)
+        if len(raw) < 0x7F:
+            meta.append(len(raw) + 1)
+        else:
+            _put_uvarint(meta, len(raw) + 1)
         meta += raw
 
 
@@ -422,11 +429,12 @@ def _zz_len(n: int) -> int:
 
 def _order_cost(base: int, g: int, width: int, count: int) -> int:
     """The bytes of one order's coding but its seeds: the base (div gcd), the gcd and base mod gcd when the gcd is
-    above 1, the width and the ``count`` fields of ``width`` bits."""
+    above 1, the width and the ``count`` fields of ``width`` bits. (``_zz_len`` is written out: a plan calls this
+    for each order whose base is not a small number or whose gcd is above 1.)"""
+    q = base // g
+    cost = 1 if -64 <= q < 64 else ((q << 1 if q >= 0 else (-q << 1) - 1).bit_length() + 6) // 7
     if g > 1:
-        cost = _zz_len(base // g) + (((base % g).bit_length() + 6) // 7 or 1) + (g.bit_length() + 6) // 7
-    else:
-        cost = 1 if -64 <= base < 64 else _zz_len(base)
+        cost += (((base % g).bit_length() + 6) // 7 or 1) + (g.bit_length() + 6) // 7
     return cost + (1 if width < 32 else ((width << 2).bit_length() + 6) // 7) + (count * width + 7) // 8
 
 
@@ -436,7 +444,9 @@ def _plan_fields(values: Sequence[int]) -> _PlanFields:
     differences: each is a sum of consecutive differences.
 
     Each order costs a handful of C calls (one ``sorted`` gives both ends of a column, cheaper than ``min`` and
-    ``max``); the usual head (no gcd, a one-byte base and width) is costed inline, ``_order_cost`` does the rest."""
+    ``max``); the usual head (no gcd, a width below 32) is costed inline, ``_order_cost`` does the rest. The bytes of
+    x as a zigzag varint are ``((~x if x < 0 else x).bit_length() + 7) // 7``: zigzag doubles x >= 0 (one bit more)
+    and maps x < 0 to 2 * ~x + 1."""
     sub, gcd, order_cost = operator.sub, math.gcd, _order_cost
     n = len(values)
     d1 = list(map(sub, values[1:], values))
@@ -444,21 +454,24 @@ def _plan_fields(values: Sequence[int]) -> _PlanFields:
     base = ends[0]
     g = gcd(*d1) or 1
     width = ((ends[-1] - base) // g).bit_length()
-    cost = 2 + (n * width + 7) // 8 if g == 1 and -64 <= base < 64 and width < 32 else order_cost(base, g, width, n)
+    if g == 1 and width < 32:  # the usual head: the base as a zigzag varint, the width in one byte
+        cost = ((~base if base < 0 else base).bit_length() + 7) // 7 + 1 + (n * width + 7) // 8
+    else:
+        cost = order_cost(base, g, width, n)
     best: _PlanFields = (0, [], base, g, width, values, cost)
     # Width 0 (a constant sequence): each further order costs one byte more (a seed repeats the base, and the new
     # base is 0), so it cannot win; nor is there a further order below 3 values.
     if n < 3 or width == 0:
         return best
     s0 = values[0]
-    seeds_cost = 1 if -64 <= s0 < 64 else _zz_len(s0)
+    seeds_cost = ((~s0 if s0 < 0 else s0).bit_length() + 7) // 7
     d2 = list(map(sub, d1[1:], d1))
     ends = sorted(d1)
     base = ends[0]
     g = gcd(*d2) or 1
     width = ((ends[-1] - base) // g).bit_length()
-    if g == 1 and -64 <= base < 64 and width < 32:
-        cost = seeds_cost + 2 + ((n - 1) * width + 7) // 8
+    if g == 1 and width < 32:
+        cost = seeds_cost + ((~base if base < 0 else base).bit_length() + 7) // 7 + 1 + ((n - 1) * width + 7) // 8
     else:
         cost = seeds_cost + order_cost(base, g, width, n - 1)
     if cost < best[6]:
@@ -466,7 +479,7 @@ def _plan_fields(values: Sequence[int]) -> _PlanFields:
     if n < 4 or width == 0:
         return best
     s1 = d1[0]
-    seeds_cost += 1 if -64 <= s1 < 64 else _zz_len(s1)
+    seeds_cost += ((~s1 if s1 < 0 else s1).bit_length() + 7) // 7
     ends = sorted(d2)
     base = ends[0]
     span = ends[-1] - base
@@ -479,8 +492,8 @@ def _plan_fields(values: Sequence[int]) -> _PlanFields:
             return best
         g = gcd(*map(sub, d2[1:], d2))
     width = (span // g).bit_length()
-    if g == 1 and -64 <= base < 64 and width < 32:
-        cost = seeds_cost + 2 + ((n - 2) * width + 7) // 8
+    if g == 1 and width < 32:
+        cost = seeds_cost + ((~base if base < 0 else base).bit_length() + 7) // 7 + 1 + ((n - 2) * width + 7) // 8
     else:
         cost = seeds_cost + order_cost(base, g, width, n - 2)
     if cost < best[6]:
@@ -506,13 +519,14 @@ class _BitWriter:
             self.nbits += shift
 
     def put_offsets(self, seq: Sequence[int], base: int, g: int, width: int) -> None:
-        """``put`` of ``(x - base) // g`` for each x of ``seq`` (each a multiple of g above base). The fields are
-        not built one by one: the sum of ``(x - base) << shift`` is g times the packed fields, exactly."""
+        """``put`` of ``(x - base) // g`` for each x of ``seq`` (each a multiple of g above base), without making
+        the fields one by one: the sum of ``x << shift`` less ``base`` times the sum of ``1 << shift`` (a repunit in
+        base 2**width) is the sum of ``(x - base) << shift``, which is g times the packed fields."""
         if width:
             shift = len(seq) * width
-            chunk = sum(
-                map(operator.lshift, map(operator.sub, seq, repeat(base)) if base else seq, range(0, shift, width))
-            )
+            chunk = sum(map(operator.lshift, seq, range(0, shift, width)))
+            if base:
+                chunk -= base * (((1 << shift) - 1) // ((1 << width) - 1))
             self.acc |= (chunk // g if g > 1 else chunk) << self.nbits
             self.nbits += shift
 
@@ -555,20 +569,24 @@ class _Sections:
         self.bits = _BitWriter()
 
     def plan(self, plan: _IntPlan | _PlanFields) -> None:
-        """Meta: [gcd, base mod gcd]; data: width << 2 | order, seeds, base (div gcd); bits: fields."""
+        """Meta: [gcd, base mod gcd]; data: width << 2 | order, seeds, base (div gcd); bits: fields. (Zigzag is
+        written out here: this runs for every changing column of every batch.)"""
         order, seeds, base, g, width, seq, _ = plan
         data = self.data
         if g > 1:
             _put_uvarint(self.meta, g)
             _put_uvarint(self.meta, base % g)
+            q = base // g
+        else:
+            q = base
         head = width << 2 | order
         if head < 0x80:
             data.append(head)
         else:
             _put_uvarint(data, head)
         for s in seeds:
-            _put_uvarint(data, _zz(s))
-        q = _zz(base // g)
+            _put_uvarint(data, s << 1 if s >= 0 else (-s << 1) - 1)
+        q = q << 1 if q >= 0 else (-q << 1) - 1
         if q < 0x80:
             data.append(q)
         else:
@@ -605,19 +623,37 @@ _POWERS_OF_TEN = tuple(10**d for d in range(_MAX_DECIMALS + 1))
 
 def _decimals(values: Sequence[float]) -> tuple[int, list[int]] | None:
     """The fewest decimals d such that every value equals round(v * 10**d) / 10**d exactly, with the values
-    times 10**d; None when no d up to ``_MAX_DECIMALS`` does, or a value is not finite, too big or -0.0."""
-    for v in values:
-        if not abs(v) < _DEC_LIMIT or (v == 0.0 and math.copysign(1.0, v) < 0):  # NaN compares false too
-            return None
+    times 10**d; None when no d up to ``_MAX_DECIMALS`` does, or a value is not finite, too big or -0.0.
+
+    The checks a value at a time are only the round trip (usually failing at the first value, for the d too
+    small): -0.0 is looked for only when a zero is there, a NaN or an infinity makes ``round`` raise, and a value
+    beyond the limit makes its int fail the limit test, which is made on the whole column at once."""
+    if 0.0 in values and any(v == 0.0 and math.copysign(1.0, v) < 0 for v in values):
+        return None  # -0.0 equals 0.0 but has other bits
+    try:
+        for d, scale in enumerate(_POWERS_OF_TEN):
+            ints = []
+            for v in values:
+                i = round(v * scale)
+                if i / scale != v:
+                    break  # usually at the first value: try the next d
+                ints.append(i)
+            else:
+                if max(ints) < _DEC_LIMIT and min(ints) > -_DEC_LIMIT:
+                    return d, ints
+    except (ValueError, OverflowError):  # round() of a NaN or an infinity (or of a value too big for 10**d)
+        return None
+    return None
+
+
+def _decimal(value: float) -> tuple[int, int] | None:
+    """``_decimals`` of a single value (a constant column): its decimals d and the value times 10**d."""
+    if not abs(value) < _DEC_LIMIT or (value == 0.0 and math.copysign(1.0, value) < 0):  # NaN compares false too
+        return None
     for d, scale in enumerate(_POWERS_OF_TEN):
-        ints = []
-        for v in values:
-            i = round(v * scale)
-            if not abs(i) < _DEC_LIMIT or i / scale != v:
-                break  # usually at the first value: try the next d
-            ints.append(i)
-        else:
-            return d, ints
+        i = round(value * scale)
+        if i / scale == value and abs(i) < _DEC_LIMIT:
+            return d, i
     return None
 
 
@@ -705,12 +741,15 @@ def _encode_dense_columns(
     out: _Sections, names: Sequence[str], codes: Sequence[int], cols: Sequence[Sequence[Any]], header_uuid: str
 ) -> None:
     """``_encode_series`` of every column of a ``_dense_columns`` batch: the very same bytes, with the usual series
-    (a known name, a constant, an int, decimal or string column) written here without the general case's tests."""
+    (a known name, a constant, an int, decimal or string column) written here without the general case's tests.
+
+    This runs for each of the ~36 columns of every batch, so the loop body is kept short: the kind bytes are
+    precomputed (``_KIND_*``) and the usual constant, a small int, is written with one append."""
     meta = out.meta
     put_uvarint = _put_uvarint
     code_bytes = _SERIES_CODE_BYTES
+    n = len(cols[0]) if cols else 0  # every column has a value in every row
     for name, vtype, values in zip(names, codes, cols, strict=True):
-        n = len(values)
         prefix = code_bytes.get(name)
         if prefix is None:
             _encode_series(out, name, range(n), values, vtype, n, header_uuid)
@@ -720,56 +759,71 @@ def _encode_dense_columns(
         if values.count(v0) == n:
             if vtype == _T_INT:
                 meta += prefix
-                meta.append(_T_INT | _K_DENSE | _K_CONST)
+                meta.append(_KIND_CONST_INT)
                 if 0 <= v0 < 0x40:
                     meta.append(v0 << 1)
                 else:
-                    put_uvarint(meta, _zz(v0))
+                    put_uvarint(meta, v0 << 1 if v0 >= 0 else (-v0 << 1) - 1)
             elif vtype == _T_DEC:
                 if v0 == 0.0:  # 0.0 and -0.0 are equal but differ in bits and coding: the general case
                     _encode_series(out, name, range(n), values, vtype, n, header_uuid)
                     continue
                 # Values equal to a float other than zero, or the same NaN object, have its very bits.
-                dec = _decimals((v0,))
+                dec = _decimal(v0)
                 meta += prefix
                 if dec is None:
-                    meta.append(_T_XOR | _K_DENSE | _K_CONST)
+                    meta.append(_KIND_CONST_XOR)
                     put_uvarint(meta, _bits(v0))
                 else:
-                    meta.append(_T_DEC | _K_DENSE | _K_CONST)
-                    meta.append(dec[0])  # at most _MAX_DECIMALS: one byte
-                    put_uvarint(meta, _zz(dec[1][0]))
+                    scale, i = dec
+                    meta.append(_KIND_CONST_DEC)
+                    meta.append(scale)  # at most _MAX_DECIMALS: one byte
+                    put_uvarint(meta, i << 1 if i >= 0 else (-i << 1) - 1)
             elif vtype == _T_STR:
                 meta += prefix
-                meta.append(_T_STR | _K_DENSE | _K_CONST)
+                meta.append(_KIND_CONST_STR)
                 meta.append(1)  # a dictionary of one string
                 _put_word(meta, v0, header_uuid)
             else:  # bool
                 meta += prefix
-                meta.append(_T_BOOL | _K_DENSE | _K_CONST)
+                meta.append(_KIND_CONST_BOOL)
                 meta.append(1 if v0 else 0)
         elif vtype == _T_INT:
             plan = _plan_fields(values)
             meta += prefix
-            meta.append(_T_INT | _K_DENSE | (_K_GCD if plan[3] > 1 else 0))
+            meta.append(_KIND_INT_GCD if plan[3] > 1 else _KIND_INT)
             out.plan(plan)
         elif vtype == _T_DEC and (decimals := _decimals(values)) is not None:
             plan = _plan_fields(decimals[1])
             meta += prefix
-            meta.append(_T_DEC | _K_DENSE | (_K_GCD if plan[3] > 1 else 0))
+            meta.append(_KIND_DEC_GCD if plan[3] > 1 else _KIND_DEC)
             meta.append(decimals[0])
             out.plan(plan)
         elif vtype == _T_STR:
-            words = dict.fromkeys(values)
+            words = dict.fromkeys(values, 0)  # each string once, in first-seen order; then its index
             meta += prefix
-            meta.append(_T_STR | _K_DENSE)
+            meta.append(_KIND_STR)
             put_uvarint(meta, len(words))
-            for text in words:
+            for i, text in enumerate(words):
                 _put_word(meta, text, header_uuid)
-            index = dict(zip(words, range(len(words)), strict=True))
-            out.bits.put(list(map(index.__getitem__, values)), (len(words) - 1).bit_length())
+                words[text] = i
+            out.bits.put(list(map(words.__getitem__, values)), (len(words) - 1).bit_length())
         else:  # XOR floats, changing bools
             _encode_series(out, name, range(n), values, vtype, n, header_uuid)
+
+
+#: The kind bytes of the dense series ``_encode_dense_columns`` writes itself (module constants: Python does not
+#: fold ``_T_INT | _K_DENSE | _K_CONST`` at compile time).
+_KIND_CONST_INT = _T_INT | _K_DENSE | _K_CONST
+_KIND_CONST_DEC = _T_DEC | _K_DENSE | _K_CONST
+_KIND_CONST_XOR = _T_XOR | _K_DENSE | _K_CONST
+_KIND_CONST_STR = _T_STR | _K_DENSE | _K_CONST
+_KIND_CONST_BOOL = _T_BOOL | _K_DENSE | _K_CONST
+_KIND_INT = _T_INT | _K_DENSE
+_KIND_INT_GCD = _T_INT | _K_DENSE | _K_GCD
+_KIND_DEC = _T_DEC | _K_DENSE
+_KIND_DEC_GCD = _T_DEC | _K_DENSE | _K_GCD
+_KIND_STR = _T_STR | _K_DENSE
 
 
 #: Placeholder for "the batch's uuid" in a string dictionary until the uuid is read (compared by identity).
@@ -1053,20 +1107,23 @@ _ColumnValues = tuple[str, int, Sequence[int], Sequence[Value]]
 def _dense_columns(samples: Sequence[Sample]) -> tuple[tuple[str, ...], list[int], list[tuple[Value, ...]]] | None:
     """The usual batch's series, a property at a time: (names, type codes, values) when every sample holds the
     same properties in the same order, each of exactly one of the types int, float, str or bool throughout (what
-    ``_columns`` gives with every row); None for any other batch."""
+    ``_columns`` gives with every row); None for any other batch.
+
+    Every value's type is taken in one ``map`` over all the rows and compared with the first row's types repeated
+    (no tuple per row); the rows' value views are iterated again only by the transposing ``zip``."""
     first = samples[0].values
     names = tuple(first)
-    rest = samples[1:]
-    if not all(tuple(s.values) == names for s in rest):
+    if [tuple(s.values) for s in samples].count(names) != len(samples):
         return None
+    types = list(map(type, first.values()))
+    rows = [s.values.values() for s in samples]
     # Every column holds one type if and only if every row holds the first row's types.
-    types = tuple(map(type, first.values()))
-    if not all(tuple(map(type, s.values.values())) == types for s in rest):
+    if list(map(type, itertools.chain.from_iterable(rows))) != types * len(rows):
         return None
     codes = list(map(_TYPE_CODES.get, types))
     if None in codes:
         return None
-    return names, cast("list[int]", codes), list(zip(*(s.values.values() for s in samples), strict=True))
+    return names, cast("list[int]", codes), list(zip(*rows, strict=True))
 
 
 def _columns(samples: Sequence[Sample]) -> list[_ColumnValues]:
