@@ -291,12 +291,12 @@ def _put_ids(out: bytearray, uuid: str, boot_id: str) -> None:
     bit 2: no uuid, for ``uuid == ""``, bit 3: the boot id as 4 bytes), then the uuid (packed or a
     length-prefixed string) unless absent, then the boot id (packed or a length-prefixed string)."""
     mu = _GPU_UUID_RE.fullmatch(uuid)
-    mb = _BOOT_ID_RE.fullmatch(boot_id)
-    mb4 = None if mb else _BOOT_ID4_RE.fullmatch(boot_id)
+    mb = len(boot_id) == 16 and _BOOT_ID_RE.fullmatch(boot_id)
+    mb4 = len(boot_id) == 8 and _BOOT_ID4_RE.fullmatch(boot_id)
     uuid_bits = _IDS_NO_UUID if not uuid else _IDS_UUID_PACKED if mu else 0
     out.append(uuid_bits | (_IDS_BOOT_PACKED if mb else _IDS_BOOT_PACKED4 if mb4 else 0))
     if mu:
-        out += bytes.fromhex("".join(mu.groups()))
+        out += bytes.fromhex(uuid[4:].replace("-", ""))  # the hex digits the match found
     elif uuid:
         _put_str(out, uuid)
     if mb or mb4:
@@ -630,11 +630,12 @@ def _decimals(values: Sequence[float]) -> tuple[int, list[int]] | None:
     beyond the limit makes its int fail the limit test, which is made on the whole column at once."""
     if 0.0 in values and any(v == 0.0 and math.copysign(1.0, v) < 0 for v in values):
         return None  # -0.0 equals 0.0 but has other bits
+    float_round = float.__round__  # round() of a float without the builtin's look-up of __round__
     try:
         for d, scale in enumerate(_POWERS_OF_TEN):
             ints = []
             for v in values:
-                i = round(v * scale)
+                i = float_round(v * scale)
                 if i / scale != v:
                     break  # usually at the first value: try the next d
                 ints.append(i)
@@ -651,7 +652,7 @@ def _decimal(value: float) -> tuple[int, int] | None:
     if not abs(value) < _DEC_LIMIT or (value == 0.0 and math.copysign(1.0, value) < 0):  # NaN compares false too
         return None
     for d, scale in enumerate(_POWERS_OF_TEN):
-        i = round(value * scale)
+        i = float.__round__(value * scale)
         if i / scale == value and abs(i) < _DEC_LIMIT:
             return d, i
     return None
