@@ -422,15 +422,10 @@ def _int_plan(ints: Sequence[int]) -> _IntPlan:
 _PlanFields = tuple[int, list[int], int, int, int, Sequence[int], int]
 
 
-def _zz_len(n: int) -> int:
-    """The bytes of ``n`` as a zigzag varint."""
-    return 1 if -64 <= n < 64 else ((n << 1 if n >= 0 else (-n << 1) - 1).bit_length() + 6) // 7
-
-
 def _order_cost(base: int, g: int, width: int, count: int) -> int:
     """The bytes of one order's coding but its seeds: the base (div gcd), the gcd and base mod gcd when the gcd is
-    above 1, the width and the ``count`` fields of ``width`` bits. (``_zz_len`` is written out: a plan calls this
-    for each order whose base is not a small number or whose gcd is above 1.)"""
+    above 1, the width and the ``count`` fields of ``width`` bits. (The zigzag varint length is written out: a plan
+    calls this for each order whose gcd is above 1 or whose width needs two bytes.)"""
     q = base // g
     cost = 1 if -64 <= q < 64 else ((q << 1 if q >= 0 else (-q << 1) - 1).bit_length() + 6) // 7
     if g > 1:
@@ -745,7 +740,7 @@ def _encode_dense_columns(
     (a known name, a constant, an int, decimal or string column) written here without the general case's tests.
 
     This runs for each of the ~36 columns of every batch, so the loop body is kept short: the kind bytes are
-    precomputed (``_KIND_*``) and the usual constant, a small int, is written with one append."""
+    precomputed (``_KIND_*``) and zigzag is written out rather than called."""
     meta = out.meta
     put_uvarint = _put_uvarint
     code_bytes = _SERIES_CODE_BYTES
