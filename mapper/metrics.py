@@ -129,6 +129,7 @@ class TextRenderer:
         out: list[str] = []
         if len(self._label_texts) > self.max_label_sets:
             self._label_texts = {}
+            self._names = {}
         label_texts = self._label_texts
         # id(labels dict) -> (the dict, its text): the entry holds the dict, so its id is not reused meanwhile.
         by_identity: dict[int, tuple[dict[str, str], str]] = {}
@@ -268,7 +269,7 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
     )
 
     # The plain per-GPU series get their samples here rather than through ``add_metric``: one labels dict per
-    # GPU, shared by all of them (``render_families`` renders it once), instead of one dict per series.
+    # GPU, shared by all of them (``TextRenderer`` renders it once), instead of one dict per series.
     prop_series = [
         (spec, per_prop[spec.name].samples, _sample_name(per_prop[spec.name])) for spec in EXPORTED_PROPERTIES
     ]
