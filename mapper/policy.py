@@ -744,10 +744,22 @@ def decide(
     Missing values hold the policy that needs them (no temperature: no thermal change). The state returned
     replaces ``state``; keep it per GPU across config swaps.
     """
+    return _decide(state, sample_values, ctx, config, now_s, ctx.uuid)
+
+
+def _decide(
+    state: PolicyState,
+    sample_values: Mapping[str, Value],
+    ctx: PolicyContext,
+    config: PolicyConfig,
+    now_s: float,
+    uuid: str,
+) -> tuple[PolicyState, Decision]:
+    """``_steady`` where it applies, else ``_decide_full``; events carry ``uuid``."""
     steady = _steady(state, sample_values, ctx, config, now_s)
     if steady is not None:
         return steady
-    return _decide_full(state, sample_values, ctx, config, now_s, ctx.uuid)
+    return _decide_full(state, sample_values, ctx, config, now_s, uuid)
 
 
 #: The decisions of a GPU where nothing is going on (no limit, no event, healthy), by ``dry_run``. Frozen, so
@@ -964,10 +976,6 @@ class PolicyEngine:
     def decide(self, uuid: str, sample_values: Mapping[str, Value], ctx: PolicyContext, now_s: float) -> Decision:
         """``decide`` for one GPU with its own config and state (events carry ``uuid`` when ``ctx`` names no
         GPU); the new state is kept."""
-        old = self.state(uuid)
-        config = self.config_for(uuid)
-        result = _steady(old, sample_values, ctx, config, now_s)
-        if result is None:
-            result = _decide_full(old, sample_values, ctx, config, now_s, ctx.uuid or uuid)
-        self._states[uuid] = result[0]
-        return result[1]
+        state, decision = _decide(self.state(uuid), sample_values, ctx, self.config_for(uuid), now_s, ctx.uuid or uuid)
+        self._states[uuid] = state
+        return decision
