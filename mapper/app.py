@@ -598,7 +598,6 @@ class MapperApp:
             worker.wake()
 
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
-        device_key = worker.device.key if worker.device is not None else _unbound_device(worker.info).key
         if result.error:
             reason = "gpu-lost" if worker.lost else "error"
             self._collect_errors[reason] = self._collect_errors.get(reason, 0) + 1
@@ -607,17 +606,19 @@ class MapperApp:
             telemetry.add(result.sample)
             for route, batch in telemetry.flush_due(self.clock.wall_ms()):
                 self._round_batches.append((batch, route))
-        if result.reconcile is not None:
-            for ack in result.reconcile.acks:
+        acks = result.reconcile.acks if result.reconcile is not None else ()
+        events = result.decision.events if result.decision is not None else ()
+        if acks or events:  # (most steps publish neither: the device key is worked out only when one does)
+            device_key = worker.device.key if worker.device is not None else _unbound_device(worker.info).key
+            for ack in acks:
                 text = ack_to_json(ack)
                 log.info("desired %s on %s: %s", ack.property, device_key, text)
                 self._publish_or_keep(
                     f"gpu-mapper/{self.node}/{device_key}/desired/ack", text.encode(), device_key, worker.uuid
                 )
-            if result.reconcile.acks:
+            if acks:
                 self._save_desired(worker, device_key)
-        if result.decision is not None:
-            for event in result.decision.events:
+            for event in events:
                 key = (event.policy, event.action)
                 self._policy_events[key] = self._policy_events.get(key, 0) + 1
                 payload = event.to_payload()
