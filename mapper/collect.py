@@ -97,7 +97,6 @@ class GpuWorker:
     _constraints_known: bool = False
     #: Set by ``wake``, cleared by ``begin``: the next round runs this GPU's step even if nothing is due.
     _woken: bool = False
-    on_change: Callable[[], None] | None = None
     #: Called by ``wake`` (the composition root's collector loop, which ticks every GPU in one task).
     notify: Callable[[], None] | None = None
     #: The policies' context of the last step without events, used again while its inputs are the same.
