@@ -26,6 +26,10 @@ NODE_PREFIX = "$hw/events/node"
 #: Largest EventBus payload we parse (a twin delta for every catalog property is a few KiB).
 MAX_PAYLOAD_BYTES = 64 * 1024
 TWIN_TYPE = "string"
+#: A delta's ``timestamp`` (ms since the epoch) must lie in [0, this]: the last millisecond of year 9999. A larger
+#: one would not fit SQLite's 64-bit INTEGER where the desired value's version is stored, and, as the newest
+#: version ever seen, would make every later change to the property look stale.
+MAX_TIMESTAMP_MS = 253_402_300_799_999
 
 _SEGMENT_RE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
@@ -93,15 +97,19 @@ def parse_delta(topic: str, payload: bytes) -> Delta:
     namespace, name = device_of_topic(topic)
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise ValueError(f"delta for {namespace}/{name}: payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
-    try:
-        doc = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"delta for {namespace}/{name}: not valid JSON ({exc})") from None
+    doc = load_json(payload, f"delta for {namespace}/{name}")
     if not isinstance(doc, dict):
         raise ValueError(f"delta for {namespace}/{name}: the payload must be a JSON object")
     timestamp = doc.get("timestamp", 0)
     if isinstance(timestamp, bool) or not isinstance(timestamp, int):
-        raise ValueError(f"delta for {namespace}/{name}: timestamp must be integer milliseconds, got {timestamp!r}")
+        raise ValueError(
+            f"delta for {namespace}/{name}: timestamp must be integer milliseconds, got {_short(timestamp)}"
+        )
+    if not 0 <= timestamp <= MAX_TIMESTAMP_MS:
+        raise ValueError(
+            f"delta for {namespace}/{name}: timestamp {_short(timestamp)} is not milliseconds since the epoch "
+            f"(0 to {MAX_TIMESTAMP_MS})"
+        )
     delta = doc.get("delta")
     if delta is None:
         # Some publishers send only twin.{p}.expected.value.
@@ -118,8 +126,60 @@ def parse_delta(topic: str, payload: bytes) -> Delta:
     values: dict[str, str] = {}
     for prop, value in delta.items():
         if not isinstance(prop, str) or not TWIN_KEY_RE.fullmatch(prop):
-            raise ValueError(f"delta for {namespace}/{name}: {prop!r} is not a valid twin name")
+            raise ValueError(f"delta for {namespace}/{name}: {_short(prop)} is not a valid twin name")
         if not isinstance(value, str):
-            raise ValueError(f"delta for {namespace}/{name}: value of {prop} must be a string, got {value!r}")
+            raise ValueError(f"delta for {namespace}/{name}: value of {prop} must be a string, got {_short(value)}")
         values[prop] = value
     return Delta(namespace, name, timestamp, values)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A ``membership/updated`` message: the device ids (or names) EdgeCore added to and removed from the node."""
+
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
+def parse_membership(payload: bytes) -> Membership:
+    """Parse ``$hw/events/node/{node}/membership/updated``. Raises ValueError naming what is wrong."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"membership update: payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    doc = load_json(payload, "membership update")
+    if not isinstance(doc, dict):
+        raise ValueError("membership update: the payload must be a JSON object")
+    lists: dict[str, tuple[str, ...]] = {}
+    for key in ("added_devices", "removed_devices"):
+        entries = doc.get(key) or []
+        if not isinstance(entries, list):
+            raise ValueError(f"membership update: {key} must be a list, got {_short(entries)}")
+        ids: list[str] = []
+        for entry in entries:
+            ident = (entry.get("id") or entry.get("name")) if isinstance(entry, dict) else None
+            if not isinstance(ident, str):
+                raise ValueError(f"membership update: {key} entry {_short(entry)} has no string id or name")
+            ids.append(ident)
+        lists[key] = tuple(ids)
+    return Membership(lists["added_devices"], lists["removed_devices"])
+
+
+def load_json(payload: bytes, what: str) -> object:
+    """``json.loads`` for a message from the bus: ValueError naming ``what`` for bytes that are not UTF-8 JSON,
+    and for JSON nested too deeply to parse (a RecursionError inside the parser)."""
+    try:
+        return json.loads(payload)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and an integer of more than 4300 digits
+        raise ValueError(f"{what}: not valid JSON ({_cut(str(exc))})") from None
+    except RecursionError:
+        raise ValueError(f"{what}: JSON nested too deeply to parse") from None
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message never carries a huge input back."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:
+        return f"an integer of {value.bit_length()} bits"
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

@@ -4,8 +4,10 @@ import pytest
 
 from mapper.eventbus import (
     DELTA_FILTER,
+    MAX_TIMESTAMP_MS,
     device_of_topic,
     parse_delta,
+    parse_membership,
     state_update_payload,
     twin_update_payload,
     twin_update_topic,
@@ -46,6 +48,15 @@ def test_delta_values_become_desired_values():
         ("$hw/events/device/default/g/twin/update/delta", b'{"timestamp":1,"delta":{"a b":"1"}}', "twin name"),
         ("$hw/events/device/default/g/twin/update/delta", b"{" + b" " * 70000 + b"}", "exceeds"),
         ("$hw/events/device/g/twin/update/delta", b"{}", "two-segment"),
+        # Found by the fuzzer: a timestamp past SQLite's 64-bit INTEGER reached the desired store.
+        ("$hw/events/device/default/g/twin/update/delta", b'{"timestamp":1180591620717411303424,"delta":{}}', "epoch"),
+        ("$hw/events/device/default/g/twin/update/delta", b'{"timestamp":-1,"delta":{}}', "epoch"),
+        ("$hw/events/device/default/g/twin/update/delta", b'{"timestamp":253402300800000,"delta":{}}', "epoch"),
+        # Found by the fuzzer: deep nesting raised RecursionError out of json.loads.
+        ("$hw/events/device/default/g/twin/update/delta", b"[" * 50000 + b"]" * 50000, "exceeds"),
+        ("$hw/events/device/default/g/twin/update/delta", b"[" * 30000 + b"]" * 30000, "nested too deeply"),
+        ("$hw/events/device/default/g/twin/update/delta", b"1" * 5000, "not valid JSON"),
+        ("$hw/events/device/default/g/twin/update/delta", b"\xff\xfe{}", "not valid JSON"),
     ],
 )
 def test_malformed_deltas_are_refused_with_a_reason(topic, payload, needle):
@@ -55,3 +66,31 @@ def test_malformed_deltas_are_refused_with_a_reason(topic, payload, needle):
 
 def test_device_of_topic():
     assert device_of_topic("$hw/events/device/ns1/dev-1/state/update") == ("ns1", "dev-1")
+
+
+def test_the_timestamp_bounds_are_inclusive():
+    topic = "$hw/events/device/default/g/twin/update/delta"
+    for ts in (0, MAX_TIMESTAMP_MS):
+        assert parse_delta(topic, json.dumps({"timestamp": ts, "delta": {}}).encode()).timestamp_ms == ts
+
+
+def test_an_error_message_never_carries_a_huge_input_back():
+    topic = "$hw/events/device/default/g/twin/update/delta"
+    with pytest.raises(ValueError) as info:
+        parse_delta(topic, json.dumps({"timestamp": 1, "delta": {"power_limit": ["x" * 10000]}}).encode())
+    assert "power_limit" in str(info.value) and len(str(info.value)) < 200
+
+
+def test_membership_updates_parse_or_are_refused_with_a_reason():
+    update = parse_membership(b'{"added_devices":[{"id":"gpu0"},{"name":"gpu1"}],"removed_devices":null}')
+    assert update.added == ("gpu0", "gpu1") and update.removed == ()
+    for payload, needle in [
+        (b"[" * 30000 + b"]" * 30000, "nested too deeply"),
+        (b"[]", "JSON object"),
+        (b'{"added_devices": 5}', "must be a list"),
+        (b'{"added_devices": [7]}', "no string id"),
+        (b'{"removed_devices": [{"id": 3}]}', "no string id"),
+        (b"{" + b" " * 70000 + b"}", "exceeds"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            parse_membership(payload)
