@@ -262,6 +262,8 @@ class DesiredStore:
                 raise TransientError(f"desired store {self.path}: {exc}") from exc
             except sqlite3.Error as exc:
                 raise PermanentError(f"desired store {self.path}: {exc}") from exc
+            except OverflowError as exc:  # an integer past SQLite's 64 bits: refused, never out of a loop
+                raise InvalidValueError(f"desired store {self.path}: {exc}", reason="out-of-range") from exc
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

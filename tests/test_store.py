@@ -111,3 +111,19 @@ def test_a_store_from_a_newer_mapper_is_refused_not_destroyed(tmp_path: Path) ->
 def test_saving_without_a_device_key_is_refused(tmp_path: Path) -> None:
     with DesiredStore(tmp_path) as store, pytest.raises(InvalidValueError, match="device key"):
         store.save("", _state())
+
+
+def test_a_version_past_sqlites_integer_is_refused_with_a_mapper_error(tmp_path: Path) -> None:
+    # The fuzzer's finding: OverflowError from sqlite3 escaped every caller that catches MapperError.
+    with DesiredStore(tmp_path / DEFAULT_FILE) as store:
+        state = DesiredState()
+        state.set("power_limit", "250", "edge", 2**70)
+        with pytest.raises(InvalidValueError, match="too large") as info:
+            store.save("default/gpu0", state, uuid="GPU-1")
+        assert info.value.reason == "out-of-range"
+        assert store.load("default/gpu0") is None, "nothing half-written"
+        state = DesiredState()
+        state.set("power_limit", "250", "edge", 5)
+        store.save("default/gpu0", state, uuid="GPU-1")
+        loaded = store.load("default/gpu0")
+        assert loaded is not None and loaded.state.get("power_limit") is not None
