@@ -31,6 +31,7 @@ from mapper.eventbus import (
     DELTA_FILTER,
     membership_topic,
     parse_delta,
+    parse_membership,
     state_update_payload,
     state_update_topic,
     twin_update_payload,
@@ -72,6 +73,10 @@ EVENTS_POLL_S = 1.0
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state")
+
+
+class StartInterrupted(Exception):
+    """The stop event was set while start-up waited (NVML not ready): shut down without running."""
 
 
 def build_backend(settings: Settings, clock: Clock | None = None) -> NvmlBackend:
@@ -222,18 +227,20 @@ class MapperApp:
         )
 
     async def _init_nvml(self) -> None:
+        """NVML initialised and the GPUs listed, retried with backoff while NVML is not ready; a stop meanwhile
+        (SIGTERM) ends the wait at once with ``StartInterrupted``."""
         delay_s = 1.0
         while True:
             try:
-                await asyncio.to_thread(self.backend.init)
-                self.gpus = await asyncio.to_thread(self.backend.list_gpus)
+                await self._unless_stopped(asyncio.to_thread(self.backend.init), "NVML init")
+                self.gpus = await self._unless_stopped(asyncio.to_thread(self.backend.list_gpus), "listing GPUs")
                 self.driver_version = await asyncio.to_thread(self.backend.driver_version)
                 break
             except PermanentError:
                 raise
             except TransientError as exc:
                 log.warning("NVML is not ready (retry in %.0f s): %s", delay_s, exc)
-                await asyncio.sleep(delay_s)
+                await self._unless_stopped(asyncio.sleep(delay_s), "the wait for NVML")
                 delay_s = min(delay_s * 2, 30.0)
         self.nvml_ready = True
         for info in self.gpus:
@@ -282,6 +289,10 @@ class MapperApp:
             log.error("cannot start: %s", exc)
             await self.shutdown()
             return 2 if isinstance(exc, ConfigError) else 1
+        except StartInterrupted as exc:
+            log.info("%s", exc)
+            await self.shutdown()
+            return self.exit_code
         self._spawn("collect", self._collect_loop())
         self._spawn("report", self._report_loop())
         if self.session is not None:
@@ -314,6 +325,22 @@ class MapperApp:
                     self._stop.set()
 
         self._tasks.append(asyncio.create_task(guarded(), name=name))
+
+    async def _unless_stopped(self, work: Awaitable[Any], what: str) -> Any:
+        """``work``'s result, or ``StartInterrupted`` as soon as the stop event is set (a blocking call in a
+        thread runs on, and its result is dropped)."""
+        if self._stop is None:
+            return await work
+        job = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((job, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not job.done():
+            job.cancel()
+            raise StartInterrupted(f"stopped during {what}")
+        return job.result()
 
     def _background_task(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -521,13 +548,11 @@ class MapperApp:
 
     def _on_membership(self, topic: str, payload: bytes) -> None:
         try:
-            doc = json.loads(payload)
-            added = [d.get("id") or d.get("name") for d in doc.get("added_devices") or []]
-            removed = [d.get("id") or d.get("name") for d in doc.get("removed_devices") or []]
-        except (ValueError, AttributeError, TypeError) as exc:
+            update = parse_membership(payload)
+        except ValueError as exc:
             log.warning("EventBus membership update refused: %s", exc)
             return
-        log.info("EventBus membership of %s: added %s, removed %s", self.node, added, removed)
+        log.info("EventBus membership of %s: added %s, removed %s", self.node, list(update.added), list(update.removed))
 
     # ==============================================================================================
     # the collector: every GPU's steps
@@ -548,7 +573,11 @@ class MapperApp:
                 started = time.perf_counter()
                 results, events = await self._tick_all(due, poll)
                 for worker, result in zip(due, results, strict=True):
-                    self._after_tick(worker, result)
+                    try:
+                        self._after_tick(worker, result)
+                    except Exception as exc:  # one GPU's failing step must not stop the others (counted, logged)
+                        worker.step_failed("publishing its step", exc)
+                        self._collect_errors["step-failed"] = self._collect_errors.get("step-failed", 0) + 1
                 self._store_round_batches()
                 if due:
                     self._collect_hist = self._collect_hist.observe(time.perf_counter() - started)
@@ -575,6 +604,10 @@ class MapperApp:
                 )
             except MapperError as exc:  # the job as a whole (NVML hung or not initialised): each GPU gets it
                 got = SampleRound([exc] * len(requests), [], exc)
+            except Exception as exc:  # a bug in the round: logged with its traceback, each GPU retries later
+                log.exception("the NVML sampling round failed")
+                err = TransientError(f"the NVML sampling round failed: {exc!r}", retry_after_s=5.0)
+                got = SampleRound([err] * len(requests), [], err)
             samples = {uuid: outcome for (uuid, _), outcome in zip(requests, got.samples, strict=True)}
             events = got.events
             if got.events_error is not None:
@@ -599,7 +632,7 @@ class MapperApp:
 
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
         if result.error:
-            reason = "gpu-lost" if worker.lost else "error"
+            reason = "gpu-lost" if worker.lost else "step-failed" if result.step_failed else "error"
             self._collect_errors[reason] = self._collect_errors.get(reason, 0) + 1
         if result.sample is not None and self.shipper is not None:
             telemetry = self.telemetry[worker.uuid]

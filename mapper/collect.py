@@ -45,6 +45,8 @@ class TickResult:
     reconcile: ReconcileResult | None = None
     state_changed: bool = False
     error: str = ""
+    #: The step raised an exception it does not expect (a bug, not an NVML error): see ``GpuWorker.step_failed``.
+    step_failed: bool = False
 
 
 class TickStart(NamedTuple):
@@ -86,6 +88,9 @@ class GpuWorker:
     lost: bool = False
     last_tick_s: float = 0.0
     collect_errors: int = 0
+    #: Steps in a row that raised an unexpected exception (0 once one works again), and all of them.
+    failing_steps: int = 0
+    failed_steps: int = 0
     #: The NVML properties grouped by collect cycle for the bound Device: (cycle s, names), built on first use,
     #: dropped by ``bind``. Properties sharing a cycle are sampled together, so a tick handles a few groups.
     _schedule: list[tuple[float, tuple[str, ...]]] | None = None
@@ -215,7 +220,41 @@ class GpuWorker:
     async def finish(self, start: TickStart, outcome: Sample | MapperError | None) -> TickResult:
         """The rest of a step, given the sample of ``start.names`` (or the error reading it; None when nothing
         was due): the GPU's values, the policies' decision, the reconciler's step. Awaits NVML only when the
-        constraints are not known yet or the reconciler has something to set."""
+        constraints are not known yet or the reconciler has something to set.
+
+        Never raises (but for a cancellation): an exception the step does not expect is this GPU's alone. It is
+        logged and counted, the GPU reports ``unhealthy`` and its due properties are tried again on the next grid
+        point; the other GPUs' steps, and the process, go on."""
+        try:
+            result = await self._finish(start, outcome)
+        except Exception as exc:
+            self.step_failed("its step", exc)
+            if self._due_at is start.due_at and start.groups:
+                self._reschedule(start.groups, start.now_s)
+            return TickResult(
+                error=f"step failed: {exc!r}"[:200], step_failed=True, state_changed=self.state != start.state
+            )
+        if self.failing_steps:
+            log.warning("GPU %s: its step works again after %d failed step(s)", self.uuid, self.failing_steps)
+            self.failing_steps = 0
+        return result
+
+    def step_failed(self, what: str, exc: BaseException) -> None:
+        """An unexpected exception in this GPU's step (``what`` failed): the traceback is logged for the first
+        failure in a row and every 100th after it, the GPU is ``unhealthy`` until a step works again."""
+        self.failing_steps += 1
+        self.failed_steps += 1
+        self.state = "unhealthy"
+        if self.failing_steps % 100 == 1:
+            log.error(
+                "GPU %s: %s failed (%d in a row); the other GPUs go on",
+                self.uuid,
+                what,
+                self.failing_steps,
+                exc_info=exc,
+            )
+
+    async def _finish(self, start: TickStart, outcome: Sample | MapperError | None) -> TickResult:
         now_s, due_groups, due_at = start.now_s, start.groups, start.due_at
         result = TickResult()
         if isinstance(outcome, GpuLostError):
