@@ -329,7 +329,8 @@ async def test_a_payload_larger_than_the_socket_buffer_arrives_whole(
     finally:
         mosquitto.proc.send_signal(signal.SIGCONT)
     await sending
-    await _until(lambda: any(t == "t/big" for t, _ in got), timeout_s=10)
+    # Each publish resolved on its PUBACK; the subscriber's copies may still be on their way: wait for all four.
+    await _until(lambda: any(t == "t/big" for t, _ in got) and sum(t == "t/small" for t, _ in got) >= 3, timeout_s=10)
     big = [p for t, p in got if t == "t/big"]
     assert big == [payload]
     assert sorted(p for t, p in got if t == "t/small") == [b"s0", b"s1", b"s2"]
