@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import logging
 import random
+import re
 import socket
 import ssl
 from collections.abc import Callable
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 MessageCallback = Callable[[str, bytes], Any]
 ConnectCallback = Callable[[], Any]
 
+#: OpenSSL's source location in an error text: ``(_ssl.c:2580)``.
+_SSL_WHERE_RE = re.compile(r"\s*\(_ssl\.c:\d+\)")
 _PLAIN = {"mqtt": False, "tcp": False, "mqtts": True, "ssl": True}
 _DEFAULT_PORT = {False: 1883, True: 8883}
 
@@ -129,6 +132,12 @@ class MqttSession:
         self._ever_connected = False
         self.reconnects = 0
         self.connect_failures = 0
+        #: Why the last connection attempt failed (None after a successful connect). Each distinct reason is
+        #: logged once as a warning until the next successful connect (then at debug level), so that a broker
+        #: refusing the client (a certificate, a password) is named, but not on every retry.
+        self.last_failure: str | None = None
+        self._warned: set[str] = set()
+        self._last_socket_error: str | None = None
         self._acks: dict[int, asyncio.Future[None]] = {}
         self._subs: dict[str, tuple[int, list[MessageCallback]]] = {}
         self._on_connect: list[ConnectCallback] = []
@@ -141,6 +150,8 @@ class MqttSession:
         self._fd: int | None = None
         self._writing = False
         self._conn_ended: asyncio.Future[str] | None = None
+        #: A CONNACK with a failure code, until paho closes that connection.
+        self._refused: str | None = None
         self._misc_handle: asyncio.TimerHandle | None = None
 
         client = paho.Client(
@@ -176,6 +187,9 @@ class MqttSession:
         client.on_message = self._paho_message
         client.on_socket_open = _no_delay
         client.on_socket_close = self._paho_socket_close
+        # paho's own log lines go to a sink that keeps its socket errors only (they carry the TLS alert a broker
+        # sent when it refused us); an on_log callback would make paho format every line of every publish.
+        client.enable_logger(_SocketErrorSink(self))  # type: ignore[arg-type]
         self._client = client
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -312,14 +326,12 @@ class MqttSession:
             # TCP connect, TLS handshake and CONNECT block (each bounded by connect_timeout_s): off the loop.
             rc = await asyncio.to_thread(self._client.reconnect)
         except (OSError, ssl.SSLError, ValueError) as exc:
-            self.connect_failures += 1
-            log.debug("mqtt %s: connect failed: %s", self.url, exc)
+            self._connect_failed(f"connect failed: {_describe_error(exc)}")
             return
         sock = self._client.socket()
         if self._stopping or sock is None or rc != paho.MQTT_ERR_SUCCESS:
             if rc != paho.MQTT_ERR_SUCCESS:
-                self.connect_failures += 1
-                log.debug("mqtt %s: sending CONNECT failed: %s", self.url, paho.error_string(rc))
+                self._connect_failed(f"sending CONNECT failed: {self._socket_error_or(paho.error_string(rc))}")
             self._close_socket()
             return
         ended: asyncio.Future[str] = loop.create_future()
@@ -338,12 +350,28 @@ class MqttSession:
                 self._misc_handle = None
             self._conn_ended = None
         if why == "no CONNACK":
-            self.connect_failures += 1
+            self._connect_failed(f"no CONNACK within {self.connect_timeout_s:g}s")
+        elif why == "closed before CONNACK":
+            self._connect_failed(
+                f"the broker closed the connection before CONNACK: {self._socket_error_or('no reason')}"
+            )
+
+    def _connect_failed(self, why: str) -> None:
+        """Count a failed attempt; a warning when the reason differs from the last one, else a debug line."""
+        self.connect_failures += 1
+        self._last_socket_error = None
+        text = f"{why}{_hint(why, tls=self.address.tls)}"
+        level = logging.DEBUG if text in self._warned else logging.WARNING
+        self._warned.add(text)
+        self.last_failure = text
+        log.log(level, "mqtt %s: %s; retrying (telemetry is kept in the buffer meanwhile)", self.url, text)
+
+    def _socket_error_or(self, fallback: str) -> str:
+        return self._last_socket_error or fallback
 
     def _no_connack(self) -> None:
         if self._connected or self._conn_ended is None:
             return
-        log.warning("mqtt %s: no CONNACK within %.1fs; reconnecting", self.url, self.connect_timeout_s)
         self._end_connection("no CONNACK")
         with contextlib.suppress(Exception):
             self._client.disconnect()
@@ -426,10 +454,11 @@ class MqttSession:
 
     def _paho_connect(self, client: paho.Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
-            self.connect_failures += 1
-            log.warning("mqtt %s: broker refused the connection (%s)", self.url, reason_code)
+            self._refused = f"the broker refused the connection: {reason_code}"
             return  # paho closes the connection next: the session waits a backoff and tries again
         self._failures = 0
+        self.last_failure = None
+        self._warned.clear()
         for topic_filter, (qos, _) in self._subs.items():
             client.subscribe(topic_filter, qos)
         self._connected = True
@@ -443,7 +472,12 @@ class MqttSession:
         if was and not self._stopping:
             log.warning("mqtt %s: connection lost (%s); reconnecting", self.url, reason_code)
         self._fail_pending("connection lost")
-        self._end_connection("disconnected")
+        refused, self._refused = self._refused, None
+        if refused is not None:
+            self._connect_failed(refused)
+            self._end_connection("refused")
+        else:
+            self._end_connection("disconnected" if was or self._stopping else "closed before CONNACK")
 
     def _paho_publish(self, client: paho.Client, userdata: Any, mid: int, reason_code: Any, props: Any) -> None:
         self._loop_ack(mid)
@@ -504,6 +538,44 @@ class MqttSession:
                         self._keep(asyncio.ensure_future(result))
                 except Exception:
                     log.exception("mqtt %s: message callback for %s failed", self.url, topic)
+
+
+class _SocketErrorSink:
+    """Stands in for the ``logging.Logger`` paho logs to: an ERROR about the socket is kept as the session's
+    last socket error; everything else is dropped unformatted (it would only repeat what this module logs)."""
+
+    def __init__(self, session: MqttSession) -> None:
+        self._session = session
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        if level >= logging.ERROR and "socket" in fmt:
+            text = fmt % args
+            text = _SSL_WHERE_RE.sub("", text.replace("failed to receive on socket: ", ""))
+            self._session._last_socket_error = text.strip()
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: the broker's certificate is not trusted ({exc.verify_message})"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _hint(why: str, *, tls: bool) -> str:
+    """What an operator should look at, for the failures whose cause is a setting."""
+    text = why.lower()
+    if "certificate required" in text or "bad certificate" in text or "unknown ca" in text:
+        return " (the broker wants a client certificate it trusts: check mqtt.certFile / keyFile and its CA)"
+    if "not trusted" in text:
+        return " (check mqtt.caFile: it must hold the CA that signed the broker's certificate)"
+    if "not authorized" in text or "bad user name or password" in text:
+        return " (check mqtt.username and the password)"
+    if tls and ("before connack" in text or "eof occurred" in text):
+        return " (a TLS broker does this when it refuses the client certificate or the client has none)"
+    return ""
 
 
 def _no_delay(client: Any, userdata: Any, sock: Any) -> None:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+import trustme
 
 from mapper.errors import ConfigError, TransientError
 from mapper.mqtt import MqttSession, MqttSessions, parse_broker_url
@@ -201,9 +201,7 @@ async def test_the_pool_keeps_one_session_per_broker_and_closes_them_together(mo
 
 
 async def test_username_and_password_are_sent_to_the_broker(tmp_path: Path) -> None:
-    passwd = shutil.which("mosquitto_passwd")
-    if passwd is None:
-        pytest.skip("mosquitto_passwd is not installed")
+    passwd = "mosquitto_passwd"  # in Debian's mosquitto package, which the tests need anyway
     pwfile = tmp_path / "passwd"
     _run([passwd, "-c", "-b", str(pwfile), "mapper", "s3cret"])
     pwfile.chmod(0o600)
@@ -225,32 +223,26 @@ async def test_username_and_password_are_sent_to_the_broker(tmp_path: Path) -> N
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is not installed: cannot make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-            "-addext", "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
+    """A certificate for 127.0.0.1 and its key, signed by a fresh CA whose certificate is returned first
+    (made with trustme: no openssl binary needed)."""
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    ca_path, chain = tmp_path / "ca.pem", tmp_path / "server.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    server.private_key_and_cert_chain_pem.write_to_path(str(chain))
+    return ca_path, chain
 
 
 async def test_tls_with_a_trusted_ca_connects_and_an_untrusted_one_does_not(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
-    broker = Mosquitto(tmp_path, extra_config=f"{KEEP_USER}certfile {cert}\nkeyfile {key}\n")
+    ca, chain = _self_signed(tmp_path)
+    broker = Mosquitto(tmp_path, extra_config=f"{KEEP_USER}certfile {chain}\nkeyfile {chain}\n")
     broker.start()
     url = f"mqtts://127.0.0.1:{broker.port}"
-    good = _session(url, "tls-good", ca_file=str(cert))
+    good = _session(url, "tls-good", ca_file=str(ca))
     other_dir = tmp_path / "other"
     other_dir.mkdir()
-    other_cert, _ = _self_signed(other_dir)
-    bad = _session(url, "tls-bad", ca_file=str(other_cert))
+    other_ca, _ = _self_signed(other_dir)
+    bad = _session(url, "tls-bad", ca_file=str(other_ca))
     try:
         await good.start()
         await bad.start()
