@@ -24,6 +24,7 @@ from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock, next_on_grid, sleep_or_wake
 from mapper.collect import DUE_SLACK_S, GpuWorker, TickResult, call_backend
 from mapper.config import Settings, read_file
+from mapper.datadir import prepare_data_dir
 from mapper.desired import Source
 from mapper.devicefiles import FolderWatcher, load_folder
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
@@ -90,6 +91,8 @@ def build_backend(settings: Settings, clock: Clock | None = None) -> NvmlBackend
             seed=settings.sim_seed,
             scenario=settings.sim_scenario,
             clock=(clock or SystemClock()).monotonic,
+            # As the NVIDIA driver does: only root may change GPU settings (reads work for anyone).
+            as_root=os.geteuid() == 0,
         )
     else:
         import pynvml
@@ -166,7 +169,7 @@ class MapperApp:
     # start-up and shutdown
     # ==============================================================================================
     async def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        prepare_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
         await self._init_nvml()
         self.buffer = Buffer(
             self.data_dir / "telemetry.db",

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mapper import __version__
-from mapper.config import ENV_KEYS, Settings, load_settings
+from mapper.config import ENV_KEYS, SECRET_FLAGS, Settings, load_settings, secrets_on_command_line
 from mapper.errors import ConfigError, MapperError
 
 log = logging.getLogger("mapper")
@@ -91,7 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
         "without it telemetry is buffered until one is configured",
     )
     run.add_argument("--mqtt-username", help=f"MQTT user name (env {_env('mqtt_username')})")
-    run.add_argument("--mqtt-password", help=f"MQTT password (env {_env('mqtt_password')})")
+    run.add_argument(
+        "--mqtt-password",
+        help=f"MQTT password (env {_env('mqtt_password')}); prefer --mqtt-password-file: other local users see "
+        "command lines",
+    )
+    run.add_argument(
+        "--mqtt-password-file",
+        metavar="FILE",
+        help=f"read the MQTT password from FILE, e.g. a mounted Secret (env {_env('mqtt_password_file')})",
+    )
     run.add_argument("--mqtt-ca-file", help=f"CA bundle for mqtts:// (env {_env('mqtt_ca_file')})")
     run.add_argument("--mqtt-cert-file", help=f"client certificate for mqtts:// (env {_env('mqtt_cert_file')})")
     run.add_argument("--mqtt-key-file", help=f"client key for mqtts:// (env {_env('mqtt_key_file')})")
@@ -211,6 +220,17 @@ def freeze_startup_heap() -> int:
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     setup_logging(settings.log_format, settings.log_level)
+    # Every file the mapper creates (SQLite files and their journals, status.json) is private to its user; the
+    # DMI socket is chmod-ed 0660 after it is made. mapper.datadir tightens what an earlier run left wider.
+    os.umask(0o077)
+    for flag in secrets_on_command_line(vars(args)):
+        file_flag = "--" + SECRET_FLAGS[flag[2:].replace("-", "_")].replace("_", "-")
+        log.warning(
+            "%s on the command line is visible to every local user in the process list; use %s "
+            "(or its environment variable) instead",
+            flag,
+            file_flag,
+        )
     from mapper.app import run
 
     async def main_task() -> int:

@@ -84,7 +84,8 @@ class MqttSettings:
     #: ``mqtt://host:port`` or ``mqtts://host:port``; None = no broker (telemetry is buffered only).
     url: str | None = None
     username: str | None = None
-    password: str | None = None
+    #: Never shown by repr (a settings object in a log line or a traceback must not carry it).
+    password: str | None = field(default=None, repr=False)
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
@@ -159,6 +160,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "mqtt_url": ("mqtt.url", "str"),
     "mqtt_username": ("mqtt.username", "str"),
     "mqtt_password": ("mqtt.password", "str"),
+    "mqtt_password_file": ("mqtt.passwordFile", "str"),
     "mqtt_ca_file": ("mqtt.caFile", "str"),
     "mqtt_cert_file": ("mqtt.certFile", "str"),
     "mqtt_key_file": ("mqtt.keyFile", "str"),
@@ -260,6 +262,31 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+#: Settings that hold a secret, by the name of their flag: given on the command line they are visible to every
+#: local user in the process list (``ps``, ``/proc/<pid>/cmdline``).
+SECRET_FLAGS: dict[str, str] = {"mqtt_password": "mqtt_password_file"}
+
+
+def read_secret_file(path: str, key: str) -> str:
+    """A secret from a file (a Kubernetes Secret mounted as a volume): its text without the trailing newline.
+    The error names the key and the path, never the content."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: {path} is not UTF-8 text") from None
+    secret = text.rstrip("\r\n")
+    if secret == "":
+        raise ConfigError(f"{key}: {path} is empty")
+    return secret
+
+
+def secrets_on_command_line(flags: Mapping[str, Any]) -> list[str]:
+    """The flags of ``flags`` (parsed command-line values) that carry a secret, as ``--flag-name``."""
+    return ["--" + name.replace("_", "-") for name in SECRET_FLAGS if flags.get(name) is not None]
+
+
 def load_settings(
     file_path: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -283,10 +310,19 @@ def load_settings(
         if flags.get(name) is not None:
             values[name] = _convert(kind, flags[name], "--" + name.replace("_", "-"))
 
+    password = values.pop("mqtt_password", None)
+    password_file = values.pop("mqtt_password_file", None)
+    if password_file is not None:
+        if password is not None:
+            raise ConfigError("mqtt.password and mqtt.passwordFile are both set (file, environment or flags): keep one")
+        # MQTT sends a password only with a user name: without one a missing file (an optional Secret that
+        # was not created) means no credentials at all. With a user name the file must be there.
+        if values.get("mqtt_username") is not None or Path(password_file).exists():
+            password = read_secret_file(password_file, "mqtt.passwordFile")
     mqtt = MqttSettings(
         url=values.pop("mqtt_url", None),
         username=values.pop("mqtt_username", None),
-        password=values.pop("mqtt_password", None),
+        password=password,
         ca_file=values.pop("mqtt_ca_file", None),
         cert_file=values.pop("mqtt_cert_file", None),
         key_file=values.pop("mqtt_key_file", None),

@@ -197,11 +197,23 @@ def test_the_daemonset_mounts_the_sockets_config_and_data_dir_where_the_config_p
     assert env["GPU_MAPPER_NODE_NAME"]["name"] == mapper_config.ENV_KEYS["node_name"]
 
 
-def test_the_mqtt_password_comes_from_a_secret_not_the_configmap() -> None:
+def test_the_mqtt_password_comes_from_a_mounted_secret_file_not_the_configmap_or_the_environment() -> None:
     env = {e["name"]: e for e in container()["env"]}
-    ref = env[mapper_config.ENV_KEYS["mqtt_password"]]["valueFrom"]["secretKeyRef"]
-    assert ref["optional"] is True
-    settings = load_settings(str(DEPLOY / "configmap.yaml"), env={"GPU_MAPPER_NODE_NAME": "edge1"})
+    assert mapper_config.ENV_KEYS["mqtt_password"] not in env
+    path = Path(env[mapper_config.ENV_KEYS["mqtt_password_file"]]["value"])
+    mounts = {m["mountPath"]: m for m in container()["volumeMounts"]}
+    mount = mounts[str(path.parent)]
+    assert mount["readOnly"] is True
+    volumes = {v["name"]: v for v in one("DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    secret = volumes[mount["name"]]["secret"]
+    assert secret["optional"] is True and secret["defaultMode"] == 0o400
+    # The Secret's key is the file's name (kubectl create secret generic gpu-mapper-mqtt --from-literal=password=)
+    assert path.name == "password"
+    # Without the Secret (no file) and without a user name the ConfigMap's settings load, with no password.
+    settings = load_settings(
+        str(DEPLOY / "configmap.yaml"),
+        env={"GPU_MAPPER_NODE_NAME": "edge1", mapper_config.ENV_KEYS["mqtt_password_file"]: str(path)},
+    )
     assert settings.mqtt.password is None
 
 

@@ -1,0 +1,373 @@
+"""Files, secrets and least privilege: the data directory 0700 and its files 0600, secrets read from files and
+never logged, and the mapper run as a non-root user over the simulated NVML (reads work, setters are refused)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mapper.config import load_settings
+from mapper.datadir import prepare_data_dir
+from mapper.errors import ConfigError
+from mapper.gpu.simnvml import SimNvml
+from mapper.metrics import fetch_status
+from mapper.stats import MapperSnapshot
+from tests.apphelpers import fast_settings, running_app, wait_for
+from tests.brokers import Mosquitto, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+NOBODY = 65534
+KEEP_USER = "user root\n" if os.geteuid() == 0 else ""
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+@contextlib.contextmanager
+def umask(value: int) -> Iterator[None]:
+    old = os.umask(value)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+# --------------------------------------------------------------------------------------------------
+# The data directory
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_new_data_directory_is_0700_and_its_files_0600_whatever_the_umask(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "data"
+    with umask(0o000):
+        assert prepare_data_dir(target, ("telemetry.db", "desired.db")) == []
+    assert mode(target) == 0o700
+    assert mode(target / "telemetry.db") == 0o600 and mode(target / "desired.db") == 0o600
+
+
+def test_a_wider_existing_directory_and_its_files_are_tightened(tmp_path: Path) -> None:
+    target = tmp_path / "data"
+    target.mkdir()
+    target.chmod(0o755)
+    (target / "telemetry.db").write_bytes(b"")
+    (target / "telemetry.db").chmod(0o644)
+    (target / "status.json").write_text("{}")
+    (target / "status.json").chmod(0o666)
+    (target / "private").write_text("x")
+    (target / "private").chmod(0o400)  # narrower than 0600: left alone
+    assert prepare_data_dir(target, ("telemetry.db",)) == []
+    assert mode(target) == 0o700
+    assert mode(target / "telemetry.db") == 0o600 and mode(target / "status.json") == 0o600
+    assert mode(target / "private") == 0o400
+    assert (target / "status.json").read_text() == "{}"  # tightened, not rewritten
+
+
+def test_a_directory_the_mapper_cannot_tighten_is_reported_with_the_reason(tmp_path: Path) -> None:
+    # A directory owned by another user: chmod is refused (EPERM). As root, the check runs as nobody over a
+    # root-owned directory; as any other user, over a root-owned directory of the system.
+    if os.geteuid() == 0:
+        shared = Path(tempfile.mkdtemp(prefix="gpu-mapper-perm-"))
+        try:
+            shared.chmod(0o755)
+            code = (
+                "import sys; from mapper.datadir import prepare_data_dir; "
+                f"problems = prepare_data_dir({str(shared)!r}); print('\\n'.join(problems)); "
+                "sys.exit(0 if problems else 1)"
+            )
+            out = subprocess.run(
+                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", code],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            problems = out.stdout
+            assert mode(shared) == 0o755
+        finally:
+            shared.rmdir()
+    else:
+        shared = Path("/usr/share/doc")
+        problems = "\n".join(prepare_data_dir(shared)[:1])
+    assert f"{shared} is 0755 and cannot be made 0700" in problems
+    assert "Operation not permitted" in problems and "owned by uid 0" in problems
+
+
+async def test_the_running_mapper_leaves_only_private_files_in_its_data_directory(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    (data / "left-over.json").write_text("{}")
+    (data / "left-over.json").chmod(0o644)
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    settings = fast_settings(str(data), devices_dir=str(tmp_path / "devices"))
+    (tmp_path / "devices").mkdir()
+    with umask(0o022):  # the usual umask: SQLite would make its files 0644
+        async with running_app(settings, sim, housekeeping_interval_s=0.2) as app:
+            await wait_for(lambda: (data / "status.json").exists(), what="status.json")
+            await wait_for(lambda: app.buffer is not None and app.buffer.stats().batches >= 1, what="a batch")
+            assert (data / "telemetry.db-wal").exists()
+    assert mode(data) == 0o700
+    files = sorted(p.name for p in data.iterdir())
+    assert {"telemetry.db", "desired.db", "status.json", "left-over.json"} <= set(files)
+    wide = {name: oct(mode(data / name)) for name in files if mode(data / name) & 0o077}
+    assert not wide, f"files readable by others: {wide}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Secrets from files
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_mqtt_password_comes_from_a_file_without_its_trailing_newline(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("pa ss\n")
+    env = {
+        "GPU_MAPPER_NODE_NAME": "edge-1",
+        "GPU_MAPPER_MQTT_USERNAME": "m",
+        "GPU_MAPPER_MQTT_PASSWORD_FILE": str(secret),
+    }
+    assert load_settings(env=env).mqtt.password == "pa ss"
+    flags = {"mqtt_password_file": str(secret)}
+    assert load_settings(env={"GPU_MAPPER_NODE_NAME": "edge-1"}, flags=flags).mqtt.password == "pa ss"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"nodeName: edge-1\nmqtt:\n  username: m\n  passwordFile: {secret}\n")
+    settings = load_settings(str(config), env={})
+    assert settings.mqtt.password == "pa ss"
+    assert "pa ss" not in repr(settings)
+
+
+def test_a_password_file_that_is_missing_empty_or_given_with_a_password_is_refused_by_name(tmp_path: Path) -> None:
+    base = {"GPU_MAPPER_NODE_NAME": "edge-1", "GPU_MAPPER_MQTT_USERNAME": "m"}
+    with pytest.raises(ConfigError, match=r"mqtt.passwordFile: cannot read .*/nope: No such file"):
+        load_settings(env={**base, "GPU_MAPPER_MQTT_PASSWORD_FILE": str(tmp_path / "nope")})
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_settings(env={**base, "GPU_MAPPER_MQTT_PASSWORD_FILE": str(empty)})
+    secret = tmp_path / "pw"
+    secret.write_text("x-secret-x")
+    with pytest.raises(ConfigError, match="both set") as err:
+        load_settings(env={**base, "GPU_MAPPER_MQTT_PASSWORD_FILE": str(secret), "GPU_MAPPER_MQTT_PASSWORD": "y"})
+    assert "x-secret-x" not in str(err.value)
+    # No user name: an absent file is an optional Secret that was not created, and means no credentials.
+    settings = load_settings(env={"GPU_MAPPER_NODE_NAME": "edge-1", "GPU_MAPPER_MQTT_PASSWORD_FILE": "/nope/pw"})
+    assert settings.mqtt.password is None
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole mapper as a process: secrets never logged, a warning for one on the command line
+# --------------------------------------------------------------------------------------------------
+
+
+class MapperProcess:
+    """``gpu-mapper run`` in a child process (optionally as another user), its log in a file."""
+
+    def __init__(
+        self, argv: list[str], log_path: Path, *, as_user: int | None = None, env: dict[str, str] | None = None
+    ):
+        self.port = free_port()
+        self.log_path = log_path
+        prefix = []
+        if as_user is not None:
+            prefix = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups"]
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_MAPPER_")}
+        full_env.update(env or {})
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "mapper.cli", "run", "--metrics-addr", f"127.0.0.1:{self.port}", *argv],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait(self, predicate, what: str, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the mapper exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            with contextlib.suppress(Exception):
+                value = predicate()
+                if value:
+                    return value
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.log()[-3000:]}")
+
+    def status(self) -> MapperSnapshot:
+        return fetch_status(self.url, timeout_s=2)
+
+    def healthy(self) -> bool:
+        with urllib.request.urlopen(self.url + "/healthz", timeout=2) as resp:
+            return bool(resp.status == 200)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def _passwd(tmp_path: Path, user: str, password: str) -> Path:
+    path = tmp_path / "passwd"
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(path), user, password], check=True, timeout=30)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.timeout(90)
+def test_no_secret_appears_in_a_debug_log_and_one_on_the_command_line_is_warned_about(tmp_path: Path) -> None:
+    from_file, on_cli = "file-secret-7f3a91", "cli-secret-2b8e44"
+    broker_dir = tmp_path / "broker"
+    broker_dir.mkdir()
+    pwfile = broker_dir / "passwd"
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(pwfile), "gpu-mapper", from_file], check=True, timeout=30)
+    subprocess.run(["mosquitto_passwd", "-b", str(pwfile), "cli-user", on_cli], check=True, timeout=30)
+    pwfile.chmod(0o600)
+    broker = Mosquitto(broker_dir, extra_config=f"{KEEP_USER}allow_anonymous false\npassword_file {pwfile}\n")
+    broker.start()
+    secret = tmp_path / "password"
+    secret.write_text(from_file + "\n")
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    common = [
+        "--sim",
+        "1",
+        "--devices",
+        str(devices),
+        "--node-name",
+        "edge-1",
+        "--log-level",
+        "DEBUG",
+        "--mqtt",
+        broker.url,
+    ]
+    runs = [
+        ("file", [*common, "--data-dir", str(tmp_path / "d1")],
+         {"GPU_MAPPER_MQTT_USERNAME": "gpu-mapper", "GPU_MAPPER_MQTT_PASSWORD_FILE": str(secret)}),
+        ("cli", [*common, "--data-dir", str(tmp_path / "d2"), "--mqtt-username", "cli-user", "--mqtt-password", on_cli],
+         {}),
+    ]  # fmt: skip
+    try:
+        for name, argv, env in runs:
+            mapper = MapperProcess(argv, tmp_path / f"{name}.log", env=env)
+            try:
+                mapper.wait(lambda m=mapper: "connected as" in m.log(), f"{name}: the mapper connected to the broker")
+                mapper.wait(lambda m=mapper: m.status().mqtt_connected, f"{name}: /status says connected")
+            finally:
+                assert mapper.stop() == 0, mapper.log()[-3000:]
+            text = mapper.log()
+            assert " DEBUG " in text, "the run did not log at DEBUG level"
+            assert from_file not in text and on_cli not in text, f"{name}: a secret is in the log"
+            warned = "--mqtt-password on the command line is visible to every local user" in text
+            assert warned == (name == "cli"), text[-2000:]
+    finally:
+        broker.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# Least privilege: the mapper as a non-root user
+# --------------------------------------------------------------------------------------------------
+
+DESIRED_DEVICE = """
+apiVersion: devices.kubeedge.io/v1beta1
+kind: Device
+metadata: {{name: gpu0, namespace: default}}
+spec:
+  deviceModelRef: {{name: nvidia-gpu}}
+  nodeName: edge-1
+  protocol: {{protocolName: gpu, configData: {{uuid: {uuid}}}}}
+  properties:
+  - {{name: power_usage, collectCycle: 1000, reportCycle: 1000}}
+  - {{name: temperature, collectCycle: 1000, reportCycle: 1000}}
+  - {{name: power_limit, collectCycle: 1000, reportCycle: 1000, desired: {{value: "300"}}}}
+  - {{name: locked_gpu_clock_min, collectCycle: 1000, reportCycle: 1000, desired: {{value: "1005"}}}}
+  - {{name: locked_gpu_clock_max, collectCycle: 1000, reportCycle: 1000, desired: {{value: "1755"}}}}
+  - {{name: locked_memory_clock_min, collectCycle: 1000, reportCycle: 1000, desired: {{value: "2619"}}}}
+  - {{name: locked_memory_clock_max, collectCycle: 1000, reportCycle: 1000, desired: {{value: "2619"}}}}
+  - {{name: persistence_mode, collectCycle: 1000, reportCycle: 1000, desired: {{value: "on"}}}}
+  - {{name: compute_mode, collectCycle: 1000, reportCycle: 1000, desired: {{value: "exclusive_process"}}}}
+"""
+SETTER_GROUPS = ("power_limit", "locked_gpu_clocks", "locked_memory_clocks", "persistence_mode", "compute_mode")
+
+
+def _run_with_desired_state(tmp_path: Path, as_user: int | None) -> MapperSnapshot:
+    uuid0 = SimNvml(1, "H100", seed=0).gpus[0].uuid
+    # A place the other user can reach (pytest's tmp_path lies under a 0700 directory of this user).
+    base = Path(tempfile.mkdtemp(prefix="gpu-mapper-nonroot-"))
+    base.chmod(0o755)
+    devices = base / "devices"
+    devices.mkdir()
+    (devices / "gpu0.yaml").write_text(DESIRED_DEVICE.format(uuid=uuid0))
+    (devices / "gpu0.yaml").chmod(0o644)
+    data = base / "data"
+    data.mkdir()
+    if as_user is not None:
+        os.chown(data, as_user, as_user)
+    argv = ["--sim", "1", "--devices", str(devices), "--data-dir", str(data), "--node-name", "edge-1"]
+    mapper = MapperProcess(argv, tmp_path / f"mapper-{as_user}.log", as_user=as_user)
+    try:
+
+        def settled() -> MapperSnapshot | None:
+            snap = mapper.status()
+            gpu = snap.gpus[0]
+            done = gpu.desired_status and all(f"{g}:" in gpu.desired_status for g in SETTER_GROUPS)
+            return snap if done and "pending" not in gpu.desired_status else None
+
+        snap: MapperSnapshot = mapper.wait(settled, "every desired group settled")
+    finally:
+        assert mapper.stop() == 0, mapper.log()[-3000:]
+        subprocess.run(["rm", "-rf", str(base)], check=False, timeout=30)
+    return snap
+
+
+@pytest.mark.timeout(90)
+def test_as_a_non_root_user_reads_work_and_every_setter_is_rejected_no_permission(tmp_path: Path) -> None:
+    # As root, the mapper is started as nobody; under any other user it already is not root.
+    as_user = NOBODY if os.geteuid() == 0 else None
+    snap = _run_with_desired_state(tmp_path, as_user)
+    gpu = snap.gpus[0]
+    # Reads work: the GPU's values are sampled.
+    assert gpu.value("power_usage") is not None and gpu.value("temperature") is not None
+    assert gpu.device == "default/gpu0"
+    # Every setter was refused by NVML as for any non-root caller, and the twin says so.
+    statuses = dict(part.split(":", 1) for part in gpu.desired_status.split(","))
+    assert statuses == {g: "rejected-no-permission" for g in SETTER_GROUPS}, gpu.desired_status
+
+
+@pytest.mark.timeout(60)
+def test_under_the_mappers_umask_the_dmi_socket_is_still_0660_and_the_data_directory_0700(tmp_path: Path) -> None:
+    data, sock = tmp_path / "data", tmp_path / "kubeedge" / "gpu.sock"
+    argv = ["--sim", "1", "--node-name", "edge-1", "--data-dir", str(data), "--socket", str(sock)]
+    argv += ["--edgecore-socket", str(tmp_path / "kubeedge" / "dmi.sock")]  # no EdgeCore: it keeps retrying
+    mapper = MapperProcess(argv, tmp_path / "dmi.log")
+    try:
+        mapper.wait(lambda: sock.exists() and mapper.healthy(), "the mapper's DMI socket")
+        assert mode(sock) == 0o660
+        assert mode(data) == 0o700
+        assert all(mode(p) == 0o600 for p in data.iterdir()), {p.name: oct(mode(p)) for p in data.iterdir()}
+    finally:
+        assert mapper.stop() == 0, mapper.log()[-3000:]
