@@ -19,6 +19,10 @@ The GPU uuid is optional in the header: a ``BatchEncoder`` writes it in the firs
 that the value refers to it. Other batches decode with ``uuid == ""``: the device name identifies the stream.
 The full layout, with the series meta and data, is in docs/telemetry.md.
 
+Version 3 is a merged batch (backlog compaction, ``merge_batches``): a version 2 body over the rows of several
+batches of one stream, with a parts table (each part's seq, rows, whether its header carried the uuid) after the
+first timestamp. ``decode_batch`` reads both; ``DecodedBatch.split`` gives back the batches a merged one holds.
+
 A batch decodes on its own: the only outside data is the static, versioned dictionary shipped in the package.
 A property whose values change type between rows (never the case for the NVML backend) becomes one series per
 type; the decoder merges them back by row.
@@ -48,7 +52,12 @@ Format = Literal["binary", "json"]
 MAGIC = b"G"
 #: Magic, format version, flags.
 HEADER_BYTES = 3
+#: The version of the batches the live path writes (one per window).
 FORMAT_VERSION = 2
+#: The version of a merged batch (``merge_batches``): a version 2 body over every row, then its parts.
+MERGED_FORMAT_VERSION = 3
+#: The binary versions ``decode_batch`` reads.
+READABLE_VERSIONS = (2, 3)
 #: The JSON format did not change with binary version 2; its documents say version 1.
 JSON_FORMAT_VERSION = 1
 JSON_FORMAT_NAME = "gpu-mapper-telemetry"
@@ -118,6 +127,17 @@ class BatchFormatError(ValueError):
     """The bytes are not a telemetry batch this version can read; the message says what was wrong."""
 
 
+class BatchPart(NamedTuple):
+    """One of the batches a batch holds: a batch holds itself; a merged batch (version 3) holds each batch it
+    replaced, in order. ``(device, boot_id, seq)`` of a part is the identity that batch had when it was cut."""
+
+    seq: int
+    #: How many rows (samples) of the batch are this part's, counted from the end of the previous part.
+    rows: int
+    #: The GPU uuid the part's header carried ("" when it carried none).
+    uuid: str
+
+
 # --------------------------------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------------------------------
@@ -154,6 +174,53 @@ class DecodedBatch:
     ts_first_ms: int
     ts_last_ms: int
     samples: tuple[Sample, ...] = field(default_factory=tuple)
+    #: The batches this one holds, in order (see ``BatchPart``); one part for a batch that was not merged.
+    #: Empty only for a ``DecodedBatch`` built by hand: it then stands for itself.
+    parts: tuple[BatchPart, ...] = ()
+
+    @property
+    def seq_last(self) -> int:
+        """The sequence number of the last batch this one holds (``seq`` unless merged)."""
+        return self.parts[-1].seq if self.parts else self.seq
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        """The sequence numbers of every batch this one holds, increasing (not always consecutive: the streams
+        of a device share one counter, and batches acked before a merge leave gaps)."""
+        return tuple(p.seq for p in self.parts) if self.parts else (self.seq,)
+
+    @property
+    def merged(self) -> bool:
+        return len(self.parts) > 1
+
+    def split(self) -> tuple[DecodedBatch, ...]:
+        """The batches this one holds, each as it decoded before it was merged (version 2, its own seq, uuid,
+        samples and time range). A consumer that drops duplicates by ``(device, boot_id, seq)`` does it per part:
+        a merged batch may repeat batches it already has, or be repeated by them."""
+        if not self.parts or (len(self.parts) == 1 and (self.fmt, self.version) != ("binary", MERGED_FORMAT_VERSION)):
+            return (self,)
+        out = []
+        start = 0
+        for part in self.parts:
+            rows = self.samples[start : start + part.rows]
+            start += part.rows
+            ts = [s.ts_ms for s in rows]
+            out.append(
+                DecodedBatch(
+                    FORMAT_VERSION,
+                    self.fmt,
+                    self.node,
+                    self.device,
+                    part.uuid,
+                    self.boot_id,
+                    part.seq,
+                    min(ts),
+                    max(ts),
+                    rows,
+                    (BatchPart(part.seq, part.rows, part.uuid),),
+                )
+            )
+        return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,6 +242,7 @@ class BatchCodec:
         self.level = level
         self.dictionary_id = dict_id
         self._compressor: zstandard.ZstdCompressor | None = None
+        self._plain_compressor: zstandard.ZstdCompressor | None = None
         self._decompressors: dict[int, zstandard.ZstdDecompressor] = {}
 
     @staticmethod
@@ -183,23 +251,34 @@ class BatchCodec:
             return None
         return zstandard.ZstdCompressionDict(DICTIONARIES[dict_id], dict_type=zstandard.DICT_TYPE_AUTO)
 
-    def pack(self, body: bytes) -> bytes:
-        """The whole batch: magic, version, flags, then the body as a zstd frame when that is smaller."""
+    def _new_compressor(self, dict_id: int) -> zstandard.ZstdCompressor:
+        params = zstandard.ZstdCompressionParameters.from_level(
+            self.level,
+            format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+            write_content_size=False,
+            write_checksum=False,
+            write_dict_id=False,
+        )
+        return zstandard.ZstdCompressor(compression_params=params, dict_data=self._dict(dict_id))
+
+    def pack(self, body: bytes, version: int = FORMAT_VERSION, *, try_plain: bool = False) -> bytes:
+        """The whole batch: magic, version, flags, then the body as a zstd frame when that is smaller.
+
+        ``try_plain``: also compress without the dictionary and keep the smaller frame (a dictionary trained on
+        one shape of batch can cost bytes on another, e.g. on a merged batch; twice the compression CPU)."""
         if self._compressor is None:
-            params = zstandard.ZstdCompressionParameters.from_level(
-                self.level,
-                format=zstandard.FORMAT_ZSTD1_MAGICLESS,
-                write_content_size=False,
-                write_checksum=False,
-                write_dict_id=False,
-            )
-            self._compressor = zstandard.ZstdCompressor(
-                compression_params=params, dict_data=self._dict(self.dictionary_id)
-            )
+            self._compressor = self._new_compressor(self.dictionary_id)
         packed = self._compressor.compress(body)
+        dict_id = self.dictionary_id
+        if try_plain and dict_id != 0:
+            if self._plain_compressor is None:
+                self._plain_compressor = self._new_compressor(0)
+            plain = self._plain_compressor.compress(body)
+            if len(plain) < len(packed):
+                packed, dict_id = plain, 0
         if len(packed) < len(body):
-            return MAGIC + bytes((FORMAT_VERSION, _FLAG_ZSTD | self.dictionary_id << _DICT_SHIFT)) + packed
-        return MAGIC + bytes((FORMAT_VERSION, 0)) + body
+            return MAGIC + bytes((version, _FLAG_ZSTD | dict_id << _DICT_SHIFT)) + packed
+        return MAGIC + bytes((version, 0)) + body
 
     def unpack(self, flags: int, data: bytes) -> bytes:
         if not flags & _FLAG_ZSTD:
@@ -1052,10 +1131,18 @@ def body_parts(
 
 
 def _body(
-    samples: Sequence[Sample], node: str, device: str, uuid: str, boot_id: str, seq: int, uuid_in_header: bool
+    samples: Sequence[Sample],
+    node: str,
+    device: str,
+    uuid: str,
+    boot_id: str,
+    seq: int,
+    uuid_in_header: bool,
+    parts: Sequence[BatchPart] | None = None,
 ) -> tuple[bytearray, int, int, _Sections]:
     """The body's sections: the meta part (head, series and ids one after the other) with where the head and the
-    series end in it, the data part and the bit stream."""
+    series end in it, the data part and the bit stream. ``parts`` (a merged batch, version 3): the parts table
+    follows the first timestamp."""
     ts = [s.ts_ms for s in samples]
     ts_first, ts_last = min(ts), max(ts)
     n_rows = len(samples)
@@ -1091,10 +1178,71 @@ def _body(
         for name, vtype, rows, values in columns:
             _encode_series(out, name, rows, values, vtype, n_rows, carried)
     series_end = len(meta)
+    if parts is not None and not carried and any(p.uuid for p in parts):
+        raise ValueError("a part carries the uuid but the merged batch's header does not")
     _put_ids(meta, carried, boot_id)
     _put_uvarint(meta, seq)
     _put_uvarint(meta, ts_first)
+    if parts is not None:
+        _put_parts(meta, parts, n_rows)
     return meta, head_end, series_end, out
+
+
+def _put_parts(out: bytearray, parts: Sequence[BatchPart], n_rows: int) -> None:
+    """The parts table of a merged batch: n_parts, then per part (rows << 1 | uuid carried), and from the second
+    part on, first (seq - previous seq - 1). The first part's seq is the batch's ``seq``."""
+    if not parts or sum(p.rows for p in parts) != n_rows or min(p.rows for p in parts) < 1:
+        raise ValueError(f"the parts of a merged batch must cover its {n_rows} rows, each at least one")
+    _put_uvarint(out, len(parts))
+    prev: int | None = None
+    for p in parts:
+        if prev is not None:
+            if p.seq <= prev:
+                raise ValueError(f"the parts of a merged batch must have increasing seqs: {p.seq} after {prev}")
+            _put_uvarint(out, p.seq - prev - 1)
+        _put_uvarint(out, p.rows << 1 | (1 if p.uuid else 0))
+        prev = p.seq
+
+
+def merge_batches(batches: Sequence[DecodedBatch], codec: BatchCodec | None = None) -> EncodedBatch:
+    """One merged batch (format version 3) holding ``batches`` (decoded binary batches of one stream, merged ones
+    among them), in order: its samples are their samples one after the other, exactly, and its parts are their
+    parts (``DecodedBatch.split`` gives each back). The node, device and boot id must be the same and the seqs
+    increase; the GPU uuid (when any part carried it) too. The body is compressed with and without the
+    dictionary, the smaller kept. ``EncodedBatch.seq`` is the first part's."""
+    if not batches:
+        raise ValueError("merge_batches needs at least one batch")
+    first = batches[0]
+    parts: list[BatchPart] = []
+    samples: list[Sample] = []
+    for b in batches:
+        if b.fmt != "binary":
+            raise ValueError(f"only binary batches merge; {b.device} seq {b.seq} is {b.fmt}")
+        if (b.node, b.device, b.boot_id) != (first.node, first.device, first.boot_id):
+            raise ValueError(
+                f"batches of different streams do not merge: {(b.node, b.device, b.boot_id)} after "
+                f"{(first.node, first.device, first.boot_id)}"
+            )
+        own = b.parts or (BatchPart(b.seq, len(b.samples), b.uuid),)
+        if sum(p.rows for p in own) != len(b.samples):
+            raise ValueError(f"batch {b.device} seq {b.seq}: its parts do not cover its {len(b.samples)} rows")
+        if parts and own[0].seq <= parts[-1].seq:
+            raise ValueError(f"batch {b.device} seq {own[0].seq} comes after seq {parts[-1].seq}: seqs must increase")
+        parts.extend(own)
+        samples.extend(b.samples)
+    uuids = {p.uuid for p in parts if p.uuid}
+    if len(uuids) > 1:
+        raise ValueError(f"batches of different GPUs do not merge: {sorted(uuids)}")
+    uuid = uuids.pop() if uuids else ""
+    meta, _, _, out = _body(samples, first.node, first.device, uuid, first.boot_id, parts[0].seq, bool(uuid), parts)
+    payload = (codec or BatchCodec()).pack(
+        b"".join((meta, out.data, out.bits.bytes())), MERGED_FORMAT_VERSION, try_plain=True
+    )
+    ts = [s.ts_ms for s in samples]
+    n_values = sum(len(s.values) for s in samples)
+    return EncodedBatch(
+        first.device, uuid, first.boot_id, parts[0].seq, min(ts), max(ts), payload, "binary", len(samples), n_values
+    )
 
 
 _ColumnValues = tuple[str, int, Sequence[int], Sequence[Value]]
@@ -1191,8 +1339,9 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
     if len(data) < HEADER_BYTES:
         raise BatchFormatError("batch truncated inside its header")
     version, flags = data[1], data[2]
-    if version != FORMAT_VERSION:
-        raise BatchFormatError(f"batch format version {version} is not supported (this reader reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise BatchFormatError(f"batch format version {version} is not supported (this reader reads {readable})")
     body = codec.unpack(flags, data[HEADER_BYTES:])
     r = _Reader(body)
     n_rows = r.uvarint()
@@ -1213,6 +1362,7 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
         c.resolve_uuid(uuid)
     seq = r.uvarint()
     ts_first = r.uvarint()
+    parts = _read_parts(r, seq, uuid, n_rows) if version == MERGED_FORMAT_VERSION else (BatchPart(seq, n_rows, uuid),)
     ts_offsets = _read_plan_data(r, n_rows, ts_gcd, ts_residue) if ts_kind == _TS_LIST else None
     readers = [(c.name, *c.read_data(r, n_rows)) for c in columns]
     bits = _BitReader(body[r.pos :])
@@ -1229,8 +1379,34 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
             rows[row][name] = value
     if bits.left >= 8 or bits.acc:
         raise BatchFormatError(f"{bits.left // 8} stray bytes after the last series")
-    samples = tuple(Sample(uuid=uuid, ts_ms=t, values=v) for t, v in zip(ts, rows, strict=True))
-    return DecodedBatch(FORMAT_VERSION, "binary", node, device, uuid, boot_id, seq, ts_first, ts_first + span, samples)
+    if len(parts) == 1:
+        samples = tuple(Sample(uuid=uuid, ts_ms=t, values=v) for t, v in zip(ts, rows, strict=True))
+    else:
+        row_uuids = itertools.chain.from_iterable(itertools.repeat(p.uuid, p.rows) for p in parts)
+        samples = tuple(Sample(u, t, v) for u, t, v in zip(row_uuids, ts, rows, strict=True))
+    return DecodedBatch(version, "binary", node, device, uuid, boot_id, seq, ts_first, ts_first + span, samples, parts)
+
+
+def _read_parts(r: _Reader, seq: int, uuid: str, n_rows: int) -> tuple[BatchPart, ...]:
+    n_parts = r.uvarint()
+    if n_parts == 0 or n_parts > n_rows:
+        raise BatchFormatError(f"merged batch claims {n_parts} parts for {n_rows} rows")
+    parts = []
+    total = 0
+    for i in range(n_parts):
+        if i:
+            seq += r.uvarint() + 1
+        field_ = r.uvarint()
+        rows = field_ >> 1
+        if field_ & 1 and not uuid:
+            raise BatchFormatError(f"part seq {seq} carried the uuid, which the merged batch lacks")
+        if rows == 0:
+            raise BatchFormatError(f"part seq {seq} of a merged batch has no rows")
+        total += rows
+        parts.append(BatchPart(seq, rows, uuid if field_ & 1 else ""))
+    if total != n_rows:
+        raise BatchFormatError(f"the parts of a merged batch hold {total} rows, the batch {n_rows}")
+    return tuple(parts)
 
 
 def _decode_json(data: bytes) -> DecodedBatch:
@@ -1245,6 +1421,7 @@ def _decode_json(data: bytes) -> DecodedBatch:
     try:
         uuid = str(doc["uuid"])
         samples = tuple(Sample(uuid=uuid, ts_ms=int(s["ts_ms"]), values=dict(s["values"])) for s in doc["samples"])
+        seq = int(doc["seq"])
         return DecodedBatch(
             JSON_FORMAT_VERSION,
             "json",
@@ -1252,10 +1429,11 @@ def _decode_json(data: bytes) -> DecodedBatch:
             str(doc["device"]),
             uuid,
             str(doc["boot_id"]),
-            int(doc["seq"]),
+            seq,
             int(doc["ts_first_ms"]),
             int(doc["ts_last_ms"]),
             samples,
+            (BatchPart(seq, len(samples), uuid),),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BatchFormatError(f"JSON batch lacks or mistypes field {exc}") from None

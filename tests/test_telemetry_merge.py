@@ -1,0 +1,207 @@
+"""Merged batches (format version 3): exact concatenation, their parts and dedup identity, golden bytes of every
+version the decoder reads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mapper.model import Sample, Value
+from mapper.telemetry import (
+    FORMAT_VERSION,
+    MERGED_FORMAT_VERSION,
+    BatchCodec,
+    BatchFormatError,
+    BatchPart,
+    DecodedBatch,
+    batch_json_lines,
+    decode_batch,
+    encode_batch,
+    merge_batches,
+    records_equal,
+)
+
+T0 = 1_780_000_000_000
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+COMMON = {"node": "edge-1", "device": "default/gpu0", "uuid": UUID, "boot_id": "0badf00d"}
+
+values = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.integers(0, 2_000_000).map(lambda mw: mw / 1000),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.just(UUID),
+    st.booleans(),
+)
+names = st.sampled_from(["power_usage", "temperature", "uuid", "pstate", "x.custom", "ünicode"])
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[tuple[int, bool, list[Sample]]]:
+    """Consecutive batches of one stream: (seq, uuid in header, samples), seqs increasing with gaps."""
+    out = []
+    seq = draw(st.integers(0, 2**40))
+    ts = T0
+    for _ in range(draw(st.integers(1, 8))):
+        rows = []
+        for _ in range(draw(st.integers(1, 12))):
+            ts += draw(st.sampled_from([1000, 1000, 1000, 0, 7, 5000]))
+            rows.append(Sample(UUID, ts, draw(st.dictionaries(names, values, max_size=5))))
+        out.append((seq, draw(st.booleans()), rows))
+        seq += draw(st.integers(1, 3))
+    return out
+
+
+def _originals(stream: list[tuple[int, bool, list[Sample]]]) -> list[DecodedBatch]:
+    codec = BatchCodec()
+    return [
+        decode_batch(encode_batch(rows, seq=seq, uuid_in_header=carry, codec=codec, **COMMON).payload, codec)
+        for seq, carry, rows in stream
+    ]
+
+
+def _same_samples(got: tuple[Sample, ...], want: list[Sample]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert (g.uuid, g.ts_ms) == (w.uuid, w.ts_ms)
+        assert records_equal(g.values, w.values), (g.values, w.values)
+
+
+@settings(max_examples=120, deadline=None)
+@given(streams(), st.data())
+def test_a_merged_batch_decodes_to_exactly_the_concatenation_of_its_originals(
+    stream: list[tuple[int, bool, list[Sample]]], data: st.DataObject
+) -> None:
+    originals = _originals(stream)
+    # Merge in one go, or in two steps (a merged batch merged again with the next ones), as compaction does.
+    cut = data.draw(st.integers(0, len(originals)))
+    if 0 < cut < len(originals):
+        head = decode_batch(merge_batches(originals[:cut]).payload)
+        merged = merge_batches([head, *originals[cut:]])
+    else:
+        merged = merge_batches(originals)
+    decoded = decode_batch(merged.payload)
+    assert decoded.version == MERGED_FORMAT_VERSION and merged.payload[1] == MERGED_FORMAT_VERSION
+    _same_samples(decoded.samples, [s for o in originals for s in o.samples])
+    assert decoded.seqs == tuple(o.seq for o in originals)
+    assert (decoded.seq, decoded.seq_last) == (originals[0].seq, originals[-1].seq)
+    assert (decoded.ts_first_ms, decoded.ts_last_ms) == (
+        min(o.ts_first_ms for o in originals),
+        max(o.ts_last_ms for o in originals),
+    )
+    assert decoded.boot_id == "0badf00d" and decoded.device == "default/gpu0"
+    # Each part comes back as the batch it was: the consumer's dedup identity (device, boot_id, seq) per part.
+    for part, original in zip(decoded.split(), originals, strict=True):
+        assert (part.version, part.seq, part.uuid, part.ts_first_ms, part.ts_last_ms) == (
+            FORMAT_VERSION,
+            original.seq,
+            original.uuid,
+            original.ts_first_ms,
+            original.ts_last_ms,
+        )
+        _same_samples(part.samples, list(original.samples))
+    # The same lines (within one row the order of the properties is the order of the series, not kept).
+    assert sorted(batch_json_lines(decoded)) == sorted(line for o in originals for line in batch_json_lines(o))
+
+
+def test_a_batch_that_was_not_merged_is_its_own_single_part() -> None:
+    samples = [Sample(UUID, T0 + i * 1000, {"temperature": 60 + i}) for i in range(3)]
+    decoded = decode_batch(encode_batch(samples, seq=5, **COMMON).payload)
+    assert decoded.parts == (BatchPart(5, 3, UUID),)
+    assert (decoded.seq_last, decoded.seqs, decoded.merged, decoded.split()) == (5, (5,), False, (decoded,))
+    as_json = decode_batch(encode_batch(samples, seq=6, fmt="json", **COMMON).payload)
+    assert as_json.parts == (BatchPart(6, 3, UUID),)
+
+
+def test_merging_refuses_batches_of_other_streams_a_seq_going_back_and_json() -> None:
+    a = decode_batch(encode_batch([Sample(UUID, T0, {"t": 1})], seq=3, **COMMON).payload)
+    other_boot = {**COMMON, "boot_id": "ffff0000"}
+    b = decode_batch(encode_batch([Sample(UUID, T0 + 1000, {"t": 2})], seq=4, **other_boot).payload)
+    with pytest.raises(ValueError, match="different streams"):
+        merge_batches([a, b])
+    with pytest.raises(ValueError, match="seqs must increase"):
+        merge_batches([a, a])
+    j = decode_batch(encode_batch([Sample(UUID, T0, {"t": 1})], seq=9, fmt="json", **COMMON).payload)
+    with pytest.raises(ValueError, match="only binary"):
+        merge_batches([a, j])
+    other_gpu = decode_batch(
+        encode_batch([Sample(UUID, T0 + 1000, {"t": 2})], seq=4, **{**COMMON, "uuid": UUID[:-1] + "d"}).payload
+    )
+    with pytest.raises(ValueError, match="different GPUs"):
+        merge_batches([a, other_gpu])
+    with pytest.raises(ValueError, match="at least one"):
+        merge_batches([])
+
+
+def _merged_golden() -> tuple[list[DecodedBatch], bytes]:
+    """Three batches of one stream (seqs 10, 12, 13; only the first carries the uuid), merged uncompressed."""
+    rows: list[list[Sample]] = []
+    for k in range(3):
+        part = []
+        for i in range(4):
+            t = k * 4 + i
+            v: dict[str, Value] = {"temperature": 60 + t % 3, "power_usage": 100.25 + t, "pstate": "P0"}
+            if t == 0:
+                v["uuid"] = UUID
+            part.append(Sample(UUID if k == 0 else "", T0 + 1000 * t, v))
+        rows.append(part)
+    originals = [
+        decode_batch(encode_batch(r, seq=seq, uuid_in_header=k == 0, **COMMON).payload)
+        for k, (seq, r) in enumerate(zip((10, 12, 13), rows, strict=True))
+    ]
+    return originals, merge_batches(originals, BatchCodec(dictionary_id=0)).payload
+
+
+#: Format 3 as it was first written (2026-12): the merged batch of ``_merged_golden``, kept raw (flags 0: zstd
+#: made it no smaller), so these bytes depend on no zstd version.
+GOLDEN_MERGED = bytes.fromhex(
+    "4703000cf8550006656467652d310c64656661756c742f677075300407090c0a02171c01035030011401000912345678123412341234"
+    "123456789abc0badf00d0a80909282e733030901080008087801d29c01c8010100244992"
+)
+#: Format 2 as the live path writes it (2026-12, dictionary 2): 4 rows, no uuid in the header, seq 4.
+GOLDEN_V2_DICT2 = bytes.fromhex(
+    "47022100006d0100040204b817310c0207090c8a0264190c0badf00d0480909282e733087808c80124e403cc1a8603006eec0cdc03"
+)
+
+
+def test_a_merged_batch_of_format_3_is_frozen_and_decodes() -> None:
+    originals, payload = _merged_golden()
+    assert payload == GOLDEN_MERGED, "the encoder still writes format 3 as it was defined"
+    decoded = decode_batch(GOLDEN_MERGED)
+    assert (decoded.version, decoded.seqs, decoded.uuid) == (3, (10, 12, 13), UUID)
+    assert [(p.seq, p.rows, p.uuid) for p in decoded.parts] == [(10, 4, UUID), (12, 4, ""), (13, 4, "")]
+    _same_samples(decoded.samples, [s for o in originals for s in o.samples])
+
+
+def test_every_binary_version_the_decoder_reads_has_a_golden_batch_that_decodes() -> None:
+    # Version 2 with dictionary 1 has its own golden batch in test_telemetry.py; here dictionary 2 and version 3.
+    v2 = decode_batch(GOLDEN_V2_DICT2)
+    assert (v2.version, v2.seq, v2.uuid, v2.boot_id, v2.parts) == (2, 4, "", "0badf00d", (BatchPart(4, 4, ""),))
+    want = [{"temperature": 60 + i % 3, "power_usage": 100.25 + i} for i in range(4)]
+    assert [dict(s.values) for s in v2.samples] == want
+    assert GOLDEN_V2_DICT2[2] >> 4 == 2
+    assert decode_batch(GOLDEN_MERGED).version == 3
+    with pytest.raises(BatchFormatError, match="version 4 is not supported"):
+        decode_batch(b"G\x04\x00" + GOLDEN_MERGED[3:])
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        (b"\x00", "claims 0 parts"),
+        (b"\x02\x18\x00\x02", "hold 13 rows, the batch 12"),
+        (b"\x02\x00", "has no rows"),
+    ],
+)
+def test_a_broken_parts_table_gets_an_error_that_says_what_is_wrong(tail: bytes, message: str) -> None:
+    # A version 2 body of 12 rows without the uuid in its header, made a version 3 batch with a broken table (the
+    # table goes after the first timestamp, which ends the meta part).
+    from mapper import telemetry
+
+    samples = [Sample("", T0 + 1000 * i, {"temperature": 60 + i % 3}) for i in range(12)]
+    meta, _, _, out = telemetry._body(samples, "edge-1", "default/gpu0", "", "0badf00d", 1, False)
+    body = bytes(meta) + tail + bytes(out.data) + out.bits.bytes()
+    with pytest.raises(BatchFormatError, match=message):
+        decode_batch(b"G\x03\x00" + body)
+    assert len(decode_batch(b"G\x03\x00" + bytes(meta) + b"\x01\x18" + body[len(meta) + len(tail) :]).samples) == 12
