@@ -498,6 +498,53 @@ def _int_plan(ints: Sequence[int]) -> _IntPlan:
     return _IntPlan(*_plan_fields(ints))
 
 
+#: Fields per block of a blocked plan (format 3).
+BLOCK_FIELDS = 32
+_BLOCKED = 3
+
+
+class _BlockedPlan(NamedTuple):
+    """Format 3 only: as ``_IntPlan``, but the fields come in blocks of ``BLOCK_FIELDS``, each at its own width
+    (a long column of a merged batch is narrow in its quiet stretches and wide only where it is busy)."""
+
+    order: int
+    seeds: list[int]
+    base: int
+    gcd: int
+    widths: list[int]
+    seq: Sequence[int]
+    cost: int
+
+
+def _blocked_plan(ints: Sequence[int]) -> _IntPlan | _BlockedPlan:
+    """The smaller of ``_int_plan`` and the cheapest blocked plan of the three orders (format 3's planner)."""
+    flat = _int_plan(ints)
+    n = len(ints)
+    if n < 2 * BLOCK_FIELDS:
+        return flat
+    best: _IntPlan | _BlockedPlan = flat
+    seq: list[int] = list(ints)
+    seeds: list[int] = []
+    for order in range(3):
+        if order:
+            seeds.append(seq[0])
+            seq = list(map(operator.sub, seq[1:], seq))
+        if len(seq) < 2 * BLOCK_FIELDS:
+            break
+        g = math.gcd(*(x - seq[0] for x in seq)) or 1
+        base = min(seq)
+        widths = [((max(seq[i : i + BLOCK_FIELDS]) - base) // g).bit_length() for i in range(0, len(seq), BLOCK_FIELDS)]
+        nbits = sum(w * len(seq[i * BLOCK_FIELDS : (i + 1) * BLOCK_FIELDS]) for i, w in enumerate(widths))
+        cost = sum(_zz_len(x) for x in seeds) + _order_cost(base, g, 0, 0) + len(widths) + (nbits + 7) // 8
+        if cost < best.cost:
+            best = _BlockedPlan(order, list(seeds), base, g, widths, seq, cost)
+    return best
+
+
+def _zz_len(x: int) -> int:
+    return ((~x if x < 0 else x).bit_length() + 7) // 7
+
+
 _PlanFields = tuple[int, list[int], int, int, int, Sequence[int], int]
 
 
@@ -642,10 +689,29 @@ class _Sections:
         self.data = bytearray()
         self.bits = _BitWriter()
 
-    def plan(self, plan: _IntPlan | _PlanFields) -> None:
+    def blocked_plan(self, plan: _BlockedPlan) -> None:
+        """Format 3: meta: [gcd, base mod gcd]; data: order << 2 | 3, seeds, base (div gcd), one width per block;
+        bits: each block's fields at its width."""
+        order, seeds, base, g, widths, seq, _ = plan
+        if g > 1:
+            _put_uvarint(self.meta, g)
+            _put_uvarint(self.meta, base % g)
+        data = self.data
+        data.append(order << 2 | _BLOCKED)
+        for x in seeds:
+            _put_uvarint(data, _zz(x))
+        _put_uvarint(data, _zz(base // g))
+        for i, width in enumerate(widths):
+            _put_uvarint(data, width)
+            self.bits.put_offsets(seq[i * BLOCK_FIELDS : (i + 1) * BLOCK_FIELDS], base, g, width)
+
+    def plan(self, plan: _IntPlan | _PlanFields | _BlockedPlan) -> None:
         """Meta: [gcd, base mod gcd]; data: width << 2 | order, seeds, base (div gcd); bits: fields. (Zigzag is
         written out here: this runs for every changing column of every batch.)"""
-        order, seeds, base, g, width, seq, _ = plan
+        if type(plan) is _BlockedPlan:
+            self.blocked_plan(plan)
+            return
+        order, seeds, base, g, width, seq, _ = cast("_PlanFields", plan)
         data = self.data
         if g > 1:
             _put_uvarint(self.meta, g)
@@ -740,6 +806,7 @@ def _encode_series(
     vtype: int,
     n_rows: int,
     header_uuid: str,
+    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan] = _int_plan,
 ) -> None:
     meta, data = out.meta, out.data
     code = _KNOWN_CODE.get(name, 0)
@@ -763,7 +830,7 @@ def _encode_series(
     elif vtype == _T_INT:
         ints = cast("Sequence[int]", values) if types == {int} else [int(v) for v in values]
     dense = len(rows) == n_rows
-    plan = _int_plan(ints) if ints and not const else None
+    plan = planner(ints) if ints and not const else None
     gcd_flag = _K_GCD if plan is not None and plan.gcd > 1 else 0
     meta.append(kind | (_K_DENSE if dense else 0) | (_K_CONST if const else 0) | gcd_flag)
     if not dense:
@@ -975,8 +1042,11 @@ class _Column:
             raise BatchFormatError(f"series {self.name!r}: float bits beyond 64")
         return _from_bits(n)
 
-    def read_data(self, r: _Reader, n_rows: int) -> tuple[list[int], Callable[[_BitReader], list[Value]]]:
-        """The rows this series has and a function that takes its values from the bit stream."""
+    def read_data(
+        self, r: _Reader, n_rows: int, blocked: bool = False
+    ) -> tuple[list[int], Callable[[_BitReader], list[Value]]]:
+        """The rows this series has and a function that takes its values from the bit stream (``blocked``: format
+        3, whose int plans may come in blocks)."""
         if self.kind & _K_DENSE:
             rows = list(range(n_rows))
         else:
@@ -990,7 +1060,7 @@ class _Column:
                 raise BatchFormatError(f"series {self.name!r}: no values")
             return rows, lambda _bits: [value] * n
         if vtype in (_T_INT, _T_DEC):
-            ints = _read_plan_data(r, n, self.gcd, self.residue)
+            ints = _read_plan_data(r, n, self.gcd, self.residue, blocked)
             return rows, lambda bits: [self._num(i) for i in ints(bits)]
         if vtype == _T_XOR:
             values: list[Value] = []
@@ -1014,18 +1084,39 @@ class _Column:
         return rows, lambda bits: [bool(b) for b in bits.take(n, 1)]
 
 
-def _read_plan_data(r: _Reader, n: int, g: int, residue: int) -> Callable[[_BitReader], list[int]]:
+def _read_plan_data(r: _Reader, n: int, g: int, residue: int, blocked: bool) -> Callable[[_BitReader], list[int]]:
+    """An int column's data (``blocked``: format 3, whose plans may come in blocks) and the function that takes
+    its fields from the bit stream."""
     head = r.uvarint()
     width, order = head >> 2, head & 3
+    widths: list[int] | None = None
+    if order == _BLOCKED and blocked:
+        order, width = width, 0
+        if order > 2 or order >= n:
+            raise BatchFormatError(f"blocked int column of {n} values cannot have difference order {order}")
     if order > 2 or order >= n:
         raise BatchFormatError(f"int column of {n} values cannot have difference order {order}")
     if width > _MAX_WIDTH:
         raise BatchFormatError(f"bit width {width} is beyond {_MAX_WIDTH}")
     seeds = [_unzz(r.uvarint()) for _ in range(order)]
     base = _unzz(r.uvarint()) * g + residue
+    if head & 3 == _BLOCKED and blocked:
+        widths = [r.uvarint() for _ in range(-(-(n - order) // BLOCK_FIELDS))]
+        if max(widths) > _MAX_WIDTH:
+            raise BatchFormatError(f"bit width {max(widths)} is beyond {_MAX_WIDTH}")
+
+    def fields(bits: _BitReader) -> list[int]:
+        if widths is None:
+            return bits.take(n - order, width)
+        out: list[int] = []
+        left = n - order
+        for w in widths:
+            out += bits.take(min(left, BLOCK_FIELDS), w)
+            left -= BLOCK_FIELDS
+        return out
 
     def ints(bits: _BitReader) -> list[int]:
-        seq = [base + g * f for f in bits.take(n - order, width)]
+        seq = [base + g * f for f in fields(bits)]
         for seed in reversed(seeds):
             acc = seed
             out = [acc]
@@ -1151,16 +1242,17 @@ def _body(
     meta = out.meta
     _put_uvarint(meta, n_rows)
     _put_uvarint(meta, span)
+    planner = _int_plan if parts is None else _blocked_plan
     if ts[0] == ts_first and (n_rows == 1 or (span % (n_rows - 1) == 0 and _evenly(ts, span // (n_rows - 1)))):
         meta.append(_TS_EVEN)
     else:
-        plan = _int_plan([t - ts_first for t in ts])
+        plan = planner([t - ts_first for t in ts])
         meta.append(_TS_LIST | (_K_GCD if plan.gcd > 1 else 0))
         out.plan(plan)
     _put_str(meta, node)
     _put_str(meta, device)
     head_end = len(meta)
-    dense = _dense_columns(samples)
+    dense = _dense_columns(samples) if parts is None else None
     if dense is not None:  # the usual batch
         names, codes, cols = dense
         if uuid and not uuid_in_header:
@@ -1176,7 +1268,7 @@ def _body(
         carried = uuid if uuid_in_header else ""
         _put_uvarint(meta, len(columns))
         for name, vtype, rows, values in columns:
-            _encode_series(out, name, rows, values, vtype, n_rows, carried)
+            _encode_series(out, name, rows, values, vtype, n_rows, carried, planner)
     series_end = len(meta)
     if parts is not None and not carried and any(p.uuid for p in parts):
         raise ValueError("a part carries the uuid but the merged batch's header does not")
@@ -1363,8 +1455,9 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
     seq = r.uvarint()
     ts_first = r.uvarint()
     parts = _read_parts(r, seq, uuid, n_rows) if version == MERGED_FORMAT_VERSION else (BatchPart(seq, n_rows, uuid),)
-    ts_offsets = _read_plan_data(r, n_rows, ts_gcd, ts_residue) if ts_kind == _TS_LIST else None
-    readers = [(c.name, *c.read_data(r, n_rows)) for c in columns]
+    blocked = version == MERGED_FORMAT_VERSION
+    ts_offsets = _read_plan_data(r, n_rows, ts_gcd, ts_residue, blocked) if ts_kind == _TS_LIST else None
+    readers = [(c.name, *c.read_data(r, n_rows, blocked)) for c in columns]
     bits = _BitReader(body[r.pos :])
     if ts_offsets is not None:
         ts = [ts_first + off for off in ts_offsets(bits)]

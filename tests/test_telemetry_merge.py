@@ -205,3 +205,39 @@ def test_a_broken_parts_table_gets_an_error_that_says_what_is_wrong(tail: bytes,
     with pytest.raises(BatchFormatError, match=message):
         decode_batch(b"G\x03\x00" + body)
     assert len(decode_batch(b"G\x03\x00" + bytes(meta) + b"\x01\x18" + body[len(meta) + len(tail) :]).samples) == 12
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(-(2**66), 2**66), st.integers(-3, 3), st.integers(1000, 1010)), min_size=64, max_size=300
+    ),
+    st.integers(1, 40),
+)
+def test_long_int_columns_of_a_merged_batch_come_back_exactly_whatever_plan_codes_them(
+    ints: list[int], per_batch: int
+) -> None:
+    samples = [Sample("", T0 + 1000 * i, {"pcie_tx": v, "power_usage": v / 1000}) for i, v in enumerate(ints)]
+    chunks = [samples[i : i + per_batch] for i in range(0, len(samples), per_batch)]
+    originals = [
+        decode_batch(encode_batch(c, seq=k, uuid_in_header=False, **{**COMMON, "uuid": ""}).payload)
+        for k, c in enumerate(chunks)
+    ]
+    decoded = decode_batch(merge_batches(originals).payload)
+    _same_samples(decoded.samples, [s for o in originals for s in o.samples])
+
+
+def test_a_long_column_that_is_quiet_then_busy_is_coded_in_blocks_and_is_smaller_for_it() -> None:
+    from mapper import telemetry
+
+    quiet_then_busy = [0] * 200 + [(i * 7919) % 60000 for i in range(64)] + [1] * 200
+    flat = telemetry._int_plan(quiet_then_busy)
+    blocked = telemetry._blocked_plan(quiet_then_busy)
+    assert isinstance(blocked, telemetry._BlockedPlan) and blocked.cost < flat.cost / 3
+    samples = [Sample("", T0 + 1000 * i, {"pcie_rx": v}) for i, v in enumerate(quiet_then_busy)]
+    originals = [
+        decode_batch(encode_batch(samples[i : i + 10], seq=i, uuid_in_header=False, **COMMON).payload)
+        for i in range(0, len(samples), 10)
+    ]
+    decoded = decode_batch(merge_batches(originals).payload)
+    assert [s.values["pcie_rx"] for s in decoded.samples] == quiet_then_busy
