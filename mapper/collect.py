@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-from mapper.clock import Clock, next_on_grid
+from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.model import (
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Properties due within this many seconds of a tick are sampled in that tick.
 DUE_SLACK_S = 0.05
+#: NVML's events (XID, ECC, GPU lost, driver reload) are polled this often, in the collector's NVML job.
+EVENTS_POLL_S = 1.0
 
 
 @dataclass
@@ -392,3 +395,142 @@ async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float) -
         future.cancel()
         raise TimeoutError(f"{getattr(fn, '__name__', 'call')} took longer than {timeout_s}s")
     return future.result()
+
+
+def worker_sample(worker: GpuWorker) -> Sample:
+    """The worker's latest values with the mapper's own status twins, as one Sample."""
+    values = dict(worker.values)
+    values["desired_status"] = worker.desired_status
+    values["policy_state"] = worker.policy_state
+    return Sample(worker.uuid, worker.values_ts_ms, {k: v for k, v in values.items() if v != ""})
+
+
+class RoundLike(Protocol):
+    """What ``RoundBackend.sample_many`` returns (``mapper.gpu.nvml.SampleRound``)."""
+
+    @property
+    def samples(self) -> Sequence[Sample | MapperError]: ...
+    @property
+    def events(self) -> Sequence[GpuEvent]: ...
+    @property
+    def events_error(self) -> MapperError | None: ...
+
+
+class RoundBackend(Protocol):
+    """The one backend call the collector makes per round (``NvmlBackend.sample_many``)."""
+
+    def sample_many(self, requests: Sequence[tuple[str, Sequence[str]]], events: bool = False) -> RoundLike: ...
+
+
+class _FailedRound(NamedTuple):
+    samples: list[Sample | MapperError]
+    events: list[GpuEvent]
+    events_error: MapperError | None
+
+
+class Collector:
+    """Every GPU in one task: at each due time (the collect cycles lie on a shared grid, see
+    ``GpuWorker._reschedule``) or ``wake``, the due GPUs' samples are read as one NVML job, then each GPU's step
+    is finished and handed to ``on_step`` in turn, and ``on_round`` is called once the round is done. NVML's
+    events (XID, ECC, GPU lost, driver reload) are polled in the same job on the whole second and routed to
+    their GPU's next step. One task, one timer and one thread hop per round instead of one per GPU and one for
+    the events: on a small edge node the wake-ups and task switches cost more CPU than the work."""
+
+    def __init__(
+        self,
+        workers: Mapping[str, GpuWorker],
+        backend: RoundBackend,
+        *,
+        clock: Clock,
+        on_step: Callable[[GpuWorker, TickResult], None],
+        on_round: Callable[[], None] | None = None,
+        beat: Callable[[str, float], None] | None = None,
+        observe: Callable[[float], None] | None = None,
+    ) -> None:
+        self.workers = workers
+        self.backend = backend
+        self.clock = clock
+        self.on_step = on_step
+        self.on_round = on_round
+        self.beat = beat
+        #: Called with the wall duration (s) of each round that sampled a GPU.
+        self.observe = observe
+        #: Set by a GPU's ``wake`` (wire it to ``GpuWorker.notify``): the collector runs at once.
+        self.wake = asyncio.Event()
+        #: Failed steps by reason (``gpu-lost``, ``error``).
+        self.errors: dict[str, int] = {}
+        #: XIDs seen per GPU: uuid -> {xid: count}.
+        self.xids: dict[str, dict[int, int]] = {}
+
+    async def run(self) -> None:
+        workers = list(self.workers.values())
+        next_poll_s = 0.0
+        while True:
+            now_s = self.clock.monotonic()
+            due = [w for w in workers if w.is_due(now_s)]
+            poll = next_poll_s <= now_s + DUE_SLACK_S
+            if due or poll:
+                started = time.perf_counter()
+                results, events = await self.tick_all(due, poll)
+                for worker, result in zip(due, results, strict=True):
+                    if result.error:
+                        reason = "gpu-lost" if worker.lost else "step-failed" if result.step_failed else "error"
+                        self.errors[reason] = self.errors.get(reason, 0) + 1
+                    try:
+                        self.on_step(worker, result)
+                    except Exception as exc:  # one GPU's failing step must not stop the others (counted, logged)
+                        worker.step_failed("publishing its step", exc)
+                        self.errors["step-failed"] = self.errors.get("step-failed", 0) + 1
+                if self.on_round is not None:
+                    self.on_round()
+                if due and self.observe is not None:
+                    self.observe(time.perf_counter() - started)
+                if poll:
+                    next_poll_s = next_on_grid(now_s, EVENTS_POLL_S, DUE_SLACK_S)
+                    self.route_events(events)
+            next_s = min([next_poll_s, *(w.next_due_s() for w in workers)])
+            delay_s = max(0.0, next_s - self.clock.monotonic())
+            # The beat's period is this loop's own sleep, so long collect cycles never look like a stall.
+            if self.beat is not None:
+                self.beat("collect", max(1.0, delay_s))
+            await sleep_or_wake(self.wake, delay_s)
+
+    async def tick_all(self, due: list[GpuWorker], poll: bool) -> tuple[list[TickResult], Sequence[GpuEvent]]:
+        """``GpuWorker.tick`` of each of ``due``, their samples (and, with ``poll``, NVML's events) read in one
+        NVML job; the results and the events."""
+        starts = [w.begin() for w in due]
+        requests = [(w.uuid, start.names) for w, start in zip(due, starts, strict=True) if start.names]
+        samples: dict[str, Sample | MapperError] = {}
+        events: Sequence[GpuEvent] = []
+        if requests or poll:
+            try:
+                got: RoundLike = await call_backend(
+                    self.backend, self.backend.sample_many, requests, poll, timeout_s=10.0
+                )
+            except MapperError as exc:  # the job as a whole (NVML hung or not initialised): each GPU gets it
+                got = _FailedRound([exc] * len(requests), [], exc)
+            except Exception as exc:  # a bug in the round: logged with its traceback, each GPU retries later
+                log.exception("the NVML sampling round failed")
+                err = TransientError(f"the NVML sampling round failed: {exc!r}", retry_after_s=5.0)
+                got = _FailedRound([err] * len(requests), [], err)
+            samples = {uuid: outcome for (uuid, _), outcome in zip(requests, got.samples, strict=True)}
+            events = got.events
+            if got.events_error is not None:
+                log.debug("polling NVML events failed: %s", got.events_error)
+        return [await w.finish(start, samples.get(w.uuid)) for w, start in zip(due, starts, strict=True)], events
+
+    def route_events(self, events: Sequence[GpuEvent]) -> None:
+        """XID / ECC / GPU-lost / driver-reload events to their GPU: counted, logged, handed to its next step."""
+        for event in events:
+            worker = self.workers.get(event.uuid)
+            if worker is None:
+                continue
+            if event.kind == "xid":
+                per_gpu = self.xids.setdefault(event.uuid, {})
+                per_gpu[event.xid] = per_gpu.get(event.xid, 0) + 1
+                log.error("GPU %s: XID %d %s", event.uuid, event.xid, event.detail)
+            if event.kind == "driver_reload":
+                log.warning("GPU %s: driver reload detected; every setting is re-applied", event.uuid)
+                worker.driver_reloaded()
+            worker.pending_events.append(event)
+            worker.wake()

@@ -7,24 +7,27 @@ cannot be read or parsed is reported (path and reason) and skipped; the others s
 ``FolderWatcher`` tells when the folder changed: Linux inotify says when to look (no wake-up while the folder is
 idle), a fingerprint of the files' names, sizes, inodes and modification times says whether anything changed.
 Where inotify cannot watch the folder (no inotify in the C library, the watch limit reached, the folder missing, a
-filesystem that refuses it) the caller polls, and every look tries to watch again.
+filesystem that refuses it) the caller polls, and every look tries to watch again. ``watch_folder`` is the
+mapper's loop over both: it reads the folder when it changed and hands the contents to the registry.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import hashlib
 import logging
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from mapper.clock import sleep_or_wake
 from mapper.errors import InvalidValueError
 from mapper.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Scalar
 
@@ -426,3 +429,55 @@ class FolderWatcher:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+async def watch_folder(
+    path: str,
+    node_name: str,
+    apply: Callable[[FolderContents], None],
+    beat: Callable[[str, float], None] | None = None,
+) -> None:
+    """Read the devices folder whenever it changed and hand what it holds to ``apply`` (the registry's sync),
+    until cancelled. inotify wakes the loop (an idle folder costs no wake-up; a 60 s safety poll remains); where
+    the folder cannot be watched it is polled every 2 s. A burst of writes (an editor's save, a ConfigMap update)
+    is read once it has settled. ``beat`` is the heartbeat, with the loop's real sleep as its period."""
+    watcher = FolderWatcher(path)
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+    reader_fd: int | None = None
+    event_seen = False
+
+    def on_readable() -> None:
+        nonlocal event_seen, reader_fd
+        # Read the events here: the descriptor stays readable (and the loop spins) until they are read.
+        event_seen = watcher.drain() or event_seen
+        if watcher.fileno() is None and reader_fd is not None:  # inotify failed: polling from now on
+            loop.remove_reader(reader_fd)
+            reader_fd = None
+        wake.set()
+
+    try:
+        while True:
+            if watcher.changed():
+                apply(await asyncio.to_thread(load_folder, path, node_name))
+            fd = watcher.fileno()  # an inotify instance created on a later look needs its reader
+            if fd != reader_fd:
+                if reader_fd is not None:
+                    loop.remove_reader(reader_fd)
+                if fd is not None:
+                    loop.add_reader(fd, on_readable)
+                reader_fd = fd
+            period_s = watcher.poll_interval_s
+            # Beat with the real sleep, so a watched folder's 60 s safety poll never looks like a stall.
+            if beat is not None:
+                beat("devices-dir", period_s)
+            await sleep_or_wake(wake, period_s)
+            if event_seen:
+                # Events during the pause are read by on_readable and covered by the look that follows.
+                await asyncio.sleep(watcher.settle_s)
+                event_seen = False
+                wake.clear()
+    finally:
+        if reader_fd is not None:
+            loop.remove_reader(reader_fd)
+        watcher.close()

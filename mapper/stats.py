@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mapper.collect import GpuWorker, worker_sample
 from mapper.model import DEVICE_STATES, GpuInfo, Sample, Value
 
 #: Version of the JSON layout written by ``MapperSnapshot.to_json``.
@@ -542,3 +543,50 @@ class Readiness:
     @property
     def ready(self) -> bool:
         return not self.problems()
+
+
+def gpu_snapshot(worker: GpuWorker, node: str, xids: Mapping[int, int]) -> GpuSnapshot:
+    """One GPU's part of the snapshot, from its worker (``xids``: the XIDs seen on it, by number)."""
+    state = worker.state if worker.state in ("online", "offline", "unhealthy") else "unknown"
+    desired_pl = worker.desired.effective().get("power_limit")
+    return GpuSnapshot(
+        info=worker.info,
+        device=worker.device.key if worker.device is not None else "",
+        node=node,
+        sample=worker_sample(worker) if worker.values else None,
+        desired_status=worker.desired_status,
+        policy_state=worker.policy_state,
+        state=state,
+        xid_errors=dict(xids),
+        desired_power_limit_w=float(desired_pl.value)
+        if desired_pl is not None and desired_pl.valid and desired_pl.value is not None
+        else None,
+    )
+
+
+@dataclass
+class WorkerTotals:
+    """The reconcilers' and policies' counts summed over every GPU."""
+
+    actions: dict[tuple[str, str], int] = field(default_factory=dict)
+    drift: dict[str, int] = field(default_factory=dict)
+    rejections: dict[str, int] = field(default_factory=dict)
+    #: GPUs each policy overrides now.
+    overrides: dict[str, int] = field(default_factory=dict)
+
+
+def worker_totals(workers: Iterable[GpuWorker]) -> WorkerTotals:
+    totals = WorkerTotals()
+    for worker in workers:
+        counters = worker.reconciler.counters
+        for k, v in counters.actions.items():
+            totals.actions[k] = totals.actions.get(k, 0) + v
+        for k2, v in counters.drift_reapplies.items():
+            totals.drift[k2] = totals.drift.get(k2, 0) + v
+        for k2, v in counters.rejections.items():
+            totals.rejections[k2] = totals.rejections.get(k2, 0) + v
+        for part in worker.policy_state.removeprefix("dry-run:").split(","):
+            policy = part.split(":", 1)[0]
+            if policy and policy != "normal":
+                totals.overrides[policy] = totals.overrides.get(policy, 0) + 1
+    return totals

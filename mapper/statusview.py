@@ -2,13 +2,16 @@
 
 The snapshot comes from the running mapper's ``/status`` (``mapper.metrics.fetch_status``) or from the
 status file in its data directory (``mapper.metrics.read_status_file``); this module only renders it.
+``console_table`` is the live per-GPU table ``gpu-mapper run --sim N`` prints (from the workers themselves).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 
+from mapper.collect import GpuWorker
 from mapper.model import Value
 from mapper.stats import GpuSnapshot, MapperSnapshot
 
@@ -140,3 +143,26 @@ def _duration(seconds: float) -> str:
 
 def _utc(ms: int) -> str:
     return _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def console_table(node: str, workers: Iterable[GpuWorker], *, buffer_batches: int, mqtt: str) -> str:
+    """The live table ``gpu-mapper run --sim N`` prints: one line per GPU. ``mqtt``: off, up or down."""
+    lines = [
+        time.strftime("%H:%M:%S") + f"  node {node}  buffer {buffer_batches} batches  mqtt {mqtt}",
+        f"{'device':<22} {'power W':>9} {'cap W':>6} {'temp C':>6} {'util %':>6} {'sm MHz':>6} {'mem MHz':>7}"
+        f"  {'state':<9} policy / desired",
+    ]
+
+    def num(values: Mapping[str, Value], name: str, digits: int = 0) -> str:
+        x = values.get(name)
+        return "-" if x is None else f"{float(x):.{digits}f}"
+
+    for worker in workers:
+        v = worker.values
+        name = worker.device.name if worker.device is not None else worker.uuid[:22]
+        lines.append(
+            f"{name:<22} {num(v, 'power_usage', 1):>9} {num(v, 'power_limit'):>6} {num(v, 'temperature'):>6} "
+            f"{num(v, 'utilization_gpu'):>6} {num(v, 'clock_sm'):>6} {num(v, 'clock_memory'):>7}  {worker.state:<9} "
+            f"{worker.policy_state} {worker.desired_status}".rstrip()
+        )
+    return "\n".join(lines) + "\n\n"

@@ -136,7 +136,7 @@ async def test_one_collector_reads_every_gpu_in_one_nvml_job_and_a_lost_gpu_does
         assert any(polls), "NVML's events are polled in the same job"
         assert not [t for t in app._tasks if t.get_name() == "events"], "no loop of their own"
         sim.inject_xid(uuids[0], 13)
-        await wait_for(lambda: app._xids.get(uuids[0], {}).get(13) == 1, what="the XID to be counted")
+        await wait_for(lambda: app.collector.xids.get(uuids[0], {}).get(13) == 1, what="the XID to be counted")
 
         lost = uuids[1]
         sim.inject_gpu_lost(lost)
@@ -177,7 +177,7 @@ async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_
     from tests.apphelpers import wait_for
 
     app = MapperApp(fast_settings(str(tmp_path), devices_dir=None), NvmlBackend(SimNvml(2, "H100", seed=4)))
-    after_tick = app._after_tick
+    after_tick = app.collector.on_step
     cut: list[tuple[str, int]] = []
 
     def crashing(worker, result):  # type: ignore[no-untyped-def]
@@ -186,7 +186,7 @@ async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_
             cut.extend((batch.uuid, batch.seq) for batch, _ in app._round_batches)
             raise RuntimeError("a bug in publishing a step")
 
-    app._after_tick = crashing  # type: ignore[method-assign]
+    app.collector.on_step = crashing
     stored: list[tuple[str, int]] = []
 
     def started() -> None:
@@ -204,7 +204,7 @@ async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_
     await wait_for(
         lambda: cut and set(cut) <= set(stored), timeout_s=20, what="the batches cut before the crash stored"
     )
-    await wait_for(lambda: app._collect_errors.get("step-failed", 0) == 1, what="the failed step counted")
+    await wait_for(lambda: app.collector.errors.get("step-failed", 0) == 1, what="the failed step counted")
     stop.set()
     code = await asyncio.wait_for(task, 20)
     assert code == 0, "a bug in one GPU's step does not stop the mapper"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import mapper.app
+import mapper.devicefiles
 from mapper.devicefiles import FolderWatcher, load_folder
 from mapper.gpu.simnvml import SimNvml
 from tests.apphelpers import fast_settings, running_app, wait_for
@@ -44,8 +44,8 @@ async def test_the_app_picks_up_a_new_device_file_at_once_and_never_looks_at_an_
         reads.append(time.monotonic())
         return load_folder(path, node_name)
 
-    monkeypatch.setattr(mapper.app, "FolderWatcher", CountingWatcher)
-    monkeypatch.setattr(mapper.app, "load_folder", counting_load_folder)
+    monkeypatch.setattr(mapper.devicefiles, "FolderWatcher", CountingWatcher)
+    monkeypatch.setattr(mapper.devicefiles, "load_folder", counting_load_folder)
 
     settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices))
     async with running_app(settings, sim) as app:

@@ -98,7 +98,7 @@ async def test_one_gpus_failing_step_is_counted_and_the_others_keep_reporting(tm
             lambda: all(w.values_ts_ms > before[w.uuid] + 500 for w in others), what="the other GPUs sampled on"
         )
         assert app.exit_code == 0
-        assert app._collect_errors.get("step-failed", 0) >= 1
+        assert app.collector.errors.get("step-failed", 0) >= 1
         assert bad.state == "unhealthy"
         # The GPU recovers when its step works again.
         app.policies.decide = real_decide  # type: ignore[method-assign]
@@ -153,4 +153,4 @@ async def test_a_sampling_round_that_raises_a_bug_is_retried_and_the_mapper_keep
             lambda: all(w.values_ts_ms > stamps[w.uuid] for w in app.workers.values()), what="sampling again"
         )
         assert app.exit_code == 0
-        assert app._collect_errors.get("error", 0) >= 3
+        assert app.collector.errors.get("error", 0) >= 3

@@ -1,0 +1,238 @@
+"""Devices bound to GPUs, and where desired values come in.
+
+``Bindings`` keeps each Device on the GPU its ``protocol.configData.uuid`` names and feeds the GPU workers'
+desired state from every source:
+
+* the registry (``on_device_change``, its listener): Devices added, updated, moved to another GPU or removed,
+  from EdgeCore over DMI (``on_registered``, ``RegisterDevice`` / ``UpdateDevice``) or from the devices folder
+  (``apply_folder``); their desired values are the ``cloud`` source (``file`` in standalone mode);
+* EventBus deltas (``on_delta``): an edge application's desired values, the ``edge`` source;
+* the desired store: what an earlier run persisted is enforced again at start (``restore_desired``), and every
+  change is saved (``save_desired``).
+
+Bookkeeping only (DMI handlers must answer within EdgeCore's deadline): the worker's next step does the work.
+It sees domain types and Protocols only, never an adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
+
+from mapper.clock import Clock
+from mapper.collect import GpuWorker
+from mapper.desired import DesiredState, Source
+from mapper.devicefiles import FolderContents
+from mapper.errors import ConfigError, MapperError
+from mapper.eventbus import parse_delta, parse_membership
+from mapper.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
+from mapper.policy import PolicyEngine
+from mapper.registry import DeviceChange, PreconditionError, Registry
+
+log = logging.getLogger("mapper.binding")
+
+
+class StoredLike(Protocol):
+    @property
+    def device(self) -> str: ...
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def state(self) -> DesiredState: ...
+
+
+class DesiredStoreLike(Protocol):
+    """What the bindings need from ``mapper.store.DesiredStore``."""
+
+    def save(self, device: str, state: DesiredState, *, uuid: str = "") -> None: ...
+    def load_all(self) -> Iterable[StoredLike]: ...
+
+
+class Reports(Protocol):
+    """What the bindings tell ``mapper.report.Reporter``."""
+
+    def bound(self, device: DeviceConfig) -> None: ...
+    def removed(self, device: DeviceConfig) -> None: ...
+    def offer_state(self, namespace: str, name: str, state: str) -> None: ...
+
+
+def unbound_device(info: GpuInfo) -> DeviceConfig:
+    """The telemetry identity of a GPU no Device names: ``_unbound/<uuid>``."""
+    return DeviceConfig(namespace="_unbound", name=info.uuid.lower(), model="", uuid=info.uuid)
+
+
+def policy_override(device: DeviceConfig | None) -> str | None:
+    """The Device's own policy set (``protocol.configData.policy``), or None."""
+    if device is None:
+        return None
+    value = device.protocol_config.get("policy")
+    return str(value) if value not in (None, "") else None
+
+
+class Bindings:
+    """Devices on their GPUs (``workers`` by UUID) and the desired values that reach them.
+
+    ``source``: the desired source of the registry's Devices (``cloud`` with DMI, ``file`` standalone).
+    ``rebind(worker, device)``: called when a GPU's Device changes (its telemetry identity and routes).
+    ``store``: the desired store, or None (set it once it is open)."""
+
+    def __init__(
+        self,
+        workers: Mapping[str, GpuWorker],
+        registry: Registry,
+        policies: PolicyEngine,
+        reports: Reports,
+        *,
+        clock: Clock,
+        source: Source,
+        node: str,
+        rebind: Callable[[GpuWorker, DeviceConfig], None],
+        store: DesiredStoreLike | None = None,
+    ) -> None:
+        self.workers = workers
+        self.registry = registry
+        self.policies = policies
+        self.reports = reports
+        self.clock = clock
+        self.source: Source = source
+        self.node = node
+        self.rebind = rebind
+        self.store = store
+
+    # --- the registry -------------------------------------------------------------------------------------------
+    def on_device_change(self, change: DeviceChange) -> None:
+        """Registry listener: bookkeeping only; the GPU's next step (woken here) does the work."""
+        device = change.device
+        previous = change.previous
+        moved = change.kind == "updated" and previous is not None and previous.uuid != device.uuid
+        if moved and previous is not None:
+            # The Device now names another GPU: the old GPU is released first, as if the Device had gone.
+            self.on_device_change(DeviceChange("removed", previous, previous))
+        worker = self.workers.get(device.uuid)
+        if worker is None:
+            return
+        now_ms = self.clock.wall_ms()
+        if change.kind == "removed":
+            if worker.device is not None and worker.device.key == device.key:
+                worker.desired.sync_source(self.source, {}, now_ms)
+                worker.bind(None)
+                self.policies.set_override(worker.uuid, None)
+                self.rebind(worker, unbound_device(worker.info))
+                self.reports.removed(device)
+                self.save_desired(worker, device.key)
+                log.info("device %s removed; GPU %s returns to its defaults", device.key, worker.uuid)
+            return
+        if change.desired_changed or moved:
+            desired = {p.name: p.desired for p in device.properties if p.desired is not None}
+            changes = worker.desired.sync_source(self.source, desired, now_ms)
+            if changes:
+                log.info(
+                    "desired values of %s changed: %s",
+                    device.key,
+                    ", ".join(f"{c.prop}={c.after.raw if c.after else '(removed)'}" for c in changes),
+                )
+        if change.kind == "added" or change.cycles_changed:
+            try:
+                self.policies.set_override(worker.uuid, policy_override(device))
+            except ConfigError as exc:
+                log.error("device %s: policy override refused, node policies apply: %s", device.key, exc)
+            worker.bind(device)
+            self.rebind(worker, device)
+            self.reports.bound(device)
+        self.save_desired(worker, device.key)
+        worker.wake()
+
+    async def on_registered(self, devices: list[DeviceConfig], models: list[DeviceModelConfig]) -> None:
+        """EdgeCore's MapperRegister reply: the Devices and models this mapper serves now."""
+        changes, errors = self.registry.sync(devices, models)
+        for key, exc in errors:
+            log.error("EdgeCore sent %s, refused: %s", key, exc)
+            namespace, _, name = key.partition("/")
+            if isinstance(exc, PreconditionError) and name:
+                # Its GPU is missing from this node (removed, or fell off the bus before we started).
+                self.reports.offer_state(namespace, name, "offline")
+        log.info("EdgeCore registration: %d device(s) on this mapper, %d changed", len(devices), len(changes))
+
+    def apply_folder(self, contents: FolderContents) -> None:
+        """What the devices folder holds now, synced into the registry."""
+        for file, reason in contents.errors:
+            log.error("devices folder: %s skipped: %s", file, reason)
+        changes, errors = self.registry.sync(contents.devices, contents.models)
+        for key, exc in errors:
+            log.error("devices folder: %s refused: %s", key, exc)
+        log.info(
+            "devices folder: %d device(s), %d model(s), %d change(s)",
+            len(contents.devices),
+            len(contents.models),
+            len(changes),
+        )
+
+    # --- EventBus ------------------------------------------------------------------------------------------------
+    def on_delta(self, topic: str, payload: bytes) -> None:
+        """An edge application set desired values through ``twin/update/delta``."""
+        try:
+            delta = parse_delta(topic, payload)
+        except ValueError as exc:
+            log.warning("EventBus delta refused: %s", exc)
+            return
+        try:
+            device = self.registry.get_device(delta.namespace, delta.name)
+        except MapperError:
+            log.warning("EventBus delta for %s/%s: no such GPU device on this mapper", delta.namespace, delta.name)
+            return
+        worker = self.workers.get(device.uuid)
+        if worker is None:
+            return
+        version = delta.timestamp_ms or self.clock.wall_ms()
+        changed = []
+        for prop, raw in delta.values.items():
+            spec = PROPERTY_BY_NAME.get(prop)
+            if spec is None or not spec.writable:
+                log.warning("EventBus delta for %s: %s is not a writable GPU property; ignored", device.key, prop)
+                continue
+            if worker.desired.set(prop, raw, "edge", version) is not None:
+                changed.append(prop)
+        if changed:
+            log.info("EventBus delta for %s: desired %s", device.key, ", ".join(changed))
+            self.save_desired(worker, device.key)
+            worker.wake()
+
+    def on_membership(self, topic: str, payload: bytes) -> None:
+        try:
+            update = parse_membership(payload)
+        except ValueError as exc:
+            log.warning("EventBus membership update refused: %s", exc)
+            return
+        log.info("EventBus membership of %s: added %s, removed %s", self.node, list(update.added), list(update.removed))
+
+    # --- the desired store ------------------------------------------------------------------------------------
+    def save_desired(self, worker: GpuWorker, device_key: str) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.save(device_key, worker.desired, uuid=worker.uuid)
+        except MapperError as exc:
+            log.error("could not persist the desired state of %s: %s", device_key, exc)
+
+    def restore_desired(self) -> None:
+        """Desired state persisted by an earlier run is enforced again, with or without EdgeCore."""
+        if self.store is None:
+            return
+        for stored in self.store.load_all():
+            worker = self.workers.get(stored.uuid)
+            if worker is None:
+                log.warning("persisted desired state of %s names GPU %s, not on this node", stored.device, stored.uuid)
+                continue
+            worker.desired = stored.state
+            log.info(
+                "restored desired state of %s (GPU %s): %s",
+                stored.device,
+                stored.uuid,
+                ", ".join(f"{k}={v.raw}" for k, v in stored.state.effective().items()) or "defaults to restore",
+            )
+
+    def policy_overrides(self) -> dict[str, str]:
+        """Each bound GPU's own policy set, by UUID (for a reload of the node's policies)."""
+        overrides = {w.uuid: policy_override(w.device) for w in self.workers.values() if w.device is not None}
+        return {k: v for k, v in overrides.items() if v}

@@ -1,0 +1,163 @@
+"""Publishing what the mapper did: desired-state acks and policy events, and fire-and-forget messages.
+
+``Publisher`` owns the default broker's side of those messages:
+
+* ``publish_step`` turns one GPU step's acks and policy events into JSON on
+  ``gpu-mapper/{node}/{namespace}/{name}/desired/ack`` and ``.../events`` (logged, policy events counted);
+* ``publish_or_keep``: acks and events are published at once while the broker is up; while it is down (or when
+  that publish fails) they are stored in the telemetry buffer (``TelemetryShipper.submit_message``) and sent in
+  order with the telemetry when it is back. They record what the mapper did on its own, which the cloud must
+  learn even after hours offline;
+* ``publish_soon``: EventBus twins and states, the status topic and the live topic. Never buffered (each is
+  sent again, current, on reconnect; an old one replayed later would only mislead), never blocking.
+
+Pure loop logic over Protocols: it sees an MQTT session (``Link``) and the shipper, never paho.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Protocol
+
+from mapper.clock import Clock
+from mapper.errors import MapperError
+from mapper.policy import PolicyEvent
+from mapper.reconcile import Ack, ack_to_json
+from mapper.shipper import TelemetryShipper
+
+log = logging.getLogger("mapper.publish")
+
+#: How long a fire-and-forget publish or an ack waits for its PUBACK.
+PUBLISH_TIMEOUT_S = 5.0
+
+
+class Link(Protocol):
+    """What the publisher needs from ``mapper.mqtt.MqttSession``."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    async def publish(
+        self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
+    ) -> None: ...
+
+
+class Publisher:
+    """Acks, policy events and fire-and-forget messages on the default broker (``session``; None: no broker).
+
+    ``shipper`` keeps acks and events while the broker is down (set it once it exists); ``before_keep`` runs
+    before a message is kept, so that it goes after the telemetry batches cut before it (the collector's
+    round). ``qos`` is the QoS of every message but the live topic's."""
+
+    def __init__(
+        self,
+        node: str,
+        session: Link | None,
+        *,
+        clock: Clock,
+        qos: int = 1,
+        shipper: TelemetryShipper | None = None,
+        before_keep: Callable[[], None] | None = None,
+    ) -> None:
+        self.node = node
+        self.session = session
+        self.clock = clock
+        self.qos = qos
+        self.shipper = shipper
+        self.before_keep = before_keep
+        #: Policy events published (or kept) by (policy, action).
+        self.policy_events: dict[tuple[str, str], int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def status_topic(self) -> str:
+        return f"gpu-mapper/{self.node}/status"
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The publishes still in flight (shutdown cancels them: an ack cancelled before its PUBACK is kept)."""
+        return list(self._tasks)
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- acks and events ---------------------------------------------------------------------------------
+    def publish_step(self, device_key: str, uuid: str, acks: Iterable[Ack], events: Iterable[PolicyEvent]) -> None:
+        """The acks and policy events of one GPU step: logged, published or kept."""
+        for ack in acks:
+            text = ack_to_json(ack)
+            log.info("desired %s on %s: %s", ack.property, device_key, text)
+            self.publish_or_keep(f"gpu-mapper/{self.node}/{device_key}/desired/ack", text.encode(), device_key, uuid)
+        for event in events:
+            key = (event.policy, event.action)
+            self.policy_events[key] = self.policy_events.get(key, 0) + 1
+            payload = event.to_payload()
+            payload.update(node=self.node, device=device_key, ts_ms=self.clock.wall_ms())
+            log.warning("policy %s %s on %s (GPU %s): %s", event.policy, event.action, device_key, uuid, event.reason)
+            self.publish_or_keep(
+                f"gpu-mapper/{self.node}/{device_key}/events", json.dumps(payload).encode(), device_key, uuid
+            )
+
+    def publish_or_keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
+        """Published at once while the broker is up; kept in the buffer while it is down or when the publish
+        fails. Never blocking."""
+        session = self.session
+        if session is None:
+            return
+        if not session.connected:
+            self._keep(topic, payload, device, uuid)
+            return
+
+        async def send() -> None:
+            try:
+                await session.publish(topic, payload, qos=self.qos, timeout_s=PUBLISH_TIMEOUT_S)
+            except MapperError as exc:
+                log.debug("publish to %s failed (%s): kept for replay", topic, exc)
+                self._keep(topic, payload, device, uuid)
+            except asyncio.CancelledError:  # shutting down before the PUBACK: keep it for the next start
+                self._keep(topic, payload, device, uuid)
+                raise
+
+        self._background(send())
+
+    def _keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
+        if self.shipper is None:
+            return
+        if self.before_keep is not None:
+            self.before_keep()  # a message kept during a round goes after the batches cut before it
+        try:
+            self.shipper.submit_message(
+                device=device, uuid=uuid, topic=topic, payload=payload, ts_ms=self.clock.wall_ms(), qos=self.qos
+            )
+        except MapperError as exc:  # the buffer is closed or broken: the message is logged, not kept
+            log.warning("status message for %s on %s not kept: %s", device, topic, exc)
+
+    # --- fire and forget --------------------------------------------------------------------------------
+    def publish_soon(self, topic: str, payload: bytes, *, retain: bool = False, qos: int | None = None) -> None:
+        """Published if the broker is up, else dropped; never buffered, never blocking."""
+        session = self.session
+        if session is None or not session.connected:
+            return
+
+        async def send() -> None:
+            try:
+                await session.publish(
+                    topic, payload, qos=self.qos if qos is None else qos, retain=retain, timeout_s=PUBLISH_TIMEOUT_S
+                )
+            except MapperError as exc:
+                log.debug("publish to %s failed: %s", topic, exc)
+
+        self._background(send())
+
+    async def publish_offline(self, timeout_s: float = 2.0) -> None:
+        """The retained ``offline`` status at shutdown (the last will covers a crash)."""
+        session = self.session
+        if session is not None and session.connected:
+            try:
+                await session.publish(self.status_topic, b"offline", qos=1, retain=True, timeout_s=timeout_s)
+            except MapperError as exc:
+                log.debug("could not publish offline: %s", exc)
