@@ -110,11 +110,70 @@ def test_capability_matrix_follows_the_profiles(fake_clock: FakeClock) -> None:
 
 def test_an_older_driver_lacks_newer_functions(fake_clock: FakeClock) -> None:
     sim = make(fake_clock, driver_version="530.30.02")
-    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
-        sim.nvmlDeviceGetTemperatureV(handle(sim), pynvml.NVML_TEMPERATURE_GPU)
+    if hasattr(pynvml, "nvmlDeviceGetTemperatureV"):  # (nvidia-ml-py 12.535 has no such wrapper, nor the sim)
+        with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+            sim.nvmlDeviceGetTemperatureV(handle(sim), pynvml.NVML_TEMPERATURE_GPU)
     with pytest.raises(pynvml.NVMLError_FunctionNotFound):
         sim.nvmlDeviceGetCurrentClocksEventReasons(handle(sim))
     assert sim.nvmlDeviceGetTemperature(handle(sim), pynvml.NVML_TEMPERATURE_GPU) > 0
+    assert sim.nvmlDeviceGetCurrentClocksThrottleReasons(handle(sim)) == GPU_IDLE  # the name before r535
+
+
+@pytest.mark.parametrize(("driver", "energy_status"), [("530.30.02", 2), ("535.104.05", 0), ("590.48.01", 0)])
+def test_the_energy_field_is_an_invalid_argument_before_r535(
+    driver: str, energy_status: int, fake_clock: FakeClock
+) -> None:
+    sim = make(fake_clock, driver_version=driver)
+    fake_clock.advance(10)
+    memory_temp, energy = sim.nvmlDeviceGetFieldValues(
+        handle(sim), [pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_FI_DEV_ENERGY]
+    )
+    assert energy.nvmlReturn == energy_status  # 2: NVML_ERROR_INVALID_ARGUMENT, the id is past the driver's table
+    assert memory_temp.nvmlReturn == pynvml.NVML_SUCCESS
+    assert sim.nvmlDeviceGetTotalEnergyConsumption(handle(sim)) == pytest.approx(72 * 10 * 1000, rel=0.02)  # mJ
+
+
+def test_memory_v1_counts_reserved_memory_as_used_and_v2_keeps_it_apart(fake_clock: FakeClock) -> None:
+    sim = make(fake_clock, "A100", scenario="training")
+    fake_clock.advance(30)
+    prof = profile("A100")
+    reserved = prof.memory_reserved_bytes
+    assert 100 * 2**20 < reserved < 2**30  # hundreds of MiB
+    v1 = sim.nvmlDeviceGetMemoryInfo(handle(sim))
+    v2 = sim.nvmlDeviceGetMemoryInfo(handle(sim), version=pynvml.nvmlMemory_v2)
+    assert v1.total == v2.total == prof.memory_total_bytes
+    assert v1.used == v2.used + v2.reserved and v2.reserved == reserved
+    assert v1.free == v2.free == v1.total - v1.used
+    assert v2.version == pynvml.nvmlMemory_v2
+    assert not hasattr(v1, "reserved")  # c_nvmlMemory_t has none
+    with pytest.raises(pynvml.NVMLError_ArgumentVersionMismatch):
+        sim.nvmlDeviceGetMemoryInfo(handle(sim), version=0x01000020)
+    old = make(fake_clock, "A100", driver_version="470.223.02")
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+        old.nvmlDeviceGetMemoryInfo(handle(old), version=pynvml.nvmlMemory_v2)
+    assert old.nvmlDeviceGetMemoryInfo(handle(old)).used >= reserved
+
+
+def test_versioned_calls_default_to_the_bindings_version_and_refuse_others(fake_clock: FakeClock) -> None:
+    sim = make(fake_clock)
+    h = handle(sim)
+    if hasattr(pynvml, "nvmlDeviceGetTemperatureV"):
+        assert sim.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU) > 0  # version=nvmlTemperature_v1
+        with pytest.raises(pynvml.NVMLError_ArgumentVersionMismatch):
+            sim.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU, 0)
+    else:
+        assert not hasattr(sim, "nvmlDeviceGetTemperatureV")  # the installed binding has no such function
+    assert sim.nvmlDeviceSetPowerManagementLimit_v2(h, 0, 300_000) == pynvml.NVML_SUCCESS
+    assert sim.nvmlDeviceGetPowerManagementLimit(h) == 300_000
+
+
+def test_no_gpus_is_gpu_not_found_at_init_even_with_a_binding_that_lacks_the_name(fake_clock: FakeClock) -> None:
+    sim = SimNvml(0, clock=fake_clock.monotonic)
+    with pytest.raises(pynvml.NVMLError) as info:
+        sim.nvmlInit()
+    assert info.value.value == 28  # NVML_ERROR_GPU_NOT_FOUND (nvidia-ml-py 12.535 has no constant for it)
+    sim.nvmlInitWithFlags(pynvml.NVML_INIT_FLAG_NO_GPUS)
+    assert sim.nvmlDeviceGetCount() == 0
 
 
 def test_unknown_profile_and_scenario_are_named_in_the_error(fake_clock: FakeClock) -> None:

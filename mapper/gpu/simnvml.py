@@ -60,20 +60,38 @@ _CLOCK_TDP = pynvml.NVML_CLOCK_LIMIT_ID_TDP
 _CLOCK_UNLIMITED = pynvml.NVML_CLOCK_LIMIT_ID_UNLIMITED
 _SYMBOLIC = (_CLOCK_TDP, _CLOCK_UNLIMITED)
 _NO_INSTANCE = 0xFFFFFFFF
+# Numbers the oldest binding we allow (nvidia-ml-py 12.535.77) lacks; the values are NVML's (nvml.h).
+_ERROR_GPU_NOT_FOUND = getattr(pynvml, "NVML_ERROR_GPU_NOT_FOUND", 28)
+_TEMPERATURE_V1 = getattr(pynvml, "nvmlTemperature_v1", 0x100000C)
+_MEMORY_V2 = pynvml.nvmlMemory_v2
+_POWER_VALUE_V2 = pynvml.nvmlPowerValue_v2
 
 _STEP_S = 0.5
 _MAX_STEPS = 2000
 _MIN_ADVANCE_S = 0.001
 
-#: Oldest driver branch that has each function (assumed); a simulated older driver raises FunctionNotFound.
+#: Oldest driver branch that has each function; a simulated older driver raises FunctionNotFound. The
+#: ClocksEventReasons names (and energy field 191, below) came with r535, as nvidia-ml-py 12.535 did; the others
+#: are assumed. ``nvmlDeviceGetMemoryInfo_v2`` is the C function ``nvmlDeviceGetMemoryInfo(h, version=...)`` calls.
 _MIN_DRIVER_MAJOR: Mapping[str, int] = MappingProxyType(
     {
         "nvmlDeviceGetTemperatureV": 565,
         "nvmlDeviceGetCurrentClocksEventReasons": 535,
         "nvmlDeviceGetSupportedClocksEventReasons": 535,
+        "nvmlDeviceGetMemoryInfo_v2": 510,
         "nvmlDeviceSetMemoryLockedClocks": 460,
         "nvmlDeviceResetMemoryLockedClocks": 460,
         "nvmlDeviceGetRemappedRows": 450,
+    }
+)
+
+#: Oldest driver branch that knows each field id: an older one answers the field with InvalidArgument (its
+#: field table ends before the id). Power and energy fields 185-192 from r535; temperature limits 193-196 from
+#: r550 (assumed).
+_FIELD_MIN_DRIVER_MAJOR: Mapping[int, int] = MappingProxyType(
+    {
+        **{field_id: 535 for field_id in range(185, 193)},
+        **{field_id: 550 for field_id in range(193, 197)},
     }
 )
 
@@ -120,14 +138,27 @@ class SimUtilization:
 
 
 class SimMemory:
-    __slots__ = ("free", "reserved", "total", "used", "version")
+    """``c_nvmlMemory_t``'s fields (v1)."""
 
-    def __init__(self, total: int, free: int, used: int, reserved: int = 0, version: int = 0) -> None:
+    __slots__ = ("free", "total", "used")
+
+    def __init__(self, total: int, free: int, used: int) -> None:
         self.total = total
         self.free = free
         self.used = used
-        self.reserved = reserved
+
+
+class SimMemoryV2:
+    """``c_nvmlMemory_v2_t``'s fields."""
+
+    __slots__ = ("free", "reserved", "total", "used", "version")
+
+    def __init__(self, version: int, total: int, reserved: int, free: int, used: int) -> None:
         self.version = version
+        self.total = total
+        self.reserved = reserved
+        self.free = free
+        self.used = used
 
 
 class SimPciInfo:
@@ -144,13 +175,14 @@ class SimPciInfo:
 
 
 class SimEventData:
-    __slots__ = ("computeInstanceId", "device", "eventData", "eventType", "gpuInstanceId", "timeStamp")
+    """``c_nvmlEventData_t``'s fields (it has no time stamp)."""
 
-    def __init__(self, device: SimHandle, event_type: int, event_data: int, ts_us: int) -> None:
+    __slots__ = ("computeInstanceId", "device", "eventData", "eventType", "gpuInstanceId")
+
+    def __init__(self, device: SimHandle, event_type: int, event_data: int) -> None:
         self.device = device
         self.eventType = event_type
         self.eventData = event_data
-        self.timeStamp = ts_us
         self.gpuInstanceId = _NO_INSTANCE
         self.computeInstanceId = _NO_INSTANCE
 
@@ -450,6 +482,7 @@ class SimNvml:
         self._driver_version = driver_version
         major = int(driver_version.split(".", 1)[0])
         self._missing = frozenset(f for f, m in _MIN_DRIVER_MAJOR.items() if major < m)
+        self._unknown_fields = frozenset(f for f, m in _FIELD_MIN_DRIVER_MAJOR.items() if major < m)
         now = clock()
         self._gpus = [SimGpu(lookup_profile(k), i, seed, now) for i, k in enumerate(keys)]
         self._by_uuid = {g.uuid: g for g in self._gpus}
@@ -530,11 +563,10 @@ class SimNvml:
         self._emit(gpu, _EV_XID, 79)
 
     def _emit(self, gpu: SimGpu, event_type: int, data: int) -> None:
-        ts_us = int(self._clock() * 1e6)
         handle = self._handles[gpu.uuid]
         for es in self._event_sets:
             if not es.freed and es.generation == self._generation and es.registrations.get(gpu.uuid, 0) & event_type:
-                es.queue.append(SimEventData(handle, event_type, data, ts_us))
+                es.queue.append(SimEventData(handle, event_type, data))
 
     # ----------------------------------------------------------------------------------------------
     # pynvml surface: system
@@ -548,7 +580,7 @@ class SimNvml:
     def _init(self, fname: str, flags: int) -> None:
         self._system(fname, needs_init=False)
         if not self._gpus and not flags & pynvml.NVML_INIT_FLAG_NO_GPUS:
-            raise _error(pynvml.NVML_ERROR_GPU_NOT_FOUND)
+            raise _error(_ERROR_GPU_NOT_FOUND)
         with self._lock:
             self._init_count += 1
 
@@ -622,17 +654,25 @@ class SimNvml:
         gpu = self._device(handle, "nvmlDeviceGetUtilizationRates")
         return SimUtilization(round(gpu.utilization * 100), round(gpu.utilization_memory * 100))
 
-    def nvmlDeviceGetMemoryInfo(self, handle: SimHandle, version: int | None = None) -> SimMemory:
+    def nvmlDeviceGetMemoryInfo(self, handle: SimHandle, version: int | None = None) -> SimMemory | SimMemoryV2:
+        """v1 (no ``version``): ``used`` includes what the driver reserves, as real NVML's v1 does. v2
+        (``version=nvmlMemory_v2``, r510+): ``reserved`` apart, ``used`` what allocations hold; total is the same."""
         gpu = self._device(handle, "nvmlDeviceGetMemoryInfo")
         total = gpu.profile.memory_total_bytes
+        reserved = gpu.profile.memory_reserved_bytes
         used = gpu.memory_used_bytes
         if version:
-            reserved = 512 * 1024 * 1024
-            return SimMemory(total, total - used - reserved, used, reserved, version)
-        return SimMemory(total, total - used, used)
+            if "nvmlDeviceGetMemoryInfo_v2" in self._missing:
+                raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            if version != _MEMORY_V2:
+                raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            return SimMemoryV2(version, total, reserved, total - reserved - used, used)
+        return SimMemory(total, total - reserved - used, reserved + used)
 
-    def nvmlDeviceGetTemperatureV(self, handle: SimHandle, sensor: int, version: int = 0) -> int:
+    def nvmlDeviceGetTemperatureV(self, handle: SimHandle, sensor: int, version: int = _TEMPERATURE_V1) -> int:
         gpu = self._device(handle, "nvmlDeviceGetTemperatureV")
+        if version != _TEMPERATURE_V1:
+            raise _error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return int(gpu.temperature_c)
@@ -763,6 +803,9 @@ class SimNvml:
         for item, field_id in zip(values, fieldIds, strict=True):
             item.fieldId = field_id
             item.timestamp = ts_us
+            if field_id in self._unknown_fields:
+                item.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+                continue
             value_type, value = self._field(gpu, field_id)
             if value_type < 0:
                 item.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
@@ -831,7 +874,7 @@ class SimNvml:
         device: SimHandle,
         powerScope: int,
         powerLimit: int,
-        version: int = 0,
+        version: int = _POWER_VALUE_V2,
     ) -> int:
         """Reproduces the nvidia-ml-py 13.615.71 bug: the driver's error is ignored, the call always "succeeds"."""
         try:
@@ -1081,7 +1124,33 @@ class SimNvml:
         return self._init_count > 0
 
 
+class _NotInBinding:
+    """A simulated function the installed binding does not have (nvmlDeviceGetTemperatureV before
+    nvidia-ml-py 12.550): reading it raises AttributeError, as ``pynvml.<name>`` would, so ``getattr(sim, name,
+    None)`` and ``hasattr`` answer as they do for the binding."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        raise AttributeError(f"{self.name}: not in this nvidia-ml-py (pynvml {_binding_version()})")
+
+
+def _binding_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nvidia-ml-py")
+    except Exception:  # not installed as a distribution (a copy on sys.path)
+        return "of unknown version"
+
+
 for _name, _value in _copy_binding_constants().items():
     if not hasattr(SimNvml, _name):
         setattr(SimNvml, _name, _value)
+for _name in [n for n in vars(SimNvml) if n.startswith("nvml") and callable(vars(SimNvml)[n])]:
+    if not hasattr(pynvml, _name):
+        _hidden = _NotInBinding()
+        setattr(SimNvml, _name, _hidden)
+        _hidden.__set_name__(SimNvml, _name)
 del _name, _value
