@@ -59,8 +59,9 @@ class StartInterrupted(Exception):
     """The stop event was set while start-up waited (NVML not ready): shut down without running."""
 
 
-def build_backend(settings: Settings, clock: Clock | None = None) -> NvmlBackend:
-    """The NVML backend over the real ``pynvml`` or, with ``--sim N``, over the simulated NVML."""
+def build_backend(settings: Settings, clock: Clock | None = None, *, one_shot: bool = False) -> NvmlBackend:
+    """The NVML backend over the real ``pynvml`` or, with ``--sim N``, over the simulated NVML. ``one_shot``: for a
+    command that exits after its calls (errors without the daemon's retry wording)."""
     if settings.sim:
         from mapper.gpu.simnvml import SimNvml
 
@@ -77,7 +78,7 @@ def build_backend(settings: Settings, clock: Clock | None = None) -> NvmlBackend
         import pynvml
 
         nvml = pynvml
-    return NvmlBackend(nvml, clock=clock)
+    return NvmlBackend(nvml, clock=clock, one_shot=one_shot)
 
 
 def read_status(url: str | None = None, data_dir: str | None = None) -> MapperSnapshot:

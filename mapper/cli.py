@@ -259,7 +259,7 @@ def _discover(args: argparse.Namespace) -> int:
     from mapper.discover import device_yaml
 
     settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
-    backend = build_backend(settings)
+    backend = build_backend(settings, one_shot=True)
     try:
         gpus = backend.list_gpus()
     finally:

@@ -34,6 +34,7 @@ def h100_values() -> dict[str, Value]:
         "utilization_memory": 40,
         "memory_used": 30 * 2**30,
         "memory_total": 80 * 2**30,
+        "memory_reserved": 530 * 2**20,
         "temperature": 61,
         "temperature_memory": 70,
         "temperature_slowdown": 89,

@@ -57,7 +57,7 @@ def backends() -> Iterator[list[NvmlBackend]]:
 def build(
     clock: FakeClock, backends: list[NvmlBackend], *profiles: str, **sim_args: object
 ) -> tuple[SimNvml, NvmlBackend, list[str]]:
-    backend_args = {k: sim_args.pop(k) for k in list(sim_args) if k in ("call_timeout_s", "init_timeout_s")}
+    backend_args = {k: sim_args.pop(k) for k in list(sim_args) if k in ("call_timeout_s", "init_timeout_s", "one_shot")}
     sim = SimNvml.from_profiles(profiles or ("H100",), seed=5, clock=clock.monotonic, **sim_args)  # type: ignore[arg-type]
     backend = NvmlBackend(sim, clock=clock, **backend_args)  # type: ignore[arg-type]
     backends.append(backend)
@@ -200,9 +200,56 @@ def test_an_older_driver_falls_back_to_the_deprecated_temperature_call(
     sim, backend, (uuid,) = build(fake_clock, backends, driver_version="530.30.02")
     sample = backend.sample(uuid)
     assert sample.values["temperature"] > 0
-    assert "clock_event_reasons" not in sample.values  # FunctionNotFound: absent, like NotSupported
     backend.sample(uuid)
     assert sim.calls["nvmlDeviceGetTemperatureV"] == 1 and sim.calls["nvmlDeviceGetTemperature"] == 2
+
+
+def test_a_pre_r535_driver_gives_clock_reasons_and_energy_through_the_older_calls(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, (h100, t4) = build(fake_clock, backends, "H100", "T4", driver_version="530.30.02")
+    backend.sample(h100)
+    fake_clock.advance(30)
+    samples = [backend.sample(u) for u in (h100, t4)]
+    for sample in samples:
+        gpu = sim.gpu(sample.uuid)
+        assert sample.errors == {}, sample.errors  # field 191 answers InvalidArgument: absent, not an error
+        assert sample.values["clock_event_reasons"] == gpu.reasons == pynvml.nvmlClocksEventReasonGpuIdle
+        assert sample.values["clock_event_reasons_text"] == clock_event_reasons_text(gpu.reasons)
+        assert sample.values["energy_consumption"] == pytest.approx(gpu.energy_j, abs=0.001)  # from mJ
+    assert samples[0].values["temperature_memory"] > 0  # field 82 is older than r535: still a field
+    fake_clock.advance(10)
+    for _ in range(3):
+        later = backend.sample(h100)
+        fake_clock.advance(1)
+    assert later.values["energy_consumption"] > samples[0].values["energy_consumption"]
+    # 5 samples of the H100, 1 of the T4: the missing function is tried once per backend, and the T4 (no HBM,
+    # so no field 82 either) is not asked for fields again before their retry time
+    assert sim.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1
+    assert sim.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 6
+    assert sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 6
+    assert sim.calls["nvmlDeviceGetFieldValues"] == 6
+    backend.sample(t4)
+    assert sim.calls["nvmlDeviceGetFieldValues"] == 6 and sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 7
+
+
+def test_memory_comes_from_v2_with_the_reserved_part_apart_and_from_v1_before_r510(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    new_sim, new, (uuid,) = build(fake_clock, backends, "A100", scenario="training")
+    old_sim, old, (old_uuid,) = build(fake_clock, backends, "A100", scenario="training", driver_version="470.223.02")
+    fake_clock.advance(30)
+    prof = PROFILES["A100"]
+    v2 = new.sample(uuid, ["memory_used", "memory_reserved", "memory_total"]).values
+    v1 = old.sample(old_uuid, ["memory_used", "memory_reserved", "memory_total"]).values
+    assert v2["memory_total"] == v1["memory_total"] == prof.memory_total_bytes
+    assert v2["memory_reserved"] == prof.memory_reserved_bytes > 100 * 2**20  # hundreds of MiB on an A100
+    assert v2["memory_used"] == new_sim.gpu(uuid).memory_used_bytes
+    # v1's used includes what the driver reserves (as real NVML's does); no reserved figure without v2
+    assert v1["memory_used"] == old_sim.gpu(old_uuid).memory_used_bytes + prof.memory_reserved_bytes
+    assert "memory_reserved" not in v1
+    old.sample(old_uuid, ["memory_used"])
+    assert old_sim.calls["nvmlDeviceGetMemoryInfo"] == 3  # one v2 try, then v1 for the session
 
 
 # --------------------------------------------------------------------------------------------------
@@ -604,6 +651,46 @@ def test_a_missing_nvml_library_is_a_clear_permanent_error(fake_clock: FakeClock
     with pytest.raises(PermanentError, match=r"libnvidia-ml\.so\.1 not found") as info:
         backend.init()
     assert not isinstance(info.value, TransientError)
+
+
+@pytest.mark.parametrize(
+    ("code", "advice"),
+    [
+        (pynvml.NVML_ERROR_NO_PERMISSION, "cannot open the GPU device files"),
+        (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, "modprobe nvidia"),
+        (pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH, "reload the nvidia kernel modules"),
+        (pynvml.NVML_ERROR_UNKNOWN, "dmesg"),
+        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "Install the NVIDIA driver"),
+    ],
+)
+def test_a_one_shot_command_whose_nvml_cannot_start_gets_one_line_saying_what_to_do(
+    code: int, advice: str, fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, _ = build(fake_clock, backends, one_shot=True)
+    sim.inject_errors("nvmlInitWithFlags", code, 1)
+    with pytest.raises(PermanentError) as info:
+        backend.list_gpus()
+    text = str(info.value)
+    assert advice in text and "\n" not in text
+    assert "re-initialised" not in text and "next attempt" not in text and "setters need root" not in text
+    fake_clock.advance(1.0)
+    assert backend.list_gpus()  # (the fault was once)
+
+
+def test_the_daemon_retries_an_nvml_that_cannot_start_and_says_when(
+    fake_clock: FakeClock, backends: list[NvmlBackend]
+) -> None:
+    sim, backend, _ = build(fake_clock, backends)
+    sim.inject_errors("nvmlInitWithFlags", pynvml.NVML_ERROR_DRIVER_NOT_LOADED, 1)
+    with pytest.raises(TransientError, match=r"modprobe nvidia.*; next attempt in 1\.0 s$"):
+        backend.list_gpus()
+    sim.inject_errors("nvmlInitWithFlags", pynvml.NVML_ERROR_NO_PERMISSION, 1)
+    fake_clock.advance(1.0)
+    with pytest.raises(NoPermissionError, match="cannot open the GPU device files") as info:
+        backend.list_gpus()  # not a setter's "needs root": nothing works until the device files open
+    assert "setters need root" not in str(info.value)
+    fake_clock.advance(2.0)
+    assert backend.list_gpus()
 
 
 def test_a_hung_call_times_out_and_nvml_is_reinitialised(fake_clock: FakeClock, backends: list[NvmlBackend]) -> None:

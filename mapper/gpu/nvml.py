@@ -97,9 +97,30 @@ _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
 _LIB_RM_VERSION_MISMATCH = 18
 _FREQ_NOT_SUPPORTED = 24
+_ARGUMENT_VERSION_MISMATCH = 25
 _DEPRECATED = 26
 _GPU_NOT_FOUND = 28
 _UNKNOWN = 999
+
+#: What ``nvmlDeviceGetMemoryInfo(h, version=nvmlMemory_v2)`` answers where there is no v2: read v1 instead.
+_MEMORY_V2_ABSENT = frozenset({_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH, _NOT_SUPPORTED})
+
+#: What to do when nvmlInit fails, by NVML error code (one sentence each; LibraryNotFound has its own message).
+_INIT_ADVICE: Mapping[int, str] = MappingProxyType(
+    {
+        _NO_PERMISSION: "This process cannot open the GPU device files (/dev/nvidiactl, /dev/nvidia0 ...): run it "
+        "as a user allowed to open them, or give its container those devices (NVIDIA container toolkit).",
+        _DRIVER_NOT_LOADED: "The NVIDIA kernel driver is not loaded: load it (modprobe nvidia) and check that "
+        "nvidia-smi answers.",
+        _LIB_RM_VERSION_MISMATCH: "The NVML library and the loaded kernel driver are different versions (a driver "
+        "upgrade without reload): reload the nvidia kernel modules or reboot the node.",
+        _GPU_NOT_FOUND: "NVML sees no NVIDIA GPU: check nvidia-smi, and in a container that the GPUs are passed in "
+        "(NVIDIA_VISIBLE_DEVICES).",
+        _UNKNOWN: "Check that nvidia-smi answers and the kernel log (dmesg) for NVIDIA errors (Xid); in a container, "
+        "restarting it often clears this.",
+    }
+)
+_INIT_ADVICE_OTHER = "Check that nvidia-smi answers and the kernel log (dmesg) for NVIDIA errors (Xid)."
 
 #: Errors after which the NVML session is not trusted any more: re-initialise before the next call.
 _SESSION_ERRORS = frozenset({_UNINITIALIZED, _DRIVER_NOT_LOADED, _LIB_RM_VERSION_MISMATCH, _UNKNOWN})
@@ -111,6 +132,11 @@ _FIELDS: tuple[tuple[int, str], ...] = ((_FI_MEMORY_TEMP, "temperature_memory"),
 _FIELD_PROPS: Mapping[int, str] = MappingProxyType(dict(_FIELDS))
 #: A field's key in a GPU's NotSupported memory (next to the group names of ``_GROUPS``), in ``_FIELDS`` order.
 _FIELD_KEYS: Mapping[int, str] = MappingProxyType({field_id: f"field:{field_id}" for field_id, _ in _FIELDS})
+#: Per-field statuses that mean "this driver or GPU has no such field": NotSupported, and InvalidArgument from a
+#: driver whose field table ends before the id (field 191, energy, is r535+).
+_FIELD_ABSENT = frozenset({_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED, _INVALID_ARGUMENT})
+#: The NotSupported-memory key of the energy fallback, ``nvmlDeviceGetTotalEnergyConsumption``.
+_ENERGY_CALL_KEY = "call:nvmlDeviceGetTotalEnergyConsumption"
 
 # Event types (pynvml.nvmlEventType*).
 _EV_SBE = 0x1
@@ -144,6 +170,9 @@ class SampleRound(NamedTuple):
 class NvmlBackend:
     """The ``mapper.model.GpuBackend`` over an nvml module (``pynvml`` or ``SimNvml``).
 
+    ``one_shot``: for a command that exits after its calls (``discover``): an NVML that cannot start is a
+    PermanentError saying what to do, with no retry wording.
+
     ``clock`` times backoffs, the NotSupported cache and sample timestamps. ``call_timeout_s`` bounds every
     public call; ``init_timeout_s`` bounds a call that has to (re-)initialise NVML first (the first call after a
     driver load can take seconds). Re-init backoff starts at ``reinit_backoff_s`` and doubles up to
@@ -162,6 +191,7 @@ class NvmlBackend:
         reinit_backoff_max_s: float = 60.0,
         lost_retry_s: float = 60.0,
         init_flags: int = 0,
+        one_shot: bool = False,
     ) -> None:
         if call_timeout_s <= 0 or init_timeout_s <= 0:
             raise ValueError("call_timeout_s and init_timeout_s must be > 0")
@@ -175,6 +205,9 @@ class NvmlBackend:
         self._backoff_max_s = reinit_backoff_max_s
         self._lost_retry_s = lost_retry_s
         self._init_flags = init_flags
+        #: A command that makes its calls and exits (``discover``): errors say what to do, never "will be
+        #: re-initialised" or "next attempt in": there is no next attempt.
+        self._one_shot = one_shot
         # worker thread and hang detection (touched by callers)
         self._submit_lock = threading.Lock()
         self._worker: _Worker | None = None
@@ -209,6 +242,9 @@ class NvmlBackend:
         self._unsupported: dict[str, dict[str, float]] = {}
         self._unsupported_writes: dict[str, set[str]] = {}
         self._legacy_temperature = False
+        self._legacy_reasons = False
+        #: GPUs whose memory is read with v1 in this NVML session (no v2 in the driver or the binding).
+        self._memory_v1: set[str] = set()
         self._lost: dict[str, float] = {}
         self._energy_j: dict[str, float] = {}
         self._xid_last: dict[str, int] = {}
@@ -538,10 +574,15 @@ class NvmlBackend:
             self._needs_reinit = True
         return False
 
-    @staticmethod
-    def _timeout_error(what: str, timeout_s: float, cancelled: bool) -> TransientError:
+    def _timeout_error(self, what: str, timeout_s: float, cancelled: bool) -> TransientError:
         if cancelled:
             return TransientError(f"{what}: NVML busy for {timeout_s} s with other calls", retry_after_s=timeout_s)
+        if self._one_shot:
+            return TransientError(
+                f"{what}: no answer from NVML within {timeout_s} s; check that nvidia-smi answers (a GPU without "
+                "persistence mode can take seconds to wake; nvidia-persistenced avoids that)",
+                retry_after_s=timeout_s,
+            )
         return TransientError(
             f"{what}: no answer from NVML within {timeout_s} s; NVML will be re-initialised",
             retry_after_s=timeout_s,
@@ -589,14 +630,16 @@ class NvmlBackend:
         self._last_init_attempt_s = now
         self._reset_session()
         try:
-            self._nv("nvmlInitWithFlags", self._init_flags)
-        except TransientError as exc:
-            self._last_init_error = str(exc)
-            wait_s = min(self._backoff_max_s, self._backoff_s * 2 ** (self._init_attempts - 1))
-            raise TransientError(f"{exc}; next attempt in {wait_s:.1f} s", retry_after_s=wait_s) from exc
-        except MapperError as exc:
-            self._last_init_error = str(exc)
-            raise
+            self._nvml.nvmlInitWithFlags(self._init_flags)
+        except self._nvml_error as exc:
+            error = self._init_error(exc)
+            self._last_init_error = str(error)
+            if self._one_shot and not isinstance(error, PermanentError):
+                raise PermanentError(str(error)) from exc
+            if isinstance(error, TransientError):
+                wait_s = min(self._backoff_max_s, self._backoff_s * 2 ** (self._init_attempts - 1))
+                raise TransientError(f"{error}; next attempt in {wait_s:.1f} s", retry_after_s=wait_s) from exc
+            raise error from exc
         self._initialized = True
         self._needs_reinit = False
         if self._reload_suspected:
@@ -612,6 +655,7 @@ class NvmlBackend:
         self._locked_gpu.clear()
         self._locked_memory.clear()
         self._static.clear()
+        self._memory_v1.clear()
 
     def _shutdown_session(self) -> None:
         if not self._initialized:
@@ -659,6 +703,18 @@ class NvmlBackend:
         except self._nvml_error as exc:
             raise self._translate(exc, fname, uuid, value, invalid_reason) from exc
 
+    def _init_error(self, exc: Exception) -> MapperError:
+        """nvmlInit failed: one line with the cause and what to do about it. LibraryNotFound is permanent,
+        NoPermission a NoPermissionError; everything else may pass (a driver being loaded, a container restarted)."""
+        code = int(getattr(exc, "value", _UNKNOWN))
+        if code == _LIBRARY_NOT_FOUND:
+            return self._translate(exc, "nvmlInit", "", None, "")
+        advice = _INIT_ADVICE.get(code, _INIT_ADVICE_OTHER)
+        text = f"NVML could not start: nvmlInit failed: {exc} (NVML error {code}). {advice}"
+        if code == _NO_PERMISSION:
+            return NoPermissionError(text)
+        return TransientError(text, retry_after_s=self._backoff_s)
+
     def _translate(self, exc: Exception, fname: str, uuid: str, value: object, invalid_reason: str) -> MapperError:
         code = int(getattr(exc, "value", _UNKNOWN))
         shown = "" if value is None else str(value)
@@ -667,6 +723,8 @@ class NvmlBackend:
             if code == _UNINITIALIZED and self._initialized:
                 self._reload_suspected = True
             self._needs_reinit = True
+            if self._one_shot:
+                return TransientError(text, retry_after_s=self._backoff_s)
             return TransientError(text + "; NVML will be re-initialised", retry_after_s=self._backoff_s)
         if code == _TIMEOUT:
             return TransientError(text)
@@ -903,6 +961,44 @@ class NvmlBackend:
                 self._legacy_temperature = True  # driver older than nvmlDeviceGetTemperatureV
         out["temperature"] = int(self._nv("nvmlDeviceGetTemperature", h, sensor, uuid=uuid))
 
+    def _r_memory(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        """``nvmlDeviceGetMemoryInfo(h, version=nvmlMemory_v2)``: used, reserved and total apart. v1 where the
+        driver (before r510) or the binding has no v2; v1's ``used`` includes the reserved part, and
+        ``memory_reserved`` is then absent."""
+        nvml = self._nvml
+        if uuid not in self._memory_v1:
+            version = getattr(nvml, "nvmlMemory_v2", None)
+            fn = getattr(nvml, "nvmlDeviceGetMemoryInfo", None)
+            if version is not None and fn is not None:
+                try:
+                    mem = fn(h, version=version)
+                except self._nvml_error as exc:
+                    if int(getattr(exc, "value", _UNKNOWN)) not in _MEMORY_V2_ABSENT:
+                        raise self._translate(exc, "nvmlDeviceGetMemoryInfo", uuid, "nvmlMemory_v2", "") from exc
+                else:
+                    out["memory_used"] = int(mem.used)
+                    out["memory_total"] = int(mem.total)
+                    out["memory_reserved"] = int(mem.reserved)
+                    return
+            self._memory_v1.add(uuid)  # for this NVML session
+        mem = self._nv("nvmlDeviceGetMemoryInfo", h, uuid=uuid)
+        out["memory_used"] = int(mem.used)
+        out["memory_total"] = int(mem.total)
+
+    def _r_reasons(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        """``nvmlDeviceGetCurrentClocksEventReasons`` (r535+), else its older name ``...ClocksThrottleReasons``
+        (the same bits)."""
+        if not self._legacy_reasons:
+            try:
+                mask = self._nv("nvmlDeviceGetCurrentClocksEventReasons", h, uuid=uuid)
+            except _FunctionMissing:
+                self._legacy_reasons = True  # driver (or binding) older than the event-reasons name
+            else:
+                out["clock_event_reasons"], out["clock_event_reasons_text"] = _reasons(mask)
+                return
+        mask = self._nv("nvmlDeviceGetCurrentClocksThrottleReasons", h, uuid=uuid)
+        out["clock_event_reasons"], out["clock_event_reasons_text"] = _reasons(mask)
+
     def _r_fields(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
         now = self._clock.monotonic()
         unsupported = self._unsupported.get(uuid)
@@ -913,6 +1009,7 @@ class NvmlBackend:
                 if (retry_at := unsupported.get(key)) is None or now >= retry_at
             ]
             if not ids:
+                self._energy_fallback(h, uuid, out, errors, now)
                 return
         else:
             ids = list(_FIELD_KEYS)
@@ -930,7 +1027,7 @@ class NvmlBackend:
                     out[prop] = number / 1000.0
                 else:
                     out[prop] = int(number)
-            elif status in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED):
+            elif status in _FIELD_ABSENT:
                 if unsupported is None:
                     unsupported = self._unsupported.setdefault(uuid, {})
                 unsupported[_FIELD_KEYS[field_id]] = now + self._unsupported_retry_s
@@ -938,6 +1035,32 @@ class NvmlBackend:
                 raise self._translate(self._nvml_error(status), "nvmlDeviceGetFieldValues", uuid, field_id, "")
             else:
                 errors[prop] = f"nvmlDeviceGetFieldValues field {field_id}: NVML error {status}"
+        if "energy_consumption" not in out and "energy_consumption" not in errors:
+            self._energy_fallback(h, uuid, out, errors, now)
+
+    def _energy_fallback(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str], now: float) -> None:
+        """Energy from ``nvmlDeviceGetTotalEnergyConsumption`` (mJ, Volta+) where field 191 is absent (drivers
+        before r535); remembered as unsupported like a field when that fails too."""
+        unsupported = self._unsupported.get(uuid)
+        if not unsupported or _FIELD_KEYS[_FI_ENERGY] not in unsupported:
+            return  # the field answered (or failed for another reason): no fallback
+        retry_at = unsupported.get(_ENERGY_CALL_KEY)
+        if retry_at is not None and now < retry_at:
+            return
+        try:
+            energy_mj = self._nv("nvmlDeviceGetTotalEnergyConsumption", h, uuid=uuid)
+        except UnsupportedError:
+            unsupported[_ENERGY_CALL_KEY] = now + self._unsupported_retry_s
+            return
+        except (TransientError, NotFoundError, GpuLostError):
+            raise
+        except PermanentError as exc:
+            errors["energy_consumption"] = f"{exc.reason}: {exc}"
+            return
+        unsupported.pop(_ENERGY_CALL_KEY, None)
+        energy_j = int(energy_mj) / 1000.0
+        self._check_energy(uuid, energy_j)
+        out["energy_consumption"] = energy_j
 
     def _check_energy(self, uuid: str, energy_j: float) -> None:
         last = self._energy_j.get(uuid)
@@ -1219,11 +1342,7 @@ _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
                 lambda v: (int(v.gpu), int(v.memory)),
             ),
         ),
-        (
-            "memory",
-            ("memory_used", "memory_total"),
-            _pair(("memory_used", "memory_total"), "nvmlDeviceGetMemoryInfo", lambda v: (int(v.used), int(v.total))),
-        ),
+        ("memory", ("memory_used", "memory_total", "memory_reserved"), NvmlBackend._r_memory),
         ("temperature", ("temperature",), NvmlBackend._r_temperature),
         ("fields", ("temperature_memory", "energy_consumption"), NvmlBackend._r_fields),
         (
@@ -1275,13 +1394,7 @@ _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
             ("clock_sm_max",),
             _simple("clock_sm_max", "nvmlDeviceGetMaxClockInfo", int, "NVML_CLOCK_SM"),
         ),
-        (
-            "clock_event_reasons",
-            ("clock_event_reasons", "clock_event_reasons_text"),
-            _pair(
-                ("clock_event_reasons", "clock_event_reasons_text"), "nvmlDeviceGetCurrentClocksEventReasons", _reasons
-            ),
-        ),
+        ("clock_event_reasons", ("clock_event_reasons", "clock_event_reasons_text"), NvmlBackend._r_reasons),
         ("pstate", ("pstate",), _simple("pstate", "nvmlDeviceGetPerformanceState", int)),
         (
             "pcie_tx",
@@ -1487,9 +1600,14 @@ _FIELD_VALUE_MEMBERS: Mapping[int, tuple[str, Callable[[Any], float]]] = Mapping
 
 
 def _field_number(item: Any) -> float:
-    """The value of one ``nvmlDeviceGetFieldValues`` item by its value type (unknown types: unsigned long long)."""
+    """The value of one ``nvmlDeviceGetFieldValues`` item by its value type (unknown types: unsigned long long).
+    nvidia-ml-py before 12.550 has no ``usVal`` in ``c_nvmlValue_t``: an unsigned short is then the low 16 bits
+    of ``uiVal`` (the union's first bytes; NVML hosts are little-endian)."""
     member, convert = _FIELD_VALUE_MEMBERS.get(int(item.valueType), ("ullVal", int))
-    return convert(getattr(item.value, member))
+    value = item.value
+    if member == "usVal" and not hasattr(value, "usVal"):
+        return int(value.uiVal) & 0xFFFF
+    return convert(getattr(value, member))
 
 
 def _number(prop: str, value: object) -> float:
