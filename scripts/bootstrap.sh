@@ -14,6 +14,9 @@ python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if [ "$want_test" = 1 ]; then
   command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
   command -v promtool >/dev/null || need_apt+=(prometheus)
+  # gcc builds the stand-in libnvidia-ml.so.1 the NVML tests run the real pynvml over (tests/nvml_standin.py)
+  command -v gcc >/dev/null || need_apt+=(gcc)
+  [ -f /usr/include/stdlib.h ] || need_apt+=(libc6-dev)
 fi
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "installing Debian packages: ${need_apt[*]}" >&2
@@ -36,4 +39,9 @@ if [ ! -f "$stamp" ]; then
   fi
   rm -f .venv/.installed-*
   touch "$stamp"
+fi
+if [ "$want_test" = 1 ] && [ ! -f .venv/nvml-floor/pynvml.py ]; then
+  # The oldest nvidia-ml-py pyproject allows (nvidia-ml-py>=12.535), beside the installed one: the NVML tests run
+  # the backend over both (tests/nvml_standin.py FLOOR_VERSION).
+  .venv/bin/python -m pip install -q --no-deps --target .venv/nvml-floor nvidia-ml-py==12.535.77
 fi
