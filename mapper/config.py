@@ -7,6 +7,7 @@ The file uses the camelCase keys of ``deploy/configmap.yaml``; the environment a
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -57,8 +58,8 @@ def parse_duration_s(value: Any, path: str, *, bare_seconds: bool = True) -> flo
             pos = m.end()
         if pos == 0 or pos != len(text):
             raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
-    if seconds < 0 or seconds != seconds:
-        raise ConfigError(f"{path}: must not be negative, got {value!r}")
+    if seconds < 0 or not math.isfinite(seconds):
+        raise ConfigError(f"{path}: must be a finite duration, not negative, got {value!r}")
     return seconds
 
 
@@ -74,8 +75,8 @@ def parse_size_bytes(value: Any, path: str) -> int:
             raise ConfigError(f"{path}: expected a size such as 256MiB or 1GB, got {value!r}")
         unit = match.group(2).lower() if match.group(2) else None
         size = float(match.group(1)) * _SIZE_UNITS[unit]
-    if size < 0:
-        raise ConfigError(f"{path}: must not be negative, got {value!r}")
+    if size < 0 or not math.isfinite(size):
+        raise ConfigError(f"{path}: must be a finite size, not negative, got {value!r}")
     return int(size)
 
 
@@ -207,8 +208,8 @@ def _convert(kind: str, value: Any, path: str) -> Any:
             number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected a number, got {value!r}") from None
-        if number < 0:
-            raise ConfigError(f"{path}: must not be negative, got {value!r}")
+        if number < 0 or not math.isfinite(number):
+            raise ConfigError(f"{path}: must be a finite number, not negative, got {value!r}")
         return int(number) if kind == "int" else number
     if kind == "bool":
         if isinstance(value, bool):
@@ -222,7 +223,7 @@ def _convert(kind: str, value: Any, path: str) -> Any:
     if kind == "duration":
         return parse_duration_s(value, path)
     if kind == "ms":
-        return round(parse_duration_s(value, path) * 1000) if isinstance(value, str) else int(value)
+        return round(parse_duration_s(value, path) * 1000) if isinstance(value, str) else _convert("int", value, path)
     if kind == "size":
         return parse_size_bytes(value, path)
     raise AssertionError(kind)
@@ -255,8 +256,15 @@ def read_file(path: str | Path) -> dict[str, Any]:
         inner = data["data"].get("config.yaml")
         if inner is None:
             raise ConfigError(f"config file {path}: ConfigMap has no data.config.yaml")
-        data = yaml.safe_load(inner) or {}
-    unknown = sorted(set(data) - _TOP_LEVEL_KEYS)
+        if not isinstance(inner, str):
+            raise ConfigError(f"config file {path}: ConfigMap data.config.yaml must be text")
+        try:
+            data = yaml.safe_load(inner) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: data.config.yaml is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: data.config.yaml must be a mapping, got {type(data).__name__}")
+    unknown = sorted(str(key) for key in set(data) - _TOP_LEVEL_KEYS)
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
     return data

@@ -60,6 +60,23 @@ def _flat(mapping: Any, where: str) -> dict[str, Scalar]:
     return out
 
 
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    """``value`` as a mapping (absent or null: empty); anything else is refused, naming ``where``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidValueError(f"{where}: must be a mapping, got {type(value).__name__}", reason="wrong-type")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidValueError(f"{where}: must be a list, got {type(value).__name__}", reason="wrong-type")
+    return value
+
+
 def _int(value: Any, where: str) -> int:
     if value is None:
         return 0
@@ -67,7 +84,7 @@ def _int(value: Any, where: str) -> int:
         raise InvalidValueError(f"{where}: expected milliseconds as a number, got {value!r}", reason="wrong-type")
     try:
         number = int(float(value))
-    except ValueError:
+    except (ValueError, OverflowError):
         raise InvalidValueError(
             f"{where}: expected milliseconds as a number, got {value!r}", reason="wrong-type"
         ) from None
@@ -77,10 +94,10 @@ def _int(value: Any, where: str) -> int:
 
 
 def model_from_doc(doc: Mapping[str, Any]) -> DeviceModelConfig:
-    meta = doc.get("metadata") or {}
-    spec = doc.get("spec") or {}
+    meta = _mapping(doc.get("metadata"), "DeviceModel metadata")
+    spec = _mapping(doc.get("spec"), "DeviceModel spec")
     props = []
-    for i, p in enumerate(spec.get("properties") or []):
+    for i, p in enumerate(_list(spec.get("properties"), "DeviceModel spec.properties")):
         if not isinstance(p, Mapping) or not p.get("name"):
             raise InvalidValueError(f"spec.properties[{i}]: a property needs a name", reason="empty")
         props.append(
@@ -101,22 +118,24 @@ def model_from_doc(doc: Mapping[str, Any]) -> DeviceModelConfig:
 
 def device_from_doc(doc: Mapping[str, Any], model_doc: Mapping[str, Any] | None) -> DeviceConfig:
     """Convert a Device manifest, merging its model's defaults the way EdgeCore v1.22+ does."""
-    meta = doc.get("metadata") or {}
-    spec = doc.get("spec") or {}
+    meta = _mapping(doc.get("metadata"), "Device metadata")
+    spec = _mapping(doc.get("spec"), "Device spec")
     name = str(meta.get("name", ""))
     namespace = str(meta.get("namespace", "default"))
     where = f"Device {namespace}/{name}"
-    model_spec = (model_doc or {}).get("spec") or {}
-    protocol = spec.get("protocol") or {}
+    model_spec = _mapping(_mapping(model_doc, f"{where}: model").get("spec"), f"{where}: model spec")
+    protocol = _mapping(spec.get("protocol"), f"{where}: spec.protocol")
     config = _flat(model_spec.get("protocolConfigData"), f"{where}: model protocolConfigData")
     config.update(_flat(protocol.get("configData"), f"{where}: spec.protocol.configData"))
     model_visitors = {
-        str(p.get("name")): _flat((p.get("visitors") or {}).get("configData"), f"{where}: model visitors")
-        for p in (model_spec.get("properties") or [])
+        str(p.get("name")): _flat(
+            _mapping(p.get("visitors"), f"{where}: model visitors").get("configData"), f"{where}: model visitors"
+        )
+        for p in _list(model_spec.get("properties"), f"{where}: model spec.properties")
         if isinstance(p, Mapping)
     }
     props = []
-    for i, p in enumerate(spec.get("properties") or []):
+    for i, p in enumerate(_list(spec.get("properties"), f"{where}: spec.properties")):
         pw = f"{where}: spec.properties[{i}]"
         if not isinstance(p, Mapping) or not p.get("name"):
             raise InvalidValueError(f"{pw}: a property needs a name", reason="empty")
@@ -128,10 +147,14 @@ def device_from_doc(doc: Mapping[str, Any], model_doc: Mapping[str, Any] | None)
             if not isinstance(desired, Mapping) or "value" not in desired:
                 raise InvalidValueError(f"{pw}.desired: value is required", reason="empty")
             desired_value = str(desired["value"])
-            desired_meta = {str(k): str(v) for k, v in (desired.get("metadata") or {}).items()}
+            desired_meta = {
+                str(k): str(v) for k, v in _mapping(desired.get("metadata"), f"{pw}.desired.metadata").items()
+            }
         visitor = dict(model_visitors.get(pname, {}))
-        visitor.update(_flat((p.get("visitors") or {}).get("configData"), f"{pw}.visitors.configData"))
-        mqtt = ((p.get("pushMethod") or {}).get("mqtt")) or None
+        visitor.update(
+            _flat(_mapping(p.get("visitors"), f"{pw}.visitors").get("configData"), f"{pw}.visitors.configData")
+        )
+        mqtt = _mapping(_mapping(p.get("pushMethod"), f"{pw}.pushMethod").get("mqtt"), f"{pw}.pushMethod.mqtt") or None
         push = None
         if mqtt:
             push = PushMqtt(
@@ -152,14 +175,14 @@ def device_from_doc(doc: Mapping[str, Any], model_doc: Mapping[str, Any] | None)
                 visitor_config=visitor,
             )
         )
-    state_report = spec.get("stateReport") or (doc.get("status") or {})
+    state_report = _mapping(spec.get("stateReport") or doc.get("status"), f"{where}: spec.stateReport")
     uuid = config.get("uuid", "")
     if not isinstance(uuid, str):
         raise InvalidValueError(f"{where}: configData.uuid must be a string, got {uuid!r}", reason="wrong-type")
     return DeviceConfig(
         namespace=namespace,
         name=name,
-        model=str((spec.get("deviceModelRef") or {}).get("name", "")),
+        model=str(_mapping(spec.get("deviceModelRef"), f"{where}: spec.deviceModelRef").get("name", "")),
         uuid=uuid,
         properties=tuple(props),
         protocol_config=config,
@@ -183,27 +206,27 @@ def load_folder(path: str | Path, node_name: str | None = None) -> FolderContent
             if not isinstance(doc, Mapping):
                 continue
             kind = doc.get("kind")
-            if kind == "DeviceModel":
-                if (doc.get("spec") or {}).get("protocol", PROTOCOL) != PROTOCOL:
-                    continue
-                meta = doc.get("metadata") or {}
-                model_docs[f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"] = doc
-                try:
+            try:
+                if kind == "DeviceModel":
+                    if _mapping(doc.get("spec"), "DeviceModel spec").get("protocol", PROTOCOL) != PROTOCOL:
+                        continue
+                    meta = _mapping(doc.get("metadata"), "DeviceModel metadata")
+                    model_docs[f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"] = doc
                     out.models.append(model_from_doc(doc))
-                except InvalidValueError as exc:
-                    out.errors.append((str(file), str(exc)))
-            elif kind == "Device":
-                spec = doc.get("spec") or {}
-                if (spec.get("protocol") or {}).get("protocolName") != PROTOCOL:
-                    continue
-                if node_name and spec.get("nodeName") not in (None, "", node_name):
-                    continue
-                device_docs.append((str(file), doc))
+                elif kind == "Device":
+                    spec = _mapping(doc.get("spec"), "Device spec")
+                    if _mapping(spec.get("protocol"), "Device spec.protocol").get("protocolName") != PROTOCOL:
+                        continue
+                    if node_name and spec.get("nodeName") not in (None, "", node_name):
+                        continue
+                    device_docs.append((str(file), doc))
+            except InvalidValueError as exc:
+                out.errors.append((str(file), str(exc)))
     for file_name, doc in device_docs:
-        meta = doc.get("metadata") or {}
-        model_ref = ((doc.get("spec") or {}).get("deviceModelRef") or {}).get("name", "")
-        model_key = f"{meta.get('namespace', 'default')}/{model_ref}"
         try:
+            meta = _mapping(doc.get("metadata"), "Device metadata")
+            model_ref = _mapping(_mapping(doc.get("spec"), "Device spec").get("deviceModelRef"), "deviceModelRef")
+            model_key = f"{meta.get('namespace', 'default')}/{model_ref.get('name', '')}"
             out.devices.append(device_from_doc(doc, model_docs.get(model_key)))
         except InvalidValueError as exc:
             out.errors.append((file_name, str(exc)))

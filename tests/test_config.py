@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,24 @@ def test_standalone_mode_turns_dmi_off_and_eventbus_on_with_a_broker(tmp_path):
     assert s.eventbus_enabled
     s2 = load_settings(None, env={}, flags={"node_name": "n", "mqtt_url": "mqtt://h:1"})
     assert s2.dmi_enabled and not s2.eventbus_enabled
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        # Found by the bad-input suite (tests/fuzz): each of these raised TypeError or OverflowError before.
+        ("defaults: {collectCycle: [1]}\n", "defaults.collectCycle: expected a number"),
+        ("buffer: {maxBytes: .inf}\n", "buffer.maxBytes: must be a finite size"),
+        ("telemetry: {window: .inf}\n", "telemetry.window: must be a finite duration"),
+        ("dmi: {burst: .inf}\n", "dmi.burst: must be a finite number"),
+        ("~: 1\n", "unknown key(s) None"),
+        ("kind: ConfigMap\ndata: {config.yaml: 5}\n", "must be text"),
+        ("kind: ConfigMap\ndata: {config.yaml: '[1, 2]'}\n", "must be a mapping"),
+        ("kind: ConfigMap\ndata: {config.yaml: 'a: [b'}\n", "not valid YAML"),
+    ],
+)
+def test_odd_config_values_are_refused_naming_the_key(tmp_path, text, needle):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_settings(str(path), env={})

@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import pytest
+
 from mapper.devicefiles import FolderWatcher, load_folder
 
 MODEL = """
@@ -91,3 +93,26 @@ def test_the_watcher_notices_added_and_changed_files(tmp_path: Path):
     assert watcher.changed()
     (tmp_path / "a.yaml").write_text(MODEL + "\n# edited\n")
     assert watcher.changed()
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        # Found by the bad-input suite (tests/fuzz): each raised AttributeError out of load_folder, which ended
+        # the devices-folder task and with it the mapper.
+        ("spec: [1]", "Device spec: must be a mapping, got list"),
+        ("spec: {protocol: gpu}", "spec.protocol: must be a mapping, got str"),
+        ("metadata: [x]\nspec: {protocol: {protocolName: gpu}}", "Device metadata: must be a mapping"),
+        ("spec: {protocol: {protocolName: gpu}, properties: 5}", "spec.properties: must be a list"),
+        (
+            "spec: {protocol: {protocolName: gpu}, properties: [{name: power_limit, pushMethod: [1]}]}",
+            "pushMethod: must be a mapping",
+        ),
+        ("spec: {protocol: {protocolName: gpu}, properties: [{name: p, collectCycle: .inf}]}", "collectCycle"),
+    ],
+)
+def test_malformed_device_documents_are_skipped_with_a_reason(tmp_path, spec, needle):
+    (tmp_path / "bad.yaml").write_text(f"apiVersion: devices.kubeedge.io/v1beta1\nkind: Device\n{spec}\n")
+    contents = load_folder(tmp_path)
+    assert contents.devices == []
+    assert [(Path(f).name, needle in reason) for f, reason in contents.errors] == [("bad.yaml", True)], contents.errors
