@@ -78,3 +78,12 @@ class ConfigError(MapperError):
     """Bad configuration; the message names the key path (``policies.thermalThrottling.maxTemp``)."""
 
     reason = "bad-config"
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages: a refusal names what was wrong without
+    carrying a huge input back into the log (and an integer too long to print is described, not printed)."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mapper.errors import short_repr
 from mapper.model import DEVICE_STATES, TWIN_KEY_RE, TWIN_VALUE_RE
 
 DEVICE_PREFIX = "$hw/events/device"
@@ -103,11 +104,11 @@ def parse_delta(topic: str, payload: bytes) -> Delta:
     timestamp = doc.get("timestamp", 0)
     if isinstance(timestamp, bool) or not isinstance(timestamp, int):
         raise ValueError(
-            f"delta for {namespace}/{name}: timestamp must be integer milliseconds, got {_short(timestamp)}"
+            f"delta for {namespace}/{name}: timestamp must be integer milliseconds, got {short_repr(timestamp)}"
         )
     if not 0 <= timestamp <= MAX_TIMESTAMP_MS:
         raise ValueError(
-            f"delta for {namespace}/{name}: timestamp {_short(timestamp)} is not milliseconds since the epoch "
+            f"delta for {namespace}/{name}: timestamp {short_repr(timestamp)} is not milliseconds since the epoch "
             f"(0 to {MAX_TIMESTAMP_MS})"
         )
     delta = doc.get("delta")
@@ -126,9 +127,9 @@ def parse_delta(topic: str, payload: bytes) -> Delta:
     values: dict[str, str] = {}
     for prop, value in delta.items():
         if not isinstance(prop, str) or not TWIN_KEY_RE.fullmatch(prop):
-            raise ValueError(f"delta for {namespace}/{name}: {_short(prop)} is not a valid twin name")
+            raise ValueError(f"delta for {namespace}/{name}: {short_repr(prop)} is not a valid twin name")
         if not isinstance(value, str):
-            raise ValueError(f"delta for {namespace}/{name}: value of {prop} must be a string, got {_short(value)}")
+            raise ValueError(f"delta for {namespace}/{name}: value of {prop} must be a string, got {short_repr(value)}")
         values[prop] = value
     return Delta(namespace, name, timestamp, values)
 
@@ -152,12 +153,12 @@ def parse_membership(payload: bytes) -> Membership:
     for key in ("added_devices", "removed_devices"):
         entries = doc.get(key) or []
         if not isinstance(entries, list):
-            raise ValueError(f"membership update: {key} must be a list, got {_short(entries)}")
+            raise ValueError(f"membership update: {key} must be a list, got {short_repr(entries)}")
         ids: list[str] = []
         for entry in entries:
             ident = (entry.get("id") or entry.get("name")) if isinstance(entry, dict) else None
             if not isinstance(ident, str):
-                raise ValueError(f"membership update: {key} entry {_short(entry)} has no string id or name")
+                raise ValueError(f"membership update: {key} entry {short_repr(entry)} has no string id or name")
             ids.append(ident)
         lists[key] = tuple(ids)
     return Membership(lists["added_devices"], lists["removed_devices"])
@@ -172,13 +173,6 @@ def load_json(payload: bytes, what: str) -> object:
         raise ValueError(f"{what}: not valid JSON ({_cut(str(exc))})") from None
     except RecursionError:
         raise ValueError(f"{what}: JSON nested too deeply to parse") from None
-
-
-def _short(value: object, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters: an error message never carries a huge input back."""
-    if isinstance(value, int) and value.bit_length() > 4 * limit:
-        return f"an integer of {value.bit_length()} bits"
-    return _cut(repr(value), limit)
 
 
 def _cut(text: str, limit: int = 60) -> str:

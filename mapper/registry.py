@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from mapper.errors import InvalidValueError, NotFoundError, PermanentError
+from mapper.errors import InvalidValueError, NotFoundError, PermanentError, short_repr
 from mapper.model import (
     PROPERTY_BY_NAME,
     TWIN_KEY_RE,
@@ -118,7 +118,7 @@ class Registry:
             )
         if not device.uuid.startswith(("GPU-", "MIG-")):
             raise InvalidValueError(
-                f"device {device.key}: configData.uuid {device.uuid!r} is not a GPU UUID (GPU-...)",
+                f"device {device.key}: configData.uuid {short_repr(device.uuid)} is not a GPU UUID (GPU-...)",
                 reason="wrong-type",
             )
         if device.uuid not in set(self._node_gpus()):
@@ -130,12 +130,12 @@ class Registry:
         for prop in device.properties:
             if prop.name in seen:
                 raise InvalidValueError(
-                    f"device {device.key}: property {prop.name!r} listed twice", reason="wrong-type"
+                    f"device {device.key}: property {short_repr(prop.name)} listed twice", reason="wrong-type"
                 )
             seen.add(prop.name)
             if prop.name not in PROPERTY_BY_NAME:
                 raise InvalidValueError(
-                    f"device {device.key}: unknown property {prop.name!r} (not in the GPU catalog)",
+                    f"device {device.key}: unknown property {short_repr(prop.name)} (not in the GPU catalog)",
                     reason="unknown-property",
                 )
             if prop.collect_cycle_ms < 0 or prop.report_cycle_ms < 0:
@@ -146,7 +146,7 @@ class Registry:
             for prop in device.properties:
                 if prop.name not in names:
                     raise InvalidValueError(
-                        f"device {device.key}: property {prop.name!r} is not in model {model.key}",
+                        f"device {device.key}: property {short_repr(prop.name)} is not in model {model.key}",
                         reason="unknown-property",
                     )
 
@@ -156,12 +156,13 @@ class Registry:
         for prop in model.properties:
             if not TWIN_KEY_RE.fullmatch(prop.name):
                 raise InvalidValueError(
-                    f"model {model.key}: property name {prop.name!r} is not a valid twin key", reason="wrong-type"
+                    f"model {model.key}: property name {short_repr(prop.name)} is not a valid twin key",
+                    reason="wrong-type",
                 )
             spec = PROPERTY_BY_NAME.get(prop.name)
             if spec is None:
                 raise InvalidValueError(
-                    f"model {model.key}: unknown property {prop.name!r} (not in the GPU catalog)",
+                    f"model {model.key}: unknown property {short_repr(prop.name)} (not in the GPU catalog)",
                     reason="unknown-property",
                 )
             ptype = prop.ptype.upper()
