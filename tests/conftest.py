@@ -24,3 +24,15 @@ def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
         yield broker
     finally:
         broker.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The bad-input suite's case count (tests/fuzz): how many inputs were tried, by door."""
+    import sys
+
+    kit = sys.modules.get("tests.fuzz.kit")
+    if kit is None or not kit.CASES:
+        return
+    total = sum(kit.CASES.values())
+    doors = ", ".join(f"{door} {n}" for door, n in sorted(kit.CASES.items()))
+    terminalreporter.write_line(f"bad-input cases tried: {total} ({doors})")
