@@ -291,9 +291,16 @@ class BatchCodec:
             dctx = zstandard.ZstdDecompressor(dict_data=self._dict(dict_id), format=zstandard.FORMAT_ZSTD1_MAGICLESS)
             self._decompressors[dict_id] = dctx
         try:
+            # A damaged header may claim any size, and decompress() allocates what the frame claims up front
+            # (MemoryError for 2^61 bytes): the claim is checked first.
+            claimed = zstandard.get_frame_parameters(data, format=zstandard.FORMAT_ZSTD1_MAGICLESS).content_size
+            if claimed != zstandard.CONTENTSIZE_UNKNOWN and claimed > _MAX_BODY_BYTES:
+                raise BatchFormatError(f"batch body claims {claimed} bytes, more than {_MAX_BODY_BYTES}")
             return dctx.decompress(data, max_output_size=_MAX_BODY_BYTES)
         except zstandard.ZstdError as exc:
             raise BatchFormatError(f"batch body does not decompress: {exc}") from None
+        except MemoryError:
+            raise BatchFormatError("batch body does not fit in memory when decompressed") from None
 
 
 # --------------------------------------------------------------------------------------------------

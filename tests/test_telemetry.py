@@ -655,3 +655,13 @@ def test_the_compressed_payloads_are_frozen_byte_for_byte_with_this_zstd() -> No
     zstd_flags = 0x01 | CURRENT_DICTIONARY_ID << 4
     assert [p[2] for p in payloads] == [zstd_flags] * 4 + [0] + [zstd_flags], "one body is too small to compress"
     assert hashlib.sha256(encode_file(payloads)).hexdigest()[:16] == GOLDEN_PAYLOADS
+
+
+def test_a_damaged_body_claiming_a_huge_size_is_refused_before_anything_is_allocated():
+    # Found by the bad-input suite (tests/fuzz): zstd allocated the size a flipped header claimed (MemoryError).
+    damaged = (
+        b"G\x03!\xc0\x00\xdd\x01\x00\x84\x02\x01\x001\x0c\x03\x07\x19P\x0c\x1a\x01\xda\x0f\x02\x1c\x01\x05\x01\x124Vx"
+        b"\x124\x9a\xbc\x06boot-a\x01\x80\x90\x92\x82\xe73\x06\xcc-C\x8e\xce\xadr\x86!R\xe0\xb7\xf8\x12d\x04"
+    )
+    with pytest.raises(BatchFormatError, match="claims 3530823218174624221 bytes"):
+        decode_batch(damaged)
