@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -205,7 +206,9 @@ def c_source() -> str:
 
 
 def build_library(folder: Path) -> Path:
-    """Compile the stand-in into ``folder/libnvidia-ml.so.1`` (gcc, warnings as errors); its path."""
+    """Compile the stand-in into ``folder/libnvidia-ml.so.1`` (gcc, warnings as errors); its path. It has NO
+    soname: with ``libnvidia-ml.so.1`` as its soname, a later ``dlopen("libnvidia-ml.so.1")`` in the same process
+    (the real pynvml, on a machine with a GPU) would be given the loaded stand-in instead of the driver's."""
     folder.mkdir(parents=True, exist_ok=True)
     source = folder / "nvml_standin.c"
     source.write_text(c_source())
@@ -215,7 +218,7 @@ def build_library(folder: Path) -> Path:
         raise RuntimeError("gcc is needed to build the stand-in libnvidia-ml.so.1: run scripts/bootstrap.sh --test")
     subprocess.run(
         [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
-         "-Wl,-soname,libnvidia-ml.so.1", "-o", str(target), str(source)],
+         "-o", str(target), str(source)],
         check=True,
         capture_output=True,
         timeout=60,
@@ -647,6 +650,14 @@ class StandIn:
 
     def _nvmlEventSetFree(self, event_set: int) -> None:
         self.sim.nvmlEventSetFree(self._object(event_set))
+
+
+def backend_names() -> set[str]:
+    """Every nvml function and constant name ``mapper/gpu/nvml.py`` spells out (calls, getattr names, constants)."""
+    source = (REPO / "mapper" / "gpu" / "nvml.py").read_text()
+    return set(re.findall(r"\"((?:nvml|NVML_)\w+)\"", source)) | set(
+        re.findall(r"(?:self\._nvml|\bnvml)\.((?:nvml|NVML_)\w+)", source)
+    )
 
 
 def library_digest() -> str:

@@ -286,7 +286,7 @@ def test_temperature_converges_to_the_first_order_steady_state(fake_clock: FakeC
     sim.set_utilization(None, 80)
     h = handle(sim)
     gpu = sim.gpus[0]
-    start = sim.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
+    start = sim.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)
     fake_clock.advance(600)
     settled = sim.gpu(gpu.uuid).temperature_c
     steady = gpu.ambient_c + gpu.power_w * gpu.thermal_r
@@ -302,9 +302,9 @@ def test_heat_scenario_crosses_85c_under_the_default_cap_and_a_lower_cap_cools_i
     sim.nvmlDeviceSetPowerManagementLimit(capped, 450_000)
     fake_clock.advance(300)
     temp = pynvml.NVML_TEMPERATURE_GPU
-    assert sim.nvmlDeviceGetTemperatureV(hot, temp) > 85
+    assert sim.nvmlDeviceGetTemperature(hot, temp) > 85
     assert sim.nvmlDeviceGetCurrentClocksEventReasons(hot) & SW_THERMAL
-    assert sim.nvmlDeviceGetTemperatureV(capped, temp) < 80
+    assert sim.nvmlDeviceGetTemperature(capped, temp) < 80
 
 
 def test_hw_slowdown_halves_the_clock_and_shutdown_loses_the_gpu(fake_clock: FakeClock) -> None:
@@ -385,7 +385,7 @@ def test_oscillating_load_swings_the_temperature(fake_clock: FakeClock) -> None:
     temps = []
     for _ in range(48):
         fake_clock.advance(5)
-        temps.append(sim.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU))
+        temps.append(sim.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))
     assert max(temps[24:]) - min(temps[24:]) > 10
 
 
@@ -466,7 +466,7 @@ def test_gpu_lost_makes_every_call_on_that_gpu_fail(fake_clock: FakeClock) -> No
     lost = handle(sim, 0)
     sim.inject_gpu_lost(sim.gpus[0].uuid)
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
-        sim.nvmlDeviceGetTemperatureV(lost, pynvml.NVML_TEMPERATURE_GPU)
+        sim.nvmlDeviceGetTemperature(lost, pynvml.NVML_TEMPERATURE_GPU)
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         sim.nvmlDeviceGetHandleByUUID(sim.gpus[0].uuid)
     assert sim.nvmlDeviceGetPowerUsage(handle(sim, 1)) > 0
