@@ -1145,12 +1145,16 @@ def _binding_version() -> str:
         return "of unknown version"
 
 
+def _hide(name: str) -> None:
+    hidden = _NotInBinding()
+    setattr(SimNvml, name, hidden)
+    hidden.__set_name__(SimNvml, name)
+
+
 for _name, _value in _copy_binding_constants().items():
     if not hasattr(SimNvml, _name):
         setattr(SimNvml, _name, _value)
 for _name in [n for n in vars(SimNvml) if n.startswith("nvml") and callable(vars(SimNvml)[n])]:
     if not hasattr(pynvml, _name):
-        _hidden = _NotInBinding()
-        setattr(SimNvml, _name, _hidden)
-        _hidden.__set_name__(SimNvml, _name)
+        _hide(_name)
 del _name, _value
