@@ -392,8 +392,7 @@ class MapperApp:
             self.publisher.publish_step(device_key, worker.uuid, acks, events)
             if acks:
                 self.bindings.save_desired(worker, device_key)
-        if result.state_changed and worker.device is not None:
-            self.reporter.state_changed(worker.device)
+        self.reporter.after_step(worker, result)
 
     # ==============================================================================================
     # MQTT

@@ -87,6 +87,10 @@ class GpuWorker:
     desired_status: str = ""
     policy_state: str = "normal"
     statuses: dict[str, str] = field(default_factory=dict)
+    #: Properties this GPU cannot read: asked for and absent from the sample without an error (NVML answers
+    #: NotSupported). One that is read again later (a driver upgrade; the backend asks again every few minutes)
+    #: leaves the set.
+    unsupported: set[str] = field(default_factory=set)
     pending_events: list[GpuEvent] = field(default_factory=list)
     lost: bool = False
     last_tick_s: float = 0.0
@@ -281,6 +285,10 @@ class GpuWorker:
             self.values.update(sample.values)
             self.values_ts_ms = sample.ts_ms
             result.sample = sample
+            if self.unsupported:
+                self.unsupported.difference_update(sample.values)
+            if len(sample.values) + len(sample.errors) < len(start.names):  # (the usual step skips this)
+                self.unsupported.update(n for n in start.names if n not in sample.values and n not in sample.errors)
             # A ``bind`` or ``driver_reloaded`` while the sample was read made everything due (and ``bind``
             # may have made other groups, which ``due_groups`` does not index): keep it so.
             if self._due_at is due_at:

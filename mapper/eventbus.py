@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from mapper.errors import short_repr
@@ -27,6 +27,7 @@ NODE_PREFIX = "$hw/events/node"
 #: Largest EventBus payload we parse (a twin delta for every catalog property is a few KiB).
 MAX_PAYLOAD_BYTES = 64 * 1024
 TWIN_TYPE = "string"
+_TYPED = {"type": TWIN_TYPE}
 #: A delta's ``timestamp`` (ms since the epoch) must lie in [0, this]: the last millisecond of year 9999. A larger
 #: one would not fit SQLite's 64-bit INTEGER where the desired value's version is stored, and, as the newest
 #: version ever seen, would make every later change to the property look stale.
@@ -51,10 +52,18 @@ def membership_topic(node: str) -> str:
     return f"{NODE_PREFIX}/{node}/membership/updated"
 
 
-def twin_update_payload(values: Mapping[str, str], timestamp_ms: int, event_id: str = "") -> bytes:
-    """``values``: property -> twin string (already formatted; empty values are left out)."""
+#: The twin metadata of a property the GPU cannot read (next to ``type``; EdgeCore keeps only ``type``, an edge
+#: application subscribed to ``twin/update`` sees both).
+UNSUPPORTED_METADATA = {"type": TWIN_TYPE, "reason": "not-supported-by-gpu"}
+
+
+def twin_update_payload(
+    values: Mapping[str, str], timestamp_ms: int, event_id: str = "", unsupported: Collection[str] = ()
+) -> bytes:
+    """``values``: property -> twin string (already formatted; empty values are left out). ``unsupported``: the
+    properties whose value says the GPU cannot read them; their metadata says so too."""
     twin = {
-        name: {"actual": {"value": value}, "metadata": {"type": TWIN_TYPE}}
+        name: {"actual": {"value": value}, "metadata": UNSUPPORTED_METADATA if name in unsupported else _TYPED}
         for name, value in values.items()
         if value != "" and TWIN_KEY_RE.fullmatch(name) and TWIN_VALUE_RE.fullmatch(value)
     }

@@ -729,6 +729,11 @@ class DeviceModelConfig:
         return f"{self.namespace}/{self.name}"
 
 
+#: The reported value of a twin whose property this GPU cannot read (NVML answers NotSupported): the value
+#: itself must say so, since EdgeCore's DMI server keeps only the values of a reported twin, not its metadata.
+UNSUPPORTED_TWIN = "unsupported"
+
+
 @dataclass(frozen=True)
 class Twin:
     """One twin as reported to EdgeCore: both fields always present (EdgeCore crashes on a missing one)."""

@@ -4,9 +4,24 @@ DMI reporter's rate-limited, coalescing queue) and EventBus (``twin/update`` / `
 ``Reporter`` decides what each bound Device reports and when:
 
 * **periodic**: a Device's twins every report cycle (the shortest ``reportCycle`` of its reported properties,
-  else ``defaults.reportCycle``), its state every state report cycle when it asks for state reports;
-* **at once**: a change of state (unhealthy, offline, online again), a Device just bound, and everything again
-  after the broker reconnected.
+  else ``defaults.reportCycle``), its state every state report cycle when it asks for state reports. The first
+  report after a binding goes out at once; the second comes between half a cycle and one and a half cycles
+  later, at a phase of its own (the golden-ratio sequence over the bound Devices; twins and states alike), so
+  Devices bound together (every GPU at start-up) do not report in one burst every cycle and the node-wide
+  budget stays free for the prompt reports below. Nothing moves a Device's phase afterwards.
+* **prompt**: when a step changes what a Device's twins say about control (a desired value applied, rejected
+  or restored: its property's twin and ``desired_status``; a policy starting or ending an override:
+  ``policy_state`` and the capped property), or publishes an ack or a policy event, the affected twins go out
+  at once over EventBus, and over DMI at the next moment the budget allows but at most once a second per
+  Device: the changes of the same second are coalesced into one report. A prompt report leaves the periodic
+  schedule as it was. A change of state (unhealthy, offline, online again) goes out at once on both paths.
+* **unsupported**: a reported property the GPU cannot read (``GpuWorker.unsupported``) is reported with the
+  value ``unsupported`` (``mapper.model.UNSUPPORTED_TWIN``; over EventBus its twin metadata says so too), with
+  one log line per Device and property; when the GPU reads it again the twin carries its value again.
+
+The node-wide rate budget itself (a token bucket of 0.8 RPC/s, burst 10, under EdgeCore's 1/s, burst 100) is
+spent by the DMI reporter (``mapper.dmi.client.DmiReporter``), which keeps one pending report per Device and
+merges what is offered meanwhile: this module decides what is offered and when.
 
 It sees domain types and Protocols only: the DMI reporter is a ``StatusSink``, the EventBus a publish callable.
 ``report_due`` is one pass on the injected clock (tests run it on fake time); ``run`` is the loop around it.
@@ -20,9 +35,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from mapper.clock import Clock, sleep_or_wake
-from mapper.collect import GpuWorker, worker_sample
+from mapper.collect import GpuWorker, TickResult, worker_sample
 from mapper.eventbus import state_update_payload, state_update_topic, twin_update_payload, twin_update_topic
-from mapper.model import PROPERTY_BY_NAME, DeviceConfig, Twin, format_value
+from mapper.model import PROPERTY_BY_NAME, UNSUPPORTED_TWIN, DeviceConfig, Twin, format_value
 from mapper.telemetry import state_payload
 
 log = logging.getLogger("mapper.report")
@@ -31,6 +46,10 @@ log = logging.getLogger("mapper.report")
 STATUS_TWINS = ("desired_status", "policy_state")
 #: The longest the report loop sleeps with nothing due (a wake makes it look sooner).
 IDLE_WAIT_S = 5.0
+#: The least time between two prompt DMI reports of one Device: the changes of one second go in one report.
+PROMPT_INTERVAL_S = 1.0
+#: Spreads the phases of the periodic reports: the k-th bound Device reports at (k * this) mod 1 of its cycle.
+_GOLDEN = 0.6180339887498949
 
 
 class StatusSink(Protocol):
@@ -45,15 +64,17 @@ class StatusSink(Protocol):
 Publish = Callable[[str, bytes], None]
 
 
-def device_twins(worker: GpuWorker) -> list[Twin]:
-    """Every twin the bound Device reports (its reported properties, then the status twins), current values.
-    A property with no value yet and nothing desired is left out (an empty twin helps nobody)."""
+def device_twins(worker: GpuWorker, names: Iterable[str] | None = None) -> list[Twin]:
+    """The twins the bound Device reports (its reported properties, then the status twins; only ``names`` when
+    given), current values. A property with no value yet and nothing desired is left out (an empty twin helps
+    nobody); one the GPU cannot read says ``unsupported``."""
     device = worker.device
     if device is None:
         return []
     twins: list[Twin] = []
-    names = [p.name for p in device.properties if p.report_to_cloud]
-    names += [n for n in STATUS_TWINS if n not in names]
+    if names is None:
+        names = [p.name for p in device.properties if p.report_to_cloud]
+        names += [n for n in STATUS_TWINS if n not in names]
     for name in names:
         spec = PROPERTY_BY_NAME.get(name)
         if spec is None:
@@ -66,9 +87,12 @@ def device_twins(worker: GpuWorker) -> list[Twin]:
         else:
             value = worker.values.get(name)
             if value is None:
-                if not observed:
+                if name in worker.unsupported:
+                    reported = UNSUPPORTED_TWIN
+                elif not observed:
                     continue
-                reported = ""
+                else:
+                    reported = ""
             else:
                 prop = device.property(name)
                 hex_format = prop is not None and prop.visitor_config.get("format") == "hex"
@@ -78,13 +102,25 @@ def device_twins(worker: GpuWorker) -> list[Twin]:
     return twins
 
 
+def control_twins(device: DeviceConfig) -> tuple[str, ...]:
+    """The twins whose change is reported promptly: the Device's reported writable properties and the status
+    twins (a read-only value changes every sample and waits for its cycle)."""
+    names = [p.name for p in device.properties if p.report_to_cloud and _writable(p.name)]
+    return (*names, *STATUS_TWINS)
+
+
+def _writable(name: str) -> bool:
+    spec = PROPERTY_BY_NAME.get(name)
+    return spec is not None and spec.writable
+
+
 class Reporter:
     """When each bound Device's twins and state go out, on which path.
 
     ``workers``: every GPU's worker by UUID (the reporter reads them, never changes them). ``dmi``: the DMI
     reporter, or None without DMI. ``eventbus``: the EventBus publish, or None when EventBus reporting is off.
-    ``device_state``: called with (device key, state JSON) on every twin report (the shipper's retained state
-    snapshot), or None. ``beat``: the loop's heartbeat (name, period s)."""
+    ``device_state``: called with (device key, state JSON) on every periodic twin report (the shipper's
+    retained state snapshot), or None. ``beat``: the loop's heartbeat (name, period s)."""
 
     def __init__(
         self,
@@ -106,38 +142,94 @@ class Reporter:
         self.eventbus = eventbus
         self.device_state = device_state
         self.beat = beat
+        #: Next periodic twin report per Device (monotonic s); 0: at once (just bound).
         self._next_report_s: dict[str, float] = {}
         self._next_state_s: dict[str, float] = {}
         self._reported_state: dict[str, str] = {}
-        #: Set to look at once (a state changed, a device was bound, the broker came back).
+        #: Each Device's phase in its report cycle (0..1), given when it is first bound.
+        self._phase: dict[str, float] = {}
+        self._bindings = 0
+        #: The control twins as last reported, per Device: name -> (observedDesired, reported).
+        self._last_control: dict[str, dict[str, tuple[str, str]]] = {}
+        #: Prompt twins waiting to go out, per Device and path.
+        self._prompt_dmi: dict[str, set[str]] = {}
+        self._prompt_eventbus: dict[str, set[str]] = {}
+        #: When each Device's last prompt DMI report was offered (monotonic s).
+        self._last_prompt_s: dict[str, float] = {}
+        #: Devices whose twins go out again at once on EventBus (the broker reconnected), off their cycle.
+        self._resend: set[str] = set()
+        self._resend_state: set[str] = set()
+        #: The unsupported twins already logged, per Device.
+        self._unsupported_logged: dict[str, set[str]] = {}
+        #: Reports offered, by kind: periodic, prompt (DMI), prompt_eventbus, state.
+        self.counts: dict[str, int] = {"periodic": 0, "prompt": 0, "prompt_eventbus": 0, "state": 0}
+        #: Set to look at once (a change, a device was bound, the broker came back).
         self.wake = asyncio.Event()
 
     # --- what the rest of the mapper tells it ------------------------------------------------------------
     def bound(self, device: DeviceConfig) -> None:
         """A Device was bound to its GPU (or its cycles changed): its twins and state go out at once."""
-        self._next_report_s[device.key] = 0.0
-        self._next_state_s[device.key] = 0.0
+        key = device.key
+        if key not in self._phase:
+            self._phase[key] = (self._bindings * _GOLDEN) % 1.0
+            self._bindings += 1
+        self._next_report_s[key] = 0.0
+        self._next_state_s[key] = 0.0
+        self._last_control.pop(key, None)
         self.wake.set()
 
     def removed(self, device: DeviceConfig) -> None:
         """A Device went away: nothing more is reported for it, and nothing pending is sent."""
-        self._next_report_s.pop(device.key, None)
-        self._next_state_s.pop(device.key, None)
-        self._reported_state.pop(device.key, None)
+        key = device.key
+        for book in (self._next_report_s, self._next_state_s, self._reported_state, self._last_control):
+            book.pop(key, None)
+        for pending in (self._prompt_dmi, self._prompt_eventbus, self._unsupported_logged):
+            pending.pop(key, None)
+        self._resend.discard(key)
+        self._resend_state.discard(key)
         if self.dmi is not None:
             self.dmi.forget(device.namespace, device.name)
 
     def resend_all(self) -> None:
-        """Everything again at once (the broker reconnected: EventBus twins and states are not kept meanwhile)."""
-        for key in self._next_report_s:
-            self._next_report_s[key] = 0.0
-        for key in self._next_state_s:
-            self._next_state_s[key] = 0.0
+        """The broker reconnected: every Device's twins and state go out again at once on EventBus (they are
+        not kept while it is down). DMI is not concerned, and no cycle moves."""
+        if self.eventbus is None:
+            return
+        self._resend.update(self._next_report_s)
+        self._resend_state.update(self._next_state_s)
         self.wake.set()
 
     def state_changed(self, device: DeviceConfig) -> None:
-        """A device's state changed in a step: reported at once."""
-        self._next_state_s[device.key] = 0.0
+        """A device's state changed in a step: reported at once (its state cycle stays as it was)."""
+        self.wake.set()
+
+    def after_step(self, worker: GpuWorker, result: TickResult) -> None:
+        """A GPU's step is done: a change of state, or of what its control twins say, or an ack or a policy
+        event, is reported promptly (see the module's docstring)."""
+        device = worker.device
+        if device is None:
+            return
+        if result.state_changed:
+            self.state_changed(device)
+        key = device.key
+        last = self._last_control.get(key)
+        if last is None or not worker.values:  # nothing reported yet: the first report is on its way
+            return
+        acks = result.reconcile.acks if result.reconcile is not None else ()
+        events = result.decision.events if result.decision is not None else ()
+        names = set()
+        for twin in device_twins(worker, control_twins(device)):
+            if last.get(twin.name) != (twin.observed_desired, twin.reported):
+                names.add(twin.name)
+        if not names and not acks and not events:
+            return
+        names.update(STATUS_TWINS)
+        reported = {p.name for p in device.properties if p.report_to_cloud}
+        names.update(a.property for a in acks if a.property in reported)
+        if self.dmi is not None:
+            self._prompt_dmi.setdefault(key, set()).update(names)
+        if self.eventbus is not None:
+            self._prompt_eventbus.setdefault(key, set()).update(names)
         self.wake.set()
 
     def offer_state(self, namespace: str, name: str, state: str) -> None:
@@ -167,25 +259,70 @@ class Reporter:
             device = worker.device
             if device is None:
                 continue
+            key = device.key
             # A change of state (unhealthy, offline, back online) is always reported; the periodic
             # refresh only when the Device asks for state reports (stateReport / status.reportToCloud).
-            changed = self._reported_state.get(device.key) != worker.state
-            due = now >= self._next_state_s.get(device.key, 0.0) and device.state_report_to_cloud
+            changed = self._reported_state.get(key) != worker.state
+            due = now >= self._next_state_s.get(key, 0.0) and device.state_report_to_cloud
             if changed or due:
-                self._next_state_s[device.key] = now + self.state_cycle_s(device)
+                if due or key not in self._next_state_s:
+                    self._next_state_s[key] = self._next_periodic(
+                        key, self._next_state_s.get(key, 0.0), now, self.state_cycle_s(device)
+                    )
+                self._resend_state.discard(key)
                 self._report_state(device, worker.state)
-            # Twins wait for the first sample: a report with only the status twins helps nobody.
-            if now >= self._next_report_s.get(device.key, 0.0) and worker.values:
-                self._next_report_s[device.key] = now + self.report_cycle_s(device)
-                twins = device_twins(worker)
-                if twins:
-                    self._report_twins(device, twins)
+            elif key in self._resend_state:
+                self._resend_state.discard(key)
+                if self.eventbus is not None:
+                    self.eventbus(state_update_topic(device.namespace, device.name), self._state_payload(worker))
+            if not worker.values:  # twins wait for the first sample: only the status twins help nobody
+                continue
+            at = self._next_report_s.get(key, 0.0)
+            if now >= at:
+                self._next_report_s[key] = self._next_periodic(key, at, now, self.report_cycle_s(device))
+                self._resend.discard(key)
+                self._report_twins(device, worker, device_twins(worker), periodic=True)
+                self.counts["periodic"] += 1
                 if self.device_state is not None:
-                    self.device_state(device.key, state_payload(device.key, worker_sample(worker)))
-            next_s = min(next_s, max(self._next_report_s.get(device.key, 0.0), now + 0.1))
+                    self.device_state(key, state_payload(key, worker_sample(worker)))
+            elif key in self._resend:
+                self._resend.discard(key)
+                if self.eventbus is not None:
+                    self._publish_twins(device, worker, device_twins(worker))
+            next_s = min(next_s, max(self._next_report_s[key], now + 0.1))
             if device.state_report_to_cloud:
-                next_s = min(next_s, self._next_state_s.get(device.key, now))
-        return max(0.05, next_s - self.clock.monotonic())
+                next_s = min(next_s, self._next_state_s.get(key, now))
+            next_s = min(next_s, self._report_prompt(device, worker, now))
+        return max(0.01, next_s - self.clock.monotonic())
+
+    def _next_periodic(self, key: str, at: float, now: float, cycle_s: float) -> float:
+        """The next periodic report after the one due ``at`` (0: the first after a binding, which fixes the
+        Device's phase in its cycle; later ones keep it)."""
+        if at == 0.0:
+            return now + cycle_s * (0.5 + self._phase.get(key, 0.0))
+        return max(at + cycle_s, now + 0.1)
+
+    def _report_prompt(self, device: DeviceConfig, worker: GpuWorker, now: float) -> float:
+        """The Device's pending prompt twins that may go now; when the next may (inf: nothing pending)."""
+        key = device.key
+        names = self._prompt_eventbus.pop(key, None)
+        if names and self.eventbus is not None:
+            self._publish_twins(device, worker, device_twins(worker, sorted(names)))
+            self.counts["prompt_eventbus"] += 1
+        names = self._prompt_dmi.get(key)
+        if not names:
+            return float("inf")
+        allowed_s = self._last_prompt_s.get(key, -PROMPT_INTERVAL_S) + PROMPT_INTERVAL_S
+        if now < allowed_s:
+            return allowed_s
+        del self._prompt_dmi[key]
+        self._last_prompt_s[key] = now
+        if self.dmi is not None:
+            twins = device_twins(worker, sorted(names))
+            self._note(device, worker, twins)
+            self.dmi.offer_status(device.namespace, device.name, twins)
+            self.counts["prompt"] += 1
+        return float("inf")
 
     async def run(self) -> None:
         """Twins and states when they are due, and at once when woken."""
@@ -197,16 +334,56 @@ class Reporter:
 
     def _report_state(self, device: DeviceConfig, state: str) -> None:
         self._reported_state[device.key] = state
+        self.counts["state"] += 1
         if self.dmi is not None:
             self.dmi.offer_state(device.namespace, device.name, state)
         if self.eventbus is not None:
             topic = state_update_topic(device.namespace, device.name)
             self.eventbus(topic, state_update_payload(state, self.clock.wall_ms()))
 
-    def _report_twins(self, device: DeviceConfig, twins: list[Twin]) -> None:
+    def _state_payload(self, worker: GpuWorker) -> bytes:
+        return state_update_payload(worker.state, self.clock.wall_ms())
+
+    def _report_twins(self, device: DeviceConfig, worker: GpuWorker, twins: list[Twin], *, periodic: bool) -> None:
+        if not twins:
+            return
+        self._note(device, worker, twins)
         if self.dmi is not None:
             self.dmi.offer_status(device.namespace, device.name, twins)
         if self.eventbus is not None:
-            values = {t.name: t.reported for t in twins}
-            payload = twin_update_payload(values, self.clock.wall_ms())
-            self.eventbus(twin_update_topic(device.namespace, device.name), payload)
+            self._publish_twins(device, worker, twins)
+
+    def _publish_twins(self, device: DeviceConfig, worker: GpuWorker, twins: list[Twin]) -> None:
+        assert self.eventbus is not None
+        if not twins:
+            return
+        self._note(device, worker, twins)
+        values = {t.name: t.reported for t in twins}
+        unsupported = [t.name for t in twins if t.reported == UNSUPPORTED_TWIN and t.name in worker.unsupported]
+        payload = twin_update_payload(values, self.clock.wall_ms(), unsupported=unsupported)
+        self.eventbus(twin_update_topic(device.namespace, device.name), payload)
+
+    def _note(self, device: DeviceConfig, worker: GpuWorker, twins: list[Twin]) -> None:
+        """Remember the control twins as reported (the prompt reports compare with them), and log each
+        property this GPU cannot read once, and again when it can."""
+        key = device.key
+        control = self._last_control.setdefault(key, {})
+        writable = set(control_twins(device))
+        for twin in twins:
+            if twin.name in writable:
+                control[twin.name] = (twin.observed_desired, twin.reported)
+        logged = self._unsupported_logged.setdefault(key, set())
+        for twin in twins:
+            if twin.reported == UNSUPPORTED_TWIN and twin.name not in logged and twin.name in worker.unsupported:
+                logged.add(twin.name)
+                log.warning(
+                    "device %s lists %s, which its GPU %s cannot read (NVML answers NotSupported): the twin "
+                    "reports %r until the GPU reads it",
+                    key,
+                    twin.name,
+                    worker.uuid,
+                    UNSUPPORTED_TWIN,
+                )
+            elif twin.name in logged and twin.reported != UNSUPPORTED_TWIN:
+                logged.discard(twin.name)
+                log.info("device %s: GPU %s reads %s again; its twin reports the value", key, worker.uuid, twin.name)

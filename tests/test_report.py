@@ -4,6 +4,7 @@ the DMI reporter behind it is tested in test_dmi_client.py and the whole path in
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ class Rig:
         end = self.clock.monotonic() + seconds
         while True:
             delay = self.reporter.report_due()
+            drain = getattr(self.sink, "drain", None)
+            if drain is not None and (wait := drain()) is not None:
+                delay = min(delay, max(wait, 0.01))
             if self.clock.monotonic() + delay > end:
                 self.clock.advance(max(0.0, end - self.clock.monotonic()))
                 return
@@ -113,18 +117,26 @@ async def bind_and_sample(rig: Rig) -> list[DeviceConfig]:
     return devices
 
 
-async def test_twins_go_out_once_per_report_cycle_and_states_once_per_state_cycle(rig: Rig) -> None:
+async def test_twins_go_out_once_per_report_cycle_at_phases_of_their_own_and_states_once_per_state_cycle(
+    rig: Rig,
+) -> None:
     await bind_and_sample(rig)
     start = rig.clock.monotonic()
-    rig.run_for(65.0)
+    rig.run_for(205.0)
+    firsts, state_firsts = [], []
     for key in ("default/gpu0", "default/gpu1"):
-        times = [t - start for t, k, _ in rig.sink.statuses if k == key]
-        assert times == pytest.approx([0.0, 20.0, 40.0, 60.0], abs=0.01), times
-        state_times = [t - start for t, k, _ in rig.sink.states if k == key]
-        assert state_times == pytest.approx([0.0, 60.0], abs=0.01), state_times
+        for got, cycle_s, seconds in ((rig.sink.statuses, 20.0, firsts), (rig.sink.states, 60.0, state_firsts)):
+            times = [t - start for t, k, *_ in got if k == key]
+            assert times[0] == pytest.approx(0.0, abs=0.01), "the first report at once"
+            assert cycle_s / 2 <= times[1] < cycle_s * 1.5, "the second between half a cycle and one and a half"
+            gaps = [b - a for a, b in itertools.pairwise(times[1:])]
+            assert gaps and gaps == pytest.approx([cycle_s] * len(gaps), abs=0.01), times
+            seconds.append(times[1])
+    assert abs(firsts[0] - firsts[1]) > 5.0, f"two Devices bound together report apart: {firsts}"
+    assert abs(state_firsts[0] - state_firsts[1]) > 15.0, f"and their states too: {state_firsts}"
     # The EventBus gets the same reports: twin/update and state/update per device, every twin a string.
     twin_updates = [d for _, topic, d in rig.published if topic == "$hw/events/device/default/gpu0/twin/update"]
-    assert len(twin_updates) == 4
+    assert len(twin_updates) == len([1 for _, k, _ in rig.sink.statuses if k == "default/gpu0"])
     assert twin_updates[0]["twin"]["power_limit"]["actual"]["value"] == "700"
     assert {t["metadata"]["type"] for t in twin_updates[0]["twin"].values()} == {"string"}
     _, _, twins = rig.sink.statuses[0]
@@ -166,17 +178,21 @@ async def test_a_state_change_is_reported_at_once_and_a_removed_device_reports_n
     assert len([1 for _, k, _ in rig.sink.statuses if k == "default/gpu1"]) == before
 
 
-async def test_a_reconnect_sends_every_device_again_at_once_without_moving_the_cycle(rig: Rig) -> None:
+async def test_a_reconnect_sends_every_device_again_on_eventbus_at_once_without_moving_the_cycle(rig: Rig) -> None:
     await bind_and_sample(rig)
     start = rig.clock.monotonic()
     rig.run_for(7.0)
+    dmi_before = len(rig.sink.statuses) + len(rig.sink.states)
     rig.reporter.resend_all()
     rig.run_for(0.5)
-    times = [round(t - start, 1) for t, k, _ in rig.sink.statuses if k == "default/gpu0"]
-    assert times == [0.0, 7.0]
-    rig.run_for(30.0)
-    times = [round(t - start, 1) for t, k, _ in rig.sink.statuses if k == "default/gpu0"]
-    assert times == [0.0, 7.0, 27.0]
+    topic = "$hw/events/device/default/gpu0/twin/update"
+    times = [round(t - start, 1) for t, k, _ in rig.published if k == topic]
+    assert times == [0.0, 7.0], "twins again at once on the EventBus"
+    assert [round(t - start, 1) for t, k, _ in rig.published if k.endswith("gpu0/state/update")] == [0.0, 7.0]
+    assert len(rig.sink.statuses) + len(rig.sink.states) == dmi_before, "the DMI path is not concerned"
+    rig.run_for(40.0)
+    times = [round(t - start, 1) for t, k, _ in rig.published if k == topic]
+    assert times == [0.0, 7.0, 10.0, 30.0], "the cycle kept its phase (0.5 of 20 s for the first Device)"
 
 
 async def test_device_twins_carry_observed_desired_for_writable_properties_and_hex_where_asked(rig: Rig) -> None:
@@ -194,3 +210,211 @@ async def test_device_twins_carry_observed_desired_for_writable_properties_and_h
     assert twins["power_limit"].observed_desired == "400" and twins["power_limit"].reported == "400"
     assert twins["clock_event_reasons"].reported.startswith("0x")
     assert twins["clock_event_reasons"].observed_desired == ""
+
+
+# --- prompt reports -------------------------------------------------------------------------------------------
+
+
+async def change_power_limit(rig: Rig, worker: GpuWorker, watts: str) -> None:
+    """A new desired power limit, applied in the GPU's next step (as a DMI UpdateDevice wakes it)."""
+    worker.desired.set("power_limit", watts, "cloud", rig.clock.wall_ms())
+    result = await worker.tick()
+    assert result.reconcile is not None and result.reconcile.acks, "the step applied it"
+    rig.reporter.after_step(worker, result)
+
+
+async def test_a_desired_value_applied_is_reported_at_once_on_both_paths_and_the_cycle_keeps_its_phase(
+    rig: Rig,
+) -> None:
+    devices = await bind_and_sample(rig)
+    start = rig.clock.monotonic()
+    rig.run_for(3.0)
+    worker = rig.workers[devices[0].uuid]
+    await change_power_limit(rig, worker, "400")
+    changed_at = rig.clock.monotonic()
+    rig.run_for(0.05)
+    prompt = [(t, twins) for t, k, twins in rig.sink.statuses if k == "default/gpu0" and t >= changed_at]
+    assert len(prompt) == 1 and prompt[0][0] - changed_at < 0.02
+    twins = prompt[0][1]
+    assert set(twins) == {"power_limit", "desired_status", "policy_state"}, "the affected twins only"
+    assert twins["power_limit"] == ("400", "400"), "observedDesired and reported"
+    assert "power_limit:applied" in twins["desired_status"][1]
+    updates = [d for t, topic, d in rig.published if topic.endswith("gpu0/twin/update") and t >= changed_at]
+    assert len(updates) == 1 and updates[0]["twin"]["power_limit"]["actual"]["value"] == "400"
+    assert not [1 for t, k, _ in rig.sink.statuses if k == "default/gpu1" and t >= changed_at]
+
+    # A step that changes nothing reports nothing; the periodic cycle kept its phase (0.5 of 20 s).
+    rig.reporter.after_step(worker, await worker.tick())
+    rig.run_for(40.0)
+    times = [round(t - start, 2) for t, k, _ in rig.sink.statuses if k == "default/gpu0"]
+    assert times == [0.0, round(changed_at - start, 2), 10.0, 30.0]
+    assert rig.reporter.counts["prompt"] == 1 and rig.reporter.counts["prompt_eventbus"] == 1
+
+
+async def test_changes_within_a_second_go_in_one_dmi_report_and_at_once_on_the_eventbus(rig: Rig) -> None:
+    devices = await bind_and_sample(rig)
+    rig.run_for(3.0)
+    worker = rig.workers[devices[0].uuid]
+    await change_power_limit(rig, worker, "400")
+    first_at = rig.clock.monotonic()
+    rig.run_for(0.3)
+    await change_power_limit(rig, worker, "350")
+    rig.run_for(0.3)
+    await change_power_limit(rig, worker, "300")
+    rig.run_for(1.5)
+    dmi = [
+        (round(t - first_at, 2), twins) for t, k, twins in rig.sink.statuses if k == "default/gpu0" and t >= first_at
+    ]
+    assert [t for t, _ in dmi] == [0.0, 1.0], "the second and third change coalesced, a second after the first"
+    assert dmi[0][1]["power_limit"] == ("400", "400") and dmi[1][1]["power_limit"] == ("300", "300")
+    bus = [
+        d["twin"]["power_limit"]["actual"]["value"]
+        for t, topic, d in rig.published
+        if topic.endswith("gpu0/twin/update") and t >= first_at
+    ]
+    assert bus == ["400", "350", "300"], "EventBus at once, every change"
+
+
+async def test_a_rejected_value_and_a_restore_are_reported_promptly(rig: Rig) -> None:
+    devices = await bind_and_sample(rig)
+    rig.run_for(3.0)
+    worker = rig.workers[devices[0].uuid]
+    worker.desired.set("power_limit", "5000", "cloud", rig.clock.wall_ms())  # above the H100's 700 W maximum
+    result = await worker.tick()
+    rig.reporter.after_step(worker, result)
+    at = rig.clock.monotonic()
+    rig.run_for(0.05)
+    twins = [tw for t, k, tw in rig.sink.statuses if k == "default/gpu0" and t >= at][-1]
+    assert "power_limit:rejected" in twins["desired_status"][1] and twins["power_limit"] == ("5000", "700")
+
+    rig.run_for(2.0)
+    await change_power_limit(rig, worker, "400")
+    rig.run_for(2.0)
+    worker.desired.sync_source("cloud", {}, rig.clock.wall_ms())  # the Device no longer asks: back to default
+    at = rig.clock.monotonic()
+    for _ in range(3):
+        rig.reporter.after_step(worker, await worker.tick())
+    rig.run_for(0.05)
+    twins = [tw for t, k, tw in rig.sink.statuses if k == "default/gpu0" and t >= at][-1]
+    assert twins["power_limit"][1] == "700", "the default restored and reported at once"
+
+
+async def test_eight_gpus_changed_in_the_same_second_all_report_within_it_inside_the_dmi_budget() -> None:
+    clock = FakeClock()
+    sim = SimNvml(8, "H100", seed=5, scenario="steady", clock=clock.monotonic)
+    backend = NvmlBackend(sim, clock=clock)
+    backend.init()
+    try:
+        workers = {
+            info.uuid: GpuWorker(
+                info=info,
+                backend=backend,
+                reconciler=Reconciler(backend, info.uuid, clock=clock),
+                policies=PolicyEngine(),
+                clock=clock,
+            )
+            for info in backend.list_gpus()
+        }
+        sink = BudgetSink(clock)
+        reporter = Reporter(workers, clock=clock, dmi=sink)
+        rig = Rig(clock, sim, workers, sink, [], reporter)  # type: ignore[arg-type]
+        await bind_and_sample(rig)
+        rig.run_for(120.0)  # at start-up every Device reports at once; by now they have spread over the cycle
+        changed_at = clock.monotonic()
+        for worker in workers.values():
+            await change_power_limit(rig, worker, "450")
+        rig.run_for(1.0)
+        prompt = [(t, k, tw) for t, k, tw in sink.statuses if t >= changed_at and "power_limit" in tw]
+        assert sorted(k for _, k, _ in prompt if tw_has(prompt, k, "450")) == sorted(
+            f"default/gpu{i}" for i in range(8)
+        )
+        assert max(t for t, _, _ in prompt) - changed_at <= 1.0, "every GPU's change within a second"
+        rig.run_for(60.0)
+        # The budget: never more RPCs than a 0.8/s bucket with a burst of 10 allows (EdgeCore allows 1/s, 100).
+        sent = sorted(t for t, _, _ in sink.statuses) + [t for t, _, _ in sink.states]
+        sent.sort()
+        for i, t in enumerate(sent):
+            in_window = [u for u in sent[: i + 1] if u > t - 10.0]
+            assert len(in_window) <= 10 + 0.8 * 10 + 1e-9, (t, len(in_window))
+        assert len(sent) / (clock.monotonic() - sent[0]) < 1.0
+    finally:
+        backend.shutdown()
+
+
+def tw_has(prompt: list[tuple[float, str, dict[str, tuple[str, str]]]], key: str, watts: str) -> bool:
+    return any(k == key and tw["power_limit"] == (watts, watts) for _, k, tw in prompt)
+
+
+@dataclass
+class BudgetSink(Sink):
+    """The DMI reporter's queue and token bucket (the real ``ReportScheduler`` and ``TokenBucket``, 0.8/s,
+    burst 10) on fake time: records each report when the budget lets it go, not when it is offered."""
+
+    def __post_init__(self) -> None:
+        from mapper.dmi.ratelimit import ReportScheduler, TokenBucket
+
+        self.scheduler = ReportScheduler(TokenBucket(self.clock, rate_per_s=0.8, burst=10))
+
+    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None:
+        self.scheduler.offer_status(namespace, name, twins)
+        self.drain()
+
+    def offer_state(self, namespace: str, name: str, state: str) -> None:
+        self.scheduler.offer_state(namespace, name, state)
+        self.drain()
+
+    def drain(self) -> float | None:
+        from mapper.dmi.ratelimit import StateReport
+
+        while (report := self.scheduler.pop_ready()) is not None:
+            now = self.clock.monotonic()
+            if isinstance(report, StateReport):
+                self.states.append((now, report.key, report.state))
+            else:
+                self.statuses.append(
+                    (now, report.key, {t.name: (t.observed_desired, t.reported) for t in report.twins})
+                )
+        return self.scheduler.wait_s()
+
+
+# --- unsupported properties ------------------------------------------------------------------------------------
+
+
+async def test_a_listed_property_the_gpu_cannot_read_reports_unsupported_logged_once_and_its_value_once_readable(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    import dataclasses
+
+    caplog.set_level("INFO", logger="mapper.report")
+    worker = next(iter(rig.workers.values()))
+    assert not rig.sim.gpu(worker.uuid).profile.has_fan, "the simulated H100 is passively cooled"
+    props = tuple(DeviceProperty(p, report_cycle_ms=20_000) for p in ("temperature", "fan_speed", "power_limit"))
+    device = DeviceConfig("default", "gpu0", "nvidia-gpu", worker.uuid, properties=props)
+    worker.bind(device)
+    rig.reporter.bound(device)
+    await worker.tick()
+    assert "fan_speed" in worker.unsupported and "fan_speed" not in worker.values
+    rig.run_for(45.0)
+    reports = [tw for _, k, tw in rig.sink.statuses if k == "default/gpu0"]
+    assert len(reports) >= 2
+    assert all(tw["fan_speed"] == ("", "unsupported") for tw in reports)
+    assert all(tw["temperature"][1].isdigit() for tw in reports)
+    warnings = [r for r in caplog.records if "fan_speed" in r.getMessage() and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "default/gpu0" in warnings[0].getMessage(), "one log line for many reports"
+    update = [d for _, topic, d in rig.published if topic.endswith("gpu0/twin/update")][-1]
+    assert update["twin"]["fan_speed"] == {
+        "actual": {"value": "unsupported"},
+        "metadata": {"type": "string", "reason": "not-supported-by-gpu"},
+    }
+    assert update["twin"]["temperature"]["metadata"] == {"type": "string"}
+
+    # A driver upgrade makes it readable: the backend asks again after its retry interval, the twin fills.
+    gpu = rig.sim.gpu(worker.uuid)
+    gpu.profile = dataclasses.replace(gpu.profile, has_fan=True)
+    rig.clock.advance(601.0)
+    await worker.tick()
+    assert "fan_speed" not in worker.unsupported and "fan_speed" in worker.values
+    rig.run_for(21.0)
+    last = [tw for _, k, tw in rig.sink.statuses if k == "default/gpu0"][-1]
+    assert last["fan_speed"][1].isdigit()
+    assert any("reads fan_speed again" in r.getMessage() for r in caplog.records)
