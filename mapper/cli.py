@@ -256,15 +256,17 @@ def _run(args: argparse.Namespace) -> int:
 
 def _discover(args: argparse.Namespace) -> int:
     from mapper.app import build_backend
-    from mapper.discover import device_yaml
+    from mapper.discover import device_yaml, probe_all
 
     settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
     backend = build_backend(settings, one_shot=True)
     try:
         gpus = backend.list_gpus()
+        unsupported = probe_all(backend, gpus)  # each property read once per GPU: what it cannot read is left out
     finally:
         backend.shutdown()
-    sys.stdout.write(device_yaml(gpus, settings.node_name, namespace=args.namespace, model=args.model))
+    text = device_yaml(gpus, settings.node_name, namespace=args.namespace, model=args.model, unsupported=unsupported)
+    sys.stdout.write(text)
     return 0
 
 

@@ -6,6 +6,11 @@ report cycle for the whole device (all twins of a device go to EdgeCore in one R
 one RPC per second for the whole node: 8 GPUs at 20 s each is 0.4 RPC/s, leaving room for state reports and
 other mappers). ``model_yaml`` writes the DeviceModel ``nvidia-gpu``; ``device-models/nvidia-gpu.yaml`` is its
 output, and a test fails when the two disagree.
+
+``probe`` reads every catalog property once on a GPU (one sample over the ``GpuBackend`` Protocol; nothing is
+written to the GPU) and names those it cannot read: NVML answers NotSupported (``fan_speed`` on a passively
+cooled card, ECC counters without ECC, ...). ``device_yaml`` leaves them out of that GPU's Device and says so in
+a YAML comment above it, so every twin a discovered Device lists gets a value.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from mapper.model import PROPERTIES, GpuInfo, PropertySpec
+from mapper.errors import MapperError
+from mapper.model import NVML_PROPERTIES, PROPERTIES, GpuBackend, GpuInfo, PropertySpec
 
 API_VERSION = "devices.kubeedge.io/v1beta1"
 PROTOCOL = "gpu"
@@ -36,6 +42,43 @@ MODEL_HEADER = (
     "# Regenerate with: .venv/bin/python device-models/generate.py\n"
     "# tests/test_device_models.py fails when this file and the catalog disagree.\n"
 )
+
+
+#: Why a GPU typically lacks a property, for the comment above its Device (else only "NVML answers NotSupported").
+_LACKS: Mapping[str, str] = {
+    "fan_speed": "no fan of its own (a passively cooled board)",
+    "temperature_memory": "no memory temperature sensor (GDDR memory)",
+    "ecc_errors_corrected": "no ECC memory, or ECC is off",
+    "ecc_errors_uncorrected": "no ECC memory, or ECC is off",
+    "remapped_rows_pending": "no row remapping (before Ampere, or GDDR memory)",
+    "remapped_rows_uncorrectable": "no row remapping (before Ampere, or GDDR memory)",
+}
+
+
+def probe(backend: GpuBackend, uuid: str) -> dict[str, str]:
+    """The catalog properties GPU ``uuid`` cannot read, each with why: read once, together; a property absent
+    from the sample without an error is one NVML answers NotSupported for. A property whose read failed
+    otherwise (an error, not NotSupported) is kept: it may read next time. Raises ``MapperError`` when the GPU
+    cannot be sampled at all."""
+    names = [p.name for p in NVML_PROPERTIES]
+    sample = backend.sample(uuid, names)
+    return {
+        name: "NVML answers NotSupported" + (f": {_LACKS[name]}" if name in _LACKS else "")
+        for name in names
+        if name not in sample.values and name not in sample.errors
+    }
+
+
+def probe_all(backend: GpuBackend, gpus: Iterable[GpuInfo]) -> dict[str, dict[str, str]]:
+    """``probe`` of every GPU, by UUID; a GPU that cannot be sampled keeps every property (and says why)."""
+    out: dict[str, dict[str, str]] = {}
+    for gpu in gpus:
+        try:
+            out[gpu.uuid] = probe(backend, gpu.uuid)
+        except MapperError as exc:
+            out[gpu.uuid] = {}
+            out.setdefault("", {})[gpu.uuid] = str(exc)
+    return out
 
 
 def device_name(node_name: str, index: int) -> str:
@@ -127,10 +170,13 @@ def device_yaml(
     report_cycle_ms: int = DEFAULT_REPORT_CYCLE_MS,
     state_report_cycle_ms: int = DEFAULT_STATE_REPORT_CYCLE_MS,
     desired: Mapping[str, Mapping[str, str]] | None = None,
+    unsupported: Mapping[str, Mapping[str, str]] | None = None,
 ) -> str:
     """Device YAML for ``kubectl apply``: one document per GPU, ordered by index.
 
-    ``desired`` maps a GPU UUID to its desired values (``{"power_limit": "450"}``)."""
+    ``desired`` maps a GPU UUID to its desired values (``{"power_limit": "450"}``). ``unsupported`` maps a GPU
+    UUID to the properties it cannot read, with why (``probe_all``): they are left out of its Device, and a
+    comment above it lists them. Under the key ``""``: GPUs that could not be probed, with the error."""
     gpu_list = sorted(gpus, key=lambda g: (g.index, g.uuid))
     seen: dict[str, str] = {}
     for g in gpu_list:
@@ -144,8 +190,12 @@ def device_yaml(
     unknown = set(desired) - set(seen)
     if unknown:
         raise ValueError(f"desired values for GPU(s) not listed: {', '.join(sorted(unknown))}")
-    docs = [
-        device_doc(
+    lacking = unsupported or {}
+    not_probed = lacking.get("", {})
+    parts: list[str] = []
+    for g in gpu_list:
+        left_out = {k: v for k, v in lacking.get(g.uuid, {}).items() if k not in desired.get(g.uuid, {})}
+        doc = device_doc(
             g,
             node_name,
             namespace=namespace,
@@ -153,15 +203,25 @@ def device_yaml(
             report_cycle_ms=report_cycle_ms,
             state_report_cycle_ms=state_report_cycle_ms,
             desired=desired.get(g.uuid),
+            properties=[p for p in PROPERTIES if p.name not in left_out],
         )
-        for g in gpu_list
-    ]
+        comment = ""
+        if left_out:
+            comment = (
+                f"# {doc['metadata']['name']} ({g.name}): left out, this GPU cannot read them "
+                "(probed once by gpu-mapper discover):\n"
+                + "".join(f"#   {name}: {why}\n" for name, why in left_out.items())
+                + "# Listed anyway, such a property reports the twin value 'unsupported' (docs/operations.md).\n"
+            )
+        elif g.uuid in not_probed:
+            comment = f"# {doc['metadata']['name']}: not probed, every property listed: {not_probed[g.uuid]}\n"
+        parts.append("---\n" + comment + _dump_all([doc]).removeprefix("---\n"))
     header = (
         f"# GPU Devices of node {node_name}, generated by gpu-mapper discover. Apply with kubectl apply -f.\n"
         f"# Each Device addresses its GPU by UUID (protocol.configData.uuid); the name's index is only a label.\n"
         f"# Needs the DeviceModel {model} (device-models/nvidia-gpu.yaml) in namespace {namespace}.\n"
     )
-    return header + _dump_all(docs)
+    return header + "".join(parts)
 
 
 def model_doc(*, namespace: str = "default", name: str = MODEL_NAME) -> dict[str, Any]:

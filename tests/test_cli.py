@@ -37,6 +37,9 @@ def test_discover_prints_one_valid_device_per_simulated_gpu():
         assert doc["spec"]["nodeName"] == "edge-7"
         assert doc["spec"]["protocol"]["protocolName"] == "gpu"
         assert_valid_kubeedge(doc, "discover")
+        # The simulated H100 has no fan: probed, left out, and the comment above the Device says so.
+        assert "fan_speed" not in [p["name"] for p in doc["spec"]["properties"]]
+    assert out.stdout.count("#   fan_speed: NVML answers NotSupported") == 2
 
 
 def test_bad_configuration_is_a_clear_error_not_a_traceback(tmp_path):

@@ -12,9 +12,11 @@ from mapper.discover import (
     DEFAULT_STATE_REPORT_CYCLE_MS,
     device_name,
     device_yaml,
+    probe_all,
 )
+from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import PROPERTIES, GpuInfo
+from mapper.model import NVML_PROPERTIES, PROPERTIES, GpuInfo
 from tests.test_device_models import assert_valid_kubeedge, needs_crds
 
 
@@ -168,3 +170,70 @@ def test_no_gpus_gives_only_the_header() -> None:
     text = device_yaml([], "edge1")
     assert docs(text) == []
     assert text.startswith("# GPU Devices of node edge1")
+
+
+# --- what a GPU lacks -----------------------------------------------------------------------------------------
+
+
+def probed(profile: str, count: int = 1) -> tuple[list[GpuInfo], dict[str, dict[str, str]], NvmlBackend]:
+    backend = NvmlBackend(SimNvml(count, profile, seed=0))
+    backend.init()
+    gpus = backend.list_gpus()
+    return gpus, probe_all(backend, gpus), backend
+
+
+def test_discover_on_a_gpu_without_a_fan_leaves_fan_speed_out_and_says_why_above_the_device() -> None:
+    gpus, unsupported, backend = probed("H100", 2)
+    try:
+        assert unsupported[gpus[0].uuid] == {
+            "fan_speed": "NVML answers NotSupported: no fan of its own (a passively cooled board)"
+        }
+        text = device_yaml(gpus, "edge1", unsupported=unsupported)
+        out = docs(text)
+        for d in out:
+            names = [p["name"] for p in d["spec"]["properties"]]
+            assert "fan_speed" not in names
+            assert names == [p.name for p in PROPERTIES if p.name != "fan_speed"]
+        # The comment sits above each Device, after its document marker, naming the device, property and why.
+        blocks = text.split("\n---\n")[1:]
+        assert len(blocks) == 2
+        for i, block in enumerate(blocks):
+            head = block.split("apiVersion:")[0]
+            assert head.startswith(f"# edge1-gpu{i} (NVIDIA H100 80GB HBM3): left out, this GPU cannot read them")
+            assert "#   fan_speed: NVML answers NotSupported: no fan of its own" in head
+        # Every property the discovered Device lists is one the GPU reads (so every twin gets a value).
+        listed_nvml = {p["name"] for p in out[0]["spec"]["properties"]} & {p.name for p in NVML_PROPERTIES}
+        sample = backend.sample(gpus[0].uuid, sorted(listed_nvml))
+        assert set(sample.values) == listed_nvml
+    finally:
+        backend.shutdown()
+
+
+@needs_crds
+def test_a_gddr_card_without_ecc_loses_its_ecc_and_row_remapping_counters_and_still_validates() -> None:
+    gpus, unsupported, backend = probed("RTX4080S")
+    backend.shutdown()
+    lacking = unsupported[gpus[0].uuid]
+    assert {"ecc_errors_corrected", "ecc_errors_uncorrected", "remapped_rows_pending"} <= set(lacking)
+    assert "fan_speed" not in lacking, "a workstation card with a fan keeps fan_speed"
+    d = docs(device_yaml(gpus, "edge1", unsupported=unsupported))[0]
+    assert not {p["name"] for p in d["spec"]["properties"]} & set(lacking)
+    assert_valid_kubeedge(d, "discover RTX4080S")
+
+
+def test_a_gpu_that_cannot_be_probed_keeps_every_property_and_says_so() -> None:
+    sim = SimNvml(2, "H100", seed=0)
+    backend = NvmlBackend(sim)
+    backend.init()
+    try:
+        gpus = backend.list_gpus()
+        sim.inject_gpu_lost(gpus[1].uuid)
+        unsupported = probe_all(backend, gpus)
+    finally:
+        backend.shutdown()
+    assert "lost" in unsupported[""][gpus[1].uuid].lower()
+    text = device_yaml(gpus, "edge1", unsupported=unsupported)
+    out = docs(text)
+    assert "fan_speed" not in {p["name"] for p in out[0]["spec"]["properties"]}
+    assert [p["name"] for p in out[1]["spec"]["properties"]] == [p.name for p in PROPERTIES]
+    assert "# edge1-gpu1: not probed, every property listed:" in text
