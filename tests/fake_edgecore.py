@@ -266,3 +266,48 @@ def pb_model(name: str = "nvidia-gpu", *, namespace: str = "default", props: dic
             ]
         ),
     )
+
+
+def pb_from_doc(doc: dict[str, Any]) -> Any:
+    """A Device as EdgeCore sends it, from a Device document as ``gpu-mapper discover`` writes it (its
+    properties with their own collect and report cycles, its state report settings, its configData)."""
+    spec = doc["spec"]
+    protocol_config = pb.ProtocolConfig(protocolName=spec["protocol"]["protocolName"])
+    for key, value in spec["protocol"].get("configData", {}).items():
+        protocol_config.configData.data[key].CopyFrom(any_of(value))
+    props = []
+    for p in spec["properties"]:
+        prop = pb.DeviceProperty(
+            name=p["name"],
+            collectCycle=p.get("collectCycle", 0),
+            reportCycle=p.get("reportCycle", 0),
+            reportToCloud=p.get("reportToCloud", False),
+        )
+        if "desired" in p:
+            prop.desired.CopyFrom(pb.TwinProperty(value=str(p["desired"]["value"])))
+        props.append(prop)
+    state = spec.get("stateReport") or doc.get("status") or {}
+    return pb.Device(
+        name=doc["metadata"]["name"],
+        namespace=doc["metadata"].get("namespace", "default"),
+        spec=pb.DeviceSpec(
+            deviceModelReference=spec["deviceModelRef"]["name"], protocol=protocol_config, properties=props
+        ),
+        status=pb.DeviceStatus(
+            reportToCloud=state.get("reportToCloud", False), reportCycle=state.get("reportCycle", 0)
+        ),
+    )
+
+
+def pb_model_from_doc(doc: dict[str, Any]) -> Any:
+    """The DeviceModel as EdgeCore sends it, from ``mapper.discover.model_doc``."""
+    return pb.DeviceModel(
+        name=doc["metadata"]["name"],
+        namespace=doc["metadata"].get("namespace", "default"),
+        spec=pb.DeviceModelSpec(
+            properties=[
+                pb.ModelProperty(name=p["name"], type=p["type"], accessMode=p["accessMode"], unit=p.get("unit", ""))
+                for p in doc["spec"]["properties"]
+            ]
+        ),
+    )
