@@ -219,7 +219,10 @@ class Reporter:
         events = result.decision.events if result.decision is not None else ()
         names = set()
         for twin in device_twins(worker, control_twins(device)):
-            if last.get(twin.name) != (twin.observed_desired, twin.reported):
+            before = last.get(twin.name)
+            # (A twin reported empty had no value yet, e.g. desired_status before the first reconcile: its
+            # first value is no change of control and goes out with the next periodic report.)
+            if before is not None and before != ("", "") and before != (twin.observed_desired, twin.reported):
                 names.add(twin.name)
         if not names and not acks and not events:
             return
