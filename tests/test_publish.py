@@ -29,6 +29,19 @@ async def until(cond: Callable[[], object], what: str, timeout_s: float = 10.0) 
         await asyncio.sleep(0.02)
 
 
+async def subscribed(listener: MqttSession, got: list[tuple[str, dict]]) -> None:
+    """Wait until the listener's subscription is live (its own probe comes back), then forget the probes."""
+    for i in range(200):
+        await listener.publish(f"gpu-mapper/probe/{i}", b"{}", qos=1, timeout_s=5)
+        deadline = asyncio.get_running_loop().time() + 0.1
+        while asyncio.get_running_loop().time() < deadline:
+            if any(t.startswith("gpu-mapper/probe/") for t, _ in got):
+                got[:] = [(t, d) for t, d in got if not t.startswith("gpu-mapper/probe/")]
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("the listener's subscription never came live")
+
+
 def ack(value: int, ts_ms: int) -> Ack:
     return Ack(
         uuid="GPU-1",
@@ -71,7 +84,14 @@ async def test_acks_and_events_are_published_at_once_and_kept_while_the_broker_i
     listener_session, got = listener
     clock = SystemClock()
     buf = Buffer(tmp_path / "buf.db", max_bytes=10_000_000, max_age_s=10**9, clock=clock)
-    shipper = TelemetryShipper(buf, session.publish, node="edge1", clock=clock, retry_s=0.2)
+    gate = asyncio.Event()  # replay waits for the listener to be subscribed again (it is a clean session)
+    gate.set()
+
+    async def gated(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        await asyncio.wait_for(gate.wait(), 30)
+        await session.publish(topic, payload, qos, retain, timeout_s)
+
+    shipper = TelemetryShipper(buf, gated, node="edge1", clock=clock, retry_s=0.2)
     session.add_on_connect(shipper.notify_connected)
     rounds: list[int] = []
     publisher = Publisher(
@@ -80,7 +100,7 @@ async def test_acks_and_events_are_published_at_once_and_kept_while_the_broker_i
     task = asyncio.create_task(shipper.run())
     try:
         assert await session.wait_connected(5)
-        await asyncio.sleep(0.2)  # the listener's SUBACK
+        await subscribed(listener_session, got)
         event = PolicyEvent(policy="thermal", action="engage", reason="95 C >= 90 C", uuid="GPU-1")
         publisher.publish_step("default/gpu0", "GPU-1", [ack(400, 1)], [event])
         await until(lambda: len(got) == 2, "the ack and the event")
@@ -91,6 +111,7 @@ async def test_acks_and_events_are_published_at_once_and_kept_while_the_broker_i
         assert publisher.policy_events == {("thermal", "engage"): 1}
         assert shipper.submitted_messages == 0 and rounds == [], "nothing kept while the broker is up"
 
+        gate.clear()
         mosquitto.stop()
         await until(lambda: not session.connected, "the session to notice the broker is gone")
         publisher.publish_step("default/gpu0", "GPU-1", [ack(350, 2), ack(300, 3)], [])
@@ -102,6 +123,8 @@ async def test_acks_and_events_are_published_at_once_and_kept_while_the_broker_i
         got.clear()
         mosquitto.start()
         await until(lambda: listener_session.connected and session.connected, "both sessions back")
+        await subscribed(listener_session, got)
+        gate.set()
         await until(lambda: len(got) >= 2, "the kept acks after the broker came back", timeout_s=20)
         desired = [d["desired"] for t, d in got if t.endswith("/desired/ack")]
         assert desired[:2] == ["350", "300"], "in the order they were made"
