@@ -61,6 +61,11 @@ WARMUP_CHANGES = 10
 #: Pause between changes: desired changes are rare events, not a stream (back-to-back changes within TCP's
 #: 40 ms delayed-ACK window would add the broker's Nagle stall on top, which isolated changes never see).
 PAUSE_MIN_S, PAUSE_MAX_S = 0.05, 0.15
+#: Pause between changes of the twin round trips: more than the one second a Device's prompt DMI reports are
+#: coalesced over, so each change is measured on its own (changes within a second share one report).
+TWIN_PAUSE_MIN_S, TWIN_PAUSE_MAX_S = 1.1, 1.6
+#: Report cycle of every Device: discover's default (20 s), so a twin that shows sooner was reported promptly.
+REPORT_CYCLE_MS = 20_000
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -163,27 +168,137 @@ class AckWaiter:
         self.client.disconnect()
 
 
+class TwinWaiter:
+    """A paho subscriber on gpu0's ``twin/update`` (standing in for EdgeCore); ``expect`` a power limit,
+    ``wait`` for the first twin update that reports it."""
+
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as paho
+
+        self._cond = threading.Condition()
+        self._expected: float | None = None
+        self._hit_at: float | None = None
+        self._subscribed = threading.Event()
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"twin-client-{os.getpid()}")
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *a: self._subscribed.set()
+        self.client.connect("127.0.0.1", port)
+        nodelay(self.client)
+        self.client.subscribe(f"$hw/events/device/{NAMESPACE}/{device_name(0)}/twin/update", qos=1)
+        self.client.loop_start()
+        if not self._subscribed.wait(10):
+            raise RuntimeError("no SUBACK for twin/update within 10 s")
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        now = time.perf_counter()
+        try:
+            value = json.loads(message.payload)["twin"]["power_limit"]["actual"]["value"]
+            watts = float(value)
+        except (ValueError, KeyError, TypeError):
+            return
+        with self._cond:
+            if self._expected is not None and self._hit_at is None and watts == self._expected:
+                self._hit_at = now
+                self._cond.notify_all()
+
+    def expect(self, value: float, version: int | None) -> None:
+        with self._cond:
+            self._expected = float(value)
+            self._hit_at = None
+
+    def wait(self, timeout_s: float) -> float | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._hit_at is not None, timeout=timeout_s)
+            return self._hit_at
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def live_client(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every live message of the 8 Devices for ``live_s`` seconds: [uuid, ts_ms, received (perf_counter)]; then
+    the baseline: the same broker hop alone (this client publishing QoS 0 messages of the same size to itself)."""
+    import paho.mqtt.client as paho
+
+    got: list[list[Any]] = []
+    hops: list[float] = []
+    sent: dict[str, float] = {}
+    sizes: list[int] = []
+    subscribed = threading.Event()
+
+    def on_message(client: Any, userdata: Any, message: Any) -> None:
+        now = time.perf_counter()
+        if message.topic.startswith("bench/hop/"):
+            t0 = sent.pop(message.topic, None)
+            if t0 is not None:
+                hops.append(now - t0)
+            return
+        doc = json.loads(message.payload)
+        got.append([doc["uuid"], doc["ts_ms"], now])
+        sizes.append(len(message.payload))
+
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"live-client-{os.getpid()}")
+    client.on_message = on_message
+    client.on_subscribe = lambda *a: subscribed.set()
+    client.connect("127.0.0.1", spec["port"])
+    nodelay(client)
+    client.subscribe([(f"gpu-mapper/{NODE}/{NAMESPACE}/+/live", 0), ("bench/hop/#", 0)])
+    client.loop_start()
+    try:
+        if not subscribed.wait(10):
+            raise RuntimeError("no SUBACK for the live topics within 10 s")
+        time.sleep(spec["live_s"])  # the measurement window itself (the messages come on paho's thread)
+        size = round(statistics.median(sizes)) if sizes else 300
+        rng = random.Random(spec["seed"])
+        for i in range(spec.get("hops", 300)):
+            topic = f"bench/hop/{i}"
+            sent[topic] = time.perf_counter()
+            client.publish(topic, b"x" * size, qos=0)
+            time.sleep(rng.uniform(0.005, 0.02))
+        time.sleep(0.5)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    return {"live": got, "live_baseline": hops, "live_bytes": sizes}
+
+
 def client_main(spec: dict[str, Any]) -> None:
-    """Runs in the client process; prints one JSON document: {variant: [latency_s or null, ...]}."""
+    """Runs in the client process; prints one JSON document: {variant: [latency_s or null, ...]} (for
+    ``dmi_twin``: [[value, sent (perf_counter)], ...], the twins being seen by the test EdgeCore in the other
+    process; for ``live``: see ``live_client``)."""
+    if spec["variants"] == ["live"]:
+        print(json.dumps(live_client(spec)))
+        return
     rng = random.Random(spec["seed"])
     waiter = AckWaiter(spec["port"], ack_topic())
-    results: dict[str, list[float | None]] = {}
+    twin_waiter = TwinWaiter(spec["port"]) if "eventbus_twin" in spec["variants"] else None
+    results: dict[str, list[Any]] = {}
     try:
         for variant in spec["variants"]:
             send = _sender(variant, spec)
-            latencies: list[float | None] = []
+            twin = variant.endswith("_twin")
+            wait_on: Any = twin_waiter if variant == "eventbus_twin" else waiter
+            latencies: list[Any] = []
             version = 0
+            changes = spec["twin_changes"] if twin else spec["changes"]
             try:
-                for i in range(spec["changes"] + WARMUP_CHANGES):
+                for i in range(changes + WARMUP_CHANGES):
                     value = VALUES_W[i % len(VALUES_W)]
                     version = max(int(time.time() * 1000), version + 1)  # the send time, strictly newer
-                    waiter.expect(value, version if variant == "eventbus" else None)
+                    wait_on.expect(value, version if variant == "eventbus" else None)
                     t0 = time.perf_counter()
                     send(value, version)
-                    hit = waiter.wait(5.0)
+                    hit = wait_on.wait(5.0)
                     if i >= WARMUP_CHANGES:
-                        latencies.append(None if hit is None else hit - t0)
-                    time.sleep(rng.uniform(PAUSE_MIN_S, PAUSE_MAX_S))
+                        if variant == "dmi_twin":
+                            latencies.append([value, t0])
+                        else:
+                            latencies.append(None if hit is None else hit - t0)
+                    if twin:
+                        time.sleep(rng.uniform(TWIN_PAUSE_MIN_S, TWIN_PAUSE_MAX_S))
+                    else:
+                        time.sleep(rng.uniform(PAUSE_MIN_S, PAUSE_MAX_S))
             finally:
                 close = getattr(send, "close", None)
                 if close is not None:
@@ -191,6 +306,8 @@ def client_main(spec: dict[str, Any]) -> None:
             results[variant] = latencies
     finally:
         waiter.close()
+        if twin_waiter is not None:
+            twin_waiter.close()
     print(json.dumps(results))
 
 
@@ -244,14 +361,15 @@ class _DmiSender:
 
 
 def _sender(variant: str, spec: dict[str, Any]) -> Any:
-    if variant == "eventbus":
+    if variant in ("eventbus", "eventbus_twin"):
         return _EventBusSender(spec["port"])
-    if variant in ("dmi", "dmi_new_channel"):
-        return _DmiSender(spec["socket"], spec["uuid"], new_channel=variant == "dmi_new_channel")
+    if variant in ("dmi", "dmi_new_channel", "dmi_twin"):
+        # EdgeCore dials a new connection for every call: the twin round trip includes it.
+        return _DmiSender(spec["socket"], spec["uuid"], new_channel=variant != "dmi")
     raise ValueError(f"unknown client variant {variant!r}")
 
 
-def run_client(spec: dict[str, Any], timeout_s: float) -> dict[str, list[float | None]]:
+def run_client(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, __file__, "--client", json.dumps(spec)],
         capture_output=True,
@@ -261,7 +379,7 @@ def run_client(spec: dict[str, Any], timeout_s: float) -> dict[str, list[float |
     )
     if proc.returncode != 0:
         raise RuntimeError(f"client process failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    result: dict[str, list[float | None]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -276,7 +394,10 @@ def dmi_device(index: int, uuid: str, power_limit: str) -> Any:
 
     props: dict[str, str | None] = {p.name: None for p in NVML_PROPERTIES}
     props["power_limit"] = power_limit
-    return pb_device(device_name(index), uuid, properties=props, cycle_ms=COLLECT_CYCLE_MS)
+    device = pb_device(device_name(index), uuid, properties=props, cycle_ms=COLLECT_CYCLE_MS)
+    for prop in device.spec.properties:
+        prop.reportCycle = REPORT_CYCLE_MS  # discover's default: a twin seen sooner was reported promptly
+    return device
 
 
 def dmi_model() -> Any:
@@ -432,14 +553,20 @@ async def eventbus_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> tu
         if args.mapper_nodelay:
             mapper_nodelay(app)
         await wait_until(lambda: all_at(sim, DESIRED_W), 10, "450 W on every GPU from the devices folder")
-        spec = {"port": broker.port, "variants": ["eventbus"], "changes": args.changes, "seed": args.seed}
-        raw = await asyncio.to_thread(run_client, spec, 300)
+        spec = {
+            "port": broker.port,
+            "variants": ["eventbus", "eventbus_twin"],
+            "changes": args.changes,
+            "twin_changes": args.twin_changes,
+            "seed": args.seed,
+        }
+        raw = await asyncio.to_thread(run_client, spec, 600)
         # Back to 450 W from the edge too, then the reload series.
         gpu0 = app.workers[sim.gpus[0].uuid]
         gpu0.desired.set("power_limit", str(DESIRED_W), "edge", int(time.time() * 1000) + 10_000)
         gpu0.wake()
         reload = await measure_reloads(app, sim, args.reloads, random.Random(args.seed))
-    return {"eventbus": raw["eventbus"]}, reload
+    return {"eventbus": raw["eventbus"], "eventbus_twin": raw["eventbus_twin"]}, reload
 
 
 async def dmi_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -469,18 +596,87 @@ async def dmi_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[st
                 await wait_until(lambda: all_at(sim, DESIRED_W), 10, "450 W on every GPU from EdgeCore")
                 spec = {
                     "port": broker.port,
-                    "variants": ["dmi", "dmi_new_channel"],
+                    "variants": ["dmi", "dmi_new_channel", "dmi_twin"],
                     "changes": args.changes,
+                    "twin_changes": args.twin_changes,
                     "seed": args.seed + 1,
                     "socket": settings.socket,
                     "uuid": sim.gpus[0].uuid,
                 }
-                raw = await asyncio.to_thread(run_client, spec, 300)
+                raw = await asyncio.to_thread(run_client, spec, 600)
+                await asyncio.sleep(2.5)  # the last twin's report (well within; a missing one counts as a timeout)
         finally:
             await edge.stop()
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
+    raw["dmi_twin"] = dmi_twin_latencies(edge, raw["dmi_twin"])
     return raw
+
+
+def dmi_twin_latencies(edge: Any, sent: list[list[float]]) -> list[float | None]:
+    """Per change (value, sent at): the first ReportDeviceStatus of gpu0 the test EdgeCore accepted after it whose
+    power_limit twin has the value as both observedDesired and reported, minus the send (both on
+    CLOCK_MONOTONIC: the client's perf_counter and the EdgeCore's time.monotonic, two processes, one clock)."""
+    reports = []
+    for request, at in zip(edge.rec.statuses, edge.rec.status_times, strict=True):
+        if request.deviceName != device_name(0):
+            continue
+        for twin in request.reportedDevice.twins:
+            if twin.propertyName == "power_limit":
+                reports.append((at, twin.observedDesired.value, twin.reported.value))
+    out: list[float | None] = []
+    for value, t0 in sent:
+        hit = None
+        for at, observed, reported in reports:
+            if at >= t0 and float(observed or "nan") == value and float(reported or "nan") == value:
+                hit = at - t0
+                break
+        out.append(hit if hit is not None and hit < 5.0 else None)
+    return out
+
+
+async def live_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Standalone with ``telemetry.live`` on: each sample's live message, from the end of its NVML read (the
+    collector's round, timed in this process) to the subscriber in the client process."""
+    from mapper.config import MqttSettings
+    from tests.apphelpers import running_app
+
+    sim = new_sim()
+    folder = tmp / "live-devices"
+    write_devices_folder(folder, [(g.index, g.uuid) for g in sim.gpus])
+    settings = base_settings(
+        tmp / "live-data", devices_dir=str(folder), mqtt=MqttSettings(url=broker.url), telemetry_live=True
+    )
+    read_at: dict[tuple[str, int], float] = {}
+    async with running_app(settings, sim) as app:
+        await wait_until(lambda: app.session is not None and app.session.connected, 10, "MQTT connected")
+        backend = app.backend
+        sample_many = backend.sample_many
+
+        def timed(_backend: Any, requests: Any, events: bool = False) -> Any:
+            got = sample_many(requests, events)
+            done = time.perf_counter()
+            for outcome in got.samples:
+                if hasattr(outcome, "ts_ms"):
+                    read_at[(outcome.uuid, outcome.ts_ms)] = done
+            return got
+
+        timed.__name__ = "sample_many"  # call_async runs the backend's own public methods on its NVML thread
+        backend.sample_many = timed.__get__(backend)
+        spec = {"port": broker.port, "variants": ["live"], "live_s": args.live_s, "seed": args.seed + 2}
+        raw = await asyncio.to_thread(run_client, spec, 120)
+    latencies = [t_recv - read_at[(u, ts)] for u, ts, t_recv in raw["live"] if (u, ts) in read_at]
+    expected = args.live_s * GPUS / (COLLECT_CYCLE_MS / 1000)
+    return {
+        "live": {
+            "messages": len(raw["live"]),
+            "matched_to_a_read": len(latencies),
+            "messages_vs_samples_expected": round(len(raw["live"]) / expected, 3),
+            "bytes_median": round(statistics.median(raw["live_bytes"])) if raw["live_bytes"] else 0,
+            **(summary_ms(latencies) if latencies else {}),
+        },
+        "live_baseline_broker_hop": summary_ms(raw["live_baseline"]) if raw["live_baseline"] else {},
+    }
 
 
 def series_figures(raw: list[float | None]) -> dict[str, Any]:
@@ -503,6 +699,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         eb_raw, reload = await eventbus_phase(tmp, broker, args)
         dmi_raw = await dmi_phase(tmp, broker, args)
+        live = await live_phase(tmp, broker, args)
         wall_s = time.perf_counter() - t0
     finally:
         broker.stop()
@@ -517,16 +714,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_set_power_limit": baseline,
         **{name: figures for name, figures in series.items()},
         "reload": reload,
+        **live,
         "broker_config": args.broker_config,
         "mapper_nodelay": args.mapper_nodelay,
         "wall_s": round(wall_s, 1),
         "python": platform.python_version(),
     }
     base_p50 = baseline["p50_ms"]
-    for figures in series.values():
-        if "p99_ms" in figures:
+    for name, figures in series.items():
+        if "p99_ms" in figures and not name.endswith("_twin"):
             figures["p50_vs_baseline"] = round(figures["p50_ms"] / base_p50, 1)
             figures["p99_target_met"] = figures["p99_ms"] < 20.0 and figures["timeouts"] == 0
+        elif "p99_ms" in figures:
+            # The twin round trip (change sent -> the twin with the new value seen by EdgeCore): under 2 s with
+            # 20 s report cycles; the ack latency of the same path is its baseline.
+            ack = series[name.removesuffix("_twin") if name == "eventbus_twin" else "dmi_new_channel"]
+            figures["report_cycle_ms"] = REPORT_CYCLE_MS
+            figures["p50_vs_ack_p50"] = round(figures["p50_ms"] / ack["p50_ms"], 1) if "p50_ms" in ack else None
+            figures["target_met"] = figures["p99_ms"] < 2000.0 and figures["timeouts"] == 0
     if args.keep:
         result["kept"] = str(tmp)
     return result
@@ -537,6 +742,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer driver reloads (200 changes per path still)")
     parser.add_argument("--changes", type=int, default=None, help="measured changes per path (default 300)")
     parser.add_argument("--reloads", type=int, default=None, help="driver reloads (default 10, 4 with --quick)")
+    parser.add_argument(
+        "--twin-changes", type=int, default=None, help="twin round trips per path, 1.1-1.6 s apart (default 60, 20)"
+    )
+    parser.add_argument("--live-s", type=float, default=None, help="seconds of live samples (default 30, 10)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, databases)")
     parser.add_argument("--broker-config", default="", help="extra mosquitto.conf lines (e.g. 'set_tcp_nodelay true')")
@@ -552,6 +761,8 @@ def main() -> None:
         return
     args.changes = args.changes if args.changes is not None else (200 if args.quick else 300)
     args.reloads = args.reloads if args.reloads is not None else (4 if args.quick else 10)
+    args.twin_changes = args.twin_changes if args.twin_changes is not None else (20 if args.quick else 60)
+    args.live_s = args.live_s if args.live_s is not None else (10.0 if args.quick else 30.0)
     if args.changes < 1 or args.reloads < 1:
         parser.error("--changes and --reloads must be at least 1")
     result = asyncio.run(main_async(args))

@@ -30,7 +30,7 @@ from mapper.errors import ConfigError, MapperError, PermanentError, TransientErr
 from mapper.eventbus import DELTA_FILTER, membership_topic
 from mapper.gpu.nvml import NvmlBackend
 from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
-from mapper.model import DeviceConfig, GpuInfo
+from mapper.model import DeviceConfig, GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.publish import Publisher
@@ -132,6 +132,7 @@ class MapperApp:
             on_round=self._store_round_batches,
             beat=self._beat,
             observe=self._observe_round,
+            on_sample=self._live if settings.telemetry_live else None,
         )
         self.publisher = Publisher(
             self.node, None, clock=self.clock, qos=settings.mqtt.qos, before_keep=self._store_round_batches
@@ -378,6 +379,10 @@ class MapperApp:
     # ==============================================================================================
     def _observe_round(self, duration_s: float) -> None:
         self._collect_hist = self._collect_hist.observe(duration_s)
+
+    def _live(self, worker: GpuWorker, sample: Sample) -> None:
+        if worker.device is not None:
+            self.publisher.publish_live(worker.device.key, sample)
 
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
         if result.sample is not None and self.shipper is not None:

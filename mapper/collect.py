@@ -454,6 +454,7 @@ class Collector:
         on_round: Callable[[], None] | None = None,
         beat: Callable[[str, float], None] | None = None,
         observe: Callable[[float], None] | None = None,
+        on_sample: Callable[[GpuWorker, Sample], None] | None = None,
     ) -> None:
         self.workers = workers
         self.backend = backend
@@ -463,6 +464,8 @@ class Collector:
         self.beat = beat
         #: Called with the wall duration (s) of each round that sampled a GPU.
         self.observe = observe
+        #: Called with each GPU's sample right after the round's NVML read, before the steps (the live topic).
+        self.on_sample = on_sample
         #: Set by a GPU's ``wake`` (wire it to ``GpuWorker.notify``): the collector runs at once.
         self.wake = asyncio.Event()
         #: Failed steps by reason (``gpu-lost``, ``error``).
@@ -522,6 +525,14 @@ class Collector:
                 err = TransientError(f"the NVML sampling round failed: {exc!r}", retry_after_s=5.0)
                 got = _FailedRound([err] * len(requests), [], err)
             samples = {uuid: outcome for (uuid, _), outcome in zip(requests, got.samples, strict=True)}
+            if self.on_sample is not None:
+                for worker in due:
+                    outcome = samples.get(worker.uuid)
+                    if isinstance(outcome, Sample):
+                        try:
+                            self.on_sample(worker, outcome)
+                        except Exception:  # a bug in publishing a live value must not cost the round
+                            log.exception("handing the sample of GPU %s on failed", worker.uuid)
             events = got.events
             if got.events_error is not None:
                 log.debug("polling NVML events failed: %s", got.events_error)

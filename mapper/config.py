@@ -120,6 +120,10 @@ class Settings:
     state_report_cycle_ms: int = 60_000
     telemetry_window_s: float = 10.0
     telemetry_format: str = "binary"
+    #: Publish each sample at once on ``gpu-mapper/{node}/{namespace}/{name}/live`` (QoS 0, not retained, never
+    #: buffered) for edge applications that act on it. Off by default: it costs a publish per sample and GPU
+    #: whether anyone listens or not, and the batches carry the same values.
+    telemetry_live: bool = False
     buffer_max_bytes: int = 256 * 1024**2
     buffer_max_age_s: float = 7 * 86400.0
     replay_rate_bytes_per_s: int | None = None
@@ -178,6 +182,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "state_report_cycle_ms": ("defaults.stateReportCycle", "ms"),
     "telemetry_window_s": ("telemetry.window", "duration"),
     "telemetry_format": ("telemetry.format", "str"),
+    "telemetry_live": ("telemetry.live", "bool"),
     "buffer_max_bytes": ("buffer.maxBytes", "size"),
     "buffer_max_age_s": ("buffer.maxAge", "duration"),
     "replay_rate_bytes_per_s": ("buffer.replayRateLimit", "size"),

@@ -8,8 +8,10 @@
   that publish fails) they are stored in the telemetry buffer (``TelemetryShipper.submit_message``) and sent in
   order with the telemetry when it is back. They record what the mapper did on its own, which the cloud must
   learn even after hours offline;
-* ``publish_soon``: EventBus twins and states, the status topic and the live topic. Never buffered (each is
-  sent again, current, on reconnect; an old one replayed later would only mislead), never blocking.
+* ``publish_soon``: EventBus twins and states and the status topic. Never buffered (each is sent again,
+  current, on reconnect; an old one replayed later would only mislead), never blocking;
+* ``publish_live``: one sample as compact JSON on ``gpu-mapper/{node}/{namespace}/{name}/live`` (QoS 0, not
+  retained, never buffered: a live value is worth nothing later), when ``telemetry.live`` is on.
 
 Pure loop logic over Protocols: it sees an MQTT session (``Link``) and the shipper, never paho.
 """
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 
 from mapper.clock import Clock
 from mapper.errors import MapperError
+from mapper.model import Sample
 from mapper.policy import PolicyEvent
 from mapper.reconcile import Ack, ack_to_json
 from mapper.shipper import TelemetryShipper
@@ -32,6 +35,22 @@ log = logging.getLogger("mapper.publish")
 
 #: How long a fire-and-forget publish or an ack waits for its PUBACK.
 PUBLISH_TIMEOUT_S = 5.0
+
+
+def live_topic(node: str, device_key: str) -> str:
+    """``gpu-mapper/{node}/{namespace}/{name}/live``."""
+    return f"gpu-mapper/{node}/{device_key}/live"
+
+
+def live_payload(sample: Sample) -> bytes:
+    """One sample as compact JSON: ``{"ts_ms": <read time>, "uuid": ..., "values": {property: value}}``, values
+    in catalog units as JSON numbers, booleans and strings (only what this sample read)."""
+    return json.dumps(
+        {"ts_ms": sample.ts_ms, "uuid": sample.uuid, "values": sample.values},
+        separators=(",", ":"),
+        ensure_ascii=True,
+        allow_nan=False,
+    ).encode()
 
 
 class Link(Protocol):
@@ -152,6 +171,18 @@ class Publisher:
                 log.debug("publish to %s failed: %s", topic, exc)
 
         self._background(send())
+
+    def publish_live(self, device_key: str, sample: Sample) -> None:
+        """One sample on the Device's live topic: QoS 0, not retained, dropped while the broker is down."""
+        session = self.session
+        if session is None or not session.connected:
+            return
+        try:
+            payload = live_payload(sample)
+        except ValueError as exc:  # a value JSON cannot carry (NaN): that sample is not sent live
+            log.debug("live sample of %s not sent: %s", device_key, exc)
+            return
+        self.publish_soon(live_topic(self.node, device_key), payload, qos=0)
 
     async def publish_offline(self, timeout_s: float = 2.0) -> None:
         """The retained ``offline`` status at shutdown (the last will covers a crash)."""

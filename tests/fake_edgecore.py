@@ -76,6 +76,8 @@ class EdgeBucket:
 class Recorded:
     registers: list[Any] = field(default_factory=list)
     statuses: list[Any] = field(default_factory=list)
+    #: When each of ``statuses`` was accepted (``now()``; time.monotonic by default, CLOCK_MONOTONIC on Linux).
+    status_times: list[float] = field(default_factory=list)
     states: list[Any] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
@@ -132,6 +134,7 @@ class _Manager(pb_grpc.DeviceManagerServiceServicer):
         if not request.deviceNamespace:
             self.edge.rec.twin_rejections.append(f"{request.deviceName}: empty namespace misses the device")
         self.edge.rec.statuses.append(request)
+        self.edge.rec.status_times.append(self.edge.now())
         return pb.ReportDeviceStatusResponse()
 
     async def ReportDeviceStates(self, request: Any, context: Any) -> Any:
