@@ -23,6 +23,7 @@ from mapper.binding import Bindings, unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
 from mapper.collect import Collector, GpuWorker, TickResult
+from mapper.compact import CompactionSettings, Compactor
 from mapper.config import Settings, read_file
 from mapper.datadir import prepare_data_dir
 from mapper.devicefiles import watch_folder
@@ -110,6 +111,7 @@ class MapperApp:
         self.buffer: Buffer | None = None
         self.store: DesiredStore | None = None
         self.shipper: TelemetryShipper | None = None
+        self.compactor: Compactor | None = None
         self.sessions = MqttSessions(settings.mqtt.client_id or f"gpu-mapper-{settings.node_name}")
         self.session: MqttSession | None = None
         self.dmi_client: DmiClient | None = None
@@ -190,6 +192,20 @@ class MapperApp:
         )
         self.publisher.shipper = self.shipper
         self.reporter.device_state = self.shipper.update_state
+        if self.settings.buffer_compact_after_s > 0:
+            try:
+                compaction = CompactionSettings(
+                    min_age_s=self.settings.buffer_compact_after_s, slot_s=self.settings.buffer_compact_slot_s
+                )
+            except ValueError as exc:
+                raise ConfigError(f"buffer: {exc}") from None
+            self.compactor = Compactor(
+                self.buffer,
+                self.clock,
+                compaction,
+                busy=self.shipper.busy_ids,
+                on_compacted=self.shipper.note_compacted,
+            )
         if self.session is not None:
             self.session.add_on_connect(self._on_mqtt_connect)
             if self.settings.eventbus_enabled:
@@ -286,6 +302,8 @@ class MapperApp:
         if self.session is not None:
             # Without a broker the batches only accumulate in the buffer, bounded by its caps.
             self._spawn("shipper", self._run_shipper())
+        if self.compactor is not None:
+            self._spawn("compactor", self.compactor.run())
         self._spawn("housekeeping", self._housekeeping_loop())
         if self.dmi_client is not None and self.dmi_reporter is not None:
             self._spawn("dmi-client", self.dmi_client.run())
@@ -335,6 +353,8 @@ class MapperApp:
 
     async def shutdown(self) -> None:
         log.info("shutting down")
+        if self.compactor is not None:
+            self.compactor.stop()
         if self.dmi_reporter is not None:
             self.dmi_reporter.stop()
         if self.dmi_client is not None:

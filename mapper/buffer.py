@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.sqlitefiles import move_aside
-from mapper.telemetry import BatchFormatError, decode_batch
+from mapper.telemetry import MERGED_FORMAT_VERSION, BatchFormatError, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,22 @@ def _peek(payload: bytes, ts_last_ms: int) -> tuple[int, int]:
     except (BatchFormatError, ValueError):
         return -1, ts_last_ms
     return decoded.seq, decoded.ts_first_ms
+
+
+#: The version byte of a merged batch (mapper.telemetry.MERGED_FORMAT_VERSION).
+MERGED_VERSION = bytes((MERGED_FORMAT_VERSION,))
+
+
+@dataclass(frozen=True)
+class CompactionRow:
+    """What compaction needs of a stored batch without reading its payload."""
+
+    id: int
+    stream: int
+    ts_last_ms: int
+    size: int
+    #: A merged batch already (format version 3).
+    merged: bool
 
 
 @dataclass(frozen=True)
@@ -684,6 +700,84 @@ class Buffer:
 
     def forget_latest(self, device: str) -> None:
         self._run(lambda conn: conn.execute("DELETE FROM latest WHERE device = ?", (device,)))
+
+    # ------------------------------------------------------------------------------------------ compaction
+
+    def compaction_rows(self, *, before_ms: int, after_id: int = 0, limit: int = 20000) -> list[CompactionRow]:
+        """Telemetry batches a compaction may merge, oldest id first: binary batches (not status messages, not
+        JSON) whose last sample is before ``before_ms``, with id > ``after_id``; at most ``limit``. Reads no
+        payload beyond its first two bytes."""
+
+        def select(conn: sqlite3.Connection) -> list[CompactionRow]:
+            rows = conn.execute(
+                "SELECT b.id, b.stream, b.ts_last_rel_ms, length(b.payload), substr(b.payload, 1, 2) "
+                "FROM batches b JOIN streams s ON s.id = b.stream "
+                "WHERE b.id > ? AND b.ts_last_rel_ms < ? AND s.boot_id != '' ORDER BY b.id LIMIT ?",
+                (after_id, before_ms - self._epoch_ms, limit),
+            ).fetchall()
+            epoch = self._epoch_ms
+            return [
+                CompactionRow(int(r[0]), int(r[1]), int(r[2]) + epoch, int(r[3]), bytes(r[4])[1:2] == MERGED_VERSION)
+                for r in rows
+                if bytes(r[4])[:1] == b"G"
+            ]
+
+        return self._run(select)
+
+    def payloads(self, ids: Sequence[int]) -> dict[int, bytes]:
+        """The payloads of the rows with these ids that still exist."""
+
+        def select(conn: sqlite3.Connection) -> dict[int, bytes]:
+            marks = ",".join("?" * len(ids))
+            rows = conn.execute(f"SELECT id, payload FROM batches WHERE id IN ({marks})", tuple(ids)).fetchall()
+            return {int(r[0]): bytes(r[1]) for r in rows}
+
+        return self._run(select) if ids else {}
+
+    def replace(self, originals: Mapping[int, bytes], payload: bytes, ts_last_ms: int) -> bool:
+        """Compaction's one transaction: the rows ``originals`` (id -> the payload that was merged; at least two,
+        one stream) become ONE row, the first id, holding ``payload`` (the merged batch) with ``ts_last_ms``; the
+        others are deleted. Nothing changes and False is returned when any of them is gone or holds another
+        payload by now (acked, dropped, replaced) or they are not of one stream. A crash at any point leaves
+        either every original or the merged row (SQLite commits the transaction whole)."""
+        ids = sorted(originals)
+        if len(ids) < 2:
+            raise ValueError("replace needs at least two rows")
+
+        def write(conn: sqlite3.Connection) -> tuple[bool, int]:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                marks = ",".join("?" * len(ids))
+                rows = conn.execute(
+                    f"SELECT id, stream, payload FROM batches WHERE id IN ({marks})", tuple(ids)
+                ).fetchall()
+                if (
+                    len(rows) != len(ids)
+                    or len({int(r[1]) for r in rows}) != 1
+                    or any(bytes(r[2]) != originals[int(r[0])] for r in rows)
+                ):
+                    conn.execute("ROLLBACK")
+                    return False, 0
+                conn.execute(
+                    "UPDATE batches SET payload = ?, ts_last_rel_ms = ? WHERE id = ?",
+                    (payload, ts_last_ms - self._epoch_ms, ids[0]),
+                )
+                conn.execute(f"DELETE FROM batches WHERE id IN ({','.join('?' * (len(ids) - 1))})", tuple(ids[1:]))
+                conn.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+            before = sum(len(p) + ROW_OVERHEAD_BYTES for p in originals.values())
+            return True, before - (len(payload) + ROW_OVERHEAD_BYTES)
+
+        try:
+            done, saved = self._run(write)
+        except sqlite3.OperationalError as exc:
+            raise TransientError(f"buffer {self.path}: cannot store a merged batch: {exc}") from None
+        if done:
+            self._batches -= len(ids) - 1
+            self._bytes -= saved
+        return done
 
     # ------------------------------------------------------------------------------------------ reads
 

@@ -127,6 +127,10 @@ class Settings:
     buffer_max_bytes: int = 256 * 1024**2
     buffer_max_age_s: float = 7 * 86400.0
     replay_rate_bytes_per_s: int | None = None
+    #: Backlog compaction (mapper.compact): waiting batches merged per stream into ``buffer_compact_slot_s``
+    #: batches once ``buffer_compact_after_s`` old; 0 = off.
+    buffer_compact_after_s: float = 60.0
+    buffer_compact_slot_s: float = 600.0
     #: DMI rate budget shared by every report of this mapper (EdgeCore allows 1/s, burst 100, node-wide).
     dmi_rate_per_s: float = 0.8
     dmi_burst: int = 10
@@ -186,6 +190,8 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "buffer_max_bytes": ("buffer.maxBytes", "size"),
     "buffer_max_age_s": ("buffer.maxAge", "duration"),
     "replay_rate_bytes_per_s": ("buffer.replayRateLimit", "size"),
+    "buffer_compact_after_s": ("buffer.compactAfter", "duration"),
+    "buffer_compact_slot_s": ("buffer.compactSlot", "duration"),
     "dmi_rate_per_s": ("dmi.ratePerSecond", "float"),
     "dmi_burst": ("dmi.burst", "int"),
     "clamp": ("reconcile.clamp", "bool"),

@@ -171,6 +171,7 @@ class TelemetryShipper:
         self._states_due: set[str] = {""}
         self._dirty_states: set[str] = set()
         self._cursor: int | None = None
+        self._page: set[int] = set()
         self._closing = False
         self._next_send_at = 0.0
         # counters
@@ -277,6 +278,18 @@ class TelemetryShipper:
         self._dirty_states.add(device)
         self._wake.set()
 
+    def busy_ids(self) -> set[int]:
+        """Buffer rows this shipper holds a copy of and may still publish and ack: those in flight and those of
+        the page it is going through. Compaction must not rewrite them (an ack would delete the merged row)."""
+        return self._page | self._in_flight.keys()
+
+    def note_compacted(self, rows_removed: int) -> None:
+        """Compaction merged rows (``rows_removed`` fewer now): a replay's progress counts them as not sent
+        rather than done, so its percentage and ETA stay true."""
+        if self._replay_active and rows_removed > 0:
+            self._replay_total = max(self._replay_total - rows_removed, 0)
+        self._wake.set()
+
     def notify_connected(self, address: str = "") -> None:
         """A broker (re)connected: send it the state snapshots, then resume its backlog. Wire it to
         ``MqttSession.add_on_connect``."""
@@ -299,15 +312,19 @@ class TelemetryShipper:
             if self._dirty_states and "" not in self._blocked:
                 await self._send_states(all_devices=False)
             rows = self.buffer.pending(self.page_size, self._cursor)
+            # Rows read but not handled yet: the shipper holds their payloads, so compaction leaves them alone.
+            self._page = {row.id for row in rows}
             sent_any = False
             for row in rows:
                 self._cursor = row.id
                 if self._closing:
                     break
                 if row.id in self._in_flight:
+                    self._page.discard(row.id)
                     continue
                 if row.address in self._blocked:
                     self._block(row.address, row.id)
+                    self._page.discard(row.id)
                     continue
                 await self._throttle(len(row.payload) + len(row.topic))
                 await self._slots.acquire()
@@ -315,11 +332,14 @@ class TelemetryShipper:
                     self._slots.release()
                     if row.address in self._blocked:
                         self._block(row.address, row.id)
+                    self._page.discard(row.id)
                     continue
                 task = asyncio.ensure_future(self._send(row))
                 self._in_flight[row.id] = task
+                self._page.discard(row.id)
                 sent_any = True
                 self._log_progress()
+            self._page = set()
             idle = not rows or (not sent_any and len(rows) < self.page_size)
             if idle:
                 self._log_progress(idle=True)

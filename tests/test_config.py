@@ -95,3 +95,14 @@ def test_odd_config_values_are_refused_naming_the_key(tmp_path, text, needle):
     path.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_settings(str(path), env={})
+
+
+def test_compaction_is_on_by_default_and_set_or_turned_off_in_the_buffer_section(tmp_path):
+    assert (load_settings(None, env={}).buffer_compact_after_s, load_settings(None, env={}).buffer_compact_slot_s) == (
+        60.0,
+        600.0,
+    )
+    s = load_settings(write(tmp_path, "buffer: {compactAfter: 5m, compactSlot: 30m}\n"), env={})
+    assert (s.buffer_compact_after_s, s.buffer_compact_slot_s) == (300.0, 1800.0)
+    off = load_settings(None, env={"GPU_MAPPER_BUFFER_COMPACT_AFTER_S": "0s"})
+    assert off.buffer_compact_after_s == 0

@@ -1,0 +1,273 @@
+"""Backlog compaction: batches waiting in the buffer are merged, per stream and in order, into larger batches.
+
+Pure loop logic over a Protocol (``CompactableBuffer``, which ``mapper.buffer.Buffer`` implements): it never
+sees SQLite. Live telemetry is not touched: a batch becomes a candidate only once its last sample is
+``min_age_s`` old, which it never is while the broker is up (it is published within a second). Then:
+
+* A stream's candidates are grouped by **slot**: the ``slot_s``-long interval (10 minutes by default, aligned
+  to the epoch) that holds a batch's last sample, and only consecutive rows of the stream (in id order) form a
+  group. A group is merged once its slot is over (with ``min_age_s`` more, so every batch of it is a
+  candidate), or earlier when it holds ``partial_after`` batches that were not merged yet (a merged batch may
+  be merged again with the batches after it). So each slot costs one or two merges, whatever the backlog.
+* A merge decodes the group, makes one merged batch (``mapper.telemetry.merge_batches``, format version 3:
+  the concatenation of the originals, keeping each one's seq as a part) and hands it to
+  ``CompactableBuffer.replace``: ONE transaction in which the first row takes the merged payload and the others
+  are deleted, refused when any of them changed meanwhile (acked, dropped). A merge that would not save bytes
+  is not stored, so compaction never grows the buffer.
+* Rows the shipper may still publish and ack from a copy it holds (its current page, those in flight) are
+  left alone (``busy``): an ack of a stale copy would delete the merged row.
+* ``run`` works in the background within ``cpu_fraction`` of one core: the decoding and encoding of a merge
+  runs in a worker thread, and after each merge the loop sleeps long enough that the merge's CPU time is at
+  most that fraction of the time passed. ``compact_all`` does every merge due now at once (the
+  ``gpu-mapper buffer compact`` command, benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mapper.clock import Clock
+from mapper.errors import MapperError
+from mapper.telemetry import BatchCodec, BatchFormatError, decode_batch, merge_batches
+
+log = logging.getLogger(__name__)
+
+
+class CompactionRowLike(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def stream(self) -> int: ...
+    @property
+    def ts_last_ms(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def merged(self) -> bool: ...
+
+
+class CompactableBuffer(Protocol):
+    """What compaction needs from ``mapper.buffer.Buffer``."""
+
+    def compaction_rows(
+        self, *, before_ms: int, after_id: int = 0, limit: int = 20000
+    ) -> Sequence[CompactionRowLike]: ...
+    def payloads(self, ids: Sequence[int]) -> Mapping[int, bytes]: ...
+    def replace(self, originals: Mapping[int, bytes], payload: bytes, ts_last_ms: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class CompactionSettings:
+    #: A batch is a candidate once its last sample is this old.
+    min_age_s: float = 60.0
+    #: The slot (and so the longest span) of a merged batch.
+    slot_s: float = 600.0
+    #: Merge a slot before it is over once it holds this many batches not merged yet.
+    partial_after: int = 30
+    #: At most this fraction of one core, averaged over each merge and the pause after it (``run``).
+    cpu_fraction: float = 0.05
+    #: How often ``run`` looks for work when there was none.
+    interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.min_age_s >= 0:
+            raise ValueError(f"compaction min_age_s must be >= 0, got {self.min_age_s}")
+        if not self.slot_s > 0:
+            raise ValueError(f"compaction slot_s must be > 0, got {self.slot_s}")
+        if self.partial_after < 2:
+            raise ValueError(f"compaction partial_after must be >= 2, got {self.partial_after}")
+        if not 0 < self.cpu_fraction <= 1:
+            raise ValueError(f"compaction cpu_fraction must be in (0, 1], got {self.cpu_fraction}")
+        if not self.interval_s > 0:
+            raise ValueError(f"compaction interval_s must be > 0, got {self.interval_s}")
+
+
+@dataclass
+class CompactionStats:
+    merges: int = 0
+    #: Rows the merges removed (a merge of n rows removes n - 1).
+    rows_removed: int = 0
+    bytes_saved: int = 0
+    #: Merges not stored: a row changed meanwhile, or the merged batch was not smaller.
+    merges_skipped: int = 0
+    #: Groups that could not be decoded or merged (logged; their rows are left as they are).
+    failures: int = 0
+    cpu_s: float = 0.0
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
+class _Merged:
+    originals: dict[int, bytes]
+    payload: bytes | None
+    ts_last_ms: int
+    cpu_s: float
+    error: str = ""
+
+
+class Compactor:
+    """Merges waiting batches of a ``CompactableBuffer`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        buffer: CompactableBuffer,
+        clock: Clock,
+        settings: CompactionSettings | None = None,
+        *,
+        busy: Callable[[], Collection[int]] | None = None,
+        on_compacted: Callable[[int], None] | None = None,
+        codec: BatchCodec | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        self.buffer = buffer
+        self.clock = clock
+        self.settings = settings or CompactionSettings()
+        self._busy = busy or (lambda: ())
+        self._on_compacted = on_compacted
+        self._codec = codec or BatchCodec()
+        self._sleep = sleep or asyncio.sleep
+        self._stopping = False
+        #: Rows at or below this id need no more merging (their slots are over and hold one row each).
+        self._done_through = 0
+        self.stats = CompactionStats()
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def due_groups(self) -> list[list[CompactionRowLike]]:
+        """The groups to merge now, oldest first (each at least two consecutive rows of one stream and slot)."""
+        st = self.settings
+        now = self.clock.wall_ms()
+        min_age_ms = round(st.min_age_s * 1000)
+        slot_ms = max(1, round(st.slot_s * 1000))
+        rows = self.buffer.compaction_rows(before_ms=now - min_age_ms, after_id=self._done_through)
+        runs: dict[int, list[list[CompactionRowLike]]] = {}
+        for row in rows:
+            stream_runs = runs.setdefault(row.stream, [])
+            if stream_runs and stream_runs[-1][-1].ts_last_ms // slot_ms == row.ts_last_ms // slot_ms:
+                stream_runs[-1].append(row)
+            else:
+                stream_runs.append([row])
+        busy = set(self._busy())
+        due: list[list[CompactionRowLike]] = []
+        unfinished: list[int] = []
+        for stream_runs in runs.values():
+            for group in stream_runs:
+                closed = (group[0].ts_last_ms // slot_ms + 1) * slot_ms + min_age_ms <= now
+                if closed and len(group) == 1:
+                    continue  # finished: nothing more will join it
+                unfinished.append(group[0].id)
+                if len(group) < 2 or any(r.id in busy for r in group):
+                    continue
+                if closed or sum(1 for r in group if not r.merged) >= st.partial_after:
+                    due.append(group)
+        # Rows before the first unfinished group are done: every later batch of their slots was a candidate.
+        # (A batch stamped before older ones, after a clock step back, may so stay unmerged; nothing is lost.)
+        if rows:
+            self._done_through = max(self._done_through, min(unfinished) - 1 if unfinished else rows[-1].id)
+        due.sort(key=lambda g: g[0].id)
+        return due
+
+    # ------------------------------------------------------------------------------------------ merging
+
+    def _merge(self, originals: dict[int, bytes]) -> _Merged:
+        """Decode and merge (pure CPU; runs in a worker thread from ``run``)."""
+        t0 = time.thread_time()
+        try:
+            decoded = [decode_batch(originals[i], self._codec) for i in sorted(originals)]
+            merged = merge_batches(decoded, self._codec)
+        except (BatchFormatError, ValueError) as exc:
+            return _Merged(originals, None, 0, time.thread_time() - t0, str(exc))
+        return _Merged(originals, merged.payload, merged.ts_last_ms, time.thread_time() - t0)
+
+    def _originals(self, group: Sequence[CompactionRowLike]) -> dict[int, bytes]:
+        ids = [r.id for r in group]
+        found = self.buffer.payloads(ids)
+        return dict(found) if len(found) == len(ids) else {}
+
+    def _store(self, m: _Merged) -> bool:
+        """Hand a merge to the buffer (on the caller's thread: the buffer's). True when it was stored."""
+        st = self.stats
+        st.cpu_s += m.cpu_s
+        if m.payload is None:
+            st.failures += 1
+            st.last_error = m.error
+            log.warning("compaction: rows %s not merged: %s", sorted(m.originals), m.error)
+            return False
+        before = sum(len(p) for p in m.originals.values())
+        if len(m.payload) >= before:
+            st.merges_skipped += 1
+            return False
+        if not self.buffer.replace(m.originals, m.payload, m.ts_last_ms):
+            st.merges_skipped += 1
+            return False
+        removed = len(m.originals) - 1
+        st.merges += 1
+        st.rows_removed += removed
+        st.bytes_saved += before - len(m.payload)
+        if self._on_compacted is not None:
+            self._on_compacted(removed)
+        return True
+
+    def compact_all(self, max_merges: int | None = None) -> CompactionStats:
+        """Every merge due now, one after the other, on this thread (no CPU budget); the running totals."""
+        done = 0
+        while max_merges is None or done < max_merges:
+            groups = self.due_groups()
+            if not groups:
+                break
+            progressed = False
+            for group in groups:
+                if max_merges is not None and done >= max_merges:
+                    break
+                originals = self._originals(group)
+                if originals and self._store(self._merge(originals)):
+                    progressed = True
+                done += 1
+            if not progressed:
+                break
+        return self.stats
+
+    async def run(self) -> None:
+        """Merge in the background until ``stop``: CPU work in a worker thread, within ``cpu_fraction``."""
+        st = self.settings
+        while not self._stopping:
+            try:
+                groups = self.due_groups()
+            except MapperError as exc:
+                log.warning("compaction: cannot read the buffer: %s", exc)
+                groups = []
+            for group in groups:
+                if self._stopping:
+                    break
+                if any(r.id in set(self._busy()) for r in group):
+                    continue
+                try:
+                    originals = self._originals(group)
+                    if not originals:
+                        continue
+                    started = time.monotonic()
+                    merged = await asyncio.to_thread(self._merge, originals)
+                    if any(i in set(self._busy()) for i in originals):
+                        self.stats.merges_skipped += 1
+                        continue
+                    self._store(merged)
+                except MapperError as exc:
+                    log.warning("compaction: merge not stored: %s", exc)
+                    self.stats.failures += 1
+                    self.stats.last_error = str(exc)
+                    continue
+                # Within the budget: this merge's CPU time over the time since it started and the pause after.
+                elapsed = time.monotonic() - started
+                pause = merged.cpu_s / st.cpu_fraction - elapsed
+                if pause > 0:
+                    await self._sleep(pause)
+            if not groups and not self._stopping:
+                await self._sleep(st.interval_s)
+
+    def stop(self) -> None:
+        self._stopping = True

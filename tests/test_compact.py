@@ -1,0 +1,237 @@
+"""Backlog compaction on a real SQLite buffer: what is merged, when, in order, and what the bounds do."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from mapper.buffer import Buffer
+from mapper.clock import FakeClock
+from mapper.compact import CompactionSettings, Compactor
+from mapper.model import Sample
+from mapper.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch, default_topic
+
+NODE = "edge-1"
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+#: On a 600 s slot boundary.
+ALIGNED = 1_780_000_200_000
+
+
+def _batches(
+    clock: FakeClock, device: str, seconds: int, *, boot_id: str = "0badf00d", start_seq: int = 0
+) -> list[EncodedBatch]:
+    """Ten-second batches of one GPU sampled every second from the clock's wall time (which it advances)."""
+    enc = BatchEncoder(NODE, device, UUID, boot_id, 10.0, start_seq)
+    out = []
+    for i in range(seconds):
+        ts = clock.wall_ms()
+        batch = enc.flush_due(ts)
+        if batch is not None:
+            out.append(batch)
+        enc.add(Sample(UUID, ts, {"power_usage": 100.0 + (i * 37 % 11) / 4, "temperature": 60 + i // 60}))
+        clock.advance(1.0)
+    last = enc.flush()
+    assert last is not None
+    return [*out, last]
+
+
+def _store(buf: Buffer, batches: list[EncodedBatch], topic: str | None = None) -> list[int]:
+    return [
+        buf.put(
+            device=b.device,
+            uuid=b.uuid,
+            boot_id=b.boot_id,
+            seq=b.seq,
+            ts_first_ms=b.ts_first_ms,
+            ts_last_ms=b.ts_last_ms,
+            topic=topic or default_topic(NODE, b.device),
+            payload=b.payload,
+        )
+        for b in batches
+    ]
+
+
+def _open(tmp_path: Path, clock: FakeClock, **kw: float) -> Buffer:
+    return Buffer(
+        tmp_path / "buffer.db",
+        max_bytes=int(kw.get("max_bytes", 10**9)),
+        max_age_s=kw.get("max_age_s", 10**6),
+        clock=clock,
+    )
+
+
+def _all_samples(buf: Buffer) -> list[tuple[str, int, dict[str, object]]]:
+    out = []
+    for row in buf.pending(10**6):
+        b = decode_batch(row.payload)
+        out += [(b.device, s.ts_ms, dict(s.values)) for s in b.samples]
+    return out
+
+
+def _parts(buf: Buffer) -> list[list[int]]:
+    return [list(decode_batch(r.payload).seqs) for r in buf.pending(10**6)]
+
+
+def test_closed_slots_merge_into_one_batch_each_in_order_and_nothing_changes(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED + 200_000)  # 200 s into a 600 s slot
+    buf = _open(tmp_path, clock)
+    batches = _batches(clock, "default/gpu0", 1800)  # 30 min: 180 batches
+    _store(buf, batches)
+    before = _all_samples(buf)
+    bytes_before = buf.stats().bytes
+    clock.advance(120)
+    stats = Compactor(buf, clock).compact_all()
+    rows = buf.pending(10**6)
+    # Slots: [0, 600) holds 40 batches (200 s .. 600 s), then 60, 60 and 21 (the last 10 s in the next slot):
+    # every slot but the current one (its batches younger than 60 s are no candidates) is one row now.
+    seqs = _parts(buf)
+    assert [len(s) for s in seqs][:3] == [40, 60, 60]
+    assert [s for part in seqs for s in part] == [b.seq for b in batches], "every batch once, in order"
+    assert _all_samples(buf) == before, "the same samples in the same order"
+    assert stats.merges == 3 + (1 if len(rows) == 4 else 0)
+    assert buf.stats().batches == len(rows) and buf.stats().bytes < bytes_before / 2
+    assert all(decode_batch(r.payload).ts_last_ms == r.ts_last_ms for r in rows)
+    # Nothing left to do: a second pass merges nothing.
+    assert Compactor(buf, clock).compact_all().merges == 0
+
+
+def test_a_slot_that_is_not_over_merges_only_once_it_holds_enough_batches(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED + 200_000)
+    buf = _open(tmp_path, clock)
+    settings = CompactionSettings(min_age_s=60, slot_s=600, partial_after=30)
+    first = _batches(clock, "default/gpu0", 250)  # 26 batches, the slot still open
+    _store(buf, first)
+    clock.advance(61)
+    assert Compactor(buf, clock, settings).compact_all().merges == 0
+    second = _batches(clock, "default/gpu0", 100, start_seq=len(first))
+    _store(buf, second)
+    clock.advance(61)
+    Compactor(buf, clock, settings).compact_all()
+    seqs = _parts(buf)
+    assert len(seqs[0]) >= 30 and seqs[0] == list(range(len(seqs[0])))
+    assert [s for part in seqs for s in part] == [b.seq for b in first + second]
+
+
+def test_streams_devices_boots_and_status_messages_never_mix(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    t0 = clock.now_s
+    a = _batches(clock, "default/gpu0", 300)
+    clock.now_s = t0
+    b = _batches(clock, "default/gpu1", 300)
+    clock.now_s = t0
+    c = _batches(clock, "default/gpu0", 300, boot_id="11112222")
+    for i in range(len(a)):
+        _store(buf, [a[i]])
+        _store(buf, [b[i]])
+        _store(buf, [c[i]])
+        if i % 5 == 0:
+            buf.put(
+                device="default/gpu0",
+                uuid=UUID,
+                boot_id="",
+                seq=-1,
+                ts_first_ms=a[i].ts_first_ms,
+                ts_last_ms=a[i].ts_last_ms,
+                topic="gpu-mapper/edge-1/default/gpu0/events",
+                payload=b'{"event":"x"}',
+            )
+    clock.advance(700)
+    Compactor(buf, clock).compact_all()
+    rows = buf.pending(10**6)
+    kinds = {}
+    for r in rows:
+        if r.payload.startswith(b"{"):
+            kinds.setdefault("message", 0)
+            kinds["message"] += 1
+            continue
+        d = decode_batch(r.payload)
+        assert (d.device, d.boot_id) == (r.device, r.boot_id)
+        kinds[(d.device, d.boot_id)] = kinds.get((d.device, d.boot_id), 0) + 1
+    assert kinds == {
+        "message": 6,
+        ("default/gpu0", "0badf00d"): 1,
+        ("default/gpu1", "0badf00d"): 1,
+        ("default/gpu0", "11112222"): 1,
+    }
+
+
+def test_busy_rows_are_left_alone_and_a_row_acked_meanwhile_voids_the_merge(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    ids = _store(buf, _batches(clock, "default/gpu0", 120))
+    clock.advance(700)
+    busy = {ids[3]}
+    comp = Compactor(buf, clock, busy=lambda: busy)
+    assert comp.compact_all().merges == 0
+    busy.clear()
+    groups = comp.due_groups()
+    assert [r.id for r in groups[0]] == ids
+    originals = buf.payloads(ids)
+    buf.ack(ids[5])  # the shipper's PUBACK comes first
+    merged = comp._merge(dict(originals))
+    assert comp._store(merged) is False and comp.stats.merges_skipped == 1
+    assert len(buf.pending(100)) == len(ids) - 1
+    assert comp.compact_all().merges == 1 and len(buf.pending(100)) == 1
+
+
+def test_bounds_hold_with_compaction_running(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock, max_bytes=40_000, max_age_s=3600)
+    comp = Compactor(buf, clock, CompactionSettings(min_age_s=30, slot_s=300))
+    for _ in range(12):  # 12 x 10 min; compaction after each
+        _store(buf, _batches(clock, "default/gpu0", 600))
+        comp.compact_all()
+        stats = buf.stats()
+        assert stats.bytes <= 40_000
+        cutoff = clock.wall_ms() - 3600 * 1000
+        assert all(r.ts_last_ms >= cutoff for r in buf.pending(10**6)), "no batch past the age bound"
+        # The buffer's own count agrees with the file.
+        assert stats.batches == len(buf.pending(10**6))
+    assert comp.stats.merges > 0 and sum(buf.stats().drops_by_reason.values()) > 0
+
+
+def test_the_background_loop_keeps_to_its_cpu_budget_and_stops(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    _store(buf, _batches(clock, "default/gpu0", 1800))
+    clock.advance(700)
+    pauses: list[float] = []
+    comp: Compactor
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+        if comp.stats.merges >= 3:
+            comp.stop()
+        await asyncio.sleep(0)
+
+    comp = Compactor(buf, clock, CompactionSettings(cpu_fraction=0.02), sleep=sleep)
+
+    async def main() -> None:
+        await asyncio.wait_for(comp.run(), timeout=60)
+
+    asyncio.run(main())
+    assert comp.stats.merges == 3
+    # Each pause is at least the merge's CPU time x 49 (2 % of a core) less the merge's own wall time.
+    assert sum(pauses) >= comp.stats.cpu_s * 30
+
+
+@pytest.mark.parametrize("bad", [{"min_age_s": -1}, {"slot_s": 0}, {"partial_after": 1}, {"cpu_fraction": 0}])
+def test_bad_settings_are_refused_by_name(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        CompactionSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_a_merged_row_is_one_part_per_original(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    batches = _batches(clock, "default/gpu0", 95)
+    _store(buf, batches)
+    clock.advance(700)
+    Compactor(buf, clock).compact_all()
+    (row,) = buf.pending(10)
+    d = decode_batch(row.payload)
+    assert d.parts[0] == BatchPart(0, 10, UUID) and d.parts[1].uuid == ""
+    assert [p.seq for p in d.parts] == [b.seq for b in batches]
