@@ -1,4 +1,4 @@
-"""Command line: ``gpu-mapper run | discover | model | decode | status``.
+"""Command line: ``gpu-mapper run | discover | model | decode | status | buffer``.
 
 argv + environment + config file -> Settings; logging; ``asyncio.run(app.run(settings))``.
 """
@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     dec = sub.add_parser("decode", help="turn telemetry batches into JSON lines")
     dec.add_argument("file", nargs="?", default="-", help="a file of batches, or - for standard input")
 
+    from mapper.buffertool import add_parser as add_buffer_parser
+
+    add_buffer_parser(sub)
+
     st = sub.add_parser("status", help="show this node's GPUs and the buffer backlog")
     st.add_argument("--url", help="the running mapper's HTTP address (default http://127.0.0.1:9410)")
     st.add_argument("--data-dir", help="read the last snapshot from the data directory instead")
@@ -189,6 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
         if args.command == "status":
             return _status(args)
+        if args.command == "buffer":
+            from mapper import buffertool
+
+            return buffertool.main(args)
     except ConfigError as exc:
         print(f"gpu-mapper: configuration error: {exc}", file=sys.stderr)
         return 2

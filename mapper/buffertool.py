@@ -1,0 +1,444 @@
+"""``gpu-mapper buffer stats|export|compact|vacuum``: the operator's tool for the telemetry buffer file.
+
+Built on sqlite-utils (the design card's choice for operator-side SQLite work). The running mapper never
+imports this module: its hot path keeps the stdlib ``sqlite3`` (``mapper.buffer``).
+
+* ``stats`` and ``export`` read the file in ONE read transaction (a consistent snapshot) through SQLite's WAL:
+  on the live file of a running mapper they block none of its writes. They say when the file is in use.
+* ``compact`` and ``vacuum`` write: they refuse a file another process has open (the running mapper compacts
+  its own file; rewriting rows under its shipper could delete a merged row with a stale ack, and VACUUM would
+  stop its writes). Run them on a copy, or with the mapper stopped.
+* ``export`` writes JSON lines, CSV (``ts_ms,device,property,value``, what ``benchmarks/buffer.py --input``
+  reads) or OpenMetrics text that ``promtool tsdb create-blocks-from openmetrics`` accepts (the way to backfill
+  a Prometheus with a backlog older than its out-of-order window). A progress bar goes to stderr when it is a
+  terminal (or with ``--progress``).
+
+"In use" is read from SQLite's own locks: every connection to a WAL database holds a shared lock on byte 128 of
+its ``-shm`` file while it is open; ``fcntl(F_GETLK)`` asks who holds it without taking it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fcntl
+import json
+import math
+import os
+import re
+import sqlite3
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
+from mapper.clock import SystemClock
+from mapper.compact import CompactionSettings, Compactor
+from mapper.errors import MapperError
+from mapper.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
+
+if TYPE_CHECKING:
+    import sqlite_utils
+
+#: The byte of the ``-shm`` file every open connection of a WAL database holds a shared lock on (SQLite's unix
+#: VFS: the "dead man switch", after the 8 WAL-index locks that start at byte 120).
+_SHM_DMS_BYTE = 128
+FORMATS = ("jsonl", "csv", "openmetrics")
+
+
+class BufferToolError(MapperError):
+    """A bad file or option; the message says which."""
+
+
+def in_use_by(path: Path) -> int | None:
+    """The pid of another process that has the SQLite file open (WAL mode), or None. 0 when one has it open but
+    its pid is not known."""
+    shm = Path(str(path) + "-shm")
+    try:
+        fd = os.open(shm, os.O_RDONLY)
+    except OSError:
+        return None  # no -shm: nobody has it open in WAL mode
+    try:
+        query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, _SHM_DMS_BYTE, 1, 0)
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, query + b"\0" * 4)
+        l_type, _, _, _, pid = struct.unpack("hhqqi", answer[: struct.calcsize("hhqqi")])
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    if l_type == fcntl.F_UNLCK:
+        return None
+    return pid
+
+
+def _open_ro(path: Path) -> sqlite_utils.Database:
+    import sqlite_utils  # the CLI's parser imports this module; sqlite-utils only when a command runs
+
+    if not path.exists():
+        raise BufferToolError(f"buffer file {path} does not exist")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    db = sqlite_utils.Database(conn)
+    try:
+        tables = set(db.table_names())
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise BufferToolError(f"{path} is not a readable SQLite file: {exc}") from None
+    if not {"batches", "streams", "meta"} <= tables:
+        conn.close()
+        raise BufferToolError(f"{path} is not a gpu-mapper telemetry buffer (tables: {sorted(tables)})")
+    version = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if version is None or int(version[0]) != 3:
+        conn.close()
+        raise BufferToolError(f"{path}: buffer schema {version and version[0]} is not 3 (open it with the mapper once)")
+    return db
+
+
+def _say_in_use(path: Path, err: IO[str], *, writing: bool) -> None:
+    pid = in_use_by(path)
+    if pid is None:
+        return
+    who = f"process {pid}" if pid else "another process"
+    if writing:
+        raise BufferToolError(
+            f"{path} is in use by {who} (a running mapper?): compact and vacuum need it to themselves; stop the "
+            "mapper or work on a copy (a running mapper compacts its own buffer)"
+        )
+    err.write(f"note: {path} is in use by {who}; reading a consistent snapshot through the WAL (not blocking it)\n")
+
+
+@dataclass
+class _StreamStats:
+    device: str
+    boot_id: str
+    topic: str
+    rows: int = 0
+    batches: int = 0
+    samples: int = 0
+    values: int = 0
+    bytes: int = 0
+    oldest_ms: int | None = None
+    newest_ms: int | None = None
+    undecodable: int = 0
+
+
+def _rows(db: sqlite_utils.Database) -> Iterator[tuple[int, dict[str, Any], bytes]]:
+    streams = {int(r["id"]): r for r in db["streams"].rows}
+    for row in db.query("SELECT id, stream, payload FROM batches ORDER BY id"):
+        yield int(row["id"]), streams[int(row["stream"])], bytes(row["payload"])
+
+
+def stats(path: Path, out: IO[str], err: IO[str], *, as_json: bool = False) -> int:
+    """Per stream: rows, batches held (a merged row holds several), samples, values, bytes, oldest and newest
+    sample, and the compaction ratio (batches per row)."""
+    _say_in_use(path, err, writing=False)
+    db = _open_ro(path)
+    codec = BatchCodec()
+    per: dict[int, _StreamStats] = {}
+    try:
+        db.execute("BEGIN")
+        for _, stream, payload in _rows(db):
+            key = int(stream["id"])
+            st = per.get(key)
+            if st is None:
+                st = per[key] = _StreamStats(stream["device"], stream["boot_id"], stream["topic"])
+            st.rows += 1
+            st.bytes += len(payload) + ROW_OVERHEAD_BYTES
+            if not stream["boot_id"]:  # a status message
+                st.batches += 1
+                continue
+            try:
+                b = decode_batch(payload, codec)
+            except BatchFormatError:
+                st.undecodable += 1
+                continue
+            st.batches += len(b.parts) or 1
+            st.samples += len(b.samples)
+            st.values += sum(len(s.values) for s in b.samples)
+            st.oldest_ms = b.ts_first_ms if st.oldest_ms is None else min(st.oldest_ms, b.ts_first_ms)
+            st.newest_ms = b.ts_last_ms if st.newest_ms is None else max(st.newest_ms, b.ts_last_ms)
+        db.execute("COMMIT")
+    finally:
+        db.conn.close()
+    file_bytes = sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+    docs: list[dict[str, Any]] = [
+        {
+            "device": s.device,
+            "boot_id": s.boot_id,
+            "topic": s.topic,
+            "rows": s.rows,
+            "batches": s.batches,
+            "samples": s.samples,
+            "values": s.values,
+            "bytes": s.bytes,
+            "bytes_per_value": round(s.bytes / s.values, 3) if s.values else None,
+            "oldest_ms": s.oldest_ms,
+            "newest_ms": s.newest_ms,
+            "compaction_ratio": round(s.batches / s.rows, 2) if s.rows else None,
+            "undecodable": s.undecodable,
+        }
+        for s in per.values()
+    ]
+    if as_json:
+        out.write(json.dumps({"file": str(path), "file_bytes": file_bytes, "streams": docs}) + "\n")
+        return 0
+    out.write(f"{path}: {file_bytes} bytes on disk, {sum(s.rows for s in per.values())} rows\n")
+    head = ("device", "boot id", "topic", "rows", "batches", "ratio", "values", "B/value", "oldest", "newest")
+    lines: list[tuple[str, ...]] = [head]
+    for d in docs:
+        lines.append(
+            (
+                str(d["device"]),
+                str(d["boot_id"] or "(messages)"),
+                str(d["topic"]),
+                str(d["rows"]),
+                str(d["batches"]),
+                f"{d['compaction_ratio']}x",
+                str(d["values"]),
+                str(d["bytes_per_value"]),
+                _iso(d["oldest_ms"]),
+                _iso(d["newest_ms"]),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        out.write("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() + "\n")
+    return 0
+
+
+def _iso(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d}Z"
+
+
+class _Progress:
+    """A one-line progress bar on stderr (redrawn at most 5 times a second)."""
+
+    def __init__(self, err: IO[str], total: int, enabled: bool) -> None:
+        self.err, self.total, self.enabled = err, max(total, 1), enabled
+        self.done = 0
+        self._last = 0.0
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last >= 0.2 or self.done >= self.total):
+            self._last = now
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * round(frac * 30)
+            self.err.write(f"\rexport [{bar:<30}] {frac * 100:5.1f}% {self.done}/{self.total} rows")
+            self.err.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.err.write("\n")
+
+
+def _prom_name(prop: str) -> str:
+    name = "gpu_" + re.sub(r"[^a-zA-Z0-9_]", "_", prop)
+    return name
+
+
+def _label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _om_value(v: Any) -> str | None:
+    """The sample value as OpenMetrics text; None for a value it cannot carry (a string, written as _info)."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "+Inf" if v > 0 else "-Inf"
+        return repr(v)
+    return None
+
+
+def export(
+    path: Path,
+    fmt: str,
+    out: IO[str],
+    err: IO[str],
+    *,
+    device: str | None = None,
+    progress: bool | None = None,
+) -> int:
+    """Every value of every batch (merged ones split back), in stream order: JSON lines, CSV or OpenMetrics."""
+    if fmt not in FORMATS:
+        raise BufferToolError(f"export format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    _say_in_use(path, err, writing=False)
+    db = _open_ro(path)
+    codec = BatchCodec()
+    try:
+        db.execute("BEGIN")  # one snapshot for the whole export
+        total = int(db.execute("SELECT COUNT(*) FROM batches").fetchone()[0])
+        bar = _Progress(err, total, err.isatty() if progress is None else progress)
+        batches = _decoded(db, codec, device, bar, err)
+        if fmt == "jsonl":
+            for b in batches:
+                for s in b.samples:
+                    for name, value in s.values.items():
+                        rec = {"ts_ms": s.ts_ms, "device": b.device, "property": name, "value": value}
+                        out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        elif fmt == "csv":
+            w = csv.writer(out, lineterminator="\n")
+            w.writerow(("ts_ms", "device", "property", "value"))
+            for b in batches:
+                for s in b.samples:
+                    for name, value in s.values.items():
+                        text = ("true" if value else "false") if isinstance(value, bool) else value
+                        w.writerow((s.ts_ms, b.device, name, text))
+        else:
+            _openmetrics(batches, out)
+        db.execute("COMMIT")
+        bar.close()
+    finally:
+        db.conn.close()
+    return 0
+
+
+def _decoded(
+    db: sqlite_utils.Database, codec: BatchCodec, device: str | None, bar: _Progress, err: IO[str]
+) -> Iterator[DecodedBatch]:
+    for row_id, stream, payload in _rows(db):
+        bar.step()
+        if not stream["boot_id"] or (device is not None and stream["device"] != device):
+            continue
+        try:
+            yield decode_batch(payload, codec)
+        except BatchFormatError as exc:
+            err.write(f"\nwarning: row {row_id} ({stream['device']}) does not decode, skipped: {exc}\n")
+
+
+def _openmetrics(batches: Iterator[DecodedBatch], out: IO[str]) -> None:
+    """Families contiguous and each series in time order (what create-blocks-from openmetrics wants): each family's
+    samples are spooled to a temporary file, then sorted one family at a time. Labels: node, device; a string
+    property becomes ``<name>_info{...,value="..."} 1``; booleans 0/1; timestamps in seconds (ms precision)."""
+    with tempfile.TemporaryDirectory(prefix="gpu-mapper-export-") as tmp:
+        spools: dict[str, IO[str]] = {}
+        try:
+            for b in batches:
+                base = f'node="{_label(b.node)}",device="{_label(b.device)}"'
+                for s in b.samples:
+                    for name, value in s.values.items():
+                        text = _om_value(value)
+                        if text is None:
+                            family = _prom_name(name) + "_info"
+                            line = f'{family}{{{base},value="{_label(str(value))}"}} 1'
+                        else:
+                            family = _prom_name(name)
+                            line = f"{family}{{{base}}} {text}"
+                        fh = spools.get(family)
+                        if fh is None:
+                            fh = spools[family] = open(Path(tmp) / f"{len(spools)}.txt", "w+")  # noqa: SIM115
+                        fh.write(f"{s.ts_ms}\t{line}\n")
+            for family, fh in spools.items():
+                fh.seek(0)
+                lines = []
+                for raw in fh:
+                    ts_text, text = raw.rstrip("\n").split("\t", 1)
+                    lines.append((text.split("}", 1)[0], int(ts_text), text))
+                lines.sort(key=lambda t: (t[0], t[1]))
+                out.write(f"# TYPE {family} gauge\n")
+                prev: tuple[str, int] | None = None
+                for labels, ts, text in lines:
+                    if prev == (labels, ts):
+                        continue  # the same series at the same millisecond: Prometheus keeps one
+                    prev = (labels, ts)
+                    out.write(f"{text} {ts // 1000}.{ts % 1000:03d}\n")
+        finally:
+            for fh in spools.values():
+                fh.close()
+    out.write("# EOF\n")
+
+
+def compact(path: Path, out: IO[str], err: IO[str], *, min_age_s: float, slot_s: float) -> int:
+    """Merge every batch due (as the mapper's compaction would, now) and report what it did."""
+    _say_in_use(path, err, writing=True)
+    if not path.exists():
+        raise BufferToolError(f"buffer file {path} does not exist")
+    _open_ro(path).conn.close()  # a clear error for a file that is not a buffer
+    buf = Buffer(path, max_bytes=2**62, max_age_s=1e15, check_on_open=True)
+    try:
+        before = buf.stats()
+        st = Compactor(buf, SystemClock(), CompactionSettings(min_age_s=min_age_s, slot_s=slot_s)).compact_all()
+        after = buf.stats()
+    finally:
+        buf.close()
+    out.write(
+        f"{path}: {st.merges} merges, {before.batches} -> {after.batches} rows, "
+        f"{before.bytes} -> {after.bytes} bytes counted ({st.merges_skipped} skipped, {st.failures} failed)\n"
+    )
+    return 1 if st.failures else 0
+
+
+def vacuum(path: Path, out: IO[str], err: IO[str]) -> int:
+    """Checkpoint the WAL and VACUUM: the file shrinks to what it holds (freed pages are otherwise reused)."""
+    _say_in_use(path, err, writing=True)
+    _open_ro(path).conn.close()
+    import sqlite_utils
+
+    size_before = sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+    db = sqlite_utils.Database(path)
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        db.vacuum()
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        db.conn.close()
+    size_after = sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+    out.write(f"{path}: {size_before} -> {size_after} bytes\n")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """``gpu-mapper buffer ...`` on the CLI's subparsers."""
+    p = sub.add_parser("buffer", help="inspect, export, compact or vacuum the telemetry buffer file")
+    actions = p.add_subparsers(dest="buffer_command", required=True)
+    for name, text in (
+        ("stats", "per stream: rows, batches, samples, bytes, oldest and newest sample, compaction ratio"),
+        ("export", "every value as JSON lines, CSV or OpenMetrics (for promtool tsdb create-blocks-from openmetrics)"),
+        ("compact", "merge the waiting batches now (not on a file a running mapper has open)"),
+        ("vacuum", "checkpoint and VACUUM the file (not on a file a running mapper has open)"),
+    ):
+        a = actions.add_parser(name, help=text, description=text)
+        a.add_argument("file", nargs="?", help="the buffer file (default: DATA_DIR/telemetry.db)")
+        a.add_argument("--data-dir", default="/var/lib/gpu-mapper", help="default /var/lib/gpu-mapper")
+        if name == "stats":
+            a.add_argument("--json", action="store_true", help="one JSON document")
+        if name == "export":
+            a.add_argument("--format", choices=FORMATS, default="jsonl")
+            a.add_argument("--device", help="only this device (namespace/name)")
+            a.add_argument("--output", "-o", help="write here instead of standard output")
+            a.add_argument("--progress", action="store_true", default=None, help="a progress bar even when not a tty")
+        if name == "compact":
+            a.add_argument("--min-age", type=float, default=60.0, help="merge batches this many seconds old")
+            a.add_argument("--slot", type=float, default=600.0, help="the slot of a merged batch, seconds")
+
+
+def main(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    path = Path(args.file) if args.file else Path(args.data_dir) / "telemetry.db"
+    cmd = args.buffer_command
+    if cmd == "stats":
+        return stats(path, out, err, as_json=args.json)
+    if cmd == "export":
+        if args.output:
+            with open(args.output, "w", newline="") as fh:
+                return export(path, args.format, fh, err, device=args.device, progress=args.progress)
+        return export(path, args.format, out, err, device=args.device, progress=args.progress)
+    if cmd == "compact":
+        return compact(path, out, err, min_age_s=args.min_age, slot_s=args.slot)
+    if cmd == "vacuum":
+        return vacuum(path, out, err)
+    raise BufferToolError(f"unknown buffer command {cmd!r}")

@@ -1,0 +1,271 @@
+"""``gpu-mapper buffer stats|export|compact|vacuum`` on real SQLite files: a copy, and the live file of a running
+writer; ``export --format openmetrics`` into a real promtool block."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mapper import buffertool
+from mapper.buffer import Buffer
+from mapper.cli import main
+from mapper.clock import FakeClock
+from mapper.compact import Compactor
+from mapper.model import Sample, Value
+from mapper.telemetry import BatchEncoder, default_topic
+
+REPO = Path(__file__).resolve().parent.parent
+NODE = "edge-1"
+ALIGNED = 1_780_000_200_000
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+
+
+def _values(i: int, g: int) -> dict[str, Value]:
+    v: dict[str, Value] = {"power_usage": 100.0 + (i * 37 + g) % 11 / 4, "temperature": 60 + i // 60}
+    if i % 5 == 0:
+        v["pstate"] = "P0" if i % 10 else "P2"
+        v["persistence_mode"] = i % 20 == 0
+    if i % 7 == 0:
+        v["x.custom ünicode"] = 2**40 + i
+    return v
+
+
+def _fill(path: Path, seconds: int = 1500, gpus: int = 2) -> list[tuple[int, str, str, Value]]:
+    """A buffer of two GPUs' 10 s batches (part of it compacted) and a status message; the values stored."""
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = Buffer(path, max_bytes=10**9, max_age_s=10**9, clock=clock)
+    encoders = [BatchEncoder(NODE, f"default/gpu{g}", UUID, "0badf00d", 10.0) for g in range(gpus)]
+    stored: list[tuple[int, str, str, Value]] = []
+    for i in range(seconds):
+        ts = clock.wall_ms()
+        for g, enc in enumerate(encoders):
+            b = enc.flush_due(ts)
+            if b is not None:
+                buf.put(**_row(b))
+            values = _values(i, g)
+            enc.add(Sample(UUID, ts, values))
+            stored += [(ts, enc.device, k, v) for k, v in values.items()]
+        clock.advance(1.0)
+    for enc in encoders:
+        b = enc.flush()
+        assert b is not None
+        buf.put(**_row(b))
+    buf.put(
+        device="default/gpu0",
+        uuid=UUID,
+        boot_id="",
+        seq=-1,
+        ts_first_ms=clock.wall_ms(),
+        ts_last_ms=clock.wall_ms(),
+        topic="gpu-mapper/edge-1/default/gpu0/events",
+        payload=b'{"event":"cap"}',
+    )
+    clock.advance(700)
+    Compactor(buf, clock).compact_all(max_merges=3)  # some merged, some not
+    buf.close()
+    return stored
+
+
+def _row(b: object) -> dict[str, object]:
+    return {
+        "device": b.device,  # type: ignore[attr-defined]
+        "uuid": b.uuid,  # type: ignore[attr-defined]
+        "boot_id": b.boot_id,  # type: ignore[attr-defined]
+        "seq": b.seq,  # type: ignore[attr-defined]
+        "ts_first_ms": b.ts_first_ms,  # type: ignore[attr-defined]
+        "ts_last_ms": b.ts_last_ms,  # type: ignore[attr-defined]
+        "topic": default_topic(NODE, b.device),  # type: ignore[attr-defined]
+        "payload": b.payload,  # type: ignore[attr-defined]
+    }
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    args = __import__("mapper.cli", fromlist=["build_parser"]).build_parser().parse_args(["buffer", *argv])
+    code = buffertool.main(args, out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_stats_counts_rows_batches_values_and_the_time_range_per_stream(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.db"
+    stored = _fill(db)
+    code, out, err = _cli("stats", str(db), "--json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    streams = {(s["device"], s["topic"].rsplit("/", 1)[-1]): s for s in doc["streams"]}
+    gpu0 = streams[("default/gpu0", "telemetry")]
+    assert gpu0["batches"] == 150 and gpu0["rows"] < 150 and gpu0["compaction_ratio"] > 1
+    assert gpu0["values"] == sum(1 for _, d, _, _ in stored if d == "default/gpu0")
+    assert (gpu0["oldest_ms"], gpu0["newest_ms"]) == (
+        min(t for t, d, _, _ in stored if d == "default/gpu0"),
+        max(t for t, d, _, _ in stored if d == "default/gpu0"),
+    )
+    assert streams[("default/gpu0", "events")]["rows"] == 1
+    assert doc["file_bytes"] == db.stat().st_size
+    code, text, _ = _cli("stats", str(db))
+    assert code == 0 and "default/gpu1" in text and "(messages)" in text
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_export_gives_back_every_value_exactly_in_stream_order(tmp_path: Path, fmt: str) -> None:
+    db = tmp_path / "telemetry.db"
+    stored = _fill(db)
+    target = tmp_path / f"out.{fmt}"
+    code, _, _ = _cli("export", str(db), "--format", fmt, "-o", str(target))
+    assert code == 0
+    if fmt == "jsonl":
+        got = [tuple(json.loads(line).values()) for line in target.read_text().splitlines()]
+    else:
+        rows = list(csv.DictReader(target.open()))
+        got = [(int(r["ts_ms"]), r["device"], r["property"], _parse(r["value"])) for r in rows]
+    assert sorted(got, key=repr) == sorted(stored, key=repr)
+    for device in ("default/gpu0", "default/gpu1"):
+        times = [t for t, d, _, _ in got if d == device]
+        assert times == sorted(times), "each device's samples in time order"
+
+
+def _parse(text: str) -> Value:
+    if text in ("true", "false"):
+        return text == "true"
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is installed by scripts/bootstrap.sh --test")
+def test_an_openmetrics_export_makes_a_promtool_block_that_holds_every_sample(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.db"
+    stored = _fill(db, seconds=900)
+    om = tmp_path / "backlog.om"
+    code, _, err = _cli("export", str(db), "--format", "openmetrics", "-o", str(om), "--progress")
+    assert code == 0 and "100.0%" in err, "the progress bar reached its end"
+    blocks = tmp_path / "tsdb"
+    subprocess.run(
+        ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om), str(blocks)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    (blocks / "wal").mkdir(exist_ok=True)  # promtool 2.42's dump opens the directory as a TSDB, WAL and all
+    dump = subprocess.run(
+        ["promtool", "tsdb", "dump", str(blocks)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    got = set()
+    for line in dump.splitlines():
+        labels, value, ts = line.rsplit(" ", 2)
+        fields = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+        name = fields.pop("__name__")
+        prop = name.removeprefix("gpu_")
+        if prop.endswith("_info"):
+            got.add((int(ts), fields["device"], prop.removesuffix("_info"), fields["value"]))
+        else:
+            got.add((int(ts), fields["device"], prop, float(value)))
+    want = set()
+    for ts, device, prop, value in stored:
+        name = re.sub(r"[^a-zA-Z0-9_]", "_", prop)
+        if isinstance(value, str):
+            want.add((ts, device, name, value))
+        else:
+            want.add((ts, device, name, float(value)))
+    assert got == want
+    assert len(got) == len(stored)
+
+
+#: A writer that keeps the buffer file open and stores a batch every few ms, printing how many it stored.
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from mapper.buffer import Buffer
+    from mapper.model import Sample
+    from mapper.telemetry import encode_batch
+
+    buf = Buffer(sys.argv[1], max_bytes=10**9, max_age_s=10**12)
+    print("open", flush=True)
+    seq = 10**6
+    while True:
+        b = encode_batch([Sample("", 1_790_000_000_000 + seq, {"temperature": 60})], node="n", device="default/gpu9",
+                         uuid="", boot_id="feedf00d", seq=seq)
+        buf.put(device=b.device, uuid="", boot_id=b.boot_id, seq=seq, ts_first_ms=b.ts_first_ms,
+                ts_last_ms=b.ts_last_ms, topic="t", payload=b.payload)
+        seq += 1
+        print(seq, flush=True)
+        time.sleep(0.002)
+    """
+)
+
+
+def test_on_the_live_file_stats_and_export_say_so_and_do_not_block_it_while_compact_and_vacuum_refuse(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "telemetry.db"
+    _fill(db, seconds=300)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], cwd=REPO, stdout=subprocess.PIPE)
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == b"open"
+        assert buffertool.in_use_by(db) == writer.pid
+        code, out, err = _cli("export", str(db), "--format", "jsonl")
+        assert code == 0 and f"in use by process {writer.pid}" in err and out.count("\n") > 1000
+        before = int(writer.stdout.readline())
+        code, _, err = _cli("stats", str(db))
+        assert code == 0 and "in use" in err
+        # The writer went on storing while the tool read (a WAL reader blocks no writer).
+        assert int(writer.stdout.readline()) > before
+        for command in ("compact", "vacuum"):
+            with pytest.raises(buffertool.BufferToolError, match=f"in use by process {writer.pid}"):
+                _cli(command, str(db))
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(10)
+    assert buffertool.in_use_by(db) is None
+
+
+def test_compact_and_vacuum_on_a_copy_shrink_it_and_keep_every_value(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.db"
+    stored = _fill(db)
+    size = db.stat().st_size
+    code, out, _ = _cli("compact", str(db))
+    assert code == 0 and "merges" in out
+    code, out, _ = _cli("vacuum", str(db))
+    assert code == 0 and db.stat().st_size < size
+    target = tmp_path / "all.jsonl"
+    assert _cli("export", str(db), "-o", str(target))[0] == 0
+    got = [tuple(json.loads(line).values()) for line in target.read_text().splitlines()]
+    assert sorted(got, key=repr) == sorted(stored, key=repr)
+
+
+def test_the_cli_runs_the_buffer_commands_and_names_a_bad_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "telemetry.db"
+    _fill(db, seconds=100)
+    assert main(["buffer", "stats", "--data-dir", str(tmp_path)]) == 0
+    assert "default/gpu0" in capsys.readouterr().out
+    assert main(["buffer", "stats", str(tmp_path / "missing.db")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "other.db").write_bytes(b"not sqlite at all, just bytes" * 100)
+    assert main(["buffer", "export", str(tmp_path / "other.db")]) == 1
+    assert "not a readable SQLite file" in capsys.readouterr().err
+
+
+def test_the_running_mapper_does_not_import_sqlite_utils() -> None:
+    code = (
+        "import sys, mapper.app, mapper.cli, mapper.buffertool; mapper.cli.build_parser(); "
+        "print('sqlite_utils' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
