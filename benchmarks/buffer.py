@@ -48,9 +48,10 @@ from pathlib import Path
 from mapper import telemetry
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
+from mapper.compact import Compactor
 from mapper.discover import device_name
 from mapper.model import Sample, Value
-from mapper.telemetry import BatchCodec, BatchEncoder, body_parts, decode_batch, default_topic
+from mapper.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch, default_topic
 
 GPUS = 8
 WINDOW_S = 10.0
@@ -60,13 +61,13 @@ START_MS = 1_780_000_000_000 - 1_780_000_000_000 % 7_200_000  # on a 2 h boundar
 SCENARIOS = ("training", "inference", "steady", "oscillating", "heat", "idle", "training", "inference")
 
 
-def simulated(hours: float, cadence: str = "1hz") -> Iterator[tuple[str, Sample]]:
+def simulated(hours: float, cadence: str = "1hz", gpus: int = GPUS) -> Iterator[tuple[str, Sample]]:
     from mapper.gpu.nvml import NvmlBackend
     from mapper.gpu.simnvml import SimNvml
     from mapper.model import NVML_PROPERTIES
 
     clock = FakeClock(start_wall_ms=START_MS)
-    sim = SimNvml(GPUS, "H100", clock=clock.monotonic, seed=7)
+    sim = SimNvml(gpus, "H100", clock=clock.monotonic, seed=7)
     backend = NvmlBackend(sim, clock=clock)
     backend.init()
     gpus = backend.list_gpus()
@@ -203,70 +204,154 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def generated(gpus: int, hours: float, seed: int) -> Iterator[tuple[str, Sample]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import streamgen
+
+    return streamgen.generate(gpus, hours, seed)
+
+
+class Offline:
+    """The buffer of a mapper whose broker is down: every batch stored as it is cut, the compactor run as the
+    mapper runs it (every simulated minute it does what is due; in the mapper a task does it as it falls due,
+    within its CPU budget), all on a fake clock that follows the stream's timestamps."""
+
+    def __init__(self, path: Path, compact: bool, window_s: float, codec: BatchCodec, legacy_uuid: bool) -> None:
+        self.path = path
+        self.compact = compact
+        self.clock = FakeClock(start_wall_ms=0)
+        self._buf: Buffer | None = None
+        self.compactor: Compactor | None = None
+        self.encoders: dict[str, BatchEncoder] = {}
+        self.window_s = window_s
+        self.codec = codec
+        self.legacy_uuid = legacy_uuid
+        self.payloads: list[bytes] = []
+        self.stored = 0
+        self.busy_s = 0.0
+        self.compact_s = 0.0
+        self._next_compact_ms: int | None = None
+
+    @property
+    def buf(self) -> Buffer:
+        assert self._buf is not None, "no sample yet"
+        return self._buf
+
+    def _at(self, ts_ms: int) -> None:
+        if self._buf is None:  # the buffer file starts with the first sample, as the mapper's with the mapper
+            self.clock.start_wall_ms = ts_ms
+            self._buf = Buffer(self.path, max_bytes=10**12, max_age_s=10**9, clock=self.clock)
+            self.compactor = Compactor(self._buf, self.clock) if self.compact else None
+        delta = ts_ms - self.clock.wall_ms()
+        if delta > 0:
+            self.clock.advance(delta / 1000)
+
+    def _store(self, device: str, b: EncodedBatch) -> None:
+        self.buf.put(
+            device=b.device,
+            uuid=b.uuid,
+            boot_id=b.boot_id,
+            seq=b.seq,
+            ts_first_ms=b.ts_first_ms,
+            ts_last_ms=b.ts_last_ms,
+            topic=default_topic(NODE, device),
+            payload=b.payload,
+        )
+        self.stored += 1
+        if self.compactor is None:
+            self.payloads.append(b.payload)
+
+    def add(self, device: str, sample: Sample) -> None:
+        self._at(sample.ts_ms)
+        t0 = time.perf_counter()
+        enc = self.encoders.get(device)
+        if enc is None:
+            enc = self.encoders[device] = BatchEncoder(
+                NODE, device, sample.uuid, BOOT_ID, self.window_s, codec=self.codec
+            )
+        if self.legacy_uuid:
+            enc.announce_uuid()
+        batch = enc.flush_due(sample.ts_ms)
+        if batch is not None:
+            self._store(device, batch)
+        enc.add(sample)
+        self.busy_s += time.perf_counter() - t0
+        if self.compactor is not None:
+            now = self.clock.wall_ms()
+            if self._next_compact_ms is None:
+                self._next_compact_ms = now + 60_000
+            if now >= self._next_compact_ms:
+                self._next_compact_ms = now + 60_000
+                self._compact()
+
+    def _compact(self) -> None:
+        assert self.compactor is not None
+        t0 = time.perf_counter()
+        self.compactor.compact_all()
+        self.compact_s += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """The end of the offline time: the encoders' last partial batches stored, then what compaction has due."""
+        self._at(self.clock.wall_ms() + 1000)
+        t0 = time.perf_counter()
+        for device, enc in self.encoders.items():
+            if self.legacy_uuid:
+                enc.announce_uuid()
+            batch = enc.flush()
+            if batch is not None:
+                self._store(device, batch)
+        self.busy_s += time.perf_counter() - t0
+        if self.compactor is not None:
+            self._compact()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hours", type=float, default=1.0, help="simulated hours (default 1)")
-    ap.add_argument("--input", type=Path, help="CSV stream ts_ms,device,property,value instead of the simulator")
+    ap.add_argument(
+        "--stream", choices=("sim", "gen"), default="sim", help="the simulator's (default) or the generator's"
+    )
+    ap.add_argument("--hours", type=float, default=1.0, help="hours offline (default 1)")
+    ap.add_argument("--gpus", type=int, default=GPUS, help=f"GPUs (default {GPUS})")
+    ap.add_argument("--seed", type=int, default=11, help="the generator's seed (default 11)")
+    ap.add_argument("--input", type=Path, help="CSV stream ts_ms,device,property,value instead of sim or gen")
     ap.add_argument("--window-s", type=float, default=WINDOW_S)
     ap.add_argument("--cadence", choices=("1hz", "catalog"), default="1hz", help="every property at 1 Hz (default)")
     ap.add_argument("--legacy-uuid", action="store_true", help="uuid in every header, dictionary 1 (before)")
+    ap.add_argument("--no-compact", action="store_true", help="10 s batches only, as before compaction")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    ap.add_argument("--breakdown", action="store_true", help="also print the raw bytes of every series (stderr)")
+    ap.add_argument("--breakdown", action="store_true", help="where the bytes go (with --no-compact); per series")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-buffer-"))
-    source = from_csv(args.input) if args.input else simulated(args.hours, args.cadence)
-    buf = Buffer(work / "buffer.db", max_bytes=10**12, max_age_s=10**9, clock=FakeClock(start_wall_ms=START_MS))
-    encoders: dict[str, BatchEncoder] = {}
-    flat: list[tuple[str, int, str, Value]] = []
-    samples = 0
-    busy_s = 0.0
-    payloads: list[bytes] = []
+    if args.input:
+        source = from_csv(args.input)
+        stream = f"--input {args.input}"
+    elif args.stream == "gen":
+        source = generated(args.gpus, args.hours, args.seed)
+        stream = f"benchmarks/streamgen.py, {args.gpus} GPUs, seed {args.seed}"
+    else:
+        source = simulated(args.hours, args.cadence, args.gpus)
+        stream = f"simulator, {args.gpus} H100s, {args.cadence}"
     # One set of zstd contexts for every encoder, as the mapper shares it.
     codec = BatchCodec(dictionary_id=1) if args.legacy_uuid else BatchCodec()
-
-    def store(device: str, batch: object) -> None:
-        assert batch is not None
-        b = batch  # EncodedBatch
-        buf.put(
-            device=b.device,  # type: ignore[attr-defined]
-            uuid=b.uuid,  # type: ignore[attr-defined]
-            boot_id=b.boot_id,  # type: ignore[attr-defined]
-            seq=b.seq,  # type: ignore[attr-defined]
-            ts_first_ms=b.ts_first_ms,  # type: ignore[attr-defined]
-            ts_last_ms=b.ts_last_ms,  # type: ignore[attr-defined]
-            topic=default_topic(NODE, device),
-            payload=b.payload,  # type: ignore[attr-defined]
-        )
-        payloads.append(b.payload)  # type: ignore[attr-defined]
-
+    off = Offline(work / "buffer.db", not args.no_compact, args.window_s, codec, args.legacy_uuid)
+    flat: list[tuple[str, int, str, Value]] = []
+    samples = 0
+    ts_min = ts_max = None
     for device, sample in source:
         for prop, value in sample.values.items():
             flat.append((device, sample.ts_ms, prop, value))
         samples += len(sample.values)
-        t0 = time.perf_counter()
-        enc = encoders.get(device)
-        if enc is None:
-            enc = encoders[device] = BatchEncoder(NODE, device, sample.uuid, BOOT_ID, args.window_s, codec=codec)
-        if args.legacy_uuid:
-            enc.announce_uuid()
-        batch = enc.flush_due(sample.ts_ms)
-        if batch is not None:
-            store(device, batch)
-        enc.add(sample)
-        busy_s += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for device, enc in encoders.items():
-        if args.legacy_uuid:
-            enc.announce_uuid()
-        batch = enc.flush()
-        if batch is not None:
-            store(device, batch)
-    busy_s += time.perf_counter() - t0
-    batches = buf.stats().batches
-    buf.close()  # checkpoints the WAL into the file
-    ours = buf.file_bytes()
-    where = breakdown(buf.path, payloads, args.breakdown, codec)
+        ts_min = sample.ts_ms if ts_min is None else min(ts_min, sample.ts_ms)
+        ts_max = sample.ts_ms if ts_max is None else max(ts_max, sample.ts_ms)
+        off.add(device, sample)
+    off.finish()
+    rows = off.buf.stats().batches
+    merges = off.compactor.stats.merges if off.compactor is not None else 0
+    off.buf.close()  # checkpoints the WAL into the file
+    ours = off.buf.file_bytes()
+    free_pages = _free_pages(off.buf.path)
+    where = breakdown(off.buf.path, off.payloads, True, codec) if args.breakdown and off.payloads else None
 
     om = work / "samples.om"
     write_openmetrics(flat, om)
@@ -288,8 +373,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     ours_bps = ours / samples
     prom_bps = prom_bytes / samples if prom_bytes else None
+    hours = ((ts_max or 0) - (ts_min or 0)) / 3_600_000
     print(
-        f"{samples} samples in {batches} batches: ours {ours} B ({ours_bps:.3f} B/sample), "
+        f"{stream}: {hours:.2f} h offline, {samples} samples in {off.stored} batches -> {rows} rows ({merges} merges): "
+        f"ours {ours} B ({ours_bps:.3f} B/sample), "
         f"prometheus {prom_bytes} B ({prom_bps if prom_bps is None else round(prom_bps, 3)} B/sample)",
         file=sys.stderr,
     )
@@ -297,15 +384,21 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "buffer",
-                "source": str(args.input) if args.input else f"simulated {GPUS} GPUs x {args.hours} h",
-                "cadence": None if args.input else args.cadence,
+                "stream": stream,
+                "offline_hours": round(hours, 3),
+                "cadence": None if args.input or args.stream == "gen" else args.cadence,
                 "format": "v2, uuid in every header, dictionary 1" if args.legacy_uuid else "v2, uuid optional",
+                "compaction": not args.no_compact,
                 "window_s": args.window_s,
                 "samples": samples,
-                "batches": batches,
+                "batches": off.stored,
+                "rows_after_compaction": rows,
+                "merges": merges,
                 "ours_file_bytes": ours,
+                "sqlite_free_pages": free_pages,
                 "ours_bytes_per_sample": round(ours_bps, 4),
-                "ingest_samples_per_s": round(samples / busy_s),
+                "ingest_samples_per_s": round(samples / off.busy_s),
+                "compaction_cpu_s": round(off.compact_s, 2),
                 "prom_block_bytes": prom_bytes,
                 "prom_bytes_per_sample": None if prom_bps is None else round(prom_bps, 4),
                 "ratio": None if prom_bps is None else round(ours_bps / prom_bps, 4),
@@ -316,6 +409,14 @@ def main() -> None:
             }
         )
     )
+
+
+def _free_pages(path: Path) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+    finally:
+        conn.close()
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ SCHEMA_VERSION = 3
 ROW_OVERHEAD_BYTES = 24
 #: A batch's size as counted against ``max_bytes`` (SQL expression over a ``batches`` row).
 _SIZE_SQL = f"(length(payload) + {ROW_OVERHEAD_BYTES})"
-#: 4 KiB pages: ~25 batches a page, a few fixed pages for the small tables (only applies to a new file).
-PAGE_SIZE = 4096
+#: 1 KiB pages (only applies to a new file): merged batches span several pages, and the last, partly filled one
+#: of each costs less in small pages (measured: docs/benchmarks.md); a few fixed pages for the small tables.
+PAGE_SIZE = 1024
 DROP_REASONS = ("size", "age", "disk_full", "corrupt")
 Synchronous = Literal["OFF", "NORMAL", "FULL"]
 
@@ -736,9 +737,11 @@ class Buffer:
 
     def replace(self, originals: Mapping[int, bytes], payload: bytes, ts_last_ms: int) -> bool:
         """Compaction's one transaction: the rows ``originals`` (id -> the payload that was merged; at least two,
-        one stream) become ONE row, the first id, holding ``payload`` (the merged batch) with ``ts_last_ms``; the
-        others are deleted. Nothing changes and False is returned when any of them is gone or holds another
-        payload by now (acked, dropped, replaced) or they are not of one stream. A crash at any point leaves
+        one stream) become ONE row, the LAST id, holding ``payload`` (the merged batch) with ``ts_last_ms``; the
+        others are deleted. (The last id: the rows before it, with the other streams' rows merged in the same
+        pass, leave whole pages free for new rows; the first id would leave holes in half-empty pages.) Nothing
+        changes and False is returned when any of them is gone or holds another payload by now (acked, dropped,
+        replaced) or they are not of one stream. A crash at any point leaves
         either every original or the merged row (SQLite commits the transaction whole)."""
         ids = sorted(originals)
         if len(ids) < 2:
@@ -760,9 +763,9 @@ class Buffer:
                     return False, 0
                 conn.execute(
                     "UPDATE batches SET payload = ?, ts_last_rel_ms = ? WHERE id = ?",
-                    (payload, ts_last_ms - self._epoch_ms, ids[0]),
+                    (payload, ts_last_ms - self._epoch_ms, ids[-1]),
                 )
-                conn.execute(f"DELETE FROM batches WHERE id IN ({','.join('?' * (len(ids) - 1))})", tuple(ids[1:]))
+                conn.execute(f"DELETE FROM batches WHERE id IN ({','.join('?' * (len(ids) - 1))})", tuple(ids[:-1]))
                 conn.execute("COMMIT")
             except BaseException:
                 self._rollback()

@@ -8,10 +8,10 @@ sees SQLite. Live telemetry is not touched: a batch becomes a candidate only onc
   to the epoch) that holds a batch's last sample, and only consecutive rows of the stream (in id order) form a
   group. A group is merged once its slot is over (with ``min_age_s`` more, so every batch of it is a
   candidate), or earlier when it holds ``partial_after`` batches that were not merged yet (a merged batch may
-  be merged again with the batches after it). So each slot costs one or two merges, whatever the backlog.
+  be merged again with the batches after it). So a 10-minute slot costs about five merges, whatever the backlog.
 * A merge decodes the group, makes one merged batch (``mapper.telemetry.merge_batches``, format version 3:
   the concatenation of the originals, keeping each one's seq as a part) and hands it to
-  ``CompactableBuffer.replace``: ONE transaction in which the first row takes the merged payload and the others
+  ``CompactableBuffer.replace``: ONE transaction in which the last row takes the merged payload and the others
   are deleted, refused when any of them changed meanwhile (acked, dropped). A merge that would not save bytes
   is not stored, so compaction never grows the buffer.
 * Rows the shipper may still publish and ack from a copy it holds (its current page, those in flight) are
@@ -68,7 +68,7 @@ class CompactionSettings:
     #: The slot (and so the longest span) of a merged batch.
     slot_s: float = 600.0
     #: Merge a slot before it is over once it holds this many batches not merged yet.
-    partial_after: int = 30
+    partial_after: int = 12
     #: At most this fraction of one core, averaged over each merge and the pause after it (``run``).
     cpu_fraction: float = 0.05
     #: How often ``run`` looks for work when there was none.
