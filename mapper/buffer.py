@@ -295,6 +295,8 @@ class Buffer:
         try:
             try:
                 conn.execute(f"PRAGMA page_size={PAGE_SIZE}")
+                # A new file only (like the page size): compaction frees pages, replace() returns them.
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
                 if str(mode).lower() != "wal":
                     log.warning("buffer %s: journal mode is %s, not wal", self.path, mode)
@@ -761,15 +763,20 @@ class Buffer:
                 ):
                     conn.execute("ROLLBACK")
                     return False, 0
+                # Delete first: the pages the old rows free are then reused for the merged payload in this very
+                # transaction, instead of the file growing by it and keeping the freed pages for later.
+                conn.execute(f"DELETE FROM batches WHERE id IN ({','.join('?' * (len(ids) - 1))})", tuple(ids[:-1]))
                 conn.execute(
                     "UPDATE batches SET payload = ?, ts_last_rel_ms = ? WHERE id = ?",
                     (payload, ts_last_ms - self._epoch_ms, ids[-1]),
                 )
-                conn.execute(f"DELETE FROM batches WHERE id IN ({','.join('?' * (len(ids) - 1))})", tuple(ids[:-1]))
                 conn.execute("COMMIT")
             except BaseException:
                 self._rollback()
                 raise
+            # Give the pages left free back to the file system (a new file is INCREMENTAL auto-vacuum): after a
+            # merge the file holds what it stores. (sqlite3_exec steps the pragma to its end; one step frees one.)
+            conn.executescript("PRAGMA incremental_vacuum;")
             before = sum(len(p) + ROW_OVERHEAD_BYTES for p in originals.values())
             return True, before - (len(payload) + ROW_OVERHEAD_BYTES)
 

@@ -64,11 +64,11 @@ class CompactableBuffer(Protocol):
 @dataclass(frozen=True)
 class CompactionSettings:
     #: A batch is a candidate once its last sample is this old.
-    min_age_s: float = 60.0
+    min_age_s: float = 30.0
     #: The slot (and so the longest span) of a merged batch.
     slot_s: float = 600.0
     #: Merge a slot before it is over once it holds this many batches not merged yet.
-    partial_after: int = 12
+    partial_after: int = 6
     #: At most this fraction of one core, averaged over each merge and the pause after it (``run``).
     cpu_fraction: float = 0.05
     #: How often ``run`` looks for work when there was none.
