@@ -235,3 +235,35 @@ def test_a_merged_row_is_one_part_per_original(tmp_path: Path) -> None:
     d = decode_batch(row.payload)
     assert d.parts[0] == BatchPart(0, 10, UUID) and d.parts[1].uuid == ""
     assert [p.seq for p in d.parts] == [b.seq for b in batches]
+
+
+async def test_the_shipper_reports_the_rows_it_holds_and_compaction_leaves_them_alone(tmp_path: Path) -> None:
+    from mapper.shipper import TelemetryShipper
+
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    release = asyncio.Event()
+    published: list[int] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        await release.wait()
+        published.append(decode_batch(payload).seq)
+
+    shipper = TelemetryShipper(buf, publish, node=NODE, clock=clock, max_in_flight=1, page_size=50)
+    ids = _store(buf, _batches(clock, "default/gpu0", 200))
+    clock.advance(700)
+    task = asyncio.create_task(shipper.run())
+    deadline = asyncio.get_running_loop().time() + 10
+    while not shipper.busy_ids() >= set(ids):  # one in flight, the rest of its page waiting for the slot
+        assert asyncio.get_running_loop().time() < deadline, shipper.busy_ids()
+        await asyncio.sleep(0.01)
+    comp = Compactor(buf, clock, busy=shipper.busy_ids, on_compacted=shipper.note_compacted)
+    assert comp.compact_all().merges == 0 and len(buf.pending(100)) == len(ids)
+    release.set()
+    while buf.stats().batches:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    assert published == list(range(len(ids)))
+    assert shipper.busy_ids() == set()
+    await shipper.stop(1)
+    task.cancel()
