@@ -57,7 +57,7 @@ from pathlib import Path
 from mapper import telemetry
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
-from mapper.compact import Compactor
+from mapper.compact import CompactionSettings, Compactor
 from mapper.discover import device_name
 from mapper.model import Sample, Value
 from mapper.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch, default_topic
@@ -228,6 +228,7 @@ class Offline:
     def __init__(self, path: Path, compact: bool, window_s: float, codec: BatchCodec, legacy_uuid: bool) -> None:
         self.path = path
         self.compact = compact
+        self.slot_s: float | None = None
         self.clock = FakeClock(start_wall_ms=0)
         self._buf: Buffer | None = None
         self.compactor: Compactor | None = None
@@ -250,7 +251,8 @@ class Offline:
         if self._buf is None:  # the buffer file starts with the first sample, as the mapper's with the mapper
             self.clock.start_wall_ms = ts_ms
             self._buf = Buffer(self.path, max_bytes=10**12, max_age_s=10**9, clock=self.clock)
-            self.compactor = Compactor(self._buf, self.clock) if self.compact else None
+            settings = CompactionSettings(slot_s=self.slot_s) if self.slot_s else None
+            self.compactor = Compactor(self._buf, self.clock, settings) if self.compact else None
         delta = ts_ms - self.clock.wall_ms()
         if delta > 0:
             self.clock.advance(delta / 1000)
@@ -327,6 +329,7 @@ def main() -> None:
     ap.add_argument("--cadence", choices=("1hz", "catalog"), default="1hz", help="every property at 1 Hz (default)")
     ap.add_argument("--legacy-uuid", action="store_true", help="uuid in every header, dictionary 1 (before)")
     ap.add_argument("--no-compact", action="store_true", help="10 s batches only, as before compaction")
+    ap.add_argument("--slot-s", type=float, help="compaction slot (default: the mapper's)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--breakdown", action="store_true", help="where the bytes go (with --no-compact); per series")
     args = ap.parse_args()
@@ -344,6 +347,7 @@ def main() -> None:
     # One set of zstd contexts for every encoder, as the mapper shares it.
     codec = BatchCodec(dictionary_id=1) if args.legacy_uuid else BatchCodec()
     off = Offline(work / "buffer.db", not args.no_compact, args.window_s, codec, args.legacy_uuid)
+    off.slot_s = args.slot_s
     flat: list[tuple[str, int, str, Value]] = []
     samples = 0
     ts_min = ts_max = None
