@@ -108,6 +108,8 @@ class _Merged:
     ts_last_ms: int
     cpu_s: float
     error: str = ""
+    #: The rows to leave out of every later group (those that do not decode; the whole group if they do not merge).
+    failed: frozenset[int] = frozenset()
 
 
 class Compactor:
@@ -134,6 +136,8 @@ class Compactor:
         self._stopping = False
         #: Rows at or below this id need no more merging (their slots are over and hold one row each).
         self._done_through = 0
+        #: Rows whose merge failed (they do not decode, or do not merge): never grouped again.
+        self._failed: set[int] = set()
         self.stats = CompactionStats()
 
     # ------------------------------------------------------------------------------------------ planning
@@ -148,7 +152,14 @@ class Compactor:
         runs: dict[int, list[list[CompactionRowLike]]] = {}
         for row in rows:
             stream_runs = runs.setdefault(row.stream, [])
-            if stream_runs and stream_runs[-1][-1].ts_last_ms // slot_ms == row.ts_last_ms // slot_ms:
+            if row.id in self._failed:  # a row that did not merge: left as it is, and it parts its neighbours
+                stream_runs.append([])
+                continue
+            if (
+                stream_runs
+                and stream_runs[-1]
+                and stream_runs[-1][-1].ts_last_ms // slot_ms == row.ts_last_ms // slot_ms
+            ):
                 stream_runs[-1].append(row)
             else:
                 stream_runs.append([row])
@@ -157,6 +168,8 @@ class Compactor:
         unfinished: list[int] = []
         for stream_runs in runs.values():
             for group in stream_runs:
+                if not group:
+                    continue
                 closed = (group[0].ts_last_ms // slot_ms + 1) * slot_ms + min_age_ms <= now
                 if closed and len(group) == 1:
                     continue  # finished: nothing more will join it
@@ -177,11 +190,19 @@ class Compactor:
     def _merge(self, originals: dict[int, bytes]) -> _Merged:
         """Decode and merge (pure CPU; runs in a worker thread from ``run``)."""
         t0 = time.thread_time()
+        decoded = []
+        bad: dict[int, str] = {}
+        for i in sorted(originals):
+            try:
+                decoded.append(decode_batch(originals[i], self._codec))
+            except BatchFormatError as exc:
+                bad[i] = f"row {i}: {exc}"
+        if bad:
+            return _Merged(originals, None, 0, time.thread_time() - t0, "; ".join(bad.values()), frozenset(bad))
         try:
-            decoded = [decode_batch(originals[i], self._codec) for i in sorted(originals)]
             merged = merge_batches(decoded, self._codec)
-        except (BatchFormatError, ValueError) as exc:
-            return _Merged(originals, None, 0, time.thread_time() - t0, str(exc))
+        except ValueError as exc:
+            return _Merged(originals, None, 0, time.thread_time() - t0, str(exc), frozenset(originals))
         return _Merged(originals, merged.payload, merged.ts_last_ms, time.thread_time() - t0)
 
     def _originals(self, group: Sequence[CompactionRowLike]) -> dict[int, bytes]:
@@ -196,7 +217,14 @@ class Compactor:
         if m.payload is None:
             st.failures += 1
             st.last_error = m.error
-            log.warning("compaction: rows %s not merged: %s", sorted(m.originals), m.error)
+            # Not tried again (each row stays as it was; the shipper sends it as it is).
+            self._failed.update(m.failed)
+            log.warning(
+                "compaction: rows %s not merged (%s left as they are): %s",
+                sorted(m.originals),
+                sorted(m.failed),
+                m.error,
+            )
             return False
         before = sum(len(p) for p in m.originals.values())
         if len(m.payload) >= before:

@@ -267,3 +267,38 @@ async def test_the_shipper_reports_the_rows_it_holds_and_compaction_leaves_them_
     assert shipper.busy_ids() == set()
     await shipper.stop(1)
     task.cancel()
+
+
+def test_a_row_that_does_not_decode_is_left_as_it_is_and_tried_once(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    batches = _batches(clock, "default/gpu0", 300)
+    ids = _store(buf, batches[:10])
+    broken = batches[10]
+    bad_id = buf.put(**{**_row_of(broken), "payload": b"G\x02\x00" + b"\xff" * 40})
+    ids += _store(buf, batches[11:])
+    clock.advance(700)
+    comp = Compactor(buf, clock)
+    stats = comp.compact_all()
+    assert stats.failures == 1
+    again = comp.compact_all()
+    assert again.failures == 1, "not retried"
+    rows = buf.pending(10**6)
+    assert bad_id in [r.id for r in rows]
+    seqs = [s for r in rows if r.id != bad_id for s in decode_batch(r.payload).seqs]
+    assert seqs == [b.seq for b in batches if b is not broken], "none lost, in order"
+    # Its neighbours merged around it: the rows before it as one, the rows after it (its slot's rest) as another.
+    assert len(rows) <= 1 + 2 + 1, [decode_batch(r.payload).seqs if r.id != bad_id else "bad" for r in rows]
+
+
+def _row_of(b: EncodedBatch) -> dict[str, object]:
+    return {
+        "device": b.device,
+        "uuid": b.uuid,
+        "boot_id": b.boot_id,
+        "seq": b.seq,
+        "ts_first_ms": b.ts_first_ms,
+        "ts_last_ms": b.ts_last_ms,
+        "topic": default_topic(NODE, b.device),
+        "payload": b.payload,
+    }
