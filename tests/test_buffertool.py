@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,63 @@ def test_the_running_mapper_does_not_import_sqlite_utils() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_running_mappers_buffer_file_is_read_while_it_runs_and_compacted_once_it_stopped(tmp_path: Path) -> None:
+    from tests.brokers import free_port
+
+    (tmp_path / "devices").mkdir()
+    data = tmp_path / "data"
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("telemetry: {window: 1s}\nbuffer: {compactAfter: 0s}\n")  # 1 s batches; this file is ours
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mapper.cli",
+            "run",
+            "--sim",
+            "2",
+            "--node-name",
+            "edge-1",
+            "--config",
+            str(cfg),
+            "--devices",
+            str(tmp_path / "devices"),
+            "--data-dir",
+            str(data),
+            "--metrics-addr",
+            f"127.0.0.1:{free_port()}",
+            "--mqtt",
+            f"mqtt://127.0.0.1:{free_port()}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    db = data / "telemetry.db"
+    try:
+        deadline = time.monotonic() + 60
+        rows = 0
+        while rows < 16:  # the broker is away: the batches stay in the buffer (8 a GPU: a slot merges at 6)
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "no batches in the buffer"
+            time.sleep(0.2)
+            if db.exists():
+                code, out, err = _cli("stats", "--data-dir", str(data), "--json")
+                assert code == 0
+                rows = sum(s["rows"] for s in json.loads(out)["streams"])
+        assert f"in use by process {proc.pid}" in err
+        code, out, err = _cli("export", "--data-dir", str(data), "--format", "csv")
+        assert code == 0 and out.startswith("ts_ms,device,property,value\n") and out.count("\n") > 50
+        with pytest.raises(buffertool.BufferToolError, match="in use"):
+            _cli("compact", "--data-dir", str(data))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0
+    code, out, err = _cli("compact", "--data-dir", str(data), "--min-age", "0")
+    assert code == 0 and err == "" and "merges" in out
+    code, out, _ = _cli("stats", "--data-dir", str(data), "--json")
+    streams = json.loads(out)["streams"]
+    assert any(s["compaction_ratio"] > 1 for s in streams)
