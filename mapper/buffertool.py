@@ -421,7 +421,7 @@ def add_parser(sub: Any) -> None:
             a.add_argument("--output", "-o", help="write here instead of standard output")
             a.add_argument("--progress", action="store_true", default=None, help="a progress bar even when not a tty")
         if name == "compact":
-            a.add_argument("--min-age", type=float, default=60.0, help="merge batches this many seconds old")
+            a.add_argument("--min-age", type=float, default=30.0, help="merge batches this many seconds old")
             a.add_argument("--slot", type=float, default=600.0, help="the slot of a merged batch, seconds")
 
 

@@ -129,7 +129,7 @@ class Settings:
     replay_rate_bytes_per_s: int | None = None
     #: Backlog compaction (mapper.compact): waiting batches merged per stream into ``buffer_compact_slot_s``
     #: batches once ``buffer_compact_after_s`` old; 0 = off.
-    buffer_compact_after_s: float = 60.0
+    buffer_compact_after_s: float = 30.0
     buffer_compact_slot_s: float = 600.0
     #: DMI rate budget shared by every report of this mapper (EdgeCore allows 1/s, burst 100, node-wide).
     dmi_rate_per_s: float = 0.8

@@ -99,7 +99,7 @@ def test_odd_config_values_are_refused_naming_the_key(tmp_path, text, needle):
 
 def test_compaction_is_on_by_default_and_set_or_turned_off_in_the_buffer_section(tmp_path):
     assert (load_settings(None, env={}).buffer_compact_after_s, load_settings(None, env={}).buffer_compact_slot_s) == (
-        60.0,
+        30.0,
         600.0,
     )
     s = load_settings(write(tmp_path, "buffer: {compactAfter: 5m, compactSlot: 30m}\n"), env={})
