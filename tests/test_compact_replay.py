@@ -62,7 +62,11 @@ async def test_a_compacted_backlog_replays_in_order_within_the_rate_cap_with_pro
     await session.start()
     sent: list[tuple[float, int]] = []
 
+    consumer_ready = asyncio.Event()
+
     async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        if session.connected:  # offline: fail as the session does; online: not before the consumer subscribed
+            await asyncio.wait_for(consumer_ready.wait(), 20)
         sent.append((clock.monotonic(), len(payload) + len(topic)))
         await session.publish(topic, payload, qos, retain, timeout_s)
 
@@ -99,8 +103,17 @@ async def test_a_compacted_backlog_replays_in_order_within_the_rate_cap_with_pro
         mosquitto.start()
         consumer = PartConsumer(mosquitto.url)
         await consumer.session.start()
-        assert await consumer.session.wait_connected(5)
-        await asyncio.sleep(0.2)  # its SUBACK
+        assert await consumer.session.wait_connected(10)
+        # Its subscriptions are in place once a probe published after them comes back to it.
+        probes: list[bytes] = []
+        consumer.session.subscribe("probe/compact-replay", lambda _t, p: probes.append(p))
+        await _until(lambda: session.connected, timeout_s=20)
+        deadline = asyncio.get_running_loop().time() + 20
+        while not probes:
+            assert asyncio.get_running_loop().time() < deadline, "the consumer's subscriptions never took"
+            await session.publish("probe/compact-replay", b"1", 1, False, 5)
+            await asyncio.sleep(0.1)
+        consumer_ready.set()
         # Live batches keep coming while the backlog replays.
         for seq in range(240, 250):
             shipper.submit_many([(_batch(d, seq), None) for d in devices])
