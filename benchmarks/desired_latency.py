@@ -19,13 +19,29 @@ Each change alternates the power limit among 350/400/500/550 W (every one a real
 pause of 50-150 ms so the changes land at every phase of the 1 s collect cycle. Latency = ack received at the
 client - change sent by the client (perf_counter in the client), so it includes both loopback hops.
 
+Twin round trips (``eventbus_twin``, ``dmi_twin``): the same changes, 4-6 s apart (so each is measured on its
+own: a Device's prompt DMI reports are coalesced over a second, and the DMI budget left over by the periodic
+reports refills between changes), with every Device's report cycle at discover's 20 s and state cycle at 60 s.
+EventBus: change sent -> the first ``twin/update`` of gpu0 carrying the new ``power_limit`` at the client.
+DMI: UpdateDevice sent (a new channel per call, as EdgeCore dials) -> the first ``ReportDeviceStatus`` of gpu0
+with the new value as both ``observedDesired`` and ``reported`` accepted by the test EdgeCore in this process
+(client perf_counter and EdgeCore time.monotonic: one CLOCK_MONOTONIC). The DMI series starts once the ack
+series' prompt reports (one a second while gpu0 changed every ~0.1 s) are paid back: the budget at 9 tokens.
+Target: p99 < 2 s; the ack latency of the same path is the baseline.
+
+Live (``telemetry.live`` on, standalone, 8 GPUs at 1 s): every live message for ``--live-s`` seconds at a
+subscriber in the client process, latency from the sample's ``ts_ms`` (end of its NVML read; wall clock, 1 ms
+resolution) and from the collector's hand-off to the publisher (perf_counter); baseline: the broker hop alone
+(the client publishing QoS 0 messages of the same size to itself).
+
 Re-apply: ``SimNvml.driver_reload()`` wipes every setting; the main process polls the simulated GPUs every
 2 ms until all 8 power limits read 450 W again (the desired value), in seconds and in collect cycles.
 
 Baseline, same process, before the mapper starts: ``NvmlBackend.set_power_limit`` over the simulator alone
 (the NVML call and its read-back through the backend's worker thread): what the mapper adds on top.
 
-Run: ``.venv/bin/python benchmarks/desired_latency.py [--quick] [--changes N] [--reloads N]``.
+Run: ``.venv/bin/python benchmarks/desired_latency.py [--quick] [--changes N] [--twin-changes N] [--live-s S]
+[--reloads N]``.
 Prints one JSON line last. Target: p99 < 20 ms on loopback, re-apply within one collect cycle.
 """
 
@@ -63,11 +79,15 @@ WARMUP_CHANGES = 10
 PAUSE_MIN_S, PAUSE_MAX_S = 0.05, 0.15
 #: Pause between changes of the twin round trips: more than the one second a Device's prompt DMI reports are
 #: coalesced over (changes within a second share one report), and slow enough that the DMI budget left over by
-#: the 8 Devices' periodic reports (0.8/s minus about 0.5/s) keeps up: a change to one Device every 1.3 s on
-#: average would drain it, and the twins would then wait for tokens (what the rate limit is for).
-TWIN_PAUSE_MIN_S, TWIN_PAUSE_MAX_S = 3.0, 4.5
-#: Report cycle of every Device: discover's default (20 s), so a twin that shows sooner was reported promptly.
+#: the 8 Devices' periodic reports (0.8/s minus about 0.53/s) keeps up: changes faster than one every ~4 s on
+#: average drain it, and the twins then wait for tokens (what the rate limit is for).
+TWIN_PAUSE_MIN_S, TWIN_PAUSE_MAX_S = 4.0, 6.0
+#: Warm-up changes before a twin series (the ack series warmed the path already).
+TWIN_WARMUP_CHANGES = 2
+#: Report cycles of every Device: discover's defaults (twins 20 s, state 60 s), so a twin that shows sooner was
+#: reported promptly, and the DMI budget is spent as on a node whose Devices discover wrote.
 REPORT_CYCLE_MS = 20_000
+STATE_REPORT_CYCLE_MS = 60_000
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -291,15 +311,16 @@ def client_main(spec: dict[str, Any]) -> None:
             latencies: list[Any] = []
             version = 0
             changes = spec["twin_changes"] if twin else spec["changes"]
+            warmup = TWIN_WARMUP_CHANGES if twin else WARMUP_CHANGES
             try:
-                for i in range(changes + WARMUP_CHANGES):
+                for i in range(changes + warmup):
                     value = VALUES_W[i % len(VALUES_W)]
                     version = max(int(time.time() * 1000), version + 1)  # the send time, strictly newer
                     wait_on.expect(value, version if variant == "eventbus" else None)
                     t0 = time.perf_counter()
                     send(value, version)
                     hit = wait_on.wait(5.0)
-                    if i >= WARMUP_CHANGES:
+                    if i >= warmup:
                         if variant == "dmi_twin":
                             latencies.append([value, t0])
                         else:
@@ -406,6 +427,7 @@ def dmi_device(index: int, uuid: str, power_limit: str) -> Any:
     device = pb_device(device_name(index), uuid, properties=props, cycle_ms=COLLECT_CYCLE_MS)
     for prop in device.spec.properties:
         prop.reportCycle = REPORT_CYCLE_MS  # discover's default: a twin seen sooner was reported promptly
+    device.status.reportCycle = STATE_REPORT_CYCLE_MS
     return device
 
 
@@ -616,7 +638,7 @@ async def dmi_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[st
                 # The ack series changes gpu0 every ~0.1 s: its prompt reports spend the DMI budget (one a second,
                 # above the 0.8/s refill). The twin series starts, as a quiet node would, with the budget back.
                 assert app.dmi_client is not None
-                await wait_until(lambda: app.dmi_client.bucket.tokens >= 9.0, 60, "the DMI budget to refill")
+                await wait_until(lambda: app.dmi_client.bucket.tokens >= 9.0, 120, "the DMI budget to refill")
                 raw.update(await asyncio.to_thread(run_client, dict(spec, variants=["dmi_twin"]), 600))
                 await asyncio.sleep(2.5)  # the last twin's report (well within; a missing one counts as a timeout)
         finally:
@@ -754,7 +776,7 @@ def main() -> None:
     parser.add_argument("--changes", type=int, default=None, help="measured changes per path (default 300)")
     parser.add_argument("--reloads", type=int, default=None, help="driver reloads (default 10, 4 with --quick)")
     parser.add_argument(
-        "--twin-changes", type=int, default=None, help="twin round trips per path, 3-4.5 s apart (default 30, 12)"
+        "--twin-changes", type=int, default=None, help="twin round trips per path, 4-6 s apart (default 24, 10)"
     )
     parser.add_argument("--live-s", type=float, default=None, help="seconds of live samples (default 30, 10)")
     parser.add_argument("--seed", type=int, default=1)
@@ -772,7 +794,7 @@ def main() -> None:
         return
     args.changes = args.changes if args.changes is not None else (200 if args.quick else 300)
     args.reloads = args.reloads if args.reloads is not None else (4 if args.quick else 10)
-    args.twin_changes = args.twin_changes if args.twin_changes is not None else (12 if args.quick else 30)
+    args.twin_changes = args.twin_changes if args.twin_changes is not None else (10 if args.quick else 24)
     args.live_s = args.live_s if args.live_s is not None else (10.0 if args.quick else 30.0)
     if args.changes < 1 or args.reloads < 1:
         parser.error("--changes and --reloads must be at least 1")

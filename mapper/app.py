@@ -14,7 +14,6 @@ import os
 import sys
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,7 @@ from mapper.errors import ConfigError, MapperError, PermanentError, TransientErr
 from mapper.eventbus import DELTA_FILTER, membership_topic
 from mapper.gpu.nvml import NvmlBackend
 from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
-from mapper.model import DeviceConfig, GpuInfo, Sample
+from mapper.model import GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.publish import Publisher
@@ -42,7 +41,7 @@ from mapper.shipper import TelemetryShipper
 from mapper.stats import DurationHistogram, LoopHeartbeat, MapperSnapshot, Readiness, gpu_snapshot, worker_totals
 from mapper.statusview import console_table
 from mapper.store import DesiredStore
-from mapper.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route
+from mapper.streams import TelemetryStreams
 
 if TYPE_CHECKING:
     # Imported in ``start`` only when DMI is on: grpc, protobuf and the generated stubs add ~12 MB to the
@@ -102,9 +101,13 @@ class MapperApp:
         self.policies = PolicyEngine(parse_policies(settings.policies))
         self.registry = Registry(node_gpus=lambda: self.workers.keys())
         self.workers: dict[str, GpuWorker] = {}
-        self.telemetry: dict[str, DeviceTelemetry] = {}
-        #: One zstd context (with its dictionary, ~2 MB) shared by every device's batches.
-        self.codec = BatchCodec()
+        self.streams = TelemetryStreams(
+            self.node,
+            self.boot_id,
+            window_s=settings.telemetry_window_s,
+            fmt="json" if settings.telemetry_format == "json" else "binary",
+            qos=settings.mqtt.qos,
+        )
         self.gpus: list[GpuInfo] = []
         self.driver_version = ""
         self.nvml_ready = False
@@ -123,21 +126,19 @@ class MapperApp:
         self._tasks: list[asyncio.Task[None]] = []
         self._beats: dict[str, LoopHeartbeat] = {}
         self._collect_hist = DurationHistogram()
-        #: The telemetry batches cut in the current collect round, stored together at its end (one transaction).
-        self._round_batches: list[tuple[EncodedBatch, Route | None]] = []
         self._config_mtime = 0.0
         self.collector = Collector(
             self.workers,
             backend,
             clock=self.clock,
             on_step=self._after_tick,
-            on_round=self._store_round_batches,
+            on_round=self.streams.store_round,
             beat=self._beat,
             observe=self._observe_round,
             on_sample=self._live if settings.telemetry_live else None,
         )
         self.publisher = Publisher(
-            self.node, None, clock=self.clock, qos=settings.mqtt.qos, before_keep=self._store_round_batches
+            self.node, None, clock=self.clock, qos=settings.mqtt.qos, before_keep=self.streams.store_round
         )
         self.reporter = Reporter(
             self.workers,
@@ -154,7 +155,7 @@ class MapperApp:
             clock=self.clock,
             source="cloud" if settings.dmi_enabled else "file",
             node=self.node,
-            rebind=self._rebind_telemetry,
+            rebind=lambda worker, device: self.streams.bind(worker.uuid, device),
         )
         self.registry.subscribe(self.bindings.on_device_change)
         #: How often the status file is written and the config file checked for changes. (Each round wakes the
@@ -191,6 +192,7 @@ class MapperApp:
             publish_to=self._publisher_for,
         )
         self.publisher.shipper = self.shipper
+        self.streams.shipper = self.shipper
         self.reporter.device_state = self.shipper.update_state
         if self.settings.buffer_compact_after_s > 0:
             try:
@@ -280,7 +282,7 @@ class MapperApp:
                 min_collect_cycle_ms=self.settings.collect_cycle_ms,
                 notify=self.collector.wake.set,
             )
-            self.telemetry[info.uuid] = self._new_telemetry(unbound_device(info))
+            self.streams.bind(info.uuid, unbound_device(info))
         log.info("NVML driver %s: %s", self.driver_version, ", ".join(f"{g.uuid} ({g.name})" for g in self.gpus))
 
     async def run(self, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:
@@ -370,10 +372,8 @@ class MapperApp:
         self._tasks.clear()
         # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
         # stored yet (a collector that crashed in the middle of publishing its round).
+        self.streams.flush_all()
         if self.shipper is not None:
-            for telemetry in self.telemetry.values():
-                self._round_batches.extend((batch, route) for route, batch in telemetry.flush())
-            self._store_round_batches()
             with contextlib.suppress(Exception):
                 await self.shipper.stop(timeout_s=2.0)
         await self.publisher.publish_offline(timeout_s=2.0)
@@ -405,11 +405,8 @@ class MapperApp:
             self.publisher.publish_live(worker.device.key, sample)
 
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
-        if result.sample is not None and self.shipper is not None:
-            telemetry = self.telemetry[worker.uuid]
-            telemetry.add(result.sample)
-            for route, batch in telemetry.flush_due(self.clock.wall_ms()):
-                self._round_batches.append((batch, route))
+        if result.sample is not None:
+            self.streams.add(worker.uuid, result.sample, self.clock.wall_ms())
         acks = result.reconcile.acks if result.reconcile is not None else ()
         events = result.decision.events if result.decision is not None else ()
         if acks or events:  # (most steps publish neither: the device key is worked out only when one does)
@@ -458,12 +455,6 @@ class MapperApp:
         self.publisher.publish_soon(self.publisher.status_topic, b"online", retain=True)
         # Current state first: every device's twins and state go out again on reconnect.
         self.reporter.resend_all()
-
-    def _store_round_batches(self) -> None:
-        """The batches cut so far in this collect round into the buffer, in one transaction."""
-        if self._round_batches and self.shipper is not None:
-            pairs, self._round_batches = self._round_batches, []
-            self.shipper.submit_many(pairs)
 
     async def _run_shipper(self) -> None:
         assert self.shipper is not None
@@ -566,33 +557,6 @@ class MapperApp:
             sys.stdout.write(console_table(self.node, self.workers.values(), buffer_batches=batches, mqtt=mqtt))
             sys.stdout.flush()
             await asyncio.sleep(interval_s)
-
-    def _new_telemetry(self, device: DeviceConfig, start_seq: int = 0) -> DeviceTelemetry:
-        return DeviceTelemetry(
-            self.node,
-            device,
-            self.boot_id,
-            window_s=self.settings.telemetry_window_s,
-            fmt="json" if self.settings.telemetry_format == "json" else "binary",
-            start_seq=start_seq,
-            default_qos=self.settings.mqtt.qos,
-            codec=self.codec,
-        )
-
-    def _rebind_telemetry(self, worker: GpuWorker, device: DeviceConfig) -> None:
-        old = self.telemetry.get(worker.uuid)
-        start_seq = 0
-        if old is not None:
-            if self.shipper is not None:
-                for route, batch in old.flush():
-                    self.shipper.submit(batch, route)
-            if old.device.key == device.key:
-                start_seq = old.next_seq
-        try:
-            self.telemetry[worker.uuid] = self._new_telemetry(device, start_seq)
-        except ValueError as exc:
-            log.error("device %s: pushMethod refused, default telemetry route used: %s", device.key, exc)
-            self.telemetry[worker.uuid] = self._new_telemetry(replace(device, properties=()), start_seq)
 
 
 async def run(settings: Settings, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:

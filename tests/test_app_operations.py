@@ -166,7 +166,7 @@ async def test_the_batches_every_gpu_cut_in_one_round_are_stored_in_one_call(tmp
         await wait_for(lambda: len(calls) >= 3, timeout_s=15, what="three rounds with batches")
         assert any(sorted(c) == sorted(app.workers) for c in calls), calls  # all GPUs' batches in one call
         assert all(len(c) == len(set(c)) for c in calls), "one batch per GPU and round"
-        assert app._round_batches == [], "nothing left behind after a round"
+        assert app.streams.round_batches == [], "nothing left behind after a round"
 
 
 async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_and_the_mapper_runs_on(tmp_path: Path):
@@ -182,8 +182,8 @@ async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_
 
     def crashing(worker, result):  # type: ignore[no-untyped-def]
         after_tick(worker, result)
-        if not cut and app._round_batches and worker is list(app.workers.values())[-1]:
-            cut.extend((batch.uuid, batch.seq) for batch, _ in app._round_batches)
+        if not cut and app.streams.round_batches and worker is list(app.workers.values())[-1]:
+            cut.extend((batch.uuid, batch.seq) for batch, _ in app.streams.round_batches)
             raise RuntimeError("a bug in publishing a step")
 
     app.collector.on_step = crashing

@@ -1,0 +1,101 @@
+"""Each GPU's telemetry stream, from its samples to the shipper.
+
+``TelemetryStreams`` keeps one ``DeviceTelemetry`` (the batch encoders of a device's routes) per GPU: a GPU no
+Device names streams as ``_unbound/<uuid>``; when its Device changes the old stream is flushed and a new one
+takes its routes (``pushMethod.mqtt``), keeping the sequence when the device stays the same. The batches the
+GPUs cut in one collect round are stored together at its end (``store_round``: one buffer transaction), and
+whatever is left is cut and stored at shutdown (``flush_all``).
+
+Pure loop logic: it sees the shipper and the telemetry encoders, never the buffer or MQTT.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Literal
+
+from mapper.model import DeviceConfig, Sample
+from mapper.shipper import TelemetryShipper
+from mapper.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route
+
+log = logging.getLogger("mapper.streams")
+
+
+class TelemetryStreams:
+    """One telemetry stream per GPU (by UUID). ``shipper``: where the batches go (set it once it exists; without
+    one, samples are not encoded at all)."""
+
+    def __init__(
+        self,
+        node: str,
+        boot_id: str,
+        *,
+        window_s: float,
+        fmt: Literal["binary", "json"] = "binary",
+        qos: int = 1,
+        shipper: TelemetryShipper | None = None,
+    ) -> None:
+        self.node = node
+        self.boot_id = boot_id
+        self.window_s = window_s
+        self.fmt: Literal["binary", "json"] = fmt
+        self.qos = qos
+        self.shipper = shipper
+        #: One zstd context (with its dictionary, ~2 MB) shared by every device's batches.
+        self.codec = BatchCodec()
+        self.by_uuid: dict[str, DeviceTelemetry] = {}
+        #: The batches cut in the current collect round, stored together at its end (one transaction).
+        self.round_batches: list[tuple[EncodedBatch, Route | None]] = []
+
+    def _new(self, device: DeviceConfig, start_seq: int = 0) -> DeviceTelemetry:
+        return DeviceTelemetry(
+            self.node,
+            device,
+            self.boot_id,
+            window_s=self.window_s,
+            fmt=self.fmt,
+            start_seq=start_seq,
+            default_qos=self.qos,
+            codec=self.codec,
+        )
+
+    def bind(self, uuid: str, device: DeviceConfig) -> None:
+        """GPU ``uuid`` streams as ``device`` from now on (its unbound identity, or the Device that names it)."""
+        old = self.by_uuid.get(uuid)
+        start_seq = 0
+        if old is not None:
+            if self.shipper is not None:
+                for route, batch in old.flush():
+                    self.shipper.submit(batch, route)
+            if old.device.key == device.key:
+                start_seq = old.next_seq
+        try:
+            self.by_uuid[uuid] = self._new(device, start_seq)
+        except ValueError as exc:
+            log.error("device %s: pushMethod refused, default telemetry route used: %s", device.key, exc)
+            self.by_uuid[uuid] = self._new(replace(device, properties=()), start_seq)
+
+    def add(self, uuid: str, sample: Sample, now_ms: int) -> None:
+        """A sample of GPU ``uuid``; the batches it completes wait for ``store_round``."""
+        if self.shipper is None:
+            return
+        telemetry = self.by_uuid[uuid]
+        telemetry.add(sample)
+        for route, batch in telemetry.flush_due(now_ms):
+            self.round_batches.append((batch, route))
+
+    def store_round(self) -> None:
+        """The batches cut so far in this collect round into the buffer, in one transaction."""
+        if self.round_batches and self.shipper is not None:
+            pairs, self.round_batches = self.round_batches, []
+            self.shipper.submit_many(pairs)
+
+    def flush_all(self) -> None:
+        """At shutdown: whatever was sampled but not yet cut is stored, after what a round cut and had not
+        stored yet (a collector that crashed in the middle of publishing its round)."""
+        if self.shipper is None:
+            return
+        for telemetry in self.by_uuid.values():
+            self.round_batches.extend((batch, route) for route, batch in telemetry.flush())
+        self.store_round()
