@@ -159,6 +159,9 @@ class Reporter:
         #: Devices whose twins go out again at once on EventBus (the broker reconnected), off their cycle.
         self._resend: set[str] = set()
         self._resend_state: set[str] = set()
+        #: Per Device: its reported writable properties, and what the last step left of them and the status twins.
+        self._writable_names: dict[str, tuple[str, ...]] = {}
+        self._signature: dict[str, tuple[object, ...]] = {}
         #: The unsupported twins already logged, per Device.
         self._unsupported_logged: dict[str, set[str]] = {}
         #: Reports offered, by kind: periodic, prompt (DMI), prompt_eventbus, state.
@@ -176,6 +179,8 @@ class Reporter:
         self._next_report_s[key] = 0.0
         self._next_state_s[key] = 0.0
         self._last_control.pop(key, None)
+        self._writable_names.pop(key, None)
+        self._signature.pop(key, None)
         self.wake.set()
 
     def removed(self, device: DeviceConfig) -> None:
@@ -185,6 +190,8 @@ class Reporter:
             book.pop(key, None)
         for pending in (self._prompt_dmi, self._prompt_eventbus, self._unsupported_logged):
             pending.pop(key, None)
+        self._writable_names.pop(key, None)
+        self._signature.pop(key, None)
         self._resend.discard(key)
         self._resend_state.discard(key)
         if self.dmi is not None:
@@ -217,6 +224,12 @@ class Reporter:
             return
         acks = result.reconcile.acks if result.reconcile is not None else ()
         events = result.decision.events if result.decision is not None else ()
+        # The usual step changes nothing of this: compare raw values first, format twins only on a change.
+        values = worker.values
+        signature = (worker.desired_status, worker.policy_state, *[values.get(n) for n in self._writable(device)])
+        if not acks and not events and self._signature.get(key) == signature:
+            return
+        self._signature[key] = signature
         names = set()
         for twin in device_twins(worker, control_twins(device)):
             before = last.get(twin.name)
@@ -234,6 +247,12 @@ class Reporter:
         if self.eventbus is not None:
             self._prompt_eventbus.setdefault(key, set()).update(names)
         self.wake.set()
+
+    def _writable(self, device: DeviceConfig) -> tuple[str, ...]:
+        names = self._writable_names.get(device.key)
+        if names is None:
+            names = self._writable_names[device.key] = control_twins(device)[: -len(STATUS_TWINS)]
+        return names
 
     def offer_state(self, namespace: str, name: str, state: str) -> None:
         """The state of a Device no GPU serves (its GPU is missing: ``offline``), over DMI."""
