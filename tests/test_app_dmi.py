@@ -55,7 +55,15 @@ async def test_edgecore_drives_the_mapper_register_report_update_and_restart(soc
             return any(twins_of(r).get(prop, ("", ""))[1] == value for r in edge.rec.statuses)
 
         await wait_for(lambda: reported("power_limit", "300"), what="power_limit reported 300")
-        last = edge.rec.statuses[-1]
+
+        def full_report_with_300() -> object:
+            # A periodic report carries every twin (a prompt one only the affected: power_limit and the status)
+            for r in reversed(edge.rec.statuses):
+                if "temperature" in twins_of(r) and twins_of(r).get("power_limit", ("", ""))[1] == "300":
+                    return r
+            return None
+
+        last = await wait_for(full_report_with_300, what="a periodic report with power_limit 300")
         assert last.deviceNamespace == "default" and last.deviceName == "gpu0"
         for twin in last.reportedDevice.twins:
             assert twin.HasField("observedDesired") and twin.HasField("reported"), twin.propertyName
