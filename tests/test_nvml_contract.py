@@ -255,6 +255,9 @@ def test_a_pre_r535_driver_gives_clock_reasons_and_energy_through_the_older_call
     assert sim.calls["nvmlDeviceGetFieldValues"] == 6
     backend.sample(t4)
     assert sim.calls["nvmlDeviceGetFieldValues"] == 6 and sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 7
+    backend.shutdown()  # a new NVML session (a reload may bring a newer driver): the r535 name is tried again
+    assert backend.sample(h100).values["clock_event_reasons"] == pynvml.nvmlClocksEventReasonGpuIdle
+    assert sim.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 2
 
 
 def test_memory_comes_from_v2_with_the_reserved_part_apart_and_from_v1_before_r510(

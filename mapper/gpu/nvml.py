@@ -656,6 +656,9 @@ class NvmlBackend:
         self._locked_memory.clear()
         self._static.clear()
         self._memory_v1.clear()
+        # a reload may have brought a newer driver: try the current names again (once per session)
+        self._legacy_temperature = False
+        self._legacy_reasons = False
 
     def _shutdown_session(self) -> None:
         if not self._initialized:
