@@ -237,6 +237,7 @@ class MapperApp:
             heartbeats=lambda: list(self._beats.values()),
             readiness=self.readiness,
             loop=asyncio.get_running_loop(),
+            web_config_file=self.settings.web_config_file,
         )
         self.metrics.start()
         log.info(

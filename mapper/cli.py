@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help=f"/metrics, /healthz, /readyz and /status (env {_env('metrics_addr')}; default 0.0.0.0:9410)",
     )
+    run.add_argument(
+        "--web-config-file",
+        metavar="FILE",
+        help="TLS and basic auth for the HTTP endpoints, in Prometheus exporter-toolkit format "
+        f"(env {_env('web_config_file')}; default: off, plain HTTP)",
+    )
     run.add_argument("--log-format", choices=["text", "json"], help=f"log format (env {_env('log_format')})")
     run.add_argument("--log-level", help=f"log level, e.g. INFO or DEBUG (env {_env('log_level')})")
     run.add_argument(

@@ -111,6 +111,8 @@ class Settings:
     #: Standalone mode: load Device/DeviceModel YAML from this folder instead of EdgeCore.
     devices_dir: str | None = None
     metrics_addr: str = "0.0.0.0:9410"
+    #: TLS and basic auth for the HTTP endpoints: a Prometheus exporter-toolkit web config file (None = off).
+    web_config_file: str | None = None
     log_format: str = "text"
     log_level: str = "INFO"
     #: The fastest collect cycle allowed (ms); a property whose cycle is 0 uses its catalog default.
@@ -179,6 +181,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "data_dir": ("dataDir", "str"),
     "devices_dir": ("devicesDir", "str"),
     "metrics_addr": ("metricsAddr", "str"),
+    "web_config_file": ("webConfigFile", "str"),
     "log_format": ("log.format", "str"),
     "log_level": ("log.level", "str"),
     "collect_cycle_ms": ("defaults.collectCycle", "ms"),

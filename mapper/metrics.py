@@ -64,6 +64,7 @@ from mapper.stats import (
     check_liveness,
 )
 from mapper.statusview import render_status
+from mapper.webconfig import WebAuth, WebConfig, client_allowed
 
 log = logging.getLogger(__name__)
 
@@ -516,6 +517,11 @@ class _Server(ThreadingHTTPServer):
     timeout = 1.0
     owner: MetricsServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that fails the TLS handshake or hangs up mid-request: not the mapper's error (the default
+        # prints a traceback to stderr).
+        log.debug("http %s: connection failed", client_address[0] if client_address else "?", exc_info=True)
+
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
@@ -523,12 +529,22 @@ class _Server6(_Server):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    web_config: WebConfig | None = None
     protocol_version = "HTTP/1.1"
     server_version = "gpu-mapper"
 
     def setup(self) -> None:
         # Every read and write on the connection is bounded (a stuck client cannot hold a thread forever).
         self.request.settimeout(self.server.owner.request_timeout_s)
+        web = self.server.owner.web
+        self.web_config = web.config if web is not None else None
+        if self.web_config is not None and self.web_config.context is not None:
+            # The handshake runs here, on this connection's thread (bounded by the timeout above), not on the
+            # accept loop.
+            self.request = self.web_config.context.wrap_socket(self.request, server_side=True)
+            if not client_allowed(self.web_config, self.request.getpeercert()):
+                log.info("http %s: client certificate not in client_allowed_sans; closed", self.client_address[0])
+                raise ConnectionAbortedError("client certificate not allowed")
         super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -537,6 +553,21 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         owner = self.server.owner
         url = urlsplit(self.path)
+        web = self.web_config
+        if (
+            web is not None
+            and owner.web is not None
+            and not owner.web.authorized(web, self.headers.get("Authorization"))
+        ):
+            body = b"unauthorized\n"
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="gpu-mapper"')
+            self.send_header("Content-Type", _TEXT)
+            self.send_header("Content-Length", str(len(body)))
+            self._extra_headers()
+            self.end_headers()
+            self.wfile.write(body)
+            return
         try:
             status, ctype, body = owner.handle(url.path, parse_qs(url.query))
         except Exception:
@@ -546,8 +577,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        self._extra_headers()
         self.end_headers()
         self.wfile.write(body)
+
+    def _extra_headers(self) -> None:
+        if self.web_config is not None:
+            for name, value in self.web_config.headers.items():
+                self.send_header(name, value)
 
 
 _TEXT = "text/plain; charset=utf-8"
@@ -577,8 +614,11 @@ class MetricsServer:
         snapshot_timeout_s: float = 5.0,
         stall_periods: float = 5.0,
         min_stall_s: float = 10.0,
+        web_config_file: str | None = None,
     ) -> None:
         self.host, self._port = parse_metrics_addr(addr)
+        #: TLS and basic auth from an exporter-toolkit web config file (``mapper.webconfig``); None: plain HTTP.
+        self.web = WebAuth(web_config_file) if web_config_file else None
         self._snapshot = snapshot
         self._heartbeats = heartbeats
         self._readiness = readiness
@@ -615,7 +655,16 @@ class MetricsServer:
             target=self._serve, args=(httpd, self._wake_r), name="metrics-http", daemon=True
         )
         self._thread.start()
-        log.info("metrics: serving /metrics /healthz /readyz /status on %s", self.url)
+        web = self.web.config if self.web is not None else None
+        log.info(
+            "metrics: serving /metrics /healthz /readyz /status on %s%s",
+            self.url,
+            ""
+            if web is None
+            else f" (web config {self.web.path if self.web else ''}: "
+            f"{len(web.users)} basic-auth user(s), client certificates "
+            f"{web.tls.client_auth_type if web.tls else 'n/a'})",
+        )
 
     def _serve(self, httpd: _Server, wake: socket.socket) -> None:
         """Accept connections until ``stop`` writes to ``wake``. Unlike ``serve_forever`` it does not poll: an
@@ -666,7 +715,8 @@ class MetricsServer:
             host = "::1"
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self._port}"
+        tls = self.web is not None and self.web.config.tls is not None
+        return f"{'https' if tls else 'http'}://{host}:{self._port}"
 
     # --- requests (run on the server's threads) ---
 

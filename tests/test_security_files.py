@@ -3,6 +3,7 @@ never logged, and the mapper run as a non-root user over the simulated NVML (rea
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import stat
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,11 +233,13 @@ class MapperProcess:
         return self.proc.returncode
 
 
-def _passwd(tmp_path: Path, user: str, password: str) -> Path:
-    path = tmp_path / "passwd"
-    subprocess.run(["mosquitto_passwd", "-c", "-b", str(path), user, password], check=True, timeout=30)
-    path.chmod(0o600)
-    return path
+def _http_status(url: str, authorization: str) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": authorization})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
 
 
 @pytest.mark.timeout(90)
@@ -265,8 +269,15 @@ def test_no_secret_appears_in_a_debug_log_and_one_on_the_command_line_is_warned_
         "--mqtt",
         broker.url,
     ]
+    # The endpoints' basic-auth password (and its bcrypt hash) must not be logged either.
+    import bcrypt
+
+    web_pw = "web-secret-c0ffee"
+    web_hash = bcrypt.hashpw(web_pw.encode(), bcrypt.gensalt(4)).decode()
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  prometheus: {web_hash}\n")
     runs = [
-        ("file", [*common, "--data-dir", str(tmp_path / "d1")],
+        ("file", [*common, "--data-dir", str(tmp_path / "d1"), "--web-config-file", str(web)],
          {"GPU_MAPPER_MQTT_USERNAME": "gpu-mapper", "GPU_MAPPER_MQTT_PASSWORD_FILE": str(secret)}),
         ("cli", [*common, "--data-dir", str(tmp_path / "d2"), "--mqtt-username", "cli-user", "--mqtt-password", on_cli],
          {}),
@@ -276,12 +287,19 @@ def test_no_secret_appears_in_a_debug_log_and_one_on_the_command_line_is_warned_
             mapper = MapperProcess(argv, tmp_path / f"{name}.log", env=env)
             try:
                 mapper.wait(lambda m=mapper: "connected as" in m.log(), f"{name}: the mapper connected to the broker")
-                mapper.wait(lambda m=mapper: m.status().mqtt_connected, f"{name}: /status says connected")
+                if name == "file":
+                    auth = "Basic " + base64.b64encode(f"prometheus:{web_pw}".encode()).decode()
+                    wrong = "Basic " + base64.b64encode(b"prometheus:not-" + web_pw.encode()).decode()
+                    assert _http_status(mapper.url + "/metrics", wrong) == 401
+                    mapper.wait(lambda m=mapper, a=auth: _http_status(m.url + "/status", a) == 200, "/status with auth")
+                else:
+                    mapper.wait(lambda m=mapper: m.status().mqtt_connected, f"{name}: /status says connected")
             finally:
                 assert mapper.stop() == 0, mapper.log()[-3000:]
             text = mapper.log()
             assert " DEBUG " in text, "the run did not log at DEBUG level"
             assert from_file not in text and on_cli not in text, f"{name}: a secret is in the log"
+            assert web_pw not in text and web_hash not in text and web_hash[7:29] not in text
             warned = "--mqtt-password on the command line is visible to every local user" in text
             assert warned == (name == "cli"), text[-2000:]
     finally:
