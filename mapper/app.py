@@ -26,6 +26,7 @@ from mapper.compact import CompactionSettings, Compactor
 from mapper.config import Settings, read_file
 from mapper.datadir import prepare_data_dir
 from mapper.devicefiles import watch_folder
+from mapper.doorlimit import InboundLimiter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.eventbus import DELTA_FILTER, membership_topic
 from mapper.gpu.nvml import NvmlBackend
@@ -158,6 +159,11 @@ class MapperApp:
             rebind=lambda worker, device: self.streams.bind(worker.uuid, device),
         )
         self.registry.subscribe(self.bindings.on_device_change)
+        self.bindings.max_delta_bytes = settings.inbound_max_bytes
+        #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).
+        self.inbound = InboundLimiter(
+            "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock.monotonic
+        )
         #: How often the status file is written and the config file checked for changes. (Each round wakes the
         #: loop and a thread; the status file is the offline fallback of ``gpu-mapper status``, /status is live.)
         self.housekeeping_interval_s = 10.0
@@ -211,14 +217,23 @@ class MapperApp:
         if self.session is not None:
             self.session.add_on_connect(self._on_mqtt_connect)
             if self.settings.eventbus_enabled:
-                self.session.subscribe(DELTA_FILTER, self.bindings.on_delta)
-                self.session.subscribe(membership_topic(self.node), self.bindings.on_membership)
+                # Behind the door's limits: size, then a token of the message's device (docs/security.md).
+                limit = self.settings.inbound_max_bytes
+                self.session.subscribe(DELTA_FILTER, self.inbound.gate(self.bindings.on_delta, limit))
+                self.session.subscribe(
+                    membership_topic(self.node), self.inbound.gate(self.bindings.on_membership, limit)
+                )
             await self.session.start()
         if self.settings.dmi_enabled:
             from mapper.dmi.client import DmiClient, DmiReporter
             from mapper.dmi.server import DmiServer
 
-            self.dmi_server = DmiServer(self.registry, self.reporter.twins_of_device, socket_path=self.settings.socket)
+            self.dmi_server = DmiServer(
+                self.registry,
+                self.reporter.twins_of_device,
+                socket_path=self.settings.socket,
+                max_message_bytes=self.settings.dmi_max_message_bytes,
+            )
             await self.dmi_server.start()
             self.dmi_client = DmiClient(
                 edgecore_socket=self.settings.edgecore_socket,
@@ -505,6 +520,7 @@ class MapperApp:
             mqtt_enabled=self.session is not None,
             mqtt_connected=self.session.connected if self.session is not None else False,
             mqtt_reconnects=self.session.reconnects if self.session is not None else 0,
+            mqtt_inbound_dropped=dict(self.inbound.dropped),
             dmi_registered=self.dmi_client.registered if self.dmi_client is not None else False,
             dmi_rpcs=dmi_rpcs,
             reconcile_actions=totals.actions,

@@ -25,7 +25,7 @@ from mapper.collect import GpuWorker
 from mapper.desired import DesiredState, Source
 from mapper.devicefiles import FolderContents
 from mapper.errors import ConfigError, MapperError
-from mapper.eventbus import parse_delta, parse_membership
+from mapper.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
 from mapper.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
 from mapper.policy import PolicyEngine
 from mapper.registry import DeviceChange, PreconditionError, Registry
@@ -99,6 +99,8 @@ class Bindings:
         self.node = node
         self.rebind = rebind
         self.store = store
+        #: The largest delta parsed (``mqtt.inboundMaxBytes``; the app's door drops bigger ones before this).
+        self.max_delta_bytes = MAX_PAYLOAD_BYTES
 
     # --- the registry -------------------------------------------------------------------------------------------
     def on_device_change(self, change: DeviceChange) -> None:
@@ -172,7 +174,7 @@ class Bindings:
     def on_delta(self, topic: str, payload: bytes) -> None:
         """An edge application set desired values through ``twin/update/delta``."""
         try:
-            delta = parse_delta(topic, payload)
+            delta = parse_delta(topic, payload, max_bytes=self.max_delta_bytes)
         except ValueError as exc:
             log.warning("EventBus delta refused: %s", exc)
             return

@@ -136,6 +136,13 @@ class Settings:
     #: DMI rate budget shared by every report of this mapper (EdgeCore allows 1/s, burst 100, node-wide).
     dmi_rate_per_s: float = 0.8
     dmi_burst: int = 10
+    #: Largest gRPC message the mapper's own DMI server receives or sends (EdgeCore's Devices and models).
+    dmi_max_message_bytes: int = 4 * 1024**2
+    #: Messages from the broker (deltas, membership updates): per device, messages per second and burst, and
+    #: the largest payload parsed. The excess is dropped, counted and logged once per minute.
+    inbound_rate_per_s: float = 2.0
+    inbound_burst: int = 20
+    inbound_max_bytes: int = 64 * 1024
     #: Clamp out-of-range desired values to the GPU's limits instead of rejecting them.
     clamp: bool = False
     #: On removal of a desired persistence/compute mode, set them back to off/default (else leave them).
@@ -197,6 +204,10 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "buffer_compact_slot_s": ("buffer.compactSlot", "duration"),
     "dmi_rate_per_s": ("dmi.ratePerSecond", "float"),
     "dmi_burst": ("dmi.burst", "int"),
+    "dmi_max_message_bytes": ("dmi.maxMessageBytes", "size"),
+    "inbound_rate_per_s": ("mqtt.inboundRatePerSecond", "float"),
+    "inbound_burst": ("mqtt.inboundBurst", "int"),
+    "inbound_max_bytes": ("mqtt.inboundMaxBytes", "size"),
     "clamp": ("reconcile.clamp", "bool"),
     "restore_modes": ("reconcile.restoreModes", "bool"),
     "print_interval_s": ("console.printInterval", "duration"),
@@ -384,6 +395,15 @@ def validate(settings: Settings) -> None:
         raise ConfigError("defaults: cycles must be positive milliseconds")
     if settings.dmi_rate_per_s <= 0 or settings.dmi_rate_per_s > 1.0:
         raise ConfigError(f"dmi.ratePerSecond: must be in (0, 1] (EdgeCore allows 1/s), got {settings.dmi_rate_per_s}")
+    if settings.inbound_rate_per_s <= 0 or settings.inbound_burst < 1:
+        raise ConfigError(
+            "mqtt.inboundRatePerSecond must be > 0 and mqtt.inboundBurst >= 1, got "
+            f"{settings.inbound_rate_per_s} and {settings.inbound_burst}"
+        )
+    if not 1024 <= settings.inbound_max_bytes <= 16 * 1024**2:
+        raise ConfigError(f"mqtt.inboundMaxBytes: must be 1KiB..16MiB, got {settings.inbound_max_bytes}")
+    if not 64 * 1024 <= settings.dmi_max_message_bytes <= 256 * 1024**2:
+        raise ConfigError(f"dmi.maxMessageBytes: must be 64KiB..256MiB, got {settings.dmi_max_message_bytes}")
     if settings.sim < 0 or settings.sim > 64:
         raise ConfigError(f"sim.count: must be 0..64, got {settings.sim}")
 

@@ -100,13 +100,13 @@ def device_of_topic(topic: str) -> tuple[str, str]:
     return namespace, name
 
 
-def parse_delta(topic: str, payload: bytes) -> Delta:
-    """Parse a ``twin/update/delta`` message. Raises ValueError naming what is wrong."""
+def parse_delta(topic: str, payload: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> Delta:
+    """Parse a ``twin/update/delta`` message of at most ``max_bytes``. Raises ValueError naming what is wrong."""
     if len(topic.split("/")) != 8 or not topic.endswith("/twin/update/delta"):
         raise ValueError(f"topic {topic!r} is not a two-segment KubeEdge twin/update/delta topic")
     namespace, name = device_of_topic(topic)
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise ValueError(f"delta for {namespace}/{name}: payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    if len(payload) > max_bytes:
+        raise ValueError(f"delta for {namespace}/{name}: payload of {len(payload)} bytes exceeds {max_bytes}")
     doc = load_json(payload, f"delta for {namespace}/{name}")
     if not isinstance(doc, dict):
         raise ValueError(f"delta for {namespace}/{name}: the payload must be a JSON object")

@@ -403,6 +403,13 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
         _gauge("gpu_mapper_mqtt_enabled", "1 when a broker is configured", 1 if s.mqtt_enabled else 0),
         _gauge("gpu_mapper_mqtt_connected", "1 while the MQTT session is up", 1 if s.mqtt_connected else 0),
         _counter("gpu_mapper_mqtt_reconnects", "MQTT reconnects since the mapper started", s.mqtt_reconnects),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_mqtt_inbound_dropped",
+            "messages from the broker (deltas, membership updates) dropped at the door, by reason",
+            ("reason",),
+            _keyed(s.mqtt_inbound_dropped),
+        ),
         _gauge(
             "gpu_mapper_dmi_registered",
             "1 while registered with EdgeCore over DMI (always 0 in standalone mode)",

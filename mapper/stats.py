@@ -152,6 +152,8 @@ class MapperSnapshot:
     mqtt_enabled: bool = False
     mqtt_connected: bool = False
     mqtt_reconnects: int = 0
+    #: Messages from the broker dropped at the door, by reason (``rate-limited``, ``too-large``).
+    mqtt_inbound_dropped: Mapping[str, int] = field(default_factory=dict)
     # --- DMI (issue 3) ---
     dmi_registered: bool = False
     #: RPCs by (method, result); result is ``ok`` or a short error code (``unavailable``, ``rate_limited``...).
@@ -207,6 +209,7 @@ class MapperSnapshot:
                 "enabled": self.mqtt_enabled,
                 "connected": self.mqtt_connected,
                 "reconnects": self.mqtt_reconnects,
+                "inbound_dropped": dict(self.mqtt_inbound_dropped),
             },
             "dmi": {"registered": self.dmi_registered, "rpcs": _pairs_out(self.dmi_rpcs)},
             "desired": {
@@ -271,6 +274,8 @@ class MapperSnapshot:
             mqtt_enabled=mqtt.flag("enabled"),
             mqtt_connected=mqtt.flag("connected"),
             mqtt_reconnects=mqtt.count("reconnects"),
+            # Absent from the status file of a mapper older than this field.
+            mqtt_inbound_dropped=mqtt.count_map("inbound_dropped") if "inbound_dropped" in mqtt.names() else {},
             dmi_registered=dmi.flag("registered"),
             dmi_rpcs=dmi.pairs("rpcs"),
             reconcile_actions=desired.pairs("reconcile_actions"),

@@ -152,12 +152,16 @@ class DmiServer:
         socket_path: str = DEFAULT_SOCKET,
         socket_mode: int = 0o660,
         protocol: str = "gpu",
+        max_message_bytes: int = 4 * 1024**2,
     ) -> None:
         self.registry = registry
         self.twins_of = twins_of
         self.socket_path = socket_path
         self.socket_mode = socket_mode
         self.protocol = protocol
+        #: Largest message received or sent; a bigger request is refused with RESOURCE_EXHAUSTED before it
+        #: is parsed (gRPC's default receive limit is the same 4 MiB, its send limit none).
+        self.max_message_bytes = max_message_bytes
         #: RPCs served, by method and result: ``{"UpdateDevice": {"ok": 3, "invalid_argument": 1}}``.
         self.rpc_counts: dict[str, dict[str, int]] = {}
         self._server: grpc.aio.Server | None = None
@@ -207,7 +211,12 @@ class DmiServer:
         if self._server is not None:
             return
         self._prepare_socket()
-        server = grpc.aio.server()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes),
+            ]
+        )
         pb_grpc.add_DeviceMapperServiceServicer_to_server(_Servicer(self), server)
         try:
             port = server.add_insecure_port(f"unix://{self.socket_path}")
