@@ -17,6 +17,11 @@ if [ "$want_test" = 1 ]; then
   # gcc builds the stand-in libnvidia-ml.so.1 the NVML tests run the real pynvml over (tests/nvml_standin.py)
   command -v gcc >/dev/null || need_apt+=(gcc)
   [ -f /usr/include/stdlib.h ] || need_apt+=(libc6-dev)
+  # The image build and its test (tests/test_image.py): Debian's root filesystem, podman to import and run it
+  # (runc as well: crun refuses hosts with a hybrid cgroup hierarchy).
+  command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
+  command -v podman >/dev/null || need_apt+=(podman)
+  command -v runc >/dev/null || need_apt+=(runc)
 fi
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "installing Debian packages: ${need_apt[*]}" >&2

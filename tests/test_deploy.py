@@ -350,3 +350,37 @@ def test_the_dashboard_has_node_and_gpu_variables_and_unique_panel_ids() -> None
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for word in ("power", "temperature", "utilisation", "clocks", "throttle", "backlog", "draw vs cap"):
         assert word in titles
+
+
+# --------------------------------------------------------------------------------------------------
+# The image: the Containerfile (for podman/docker build) and scripts/build-image.sh (no registry) agree
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_containerfile_and_the_build_script_make_the_same_image() -> None:
+    """tests/test_image.py builds and runs the script's image; the Containerfile needs a registry to build, so
+    here it is checked to set up what the script sets up."""
+    containerfile = (REPO / "Containerfile").read_text()
+    script = (REPO / "scripts" / "build-image.sh").read_text()
+    assert containerfile.count("FROM ") == 2  # a build stage and the final one
+    final = containerfile.rsplit("FROM ", 1)[1]
+    assert final.startswith("docker.io/library/debian:bookworm-slim")
+    # The final stage installs Debian's python3 and CA certificates only, as the script's root filesystem.
+    assert re.search(r"apt-get install -y --no-install-recommends python3 ca-certificates\s", final)
+    assert "PACKAGES=python3,ca-certificates" in script
+    for tool in ("gcc", "build-essential", "python3-pip", "python3-venv", "pytest"):
+        assert tool not in final, tool
+    # Same entrypoint, command, environment, port, user and install path.
+    assert 'ENTRYPOINT ["/usr/local/bin/gpu-mapper"]' in final and 'ENTRYPOINT ["/usr/local/bin/gpu-mapper"]' in script
+    assert 'CMD ["run"]' in final and 'CMD ["run"]' in script
+    env = "ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GPU_MAPPER_DATA_DIR=/var/lib/gpu-mapper"
+    assert env in final and env in script
+    for line in ("EXPOSE 9410/tcp", "USER 0:0", "WORKDIR /"):
+        assert line in final and line in script, line
+    assert "usr/local/lib/python3.11/dist-packages" in containerfile and "usr/local/lib/python${PY_VERSION}" in script
+    labels = set(re.findall(r"org\.opencontainers\.image\.([a-z.]+)=", final))
+    assert labels == set(re.findall(r"label org\.opencontainers\.image\.([a-z.]+) ", script))
+    assert {"title", "version", "revision", "created", "licenses", "source", "description"} <= labels
+    version = re.search(r'^version = "(.*)"', (REPO / "pyproject.toml").read_text(), re.M)
+    assert version is not None and f"ARG VERSION={version.group(1)}" in final
+    assert container()["image"].endswith(":" + version.group(1))
