@@ -28,6 +28,7 @@ import math
 import os
 import selectors
 import socket
+import ssl
 import tempfile
 import threading
 import time
@@ -551,8 +552,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.request = self.web_config.context.wrap_socket(self.request, server_side=True)
             if not client_allowed(self.web_config, self.request.getpeercert()):
                 log.info("http %s: client certificate not in client_allowed_sans; closed", self.client_address[0])
+                self.request.close()
                 raise ConnectionAbortedError("client certificate not allowed")
         super().setup()
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            # The server closes the plain socket it accepted, which the TLS one has taken over (detached).
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.close()
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http %s " + format, self.client_address[0], *args)

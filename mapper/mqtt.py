@@ -1,4 +1,4 @@
-"""One long-lived MQTT session per broker (paho-mqtt 2.x); the only module that touches paho or ssl.
+"""One long-lived MQTT session per broker (paho-mqtt 2.x); the only module that touches paho.
 
 paho is driven from the asyncio event loop, with no network thread of its own: the loop watches the session's
 socket (``add_reader``, and ``add_writer`` only while paho has bytes it could not write), a publish is written
