@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,9 @@ async def test_bad_dmi_calls_over_grpc_are_refused_with_a_clear_status_and_set_n
 @pytest.mark.timeout(120)
 async def test_bad_eventbus_payloads_through_a_real_broker_change_nothing_and_stop_nothing(mosquitto, tmp_path: Path):
     sim, uuid0, _, settings_ = standalone(tmp_path, mosquitto.url)
+    # Parsing is under test here, not the door's rate limit (tests/test_doorlimit.py): every message must reach
+    # the parser, and the good delta after 450 bad ones must not find the device's bucket empty.
+    settings_ = replace(settings_, inbound_rate_per_s=1e6, inbound_burst=10**6)
     delta_topic = "$hw/events/device/default/gpu0/twin/update/delta"
     docs = generate(
         st.fixed_dictionaries(
