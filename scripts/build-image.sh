@@ -91,8 +91,9 @@ for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
 "$PYTHON" -m pip install -q --no-compile --target "$site" --only-binary=:all: --implementation cp \
   --python-version "$PY_VERSION" --abi "cp${PY_VERSION/./}" --abi abi3 --abi none "${platform_args[@]}" \
   "$wheel" >&2
-# pip's scripts carry the build machine's interpreter path: the image has its own entrypoint below.
-rm -rf "$site/bin"
+# pip's scripts carry the build machine's interpreter path: the image has its own entrypoint below. pip itself
+# comes in as a dependency of sqlite-utils (for its own install command, which gpu-mapper never runs): removed.
+rm -rf "$site/bin" "$site"/pip "$site"/pip-*.dist-info
 mkdir -p "$work/root/usr/local/bin"
 cat > "$work/root/usr/local/bin/gpu-mapper" <<'EOF'
 #!/usr/bin/python3
