@@ -409,4 +409,7 @@ async def test_a_mapper_the_broker_refuses_keeps_buffering_and_says_why(
         assert not app.session.connected
         failure = app.session.last_failure
         assert failure is not None and "client certificate" in failure
-    assert any("certificate required" in r.getMessage() for r in caplog.records if r.name == "mapper.mqtt")
+    # Logged as a warning with the hint; the broker's alert itself ("certificate required") or only the closed
+    # connection, whichever the TLS race gave.
+    warned = [r.getMessage() for r in caplog.records if r.name == "mapper.mqtt" and r.levelno == logging.WARNING]
+    assert any("client certificate" in w for w in warned), warned
