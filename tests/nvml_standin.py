@@ -22,6 +22,7 @@ missing; PyPI must be reachable then).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import importlib.util
@@ -683,6 +684,7 @@ def standin_library() -> Path:
     with _library_lock:
         if not _library:
             folder = Path(tempfile.mkdtemp(prefix=f"nvml-standin-{library_digest()}-"))
+            atexit.register(shutil.rmtree, folder, True)  # (the loaded library stays mapped until then)
             _library.append(build_library(folder))
         return _library[0]
 
