@@ -7,6 +7,7 @@ listeners what changed. EdgeCore <= 1.22 sends UpdateDevice on every status chan
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +21,9 @@ from mapper.model import (
 )
 
 ChangeKind = Literal["added", "updated", "removed", "unchanged"]
+
+
+log = logging.getLogger(__name__)
 
 
 class PreconditionError(PermanentError):
@@ -103,8 +107,15 @@ class Registry:
         self._listeners.append(listener)
 
     def _emit(self, change: DeviceChange) -> None:
+        """Every listener hears of ``change``; one that raises (a bug) is logged and does not keep the change from
+        the others, nor fail the DMI call or folder read that made it."""
         for listener in list(self._listeners):
-            listener(change)
+            try:
+                listener(change)
+            except Exception:
+                log.exception(
+                    "registry listener %r failed on the %s change of %s", listener, change.kind, change.device.key
+                )
 
     # --- validation --------------------------------------------------------------------------------
     def validate_device(self, device: DeviceConfig) -> None:
