@@ -4,8 +4,9 @@ this process's stdin. Run as ``python -m tests.faults.child SIM_COUNT SEED [--no
 Only the NVML module is swapped (``mapper.app.build_backend``: the one place that chooses it); the CLI, its
 signal handling, the app and every adapter are the production code. Control lines on stdin are JSON:
 ``{"op": "lose", "gpu": 3}`` (XID 79, the GPU falls off the bus), ``{"op": "reload"}`` (driver reload: every
-setting back to default; ``"recover": true`` also brings lost GPUs back, as a reboot would), ``{"op": "delay", "s": 3.0}`` (every NVML call takes that long; 0 ends it),
-``{"op": "state"}`` (one JSON line on stdout: each GPU's uuid, power limit and lost flag)."""
+setting back to default; with ``"recover": true`` lost GPUs come back too, as after a reboot),
+``{"op": "delay", "s": 3.0}`` (every NVML call takes that long; 0 ends it), ``{"op": "state"}`` (one JSON
+line on stdout: each GPU's uuid, power limit and lost flag)."""
 
 from __future__ import annotations
 
