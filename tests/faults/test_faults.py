@@ -224,7 +224,9 @@ def test_a_slow_nvml_degrades_collection_without_blocking_the_event_loop(tmp_pat
             time.sleep(0.5)
         assert worst < 1.0, f"/status took {worst:.2f} s: the event loop was blocked"
         errors = (mapper.status() or {}).get("collect", {}).get("errors", {})
-        assert sum(errors.values()) > 0 or 503 in health, (errors, health)
+        # Health says so in /status (and gpu_mapper_collect_errors_total): the failed rounds are counted. /healthz
+        # stays 200 while the loops beat (a restart would not make the driver faster; last run: 200 throughout).
+        assert sum(errors.values()) > 0, (errors, health)
         mapper.control(op="delay", s=0)
         before = {g["device"]: g["sample"]["ts_ms"] for g in (mapper.status() or {}).get("gpus", [])}
         wait(lambda: all(g["sample"]["ts_ms"] > before[g["device"]] for g in (mapper.status() or {})["gpus"]), 40,
