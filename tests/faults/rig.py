@@ -250,3 +250,16 @@ def buffered(data_dir: Path) -> dict[str, set[tuple[str, int]]]:
             for part in batch.split() if batch.merged else (batch,):
                 out.setdefault(part.device, set()).add((part.boot_id, part.seq))
     return out
+
+
+def merged_rows(data_dir: Path) -> int:
+    """Rows of a stopped mapper's buffer that hold more than one batch (the compactor merged them)."""
+    path = data_dir / "telemetry.db"
+    if not path.exists():
+        return 0
+    n = 0
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        for (payload,) in db.execute("SELECT payload FROM batches"):
+            with contextlib.suppress(ValueError):
+                n += decode_batch(payload).merged
+    return n

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.rig import Consumer, MapperProcess, PersistentBroker, buffered, device_folder, uuids, wait
+from tests.faults.rig import (
+    Consumer,
+    MapperProcess,
+    PersistentBroker,
+    buffered,
+    device_folder,
+    merged_rows,
+    uuids,
+    wait,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -86,9 +95,11 @@ def test_the_broker_stopped_under_load_then_back_loses_no_batch_keeps_order_and_
 
 
 def _kill_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
-    """Each trial starts the mapper on the same data dir and SIGKILLs it after a random 1-4 s; every third trial
-    has a broker and a consumer, so the kill can land while replaying. After each trial, nothing that was stored
-    before it may be missing: it is still buffered or it reached the consumer."""
+    """Each trial starts the mapper on the same data dir and SIGKILLs it after a random 1-4 s. Every third trial
+    has a broker and a consumer, so the kill can land while replaying; in the trials before those the backlog is
+    compacted as soon as it is a second old (merged per stream into 2 s slots: the compactor merges what the
+    earlier trials left a few seconds in), so the kill can land while compacting. After each trial,
+    nothing that was stored before it may be missing: it is still buffered (merged or not) or at the consumer."""
     rng = random.Random(seed)
     broker = PersistentBroker(tmp_path)
     broker.start()
@@ -96,20 +107,28 @@ def _kill_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
     broker.terminate()  # the consumer's session is kept; the broker is up only in replay trials
     devices = device_folder(tmp_path / "devices", 2)
     stored: dict[str, set[tuple[str, int]]] = {}
-    counts = {"trials": 0, "replay_trials": 0, "stored_checked": 0}
+    counts = {"trials": 0, "replay_trials": 0, "compacting_trials": 0, "merged_rows": 0, "stored_checked": 0}
     try:
         for trial in range(trials):
             replay = trial % 3 == 2
+            compacting = trial % 3 == 1
             if replay:
                 broker.start()
             args = ["--devices", str(devices)] + (["--mqtt", broker.url] if replay else [])
-            mapper = MapperProcess(tmp_path, 2, *args, name=f"trial{trial}")
+            config = "telemetry: {window: 1s}\n"
+            if compacting:
+                config += "buffer: {compactAfter: 1s, compactSlot: 2s}\n"
+                counts["compacting_trials"] += 1
+            mapper = MapperProcess(tmp_path, 2, *args, name=f"trial{trial}", config=config)
             try:
                 mapper.wait_started()
-                time.sleep(rng.uniform(1.0, 4.0))  # the seeded random moment
+                # The seeded random moment (later in a compacting trial: its merges begin a few seconds in).
+                time.sleep(rng.uniform(2.0, 5.0) if compacting else rng.uniform(1.0, 4.0))
             finally:
                 mapper.kill()
             now = buffered(mapper.data_dir)  # (integrity_check runs in it)
+            if compacting:
+                counts["merged_rows"] += merged_rows(mapper.data_dir)
 
             def lost(now: dict[str, set[tuple[str, int]]] = now) -> dict[str, list[tuple[str, int]]]:
                 seen = consumer.seen()
@@ -133,15 +152,17 @@ def _kill_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
 
 
 def test_sigkill_at_random_moments_loses_nothing_stored_short_form(tmp_path: Path) -> None:
-    counts = _kill_trials(tmp_path, trials=3, seed=16)
-    assert counts["trials"] == 3 and counts["replay_trials"] == 1 and counts["stored_checked"] > 0
+    counts = _kill_trials(tmp_path, trials=4, seed=16)
+    assert counts["trials"] == 4 and counts["replay_trials"] == 1 and counts["compacting_trials"] == 1
+    assert counts["stored_checked"] > 0, counts
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigkill_at_24_random_moments_loses_nothing_stored(tmp_path: Path) -> None:
     counts = _kill_trials(tmp_path, trials=24, seed=1616)
-    assert counts["trials"] == 24 and counts["replay_trials"] == 8
+    assert counts["trials"] == 24 and counts["replay_trials"] == 8 and counts["compacting_trials"] == 8
+    assert counts["merged_rows"] > 0, counts
 
 
 # --- one GPU of 8 lost, a driver reload, a slow NVML ----------------------------------------------------------
