@@ -1,6 +1,7 @@
 """The fault suite (issue 16): the mapper as a real process, a real mosquitto, the test EdgeCore over real
 sockets and the simulated NVML with fault injection. Each test is bounded in time. The long trials are marked
-``slow`` (deselected by default: ``scripts/test.sh -m slow tests/faults`` runs them); a short form runs in CI."""
+``slow`` and opted in with ``GPU_MAPPER_LONG_TRIALS=1`` (the project's CI runs ``slow`` tests); a short form
+runs in CI."""
 
 from __future__ import annotations
 
@@ -159,6 +160,11 @@ def test_sigkill_at_random_moments_loses_nothing_stored_short_form(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    os.environ.get("GPU_MAPPER_LONG_TRIALS") != "1",
+    reason="the 24-trial form takes minutes: GPU_MAPPER_LONG_TRIALS=1 scripts/test.sh tests/faults runs it "
+    "(CI runs the 4-trial form above; the project's CI runs `slow` tests, so this one is opted in by env)",
+)
 def test_sigkill_at_24_random_moments_loses_nothing_stored(tmp_path: Path) -> None:
     counts = _kill_trials(tmp_path, trials=24, seed=1616)
     assert counts["trials"] == 24 and counts["replay_trials"] == 8 and counts["compacting_trials"] == 8
