@@ -172,7 +172,12 @@ class MapperApp:
     # start-up and shutdown
     # ==============================================================================================
     async def start(self) -> None:
-        prepare_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
+        try:
+            prepare_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
+        except OSError as exc:
+            raise PermanentError(f"data dir {self.data_dir}: cannot create or use it ({exc.strerror or exc})") from exc
+        if not self.data_dir.is_dir():
+            raise PermanentError(f"data dir {self.data_dir}: not a directory")
         await self._init_nvml()
         self.buffer = Buffer(
             self.data_dir / "telemetry.db",

@@ -20,6 +20,7 @@ import random
 import re
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,11 @@ class MqttSession:
         self._warned: set[str] = set()
         self._last_socket_error: str | None = None
         self._acks: dict[int, asyncio.Future[None]] = {}
+        #: SUBSCRIBE packets of this connection still waiting for their SUBACK (by message id).
+        self._pending_subs: dict[int, str] = {}
+        self._subscribed_event: asyncio.Event | None = None
+        #: Subscriptions the broker refused in a SUBACK (an ACL), by topic filter.
+        self.refused_subscriptions: set[str] = set()
         self._subs: dict[str, tuple[int, list[MessageCallback]]] = {}
         self._on_connect: list[ConnectCallback] = []
         self._connected_event: asyncio.Event | None = None
@@ -184,6 +190,7 @@ class MqttSession:
         client.on_connect = self._paho_connect
         client.on_disconnect = self._paho_disconnect
         client.on_publish = self._paho_publish
+        client.on_subscribe = self._paho_subscribe
         client.on_message = self._paho_message
         client.on_socket_open = _no_delay
         client.on_socket_close = self._paho_socket_close
@@ -298,8 +305,45 @@ class MqttSession:
         callbacks.append(callback)
         self._subs[topic_filter] = (qos, callbacks)
         if self._connected:
-            self._client.subscribe(topic_filter, qos)
+            self._send_subscribe(self._client, topic_filter, qos)
             self._sync_writer()
+
+    @property
+    def subscribed(self) -> bool:
+        """Connected, and the broker has answered every subscription of this connection (SUBACK)."""
+        return self._connected and not self._pending_subs
+
+    async def wait_subscribed(self, timeout_s: float) -> bool:
+        """Wait until ``subscribed`` (True) or ``timeout_s`` passed (False): a message published after this
+        reaches this session's callbacks."""
+        deadline = time.monotonic() + timeout_s
+        while not self.subscribed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._subscribed_event is None:
+                self._subscribed_event = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._subscribed_event.wait(), min(left, 0.5))
+        return True
+
+    def _send_subscribe(self, client: paho.Client, topic_filter: str, qos: int) -> None:
+        _, mid = client.subscribe(topic_filter, qos)
+        if mid is not None:
+            self._pending_subs[mid] = topic_filter
+            if self._subscribed_event is not None:
+                self._subscribed_event.clear()
+
+    def _paho_subscribe(self, client: paho.Client, userdata: Any, mid: int, reason_codes: Any, props: Any) -> None:
+        topic_filter = self._pending_subs.pop(mid, None)
+        if topic_filter is not None and any(getattr(rc, "is_failure", False) for rc in reason_codes or ()):
+            if topic_filter not in self.refused_subscriptions:
+                log.warning("mqtt %s: the broker refused the subscription to %s", self.url, topic_filter)
+            self.refused_subscriptions.add(topic_filter)
+        elif topic_filter is not None:
+            self.refused_subscriptions.discard(topic_filter)
+        if not self._pending_subs and self._subscribed_event is not None:
+            self._subscribed_event.set()
 
     # ------------------------------------------------------------------------------------------ connection
 
@@ -459,8 +503,9 @@ class MqttSession:
         self._failures = 0
         self.last_failure = None
         self._warned.clear()
+        self._pending_subs.clear()
         for topic_filter, (qos, _) in self._subs.items():
-            client.subscribe(topic_filter, qos)
+            self._send_subscribe(client, topic_filter, qos)
         self._connected = True
         if self._loop is not None:
             self._loop.call_soon(self._loop_connected)

@@ -103,8 +103,17 @@ class Registry:
         self._listeners.append(listener)
 
     def _emit(self, change: DeviceChange) -> None:
+        """Every listener hears of ``change``, even after one raised (a bug): the others are not starved of it.
+        The first exception is raised again once all have run, so the DMI call that made the change answers
+        INTERNAL (and logs it) instead of OK."""
+        failure: Exception | None = None
         for listener in list(self._listeners):
-            listener(change)
+            try:
+                listener(change)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     # --- validation --------------------------------------------------------------------------------
     def validate_device(self, device: DeviceConfig) -> None:
@@ -247,14 +256,18 @@ class Registry:
             wanted.add(device.key)
             try:
                 change = self.upsert_device(device)
-            except (InvalidValueError, PermanentError) as exc:
+            except Exception as exc:  # refused, or a listener's bug: one entry never stops the others
                 errors.append((device.key, exc))
                 continue
             if change.kind != "unchanged":
                 changes.append(change)
         for key in [k for k in self._devices if k not in wanted]:
             namespace, name = key.split("/", 1)
-            removed = self.remove_device(namespace, name)
+            try:
+                removed = self.remove_device(namespace, name)
+            except Exception as exc:  # a listener's bug: the device is gone from the registry all the same
+                errors.append((key, exc))
+                continue
             if removed is not None:
                 changes.append(removed)
         return changes, errors

@@ -82,9 +82,8 @@ async def test_policies_are_reloaded_when_the_config_file_changes_and_a_bad_edit
         cfg.write_text("policies:\n  thermalThrottling: {enabled: true, maxTemp: 78, releaseTemp: 70}\n")
         await wait_for(lambda: app.policies.config.thermal.max_temp_c == 78, what="the new maxTemp in force")
         cfg.write_text("policies:\n  thermalThrottling: {enabled: true, maxTemp: 70, releaseTemp: 75}\n")
-        import asyncio
-
-        await asyncio.sleep(0.5)
+        bad_mtime = cfg.stat().st_mtime
+        await wait_for(lambda: app._config_mtime == bad_mtime, what="the bad edit looked at")
         assert app.policies.config.thermal.max_temp_c == 78, "a bad edit keeps the previous policies"
 
 
@@ -100,7 +99,8 @@ async def test_on_started_is_called_once_when_every_loop_runs(tmp_path: Path):
     task = asyncio.create_task(app.run(stop, on_started=lambda: seen.append((app.nvml_ready, len(app.workers)))))
     try:
         await wait_for(lambda: seen, what="on_started")
-        await asyncio.sleep(0.3)
+        rounds = app._collect_hist.count
+        await wait_for(lambda: app._collect_hist.count >= rounds + 3, what="three more collect rounds")
         assert seen == [(True, 2)], "called once, after NVML is up and both GPUs have their loops"
     finally:
         stop.set()

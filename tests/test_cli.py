@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,14 +82,23 @@ def test_run_on_simulated_gpus_prints_a_live_table_and_stops_cleanly_on_ctrl_c(t
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    # The table is read as it is printed, until it shows the example desired values applied (or 30 s pass).
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or ()], daemon=True)
+    reader.start()
+    printed: list[str] = []
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (data / "status.json").exists():
-            time.sleep(0.2)
-        time.sleep(2.5)
+        while time.monotonic() < deadline and not ("applied" in "".join(printed) and (data / "status.json").exists()):
+            with contextlib.suppress(queue.Empty):
+                printed.append(lines.get(timeout=0.2))
     finally:
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=30)
+        _, stderr = proc.communicate(timeout=30)
+        reader.join(5)
+    while not lines.empty():
+        printed.append(lines.get_nowait())
+    stdout = "".join(printed)
     assert proc.returncode == 0, stderr[-3000:]
     assert "power W" in stdout and "demo-node-gpu0" in stdout
     assert "applied" in stdout, "the example desired values are applied and shown"

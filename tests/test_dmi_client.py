@@ -215,13 +215,22 @@ async def test_a_vanished_socket_is_survived_and_registration_follows_its_return
     edge: FakeEdgeCore, sock_dir: str
 ) -> None:
     client = make_client(edge, sock_dir)
+    steps: list[float] = []
+    step = client.step
+
+    async def counting_step() -> None:
+        steps.append(time.monotonic())
+        await step()
+
+    client.step = counting_step  # type: ignore[method-assign]
     task = asyncio.create_task(client.run())
     try:
         await wait_until(lambda: client.registered, 5)
         await edge.stop()
         await wait_until(lambda: not client.registered, 5)
         assert "missing" in client.last_error
-        await asyncio.sleep(1.0)  # a poll or two with nothing there
+        polls = len(steps)
+        await wait_until(lambda: len(steps) >= polls + 2, 10)  # two more polls with nothing there
         assert not task.done()
         await edge.start()
         took_s = await wait_until(lambda: client.registered, 5)

@@ -54,9 +54,11 @@ async def test_the_app_picks_up_a_new_device_file_at_once_and_never_looks_at_an_
         beat = app._beats["devices-dir"]
         assert beat.period_s == 60.0, "the heartbeat's period is the loop's real sleep"
 
-        # Idle: no look, no read, for longer than the old 2 s poll.
+        # Idle: no look, no read, for longer than the old 2 s poll (timed by the mapper's own collect rounds, 10 a
+        # second: on a loaded machine a plain sleep could pass with the loop hardly running).
         looks_before, reads_before = len(looks), len(reads)
-        await asyncio.sleep(2.5)
+        rounds = app._collect_hist.count
+        await wait_for(lambda: app._collect_hist.count >= rounds + 25, timeout_s=30, what="25 collect rounds")
         assert len(looks) == looks_before, "an idle folder was looked at"
         assert len(reads) == reads_before, "an idle folder was read"
 

@@ -49,7 +49,7 @@ async def listener(mosquitto: Mosquitto) -> AsyncIterator[tuple[MqttSession, lis
     sub = _session(mosquitto.url, "listener")
     sub.subscribe("#", lambda t, p: got.append((t, p)))
     await sub.start()
-    assert await sub.wait_connected(5)
+    assert await sub.wait_subscribed(5), "the listener's SUBACK"
     yield sub, got
     await sub.stop(2)
 
@@ -99,7 +99,7 @@ async def test_start_returns_without_a_broker_and_publish_fails_fast_until_it_is
     assert not pub.connected
     with pytest.raises(TransientError, match="not connected"):
         await pub.publish("t", b"x")
-    await asyncio.sleep(0.3)  # a few failed attempts in the background; nothing raises
+    await _until(lambda: pub.connect_failures >= 2)  # failed attempts in the background; nothing raises
     broker.start()
     try:
         assert await pub.wait_connected(5)
@@ -127,8 +127,7 @@ async def test_subscriptions_and_on_connect_callbacks_come_back_after_the_broker
     mosquitto.start()
     await _until(lambda: len(connects) == 2)
     assert sess.reconnects == 1
-    await _until(lambda: sess.connected)
-    await asyncio.sleep(0.1)  # let the SUBACK land
+    assert await sess.wait_subscribed(5), "the re-subscription's SUBACK"
     await sess.publish("cmd/x", b"after", timeout_s=5)
     await _until(lambda: got == [b"after"])
     await sess.stop(2)
@@ -339,7 +338,8 @@ async def test_an_idle_session_keeps_its_connection_alive_with_pings(tmp_path: P
     try:
         await sess.start()
         assert await sess.wait_connected(5)
-        await asyncio.sleep(9.0)
+        # mosquitto drops a client silent for 1.5 keepalives (7.5 s): the second PINGREQ, about 10 s in, is past that.
+        await _until(lambda: broker.log_path.read_text().count("PINGREQ from idle-keepalive") >= 2, timeout_s=20)
         assert sess.connected
         assert sess.reconnects == 0
         assert "PINGREQ from idle-keepalive" in broker.log_path.read_text()

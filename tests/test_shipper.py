@@ -65,7 +65,7 @@ class Consumer:
 
     async def __aenter__(self) -> Consumer:
         await self.session.start()
-        assert await self.session.wait_connected(5)
+        assert await self.session.wait_subscribed(5), "the consumer's SUBACK"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -125,8 +125,7 @@ async def test_batches_buffer_while_the_broker_is_down_and_all_arrive_in_order_w
         assert buf.stats().batches >= 390  # buffered, not lost
 
         mosquitto.start()
-        await _until(lambda: consumer.session.connected)
-        await asyncio.sleep(0.2)  # its SUBACK
+        assert await consumer.session.wait_subscribed(10), "the consumer's SUBACK"
         gate.set()
         await _until(lambda: len(consumer.seen) == 405, timeout_s=20)
     assert consumer.order["default/gpu0"] == list(range(205))
@@ -147,14 +146,14 @@ async def test_replay_sends_the_current_state_first_then_the_backlog_with_progre
     buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
     shipper = _shipper(buf, session, progress_log_s=0.0, max_in_flight=5, page_size=10)
     mosquitto.stop()
-    await asyncio.sleep(0.1)
+    await _until(lambda: not session.connected)
     for seq in range(100):
         shipper.submit(_batch("default/gpu0", seq))
     shipper.update_state("default/gpu0", b'{"temperature":66}')
     mosquitto.start()
     with caplog.at_level(logging.INFO, logger="mapper.shipper"):
         async with Consumer(mosquitto.url) as consumer:
-            await asyncio.sleep(0.2)  # its SUBACK
+            assert await consumer.session.wait_subscribed(10), "the consumer's SUBACK"
             task = asyncio.create_task(shipper.run())
             await _until(lambda: len(consumer.seen) == 100, timeout_s=20)
     topics = [t for t, _ in consumer.messages]
@@ -243,8 +242,7 @@ async def test_a_property_pushed_to_another_broker_does_not_stall_the_default_on
             watcher = MqttSession(other.url, "watcher", reconnect_min_s=0.05, reconnect_max_s=0.2)
             watcher.subscribe("site/#", lambda t, p: got.append(p))
             await watcher.start()
-            assert await watcher.wait_connected(5)
-            await asyncio.sleep(0.2)  # its SUBACK
+            assert await watcher.wait_subscribed(5), "the watcher's SUBACK"
             watcher_ready.set()
             await _until(lambda: len({decode_batch(p).seq for p in got}) == 20, timeout_s=20)
             await _until(lambda: buf.stats().batches == 0)  # the last PUBACKs may trail the deliveries
@@ -340,8 +338,7 @@ async def test_a_status_message_kept_offline_goes_out_in_order_between_the_batch
         assert buf.stats().batches == 3  # stored, not lost
 
         mosquitto.start()
-        await _until(lambda: consumer.session.connected)
-        await asyncio.sleep(0.2)  # its SUBACK
+        assert await consumer.session.wait_subscribed(10), "the consumer's SUBACK"
         gate.set()
         await _until(lambda: len(consumer.messages) == 3, timeout_s=20)
         await _until(lambda: buf.stats().batches == 0)  # removed after PUBACK, like a batch
