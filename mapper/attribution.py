@@ -198,6 +198,14 @@ class EnergyLedger:
                 entry.last_seen_s = now_s
         self._expire(now_s)
 
+    def slot(self, key: WorkloadKey) -> WorkloadKey:
+        """Where ``key``'s energy goes (itself, or ``OTHER`` once over the bound), without changing anything."""
+        if key == OTHER or key in self._overflow:
+            return OTHER
+        if key in self.entries or sum(1 for k in self.entries if k != OTHER) < self.max_keys:
+            return key
+        return OTHER
+
     def _slot(self, key: WorkloadKey) -> WorkloadKey:
         if key in self.entries and key != OTHER:
             return key

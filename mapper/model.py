@@ -624,6 +624,45 @@ class PolicyLimit:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    """One process on one GPU as NVML reports it (host PID). None where NVML did not say."""
+
+    pid: int
+    #: ``compute``, ``graphics`` or ``compute+graphics``.
+    kind: str = "compute"
+    memory_used_bytes: int | None = None
+    #: Shares of the GPU over NVML's samples since the previous process sample, 0..1.
+    sm_ratio: float | None = None
+    memory_ratio: float | None = None
+    encoder_ratio: float | None = None
+    decoder_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """The processes of one GPU at ``ts_ms``, with the GPU's energy counter read in the same job."""
+
+    uuid: str
+    ts_ms: int
+    processes: tuple[GpuProcess, ...] = ()
+    #: The GPU's energy counter (J since the driver loaded) and power (W), None where unsupported.
+    energy_j: float | None = None
+    power_w: float | None = None
+    #: Which NVML call gave per-process utilisation: ``processes-utilization-info``, ``process-utilization``,
+    #: or "" (none: unsupported, e.g. under MIG).
+    utilization_source: str = ""
+    #: What could not be read and why (``processes``, ``utilization``, ``energy``), twin-safe text.
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+
+
+class ProcessSource(Protocol):
+    """What the process cycle needs from a GPU library (``NvmlBackend.processes``); blocking, bounded, raises
+    only ``mapper.errors`` types."""
+
+    def processes(self, uuid: str) -> ProcessSample: ...
+
+
 class GpuBackend(Protocol):
     """What the loops need from a GPU library. ``mapper.gpu.nvml.NvmlBackend`` is the implementation.
 

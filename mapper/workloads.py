@@ -247,6 +247,7 @@ class PodResolver:
     _by_uid: dict[str, PodInfo] = field(default_factory=dict)
     #: Why nothing could be named ("" once any source was readable).
     unreadable_reason: str = ""
+    _parsed: dict[str, dict[int, tuple[str, ContainerRef | None, str]]] = field(default_factory=dict)
 
     def refresh(self) -> None:
         by_container: dict[str, tuple[str, str, str]] = {}
@@ -302,9 +303,15 @@ class PodResolver:
         why = self.unreadable_reason or f"pod {ref.pod_uid} not found in the kubelet's or edged's files"
         return ProcessOwner(pid=pid, comm=comm, container=ref, pod=PodInfo(uid=ref.pod_uid), reason=why)
 
-    def owners(self, proc_root: str, pids: Iterable[int]) -> dict[int, ProcessOwner]:
-        """Every pid's owner; rescans the kubelet's files once if a pod turns up that they did not name."""
-        parsed = {pid: read_owner(proc_root, pid) for pid in pids}
+    def owners(self, proc_root: str, pids: Iterable[int], scope: str = "") -> dict[int, ProcessOwner]:
+        """Every pid's owner; rescans the kubelet's files once if a pod turns up that they did not name.
+
+        A pid's cgroup is read once while it stays in the lists handed in for ``scope`` (a GPU's UUID; a process
+        does not change pods); a pid absent from one call is forgotten, so a reused pid is read afresh unless it
+        came back within one process cycle."""
+        cache = self._parsed.get(scope, {})
+        parsed = {pid: cache.get(pid) or read_owner(proc_root, pid) for pid in pids}
+        self._parsed[scope] = {pid: got for pid, got in parsed.items() if not got[2]}
         if any(ref is not None and ref.pod_uid and not self.knows(ref) for _c, ref, _r in parsed.values()):
             self.refresh()
         return {pid: self.resolve(pid, comm, ref, reason) for pid, (comm, ref, reason) in parsed.items()}

@@ -52,6 +52,10 @@ _ERROR_UNINITIALIZED = 1
 _ERROR_INVALID_ARGUMENT = 2
 _ERROR_INSUFFICIENT_SIZE = 7
 _ERROR_UNKNOWN = 999
+_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+_NOT_AVAILABLE_U64 = 0xFFFFFFFFFFFFFFFF
+#: nvml.h: NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1) = sizeof(nvmlProcessesUtilizationInfo_v1_t) | 1 << 24.
+_PROCESSES_UTILIZATION_INFO_V1 = 24 | 1 << 24
 
 # --------------------------------------------------------------------------------------------------
 # The C side
@@ -106,6 +110,12 @@ NVML_SIGNATURES: dict[str, tuple[str, ...]] = {
     "nvmlDeviceGetPersistenceMode": ("dev", "ptr"),
     "nvmlDeviceGetComputeMode": ("dev", "ptr"),
     "nvmlDeviceGetFieldValues": ("dev", "i32", "ptr"),
+    "nvmlDeviceGetComputeRunningProcesses_v3": ("dev", "ptr", "ptr"),
+    "nvmlDeviceGetComputeRunningProcesses_v2": ("dev", "ptr", "ptr"),
+    "nvmlDeviceGetGraphicsRunningProcesses_v3": ("dev", "ptr", "ptr"),
+    "nvmlDeviceGetGraphicsRunningProcesses_v2": ("dev", "ptr", "ptr"),
+    "nvmlDeviceGetProcessUtilization": ("dev", "ptr", "ptr", "u64"),
+    "nvmlDeviceGetProcessesUtilizationInfo": ("dev", "ptr"),
     "nvmlDeviceSetPowerManagementLimit": ("dev", "u32"),
     "nvmlDeviceSetGpuLockedClocks": ("dev", "u32", "u32"),
     "nvmlDeviceResetGpuLockedClocks": ("dev",),
@@ -300,6 +310,56 @@ class EventData(ctypes.Structure):
     ]
 
 
+class ProcessInfo(ctypes.Structure):
+    """``nvmlProcessInfo_t`` (= ``nvmlProcessInfo_v2_t``) as nvml.h has it outside r535."""
+
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("usedGpuMemory", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+    ]
+
+
+class ProcessInfoR535(ctypes.Structure):
+    """r535's ``nvmlProcessInfo_t``: the v3 functions wrote this larger struct there without a version bump."""
+
+    _fields_ = [*ProcessInfo._fields_, ("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
+
+
+class ProcessUtilizationSample(ctypes.Structure):
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("timeStamp", ctypes.c_ulonglong),
+        ("smUtil", ctypes.c_uint),
+        ("memUtil", ctypes.c_uint),
+        ("encUtil", ctypes.c_uint),
+        ("decUtil", ctypes.c_uint),
+    ]
+
+
+class ProcessUtilizationInfoV1(ctypes.Structure):
+    _fields_ = [
+        ("timeStamp", ctypes.c_ulonglong),
+        ("pid", ctypes.c_uint),
+        ("smUtil", ctypes.c_uint),
+        ("memUtil", ctypes.c_uint),
+        ("encUtil", ctypes.c_uint),
+        ("decUtil", ctypes.c_uint),
+        ("jpgUtil", ctypes.c_uint),
+        ("ofaUtil", ctypes.c_uint),
+    ]
+
+
+class ProcessesUtilizationInfoV1(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("processSamplesCount", ctypes.c_uint),
+        ("lastSeenTimeStamp", ctypes.c_ulonglong),
+        ("procUtilArray", ctypes.c_void_p),
+    ]
+
+
 #: The binding's struct class name -> the header's layout it must match.
 C_STRUCTS: dict[str, type[ctypes.Structure] | type[ctypes.Union]] = {
     "nvmlPciInfo_t": PciInfo,
@@ -310,6 +370,9 @@ C_STRUCTS: dict[str, type[ctypes.Structure] | type[ctypes.Union]] = {
     "c_nvmlValue_t": Value,
     "c_nvmlFieldValue_t": FieldValue,
     "c_nvmlEventData_t": EventData,
+    "c_nvmlProcessUtilizationSample_t": ProcessUtilizationSample,
+    "c_nvmlProcessUtilizationInfo_v1_t": ProcessUtilizationInfoV1,
+    "c_nvmlProcessesUtilizationInfo_v1_t": ProcessesUtilizationInfoV1,
 }
 
 
@@ -609,6 +672,66 @@ class StandIn:
             for name in ("fieldId", "scopeId", "timestamp", "latencyUsec", "valueType", "nvmlReturn"):
                 setattr(target, name, getattr(item, name))
             ctypes.memmove(ctypes.addressof(target.value), ctypes.addressof(item.value), ctypes.sizeof(Value))
+
+    # --- processes -------------------------------------------------------------------------------
+    def _process_layout(self) -> type[ctypes.Structure]:
+        major = int(self.sim.nvmlSystemGetDriverVersion().split(".", 1)[0])
+        return ProcessInfoR535 if major == 535 else ProcessInfo
+
+    def _processes(self, fname: str, dev: int, count: int, out: int | None) -> None:
+        procs = getattr(self.sim, fname)(self._object(dev))
+        room = ctypes.c_uint.from_address(count)
+        if not procs:
+            room.value = 0
+            return
+        if out is None or room.value < len(procs):
+            room.value = len(procs)
+            raise _Status(_ERROR_INSUFFICIENT_SIZE)
+        room.value = len(procs)
+        targets = (self._process_layout() * len(procs)).from_address(out)
+        for target, proc in zip(targets, procs, strict=True):
+            target.pid = proc.pid
+            target.usedGpuMemory = _NOT_AVAILABLE_U64 if proc.usedGpuMemory is None else proc.usedGpuMemory
+            target.gpuInstanceId, target.computeInstanceId = proc.gpuInstanceId, proc.computeInstanceId
+
+    def _nvmlDeviceGetComputeRunningProcesses_v3(self, dev: int, count: int, out: int | None) -> None:
+        self._processes("nvmlDeviceGetComputeRunningProcesses_v3", dev, count, out)
+
+    def _nvmlDeviceGetComputeRunningProcesses_v2(self, dev: int, count: int, out: int | None) -> None:
+        self._processes("nvmlDeviceGetComputeRunningProcesses_v2", dev, count, out)
+
+    def _nvmlDeviceGetGraphicsRunningProcesses_v3(self, dev: int, count: int, out: int | None) -> None:
+        self._processes("nvmlDeviceGetGraphicsRunningProcesses_v3", dev, count, out)
+
+    def _nvmlDeviceGetGraphicsRunningProcesses_v2(self, dev: int, count: int, out: int | None) -> None:
+        self._processes("nvmlDeviceGetGraphicsRunningProcesses_v2", dev, count, out)
+
+    def _nvmlDeviceGetProcessUtilization(self, dev: int, out: int | None, count: int, since_us: int) -> None:
+        samples = self.sim.nvmlDeviceGetProcessUtilization(self._object(dev), since_us)
+        room = ctypes.c_uint.from_address(count)
+        if out is None or room.value < len(samples):
+            room.value = len(samples)
+            raise _Status(_ERROR_INSUFFICIENT_SIZE)
+        room.value = len(samples)
+        targets = (ProcessUtilizationSample * len(samples)).from_address(out)
+        for target, item in zip(targets, samples, strict=True):
+            for name in ("pid", "timeStamp", "smUtil", "memUtil", "encUtil", "decUtil"):
+                setattr(target, name, getattr(item, name))
+
+    def _nvmlDeviceGetProcessesUtilizationInfo(self, dev: int, info: int) -> None:
+        head = ProcessesUtilizationInfoV1.from_address(info)
+        if head.version != _PROCESSES_UTILIZATION_INFO_V1:
+            raise _Status(_ERROR_ARGUMENT_VERSION_MISMATCH)
+        samples = self.sim.nvmlDeviceGetProcessesUtilizationInfo(self._object(dev), head.lastSeenTimeStamp)
+        if not head.procUtilArray or head.processSamplesCount < len(samples):
+            head.processSamplesCount = len(samples)
+            raise _Status(_ERROR_INSUFFICIENT_SIZE)
+        head.processSamplesCount = len(samples)
+        targets = (ProcessUtilizationInfoV1 * len(samples)).from_address(head.procUtilArray)
+        for target, item in zip(targets, samples, strict=True):
+            for name in ("timeStamp", "pid", "smUtil", "memUtil", "encUtil", "decUtil", "jpgUtil", "ofaUtil"):
+                setattr(target, name, getattr(item, name))
+        head.lastSeenTimeStamp = max((item.timeStamp for item in samples), default=head.lastSeenTimeStamp)
 
     # --- setters ----------------------------------------------------------------------------------
     def _nvmlDeviceSetPowerManagementLimit(self, dev: int, limit_mw: int) -> None:

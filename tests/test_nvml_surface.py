@@ -42,6 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 #: Names the backend uses that a binding may lack, and what the backend does then.
 OPTIONAL = {
     "nvmlDeviceGetTemperatureV": "falls back to nvmlDeviceGetTemperature (nvidia-ml-py before 12.550 has no V)",
+    "nvmlDeviceGetProcessesUtilizationInfo": "falls back to nvmlDeviceGetProcessUtilization (not in 12.535)",
+    "nvmlDeviceGetComputeRunningProcesses_v2": "the fallback of _v3 for drivers before r510 (not in 12.535)",
+    "nvmlDeviceGetGraphicsRunningProcesses_v2": "the fallback of _v3 for drivers before r510 (not in 12.535)",
 }
 #: Constants the oldest binding lacks, with their nvml.h values (the code uses these numbers where it needs them).
 FLOOR_MISSING_CONSTANTS = {"NVML_ERROR_GPU_NOT_FOUND": 28, "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6}
@@ -164,7 +167,12 @@ def test_field_values_are_the_bindings_own_struct(binding: ModuleType) -> None:
 def test_the_standin_structs_have_the_bindings_layout(struct: str, binding: ModuleType) -> None:
     ours, theirs = C_STRUCTS[struct], getattr(binding, struct, None)
     if theirs is None:
-        assert struct == "c_nvmlTemperature_v1_t" and not hasattr(binding, "nvmlDeviceGetTemperatureV")
+        wrapper = {
+            "c_nvmlTemperature_v1_t": "nvmlDeviceGetTemperatureV",
+            "c_nvmlProcessUtilizationInfo_v1_t": "nvmlDeviceGetProcessesUtilizationInfo",
+            "c_nvmlProcessesUtilizationInfo_v1_t": "nvmlDeviceGetProcessesUtilizationInfo",
+        }.get(struct)
+        assert wrapper is not None and not hasattr(binding, wrapper)
         return  # nvidia-ml-py 12.535: neither the struct nor the wrapper that passes it
     our_fields = {name: getattr(ours, name) for name in field_names(ours)}
     their_fields = {name: getattr(theirs, name) for name in field_names(theirs)}

@@ -204,3 +204,16 @@ def test_the_live_proc_of_this_process_parses(tmp_path: Path) -> None:
     """Whatever this machine's cgroup layout, our own /proc entry reads without error."""
     comm, _ref, reason = read_owner("/proc", os.getpid())
     assert reason == "" and comm
+
+
+def test_a_pids_cgroup_is_read_once_while_it_stays_and_afresh_after_it_left(tmp_path: Path) -> None:
+    _host_root, dirs = _host(tmp_path)
+    proc = tmp_path / "proc"
+    _proc(proc, 5, CASES[0][1])
+    resolver = PodResolver(dirs)
+    assert resolver.owners(str(proc), [5], "GPU-a")[5].container == CASES[0][2]
+    (proc / "5" / "cgroup").write_text(CASES[7][1])  # (a pid does not move; this shows what is cached)
+    assert resolver.owners(str(proc), [5], "GPU-a")[5].container == CASES[0][2]
+    assert resolver.owners(str(proc), [5], "GPU-b")[5].container == CASES[7][2]  # another GPU's list
+    resolver.owners(str(proc), [], "GPU-a")  # pid 5 left GPU-a
+    assert resolver.owners(str(proc), [5], "GPU-a")[5].container == CASES[7][2]

@@ -57,6 +57,8 @@ from mapper.model import (
     Constraints,
     GpuEvent,
     GpuInfo,
+    GpuProcess,
+    ProcessSample,
     Sample,
     Value,
     check_number,
@@ -137,6 +139,11 @@ _FIELD_KEYS: Mapping[int, str] = MappingProxyType({field_id: f"field:{field_id}"
 _FIELD_ABSENT = frozenset({_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED, _INVALID_ARGUMENT})
 #: The NotSupported-memory key of the energy fallback, ``nvmlDeviceGetTotalEnergyConsumption``.
 _ENERGY_CALL_KEY = "call:nvmlDeviceGetTotalEnergyConsumption"
+#: The process lists by kind, newest first: v3 (r510+), else v2.
+_PROCESS_LIST_CALLS: Mapping[str, tuple[str, ...]] = {
+    "compute": ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+    "graphics": ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2"),
+}
 
 # Event types (pynvml.nvmlEventType*).
 _EV_SBE = 0x1
@@ -246,6 +253,10 @@ class NvmlBackend:
         #: GPUs whose memory is read with v1 in this NVML session (no v2 in the driver or the binding).
         self._memory_v1: set[str] = set()
         self._lost: dict[str, float] = {}
+        #: Process listing function chosen per kind in this NVML session (v3, else v2).
+        self._process_fns: dict[str, str] = {}
+        #: Per GPU: the newest per-process utilisation sample seen (NVML's CPU timestamp, microseconds).
+        self._util_seen_us: dict[str, int] = {}
         self._energy_j: dict[str, float] = {}
         self._xid_last: dict[str, int] = {}
         self._pending: list[GpuEvent] = []
@@ -371,6 +382,11 @@ class NvmlBackend:
             f"set_compute_mode({uuid}, {mode})",
             lambda: self._write(uuid, "compute_mode", "nvmlDeviceSetComputeMode", code, f"{mode} ({code})"),
         )
+
+    def processes(self, uuid: str) -> ProcessSample:
+        """The GPU's running compute and graphics processes (host PIDs, used memory), their utilisation since
+        the previous call, and the GPU's energy counter and power, in one NVML job (``docs/processes.md``)."""
+        return self._call(f"processes of GPU {uuid}", lambda: self._processes(uuid))
 
     def poll_events(self) -> list[GpuEvent]:
         """XID, ECC, GPU-lost and driver-reload events since the last poll (never blocks on NVML)."""
@@ -659,6 +675,7 @@ class NvmlBackend:
         # a reload may have brought a newer driver: try the current names again (once per session)
         self._legacy_temperature = False
         self._legacy_reasons = False
+        self._process_fns.clear()
 
     def _shutdown_session(self) -> None:
         if not self._initialized:
@@ -1086,6 +1103,192 @@ class NvmlBackend:
 
     def _r_xid(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
         out["xid_last"] = self._xid_last.get(uuid, 0)
+
+    # ==============================================================================================
+    # Processes (their own cycle; docs/processes.md)
+    # ==============================================================================================
+    def _processes(self, uuid: str) -> ProcessSample:
+        h = self._handle(uuid)
+        now = self._clock.monotonic()
+        unsupported: dict[str, str] = {}
+        memory: dict[int, int | None] = {}
+        kinds: dict[int, set[str]] = {}
+        listed = False
+        for kind in ("compute", "graphics"):
+            try:
+                entries = self._process_list(h, uuid, kind, now)
+            except UnsupportedError as exc:
+                unsupported[f"processes:{kind}"] = exc.reason
+                continue
+            listed = True
+            seen: dict[int, int | None] = {}
+            for entry in entries:
+                pid = int(entry.pid)
+                used = getattr(entry, "usedGpuMemory", None)
+                # MIG: one entry per (GPU instance, compute instance) of a pid, summed; a pid in both lists
+                # is one process whose memory NVML reports in each: the larger, not the sum.
+                if used is not None:
+                    seen[pid] = (seen.get(pid) or 0) + int(used)
+                else:
+                    seen.setdefault(pid, None)
+                kinds.setdefault(pid, set()).add(kind)
+            for pid, used in seen.items():
+                old = memory.get(pid)
+                memory[pid] = used if old is None else (old if used is None else max(old, used))
+        if not listed:
+            unsupported.setdefault("processes", "not-supported")
+        utilization, source = self._process_utilization(h, uuid, now, unsupported)
+        energy_j = power_w = None
+        try:
+            energy_j = self._probe(
+                uuid,
+                "processes:energy",
+                now,
+                unsupported,
+                "energy",
+                lambda: int(self._nv("nvmlDeviceGetTotalEnergyConsumption", h, uuid=uuid)) / 1000.0,
+            )
+        except NotFoundError:
+            raise
+        except PermanentError as exc:
+            unsupported["energy"] = exc.reason
+        try:
+            power_w = self._probe(
+                uuid,
+                "processes:power",
+                now,
+                unsupported,
+                "power",
+                lambda: int(self._nv("nvmlDeviceGetPowerUsage", h, uuid=uuid)) / 1000.0,
+            )
+        except NotFoundError:
+            raise
+        except PermanentError as exc:
+            unsupported["power"] = exc.reason
+        procs = []
+        for pid in sorted(set(memory) | set(utilization)):
+            sm, mem, enc, dec = utilization.get(pid, (None, None, None, None))
+            kind = "+".join(sorted(kinds.get(pid, {"compute"})))
+            procs.append(GpuProcess(pid, kind, memory.get(pid), sm, mem, enc, dec))
+        return ProcessSample(
+            uuid=uuid,
+            ts_ms=self._clock.wall_ms(),
+            processes=tuple(procs),
+            energy_j=energy_j,
+            power_w=power_w,
+            utilization_source=source,
+            unsupported=unsupported,
+        )
+
+    def _probe(
+        self, uuid: str, key: str, now: float, unsupported: dict[str, str], name: str, read: Callable[[], T]
+    ) -> T | None:
+        """One optional read: skipped until its retry time once NotSupported, None then (and ``unsupported``)."""
+        memo = self._unsupported.get(uuid)
+        retry_at = memo.get(key) if memo else None
+        if retry_at is not None and now < retry_at:
+            unsupported[name] = "not-supported"
+            return None
+        try:
+            value = read()
+        except UnsupportedError as exc:
+            self._unsupported.setdefault(uuid, {})[key] = now + self._unsupported_retry_s
+            unsupported[name] = exc.reason
+            return None
+        if memo:
+            memo.pop(key, None)
+        return value
+
+    def _process_layout_mismatch(self) -> str:
+        """Why the binding cannot read this driver's process list, or "". The r535 drivers write a 32-byte
+        ``nvmlProcessInfo_t`` (with ``usedGpuCcProtectedMemory``) from the v3 functions, the others 24 bytes; a
+        binding built for the other size reads every process after the first as garbage (nvidia-ml-py 12.535
+        on newer drivers, older bindings on r535)."""
+        struct = getattr(self._nvml, "c_nvmlProcessInfo_v3_t", None) or getattr(self._nvml, "c_nvmlProcessInfo_t", None)
+        fields = getattr(struct, "_fields_", None)
+        if not fields:
+            return ""  # not a ctypes binding (the simulator): nothing to mismatch
+        wide = any(f[0] == "usedGpuCcProtectedMemory" for f in fields)
+        if "driver" not in self._process_fns:
+            self._process_fns["driver"] = _text(self._nv("nvmlSystemGetDriverVersion"))
+        driver = self._process_fns["driver"]
+        r535 = driver.split(".", 1)[0] == "535"
+        if wide == r535:
+            return ""
+        return (
+            f"this nvidia-ml-py reads process lists as {'32' if wide else '24'}-byte entries but driver {driver} "
+            f"writes {'32' if r535 else '24'}-byte ones: upgrade nvidia-ml-py to one built for this driver"
+        )
+
+    def _process_list(self, h: Any, uuid: str, kind: str, now: float) -> list[Any]:
+        """``nvmlDevice<Kind>RunningProcesses_v3``, else ``_v2`` (drivers before r510 or older bindings)."""
+        key = f"processes:{kind}"
+        mismatch = self._process_layout_mismatch()
+        if mismatch:
+            raise UnsupportedError(f"{_where(uuid)}{mismatch}", reason="binding-mismatch")
+        memo = self._unsupported.get(uuid)
+        if memo and (retry_at := memo.get(key)) is not None:
+            if now < retry_at:
+                raise UnsupportedError(f"{_where(uuid)}{kind} process list not supported")
+            del memo[key]
+        chosen = self._process_fns.get(kind)
+        names = [chosen] if chosen else list(_PROCESS_LIST_CALLS[kind])
+        last: UnsupportedError | None = None
+        for name in names:
+            try:
+                result = list(self._nv(name, h, uuid=uuid))
+            except _FunctionMissing as exc:
+                last = exc
+                continue
+            except UnsupportedError as exc:
+                last = exc
+                break
+            self._process_fns[kind] = name
+            return result
+        self._unsupported.setdefault(uuid, {})[key] = now + self._unsupported_retry_s
+        raise last if last is not None else UnsupportedError(f"{_where(uuid)}{kind} process list not supported")
+
+    def _process_utilization(
+        self, h: Any, uuid: str, now: float, unsupported: dict[str, str]
+    ) -> tuple[dict[int, tuple[float | None, float | None, float | None, float | None]], str]:
+        """Per-pid (sm, memory, encoder, decoder) ratios over the samples newer than the last seen one:
+        ``nvmlDeviceGetProcessesUtilizationInfo`` (r550+) where present, else ``nvmlDeviceGetProcessUtilization``.
+        No sample since then (NotFound) is no utilisation, not an error."""
+        memo = self._unsupported.get(uuid)
+        since = self._util_seen_us.get(uuid, 0)
+        for key, name, source in (
+            ("processes:util-info", "nvmlDeviceGetProcessesUtilizationInfo", "processes-utilization-info"),
+            ("processes:util", "nvmlDeviceGetProcessUtilization", "process-utilization"),
+        ):
+            if memo and (retry_at := memo.get(key)) is not None and now < retry_at:
+                continue
+            try:
+                samples = list(self._nv(name, h, since, uuid=uuid, value=since))
+            except NotFoundError:
+                return {}, source
+            except UnsupportedError:
+                self._unsupported.setdefault(uuid, {})[key] = now + self._unsupported_retry_s
+                continue
+            sums: dict[int, list[float]] = {}
+            newest = since
+            for item in samples:
+                stamp = int(item.timeStamp)
+                if stamp <= since:
+                    continue
+                newest = max(newest, stamp)
+                acc = sums.setdefault(int(item.pid), [0.0, 0.0, 0.0, 0.0, 0.0])
+                acc[0] += int(item.smUtil)
+                acc[1] += int(item.memUtil)
+                acc[2] += int(item.encUtil)
+                acc[3] += int(item.decUtil)
+                acc[4] += 1
+            self._util_seen_us[uuid] = newest
+            return {
+                pid: (a[0] / a[4] / 100.0, a[1] / a[4] / 100.0, a[2] / a[4] / 100.0, a[3] / a[4] / 100.0)
+                for pid, a in sums.items()
+            }, source
+        unsupported["utilization"] = "not-supported"
+        return {}, ""
 
     # ==============================================================================================
     # Constraints and setters

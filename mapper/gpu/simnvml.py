@@ -14,12 +14,15 @@ integrated lazily on each read from the clock delta (steps of at most 0.5 s):
 * first-order thermal model ``tau * dT/dt = ambient + P * R - T``;
 * throttle ladder: ``SwThermalSlowdown`` at max-operating temperature (power held so the GPU settles there),
   ``HwThermalSlowdown + HwSlowdown`` at slowdown (clock halved), GPU lost + XID 79 at shutdown;
-* ``GpuIdle`` at idle (idle clock, idle P-state), an energy counter in mJ since the (simulated) driver loaded.
+* ``GpuIdle`` at idle (idle clock, idle P-state), an energy counter in mJ since the (simulated) driver loaded;
+* processes: each scenario runs its own (none at idle, one trainer, two inference servers), sharing the GPU's
+  utilisation by weight and its memory; ``start_process`` adds more (growing or sawing memory).
 
 The control surface for tests and demos (not pynvml names) is at the end of the class: ``gpus``, ``gpu(uuid)``,
 ``set_scenario``, ``set_utilization``, ``set_ambient_c``, ``set_cooling``, ``set_external_power_limit_w``,
-``driver_reload``, ``inject_gpu_lost``, ``inject_xid``, ``inject_ecc``, ``inject_errors``, ``set_call_delay_s``,
-``set_as_root`` and the ``calls`` counter (calls per pynvml function name).
+``start_process``, ``stop_process``, ``set_scenario_processes``, ``driver_reload``, ``inject_gpu_lost``,
+``inject_xid``, ``inject_ecc``, ``inject_errors``, ``set_call_delay_s``, ``set_as_root`` and the ``calls``
+counter (calls per pynvml function name).
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ _MIN_DRIVER_MAJOR: Mapping[str, int] = MappingProxyType(
         "nvmlDeviceSetMemoryLockedClocks": 460,
         "nvmlDeviceResetMemoryLockedClocks": 460,
         "nvmlDeviceGetRemappedRows": 450,
+        "nvmlDeviceGetProcessesUtilizationInfo": 550,
+        "nvmlDeviceGetComputeRunningProcesses_v3": 510,
+        "nvmlDeviceGetGraphicsRunningProcesses_v3": 510,
     }
 )
 
@@ -161,6 +167,87 @@ class SimMemoryV2:
         self.used = used
 
 
+class SimProcessInfo:
+    """``c_nvmlProcessInfo_t``'s fields (v2/v3), as the binding's friendly object: ``usedGpuMemory`` None where
+    NVML reports it not available."""
+
+    __slots__ = ("computeInstanceId", "gpuInstanceId", "pid", "usedGpuMemory")
+
+    def __init__(self, pid: int, used: int | None) -> None:
+        self.pid = pid
+        self.usedGpuMemory = used
+        self.gpuInstanceId = _NO_INSTANCE
+        self.computeInstanceId = _NO_INSTANCE
+
+
+class SimProcessUtilization:
+    """``c_nvmlProcessUtilizationSample_t`` / ``c_nvmlProcessUtilizationInfo_v1_t``'s fields (percent; the
+    timestamp in microseconds of CPU time)."""
+
+    __slots__ = ("decUtil", "encUtil", "jpgUtil", "memUtil", "ofaUtil", "pid", "smUtil", "timeStamp")
+
+    def __init__(self, pid: int, stamp_us: int, sm: int, mem: int, enc: int, dec: int) -> None:
+        self.pid = pid
+        self.timeStamp = stamp_us
+        self.smUtil = sm
+        self.memUtil = mem
+        self.encUtil = enc
+        self.decUtil = dec
+        self.jpgUtil = 0
+        self.ofaUtil = 0
+
+
+class SimProcess:
+    """A simulated GPU process: its share of the GPU's utilisation (``weight``) and its memory, which may grow
+    (``growth_bytes_per_s``, a leak) or climb and fall back every ``sawtooth_period_s`` (a caching allocator).
+    ``pod`` is ``(namespace, pod, container)`` for demos that write a matching proc tree."""
+
+    def __init__(
+        self,
+        pid: int,
+        *,
+        memory_bytes: int,
+        weight: float = 1.0,
+        kind: str = "compute",
+        growth_bytes_per_s: float = 0.0,
+        sawtooth_bytes: int = 0,
+        sawtooth_period_s: float = 0.0,
+        started_s: float = 0.0,
+        name: str = "python3",
+        pod: tuple[str, str, str] | None = None,
+    ) -> None:
+        if pid <= 0:
+            raise ValueError(f"pid must be > 0, got {pid}")
+        if memory_bytes < 0 or weight < 0 or growth_bytes_per_s < 0 or sawtooth_bytes < 0 or sawtooth_period_s < 0:
+            raise ValueError("memory_bytes, weight, growth_bytes_per_s and the sawtooth must be >= 0")
+        if kind not in ("compute", "graphics", "compute+graphics"):
+            raise ValueError(f"kind must be compute, graphics or compute+graphics, got {kind!r}")
+        self.pid = pid
+        self.memory_bytes = memory_bytes
+        self.weight = weight
+        self.kind = kind
+        self.growth_bytes_per_s = growth_bytes_per_s
+        self.sawtooth_bytes = sawtooth_bytes
+        self.sawtooth_period_s = sawtooth_period_s
+        self.started_s = started_s
+        self.name = name
+        self.pod = pod
+
+    def memory_at(self, t: float) -> int:
+        age = max(0.0, t - self.started_s)
+        used = self.memory_bytes + self.growth_bytes_per_s * age
+        if self.sawtooth_period_s > 0 and self.sawtooth_bytes:
+            used += self.sawtooth_bytes * ((age % self.sawtooth_period_s) / self.sawtooth_period_s)
+        return int(used) // 4096 * 4096
+
+
+#: The processes a scenario runs on its own (weights; pids are 1000 + 100 * GPU index + slot): none at idle,
+#: one trainer, two inference servers sharing the GPU 3:2.
+_SCENARIO_PROCESSES: Mapping[str, tuple[float, ...]] = MappingProxyType(
+    {"idle": (), "steady": (1.0,), "training": (1.0,), "heat": (1.0,), "oscillating": (1.0,), "inference": (3.0, 2.0)}
+)
+
+
 class SimPciInfo:
     __slots__ = ("bus", "busId", "busIdLegacy", "device", "domain", "pciDeviceId", "pciSubSystemId")
 
@@ -234,6 +321,10 @@ class SimGpu:
         self.ambient_override_c: float | None = None
         self.cooling_override: float | None = None
         self.external_limit_w: float | None = None
+        #: Processes started through ``SimNvml.start_process`` (beside the scenario's own), by pid.
+        self.extra_processes: dict[int, SimProcess] = {}
+        #: Whether the scenario runs its own processes (``_SCENARIO_PROCESSES``).
+        self.scenario_processes = True
         # health
         self.lost = False
         self.ecc_corrected = 0
@@ -264,7 +355,7 @@ class SimGpu:
         self.memory_clock_mhz = prof.memory_clocks_mhz[-1] if prof.idle_pstate else prof.memory_clocks_mhz[0]
         self.pstate = prof.idle_pstate
         self.reasons = _IDLE
-        self.memory_used_bytes = self._memory_used(0.0)
+        self.memory_used_bytes = self._memory_used(0.0, now_s - self.t0)
         self.utilization_memory = 0.0
         self.pcie_tx_kbs = 0
         self.pcie_rx_kbs = 0
@@ -341,10 +432,33 @@ class SimGpu:
             return 0.05
         return 0.93 + 0.07 * _hash01(self.seed, self.index, int(t), 13)
 
-    def _memory_used(self, u: float) -> int:
+    def processes_at(self, t: float) -> list[tuple[SimProcess, int]]:
+        """The processes running at ``t`` (simulator time since the GPU's start) with their memory."""
+        out: list[tuple[SimProcess, int]] = []
+        weights = _SCENARIO_PROCESSES.get(self.scenario, ()) if self.scenario_processes else ()
+        if weights:
+            base = int(self.profile.memory_total_bytes * 0.006)
+            scenario_mem = max(0, self._scenario_memory(self.utilization) - base)
+            total_w = sum(weights)
+            for slot, weight in enumerate(weights):
+                pid = 1000 + 100 * self.index + slot + 1
+                proc = SimProcess(pid, memory_bytes=int(scenario_mem * weight / total_w), weight=weight)
+                out.append((proc, proc.memory_bytes // 4096 * 4096))
+        for proc in self.extra_processes.values():
+            out.append((proc, proc.memory_at(t)))
+        return out
+
+    def _memory_used(self, u: float, t: float) -> int:
+        """The scenario's memory (its processes' and the driver's base) plus the started processes'; without
+        the scenario's processes, the base alone plus the started ones."""
+        extra = sum(p.memory_at(t) for p in self.extra_processes.values())
+        own = self._scenario_memory(u) if self.scenario_processes else self._scenario_memory(0.0, "idle")
+        return min(self.profile.memory_total_bytes, own + extra)
+
+    def _scenario_memory(self, u: float, scenario: str = "") -> int:
         total = self.profile.memory_total_bytes
         base = 0.006
-        scenario = self.scenario if self.utilization_override is None else "steady"
+        scenario = scenario or (self.scenario if self.utilization_override is None else "steady")
         share = {
             "idle": base,
             "inference": 0.4,
@@ -421,7 +535,7 @@ class SimGpu:
         # load-dependent counters
         mem_ratio = 0.6 if self.scenario == "training" else 0.4
         self.utilization_memory = u * mem_ratio
-        self.memory_used_bytes = self._memory_used(u)
+        self.memory_used_bytes = self._memory_used(u, t + h)
         noise = 0.8 + 0.4 * _hash01(self.seed, self.index, int(t * 10), 21)
         rx_share = 0.35 if self.scenario == "inference" else 0.05
         self.pcie_rx_kbs = int(prof.pcie_max_kbs * rx_share * u * noise)
@@ -795,6 +909,55 @@ class SimNvml:
     def nvmlDeviceGetComputeMode(self, handle: SimHandle) -> int:
         return self._device(handle, "nvmlDeviceGetComputeMode").compute_mode
 
+    # --- processes -------------------------------------------------------------------------------
+    def _process_list(self, handle: SimHandle, fname: str, kind: str) -> list[SimProcessInfo]:
+        gpu = self._device(handle, fname)
+        t = gpu.t_last - gpu.t0
+        return [SimProcessInfo(proc.pid, used) for proc, used in gpu.processes_at(t) if kind in proc.kind]
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: SimHandle) -> list[SimProcessInfo]:
+        return self._process_list(handle, "nvmlDeviceGetComputeRunningProcesses_v3", "compute")
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: SimHandle) -> list[SimProcessInfo]:
+        return self._process_list(handle, "nvmlDeviceGetComputeRunningProcesses_v2", "compute")
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[SimProcessInfo]:
+        """The binding's unversioned name calls the v3 C function."""
+        return self._process_list(handle, "nvmlDeviceGetComputeRunningProcesses_v3", "compute")
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v3(self, handle: SimHandle) -> list[SimProcessInfo]:
+        return self._process_list(handle, "nvmlDeviceGetGraphicsRunningProcesses_v3", "graphics")
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(self, handle: SimHandle) -> list[SimProcessInfo]:
+        return self._process_list(handle, "nvmlDeviceGetGraphicsRunningProcesses_v2", "graphics")
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: SimHandle) -> list[SimProcessInfo]:
+        return self._process_list(handle, "nvmlDeviceGetGraphicsRunningProcesses_v3", "graphics")
+
+    def _utilization_samples(self, gpu: SimGpu, since_us: int) -> list[SimProcessUtilization]:
+        """One sample per running process, its weight's share of the GPU's utilisation now. NotFound when there
+        is none newer than ``since_us`` (NVML's answer to "no samples")."""
+        now_us = int(self._clock() * 1_000_000)
+        procs = gpu.processes_at(gpu.t_last - gpu.t0)
+        if not procs or now_us <= since_us:
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        total_w = sum(p.weight for p, _ in procs) or 1.0
+        out = []
+        for proc, _used in procs:
+            share = proc.weight / total_w
+            sm = round(100.0 * gpu.utilization * share)
+            mem = round(100.0 * gpu.utilization_memory * share)
+            out.append(SimProcessUtilization(proc.pid, now_us, sm, mem, 0, 0))
+        return out
+
+    def nvmlDeviceGetProcessUtilization(self, handle: SimHandle, timeStamp: int) -> list[SimProcessUtilization]:
+        gpu = self._device(handle, "nvmlDeviceGetProcessUtilization")
+        return self._utilization_samples(gpu, int(timeStamp))
+
+    def nvmlDeviceGetProcessesUtilizationInfo(self, handle: SimHandle, timeStamp: int) -> list[SimProcessUtilization]:
+        gpu = self._device(handle, "nvmlDeviceGetProcessesUtilizationInfo")
+        return self._utilization_samples(gpu, int(timeStamp))
+
     def nvmlDeviceGetFieldValues(self, handle: SimHandle, fieldIds: Sequence[int]) -> Any:
         """Real ``c_nvmlFieldValue_t`` items, each with its own ``nvmlReturn`` (NotSupported per field)."""
         gpu = self._device(handle, "nvmlDeviceGetFieldValues")
@@ -1033,6 +1196,55 @@ class SimNvml:
             raise ValueError(f"utilization must be within 0..100 percent, got {percent}")
         for gpu in self._targets(uuid):
             gpu.utilization_override = None if percent is None else percent / 100.0
+
+    def start_process(
+        self,
+        uuid: str,
+        pid: int,
+        memory_bytes: int,
+        *,
+        weight: float = 1.0,
+        kind: str = "compute",
+        growth_bytes_per_s: float = 0.0,
+        sawtooth_bytes: int = 0,
+        sawtooth_period_s: float = 0.0,
+        name: str = "python3",
+        pod: tuple[str, str, str] | None = None,
+    ) -> SimProcess:
+        """Start a process on GPU ``uuid`` from now on (beside the scenario's own processes): its memory (which
+        may grow or saw), its weight in the GPU's utilisation. Raises ValueError for a pid already running."""
+        (gpu,) = self._targets(uuid)
+        with self._lock:
+            if pid in gpu.extra_processes or any(p.pid == pid for p, _ in gpu.processes_at(gpu.t_last - gpu.t0)):
+                raise ValueError(f"pid {pid} already runs on GPU {uuid}")
+            proc = SimProcess(
+                pid,
+                memory_bytes=memory_bytes,
+                weight=weight,
+                kind=kind,
+                growth_bytes_per_s=growth_bytes_per_s,
+                sawtooth_bytes=sawtooth_bytes,
+                sawtooth_period_s=sawtooth_period_s,
+                started_s=gpu.t_last - gpu.t0,
+                name=name,
+                pod=pod,
+            )
+            gpu.extra_processes[pid] = proc
+            return proc
+
+    def stop_process(self, uuid: str, pid: int) -> None:
+        """End a process started with ``start_process``; KeyError if it is not running."""
+        (gpu,) = self._targets(uuid)
+        with self._lock:
+            if pid not in gpu.extra_processes:
+                raise KeyError(f"pid {pid} is not a started process of GPU {uuid}")
+            del gpu.extra_processes[pid]
+
+    def set_scenario_processes(self, uuid: str | None, enabled: bool) -> None:
+        """Whether the scenario runs its own processes (one trainer, two inference servers ...); off leaves only
+        the processes of ``start_process``."""
+        for gpu in self._targets(uuid):
+            gpu.scenario_processes = enabled
 
     def set_ambient_c(self, uuid: str | None, celsius: float | None) -> None:
         """The temperature the GPU settles at with no power; ``None`` restores the profile's value."""
