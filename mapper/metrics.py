@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import os
 import selectors
 import socket
@@ -53,8 +52,9 @@ from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_n
 from prometheus_client.samples import Sample as PromSample
 from prometheus_client.utils import floatToGoString
 
+from mapper import naming
 from mapper.errors import ConfigError, NotFoundError, TransientError
-from mapper.model import CLOCK_EVENT_REASONS, COMPUTE_MODES, DEVICE_STATES, PROPERTIES, GpuInfo, Sample
+from mapper.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.stats import (
     STATUS_FILE_NAME,
     GpuSnapshot,
@@ -69,11 +69,11 @@ from mapper.webconfig import WebAuth, WebConfig, client_allowed
 
 log = logging.getLogger(__name__)
 
-#: Labels of every per-GPU series.
-GPU_LABELS = ("uuid", "gpu", "device", "node")
+#: Labels of every per-GPU series (the naming table's).
+GPU_LABELS = naming.GPU_LABELS
 
 #: Catalog properties exported as one numeric series each (those with a Prometheus name).
-EXPORTED_PROPERTIES = tuple(p for p in PROPERTIES if p.prom_name)
+EXPORTED_PROPERTIES = tuple(ps.spec for ps in naming.PROPERTY_SERIES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,54 +221,21 @@ def metric_names() -> frozenset[str]:
 
 
 def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
-    """Build every metric family for one snapshot (pure apart from the prometheus_client types)."""
+    """Build every metric family for one snapshot (pure apart from the prometheus_client types). Names, types,
+    help texts and labels come from ``mapper.naming`` (shared with the bridge)."""
     out: list[Metric] = []
     per_prop: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-    for spec in EXPORTED_PROPERTIES:
-        doc = f"{spec.description} ({spec.name}" + (f", {spec.unit}" if spec.unit else "") + ")"
-        fam: GaugeMetricFamily | CounterMetricFamily
-        if spec.prom_type == "counter":
-            fam = CounterMetricFamily(spec.prom_name, doc, labels=GPU_LABELS)
-        else:
-            fam = GaugeMetricFamily(spec.prom_name, doc, labels=GPU_LABELS)
-        per_prop[spec.name] = fam
+    for ps in naming.PROPERTY_SERIES:
+        per_prop[ps.spec.name] = _family(ps.family)
 
-    info = GaugeMetricFamily(
-        "gpu_info",
-        "GPU identity: always 1, labelled with the product name, driver version and PCI bus id",
-        labels=(*GPU_LABELS, "product_name", "driver_version", "pci_bus_id"),
-    )
-    reasons = GaugeMetricFamily(
-        "gpu_clock_event_reason_active",
-        "1 while the clock event reason holds the clocks back (one series per nvmlClocksEventReason bit)",
-        labels=(*GPU_LABELS, "reason"),
-    )
-    compute = GaugeMetricFamily(
-        "gpu_compute_mode", "1 for the compute mode in force, 0 for the others", labels=(*GPU_LABELS, "mode")
-    )
-    xids = CounterMetricFamily(
-        "gpu_xid_errors",
-        "XID events seen on the GPU since the mapper started, by XID code",
-        labels=(*GPU_LABELS, "xid"),
-    )
-    desired_cap = GaugeMetricFamily(
-        "gpu_power_limit_desired_watts",
-        "power cap asked for by the cloud or an edge application, before local policies",
-        labels=GPU_LABELS,
-    )
-    state = GaugeMetricFamily(
-        "gpu_mapper_device_state",
-        "1 for the device state last reported to EdgeCore, 0 for the others",
-        labels=(*GPU_LABELS, "state"),
-    )
-    policy_state = GaugeMetricFamily(
-        "gpu_mapper_policy_state",
-        "1, labelled with what the local policies are doing on the GPU (the policy_state twin)",
-        labels=(*GPU_LABELS, "state"),
-    )
-    sample_ts = GaugeMetricFamily(
-        "gpu_mapper_sample_timestamp_seconds", "Unix time of the GPU's latest sample", labels=GPU_LABELS
-    )
+    info = _family(naming.GPU_INFO)
+    reasons = _family(naming.CLOCK_EVENT_REASON)
+    compute = _family(naming.COMPUTE_MODE)
+    xids = _family(naming.XID_ERRORS)
+    desired_cap = _family(naming.DESIRED_POWER_LIMIT)
+    state = _family(naming.DEVICE_STATE)
+    policy_state = _family(naming.POLICY_STATE)
+    sample_ts = _family(naming.SAMPLE_TIMESTAMP)
 
     # The plain per-GPU series get their samples here rather than through ``add_metric``: one labels dict per
     # GPU, shared by all of them (``TextRenderer`` renders it once), instead of one dict per series.
@@ -299,14 +266,14 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
             number = _number(values.get(spec.name))
             if number is not None:
                 samples.append(PromSample(name, shared, number * spec.prom_scale))
-        mask = _number(values.get("clock_event_reasons"))
+        mask = _number(values.get(naming.CLOCK_EVENT_REASONS_PROPERTY))
         if mask is not None:
-            for bit, name in CLOCK_EVENT_REASONS:
-                reasons.add_metric([*labels, name], 1 if int(mask) & bit else 0)
-        mode = values.get("compute_mode")
-        if isinstance(mode, str) and mode in COMPUTE_MODES:
-            for m in COMPUTE_MODES:
-                compute.add_metric([*labels, m], 1 if m == mode else 0)
+            for reason, flag in naming.clock_event_reason_flags(int(mask)):
+                reasons.add_metric([*labels, reason], flag)
+        mode = values.get(naming.COMPUTE_MODE_PROPERTY)
+        if isinstance(mode, str):
+            for m, flag in naming.compute_mode_flags(mode):
+                compute.add_metric([*labels, m], flag)
 
     out.extend(per_prop.values())
     out.extend([info, reasons, compute, xids, desired_cap, state, policy_state, sample_ts])
@@ -319,12 +286,12 @@ def _sample_name(fam: Metric) -> str:
     return fam.name + "_total" if fam.type == "counter" else fam.name
 
 
-def _number(v: object) -> float | None:
-    if isinstance(v, bool):
-        return 1.0 if v else 0.0
-    if isinstance(v, int | float) and math.isfinite(v):
-        return float(v)
-    return None
+_number = naming.number
+
+
+def _family(f: naming.Family) -> GaugeMetricFamily | CounterMetricFamily:
+    kind = CounterMetricFamily if f.type == "counter" else GaugeMetricFamily
+    return kind(f.name, f.doc, labels=f.all_labels)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
