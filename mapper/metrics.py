@@ -53,6 +53,8 @@ from prometheus_client.samples import Sample as PromSample
 from prometheus_client.utils import floatToGoString
 
 from mapper import naming
+from mapper.bridgecore import BridgeStats
+from mapper.bridgecore import Histogram as BridgeHistogram
 from mapper.errors import ConfigError, NotFoundError, TransientError
 from mapper.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.stats import (
@@ -833,3 +835,118 @@ def read_status_file(data_dir: str | os.PathLike[str]) -> MapperSnapshot:
         return MapperSnapshot.from_json(text)
     except SnapshotFormatError as exc:
         raise SnapshotFormatError(f"{path}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# gpu-mapper bridge: its own /metrics, /healthz, /readyz
+# --------------------------------------------------------------------------------------------------
+
+
+def _histogram(name: str, doc: str, h: BridgeHistogram) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, doc)
+    fam.add_metric([], [(floatToGoString(le), float(n)) for le, n in h.cumulative()], sum_value=h.sum)
+    return fam
+
+
+def bridge_metrics(s: BridgeStats) -> list[Metric]:
+    """The bridge's families (``gpu_mapper_bridge_*``) from its stats."""
+    p = "gpu_mapper_bridge_"
+    return [
+        _counter(p + "batches_received", "telemetry batches received from the broker", s.batches_received),
+        _counter(p + "samples_received", "property values in the batches received", s.samples_received),
+        _counter(p + "batches_written", "batches whose samples the receiver accepted", s.batches_written),
+        _counter(p + "samples_written", "samples the receiver accepted", s.samples_written),
+        _counter(p + "requests_written", "remote-write requests the receiver accepted", s.requests_written),
+        _counter(
+            p + "duplicate_batches",
+            "batches dropped as already written (node, device, boot id, seq range)",
+            s.duplicate_batches,
+        ),
+        _counter(p + "duplicate_samples", "property values in the duplicate batches dropped", s.duplicate_samples),
+        _counter(p + "decode_errors", "messages that are not telemetry batches (kept in the spool)", s.decode_errors),
+        _counter(
+            p + "uuid_unknown_batches",
+            "batches written without a uuid label (no uuid known in time)",
+            s.uuid_unknown_batches,
+        ),
+        _labelled(
+            CounterMetricFamily,
+            p + "refused_requests",
+            "requests refused with a 4xx (not retried), by reason",
+            ("reason",),
+            _keyed(s.refused_requests),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            p + "refused_samples",
+            "samples in refused requests (kept in the spool)",
+            ("reason",),
+            _keyed(s.refused_samples),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            p + "retries",
+            "remote-write attempts retried (5xx, 429, network), by reason",
+            ("reason",),
+            _keyed(s.retries),
+        ),
+        _counter(p + "spooled_requests", "refused requests written to the spool directory", s.spooled_requests),
+        _counter(
+            p + "spool_failures", "refused requests or messages the spool could not keep (dropped)", s.spool_failures
+        ),
+        _counter(p + "version_fallbacks", "falls back from remote write 2.0 to 1.0", s.version_fallbacks),
+        _histogram(p + "write_duration_seconds", "time of one remote-write POST", s.write_duration),
+        _histogram(p + "sample_lag_seconds", "age of a batch's newest sample when it was written", s.lag),
+        _gauge(p + "last_write_lag_seconds", "age of the newest sample of the last batch written", s.last_write_lag_s),
+        _gauge(p + "pending_batches", "batches received and not yet written or refused", s.pending_batches),
+        _gauge(p + "pending_samples", "samples waiting in requests not yet written", s.pending_samples),
+        _gauge(p + "mqtt_connected", "1 while the MQTT session is up", 1 if s.mqtt_connected else 0),
+        _gauge(p + "remote_write_version", "remote-write protocol version in use (1 or 2)", s.remote_write_version),
+        _gauge(p + "dedup_streams", "streams (node, device, boot id, topic) the dedup remembers", s.dedup_streams),
+    ]
+
+
+class _BridgeCollector:
+    def __init__(self, families: Callable[[], list[Metric]]) -> None:
+        self._families = families
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families()
+
+
+class BridgeMetricsServer(MetricsServer):
+    """``/metrics``, ``/healthz`` and ``/readyz`` of ``gpu-mapper bridge`` (the mapper server's loop and bounds).
+    ``problems()`` lists why it is not ready (empty: ready)."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        stats: Callable[[], BridgeStats],
+        heartbeats: Callable[[], Iterable[LoopHeartbeat]],
+        problems: Callable[[], list[str]],
+        loop: asyncio.AbstractEventLoop | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(addr, snapshot=lambda: MapperSnapshot(node=""), heartbeats=heartbeats, loop=loop, **kwargs)
+        self._problems = problems
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_BridgeCollector(lambda: bridge_metrics(self._call(stats))))
+
+    def handle(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
+        if path == "/readyz":
+            try:
+                problems = self._call(self._problems)
+            except TransientError as exc:
+                return 503, _TEXT, f"not ready: {exc}\n".encode()
+            if problems:
+                return 503, _TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
+            return 200, _TEXT, b"ready\n"
+        if path in ("/metrics", "/healthz"):
+            return super().handle(path, query)
+        if path == "/":
+            return 200, _TEXT, b"gpu-mapper bridge: /metrics /healthz /readyz\n"
+        return int(HTTPStatus.NOT_FOUND), _TEXT, f"not found: {path}\n".encode()
