@@ -246,7 +246,7 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
     ]
     driver = snap.driver_version
     for g in snap.gpus:
-        labels = [g.info.uuid, str(g.info.index), g.device_name, g.node or snap.node]
+        labels = [g.info.uuid, str(g.info.index), naming.device_label(g.device), g.node or snap.node]
         shared = dict(zip(GPU_LABELS, labels, strict=True))
         info.add_metric(
             [*labels, g.info.name, g.info.driver_version or driver, g.info.pci_bus_id],

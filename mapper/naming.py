@@ -106,6 +106,11 @@ PRODUCT_NAME_PROPERTY = "product_name"
 POLICY_STATE_PROPERTY = "policy_state"
 
 
+def device_label(device: str) -> str:
+    """The ``device`` label of a KubeEdge Device ``namespace/name``: its name, without the namespace."""
+    return device.rsplit("/", 1)[-1]
+
+
 def number(v: object) -> float | None:
     """A property value as a Prometheus sample value: booleans 0/1, finite numbers as floats, else None."""
     if isinstance(v, bool):

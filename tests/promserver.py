@@ -44,8 +44,7 @@ class Prometheus:
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.config.write_text(
-            "global:\n  scrape_interval: 1h\n"
-            f"storage:\n  tsdb:\n    out_of_order_time_window: {self.ooo_window}\n"
+            f"global:\n  scrape_interval: 1h\nstorage:\n  tsdb:\n    out_of_order_time_window: {self.ooo_window}\n"
         )
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
