@@ -151,6 +151,17 @@ class RemoteWriteClient:
         raise AssertionError("unreachable")
 
 
+#: Bodies of a 5xx that will never be accepted, however often sent: Prometheus 2.x (2.42 measured) answers 500
+#: ``too old sample`` for a sample older than its out-of-order window (a 400 in the spec's terms). Treated as a
+#: refusal: counted, logged once, spooled, not retried.
+PERMANENT_5XX_BODIES = ("too old sample",)
+
+
+def permanent_5xx(answer: Answer) -> bool:
+    text = answer.body.lower()
+    return any(phrase in text for phrase in PERMANENT_5XX_BODIES)
+
+
 def refusal_reason(status: int, body: str) -> str:
     """A short, stable reason for a refused request (a metric label)."""
     text = body.lower()
@@ -525,7 +536,7 @@ class Bridge:
             if answer is not None and answer.status == 415 and version == 2:
                 self._fall_back("HTTP 415")
                 continue
-            if answer is None or answer.status >= 500 or answer.status == 429:
+            if answer is None or (answer.status >= 500 and not permanent_5xx(answer)) or answer.status == 429:
                 reason = "network" if answer is None else f"http_{answer.status}"
                 self.stats.retries[reason] = self.stats.retries.get(reason, 0) + 1
                 if self._failing_since is None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
+import threading
 import time
+import urllib.error
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -163,3 +166,54 @@ def expected_samples(batches: list[Published]) -> int:
         seen.add(key)
         total += conv.add(req, p.batch, uuids[p.batch.device])
     return total
+
+
+class FlakyReceiver:
+    """A real HTTP server in front of a real Prometheus: it forwards every POST unchanged, except that while
+    ``status`` is set it answers that status instead (a receiver outage), and it waits ``delay_s`` per request."""
+
+    def __init__(self, target_url: str) -> None:
+        self.target_url = target_url
+        self.status: int | None = None
+        self.delay_s = 0.0
+        self.answers: list[int] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if owner.delay_s:
+                    time.sleep(owner.delay_s)
+                status = owner.status
+                text = b"receiver outage (test)\n"
+                if status is None:
+                    req = urllib.request.Request(owner.target_url, data=body, method="POST")
+                    for k in ("Content-Encoding", "Content-Type", "X-Prometheus-Remote-Write-Version"):
+                        req.add_header(k, self.headers.get(k, ""))
+                    try:
+                        with urllib.request.urlopen(req, timeout=30) as resp:
+                            status, text = resp.status, resp.read()
+                    except urllib.error.HTTPError as exc:
+                        status, text = exc.code, exc.read()
+                owner.answers.append(status)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)

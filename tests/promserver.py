@@ -64,10 +64,12 @@ class Prometheus:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited: {self.log_path.read_text()[-3000:]}")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp,
+            ):
+                if resp.status == 200:
+                    return
             time.sleep(0.1)
         raise RuntimeError(f"prometheus not ready within {timeout_s}s: {self.log_path.read_text()[-3000:]}")
 

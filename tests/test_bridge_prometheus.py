@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.apphelpers import wait_for
-from tests.bridgehelpers import bridge_settings, expected_samples, publish_all, running_bridge, stream
-from tests.brokers import Mosquitto
+from tests.bridgehelpers import FlakyReceiver, bridge_settings, expected_samples, publish_all, running_bridge, stream
+from tests.brokers import Mosquitto, free_port
 from tests.promserver import Prometheus
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -55,3 +61,151 @@ async def test_batches_on_the_broker_reach_prometheus_once_each_named_as_the_map
         assert names["uuid"].startswith("GPU-") and names["node"] == "edge-1" and "gpu" not in names
         stamps = [t for t, _ in points]
         assert len(stamps) == 120 and stamps == sorted(set(stamps))
+
+
+async def test_two_replicas_in_one_group_each_take_part_and_together_write_everything_once(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=4, seconds=300)
+    want = expected_samples(batches)
+    a = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "a", mqtt_client_id="bridge-a")
+    b = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "b", mqtt_client_id="bridge-b")
+    async with running_bridge(a) as ra, running_bridge(b) as rb:
+        await wait_for(lambda: ra.session.connected and rb.session.connected, what="both replicas connected")
+        publish_all(mosquitto.url, batches)
+        await wait_for(
+            lambda: ra.stats.batches_written + rb.stats.batches_written >= len(batches),
+            timeout_s=60,
+            what="every batch written by one of the replicas",
+        )
+    assert ra.stats.batches_received > 0 and rb.stats.batches_received > 0, "both replicas took part"
+    assert ra.stats.batches_received + rb.stats.batches_received == len(batches), "each batch went to one replica"
+    assert ra.stats.duplicate_batches == rb.stats.duplicate_batches == 0
+    assert ra.stats.samples_written + rb.stats.samples_written == want
+    assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 900) == want
+
+
+async def test_a_receiver_answering_500_is_retried_with_backoff_and_nothing_is_lost(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=2, seconds=120)
+    want = expected_samples(batches)
+    flaky = FlakyReceiver(prometheus.write_url)
+    flaky.status = 500
+    try:
+        async with running_bridge(bridge_settings(mosquitto.url, flaky.url, tmp_path)) as bridge:
+            publish_all(mosquitto.url, batches)
+            await wait_for(lambda: bridge.stats.retries.get("http_500", 0) >= 3, timeout_s=30, what="retries")
+            assert bridge.stats.batches_written == 0
+            assert bridge.problems() == [] or "failing" in " ".join(bridge.problems())
+            assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 600) == 0
+            flaky.status = None  # the receiver recovers
+            await wait_for(
+                lambda: bridge.stats.batches_written >= len(batches), timeout_s=60, what="every batch written"
+            )
+        assert bridge.stats.samples_written == want
+        assert sum(bridge.stats.refused_requests.values()) == 0
+        assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 600) == want
+        assert flaky.answers.count(500) >= 3 and flaky.answers[-1] // 100 == 2
+    finally:
+        flaky.close()
+
+
+def _bridge_process(url: str, write_url: str, tmp: Path, port: int) -> subprocess.Popen[bytes]:
+    log = (tmp / f"bridge-{port}.log").open("ab")
+    cmd = [sys.executable, "-m", "mapper.cli", "bridge", "--mqtt", url, "--remote-write", write_url]
+    cmd += ["--mqtt-client-id", "bridge-k", "--metrics-addr", f"127.0.0.1:{port}", "--spool-dir", str(tmp / "spool")]
+    cmd += ["--batch-max-delay", "200ms", "--batch-max-samples", "500", "--retry-min-backoff", "100ms"]
+    return subprocess.Popen(cmd, stdout=log, stderr=log, cwd=REPO)
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+async def test_a_bridge_sigkilled_mid_stream_and_restarted_loses_nothing(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=2, seconds=600)
+    want = expected_samples(batches)
+    flaky = FlakyReceiver(prometheus.write_url)
+    flaky.delay_s = 0.05  # slow enough to be killed mid-stream
+    port = free_port()
+    proc = _bridge_process(mosquitto.url, flaky.url, tmp_path, port)
+    selector, now = '{__name__=~"gpu_.+"}', time.time() + 1
+    try:
+        await wait_for(lambda: _ready(port), timeout_s=30, what="the bridge process to be ready")
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: count_samples(prometheus, selector, now, 900) > 0, timeout_s=30, what="some written")
+        proc.kill()  # SIGKILL: no goodbye, unacknowledged messages stay with the broker
+        proc.wait(10)
+        written_before = count_samples(prometheus, selector, now, 900)
+        assert 0 < written_before < want, "killed mid-stream"
+        proc = _bridge_process(mosquitto.url, flaky.url, tmp_path, port)
+        await wait_for(
+            lambda: count_samples(prometheus, selector, now, 900) >= want, timeout_s=90, what="everything written"
+        )
+        assert count_samples(prometheus, selector, now, 900) == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        flaky.close()
+
+
+async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_that_promtool_accepts(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    prom = Prometheus(tmp_path, ooo_window="10m")
+    prom.start()
+    try:
+        recent = stream(gpus=1, seconds=60)
+        # the same GPU three hours earlier (another boot): far older than the 10 min out-of-order window
+        old = stream(gpus=1, seconds=30, start_ms=int(time.time() * 1000) - 3 * 3600 * 1000, boot_id="0ld0b007")
+        spool = tmp_path / "spool"
+        async with running_bridge(bridge_settings(mosquitto.url, prom.write_url, tmp_path, spool_dir=str(spool))) as br:
+            publish_all(mosquitto.url, recent)
+            await wait_for(lambda: br.stats.batches_written >= len(recent), timeout_s=30, what="recent written")
+            publish_all(mosquitto.url, old + recent[-1:], with_states=False)
+            await wait_for(lambda: br.stats.spooled_requests >= len(old), timeout_s=30, what="old batches spooled")
+            await wait_for(lambda: br.stats.pending_batches == 0 and not br._claims, timeout_s=10, what="all done")
+        reasons = br.stats.refused_requests
+        assert sum(reasons.values()) == len(old) and set(reasons) <= {"out_of_bounds", "too_old", "out_of_order"}
+        refused = sum(br.stats.refused_samples.values())
+        assert refused == expected_samples(old)
+        assert br.stats.duplicate_batches == 1, "the recent batch sent again was dropped"
+        assert len(list(spool.glob("*.rw1"))) == len(old)
+        om = tmp_path / "backfill.om"
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "mapper.cli", "bridge", "export", "--spool-dir", str(spool), "-o", str(om)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert out.returncode == 0, out.stderr
+        assert om.read_text().endswith("# EOF\n")
+        blocks = tmp_path / "blocks"
+        made = await asyncio.to_thread(
+            subprocess.run,
+            ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om), str(blocks)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert made.returncode == 0, made.stdout + made.stderr
+        listing = await asyncio.to_thread(
+            subprocess.run, ["promtool", "tsdb", "list", str(blocks)], capture_output=True, text=True, timeout=60
+        )
+        assert listing.returncode == 0, listing.stderr
+        rows = [line.split() for line in listing.stdout.splitlines()[1:] if line.strip()]
+        assert sum(int(r[4]) for r in rows) == refused, listing.stdout  # NUM SAMPLES column
+    finally:
+        prom.stop()

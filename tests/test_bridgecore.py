@@ -183,7 +183,7 @@ def test_every_key_has_an_env_variable_and_bad_settings_are_named(tmp_path: Path
     assert set(BRIDGE_ENV_KEYS) == set(BRIDGE_KEYS)
     assert all(v.startswith("GPU_MAPPER_BRIDGE_") for v in BRIDGE_ENV_KEYS.values())
     ok = {"mqtt_url": "mqtt://b:1883", "remote_write": "http://p:9090/api/v1/write"}
-    with pytest.raises(ConfigError, match="remoteWrite.version"):
+    with pytest.raises(ConfigError, match=r"remoteWrite\.version"):
         load_bridge_settings(None, env={}, flags={**ok, "remote_write_version": 3})
     with pytest.raises(ConfigError, match=r"bridge\.mqtt\.url"):
         load_bridge_settings(None, env={}, flags={"remote_write": ok["remote_write"]})
