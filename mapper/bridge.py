@@ -290,6 +290,7 @@ class Bridge:
             session_expiry_s=round(settings.mqtt_session_expiry_s),
             receive_maximum=settings.mqtt_receive_maximum,
             manual_ack=True,
+            reconnect_max_s=settings.mqtt_reconnect_max_s,
         )
         self._uuids: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._waiting: deque[tuple[float, ReceivedMessage, DecodedBatch]] = deque()
@@ -350,6 +351,11 @@ class Bridge:
         s.remote_write_version = self.version
         s.dedup_streams = len(self.dedup)
         return s
+
+    @property
+    def idle(self) -> bool:
+        """Nothing received is waiting to be written or refused."""
+        return not (self._pending or self._sealed or self._in_flight or self._waiting or self._claims)
 
     def problems(self) -> list[str]:
         out = []
@@ -496,6 +502,7 @@ class Bridge:
                     await asyncio.wait_for(self._wake.wait(), wait_s)
                 continue
             self._in_flight = req
+            log.debug("bridge: writing %d batches, %d samples", len(req.messages), req.samples)
             try:
                 await self._write(req)
             finally:
@@ -526,6 +533,7 @@ class Bridge:
             version = self.version
             body, headers = self._encode(req, version)
             answer = await self._post(body, headers)
+            log.debug("bridge: POST answered %s", answer and (answer.status, answer.body[:100]))
             if answer is not None and 200 <= answer.status < 300:
                 if version == 2 and remotewrite.SAMPLES_WRITTEN_HEADER.lower() not in answer.headers:
                     self._fall_back(f"HTTP {answer.status} without {remotewrite.SAMPLES_WRITTEN_HEADER}")

@@ -32,6 +32,7 @@ class BridgeSettings:
     mqtt_client_id: str = ""
     mqtt_session_expiry_s: float = 3600.0
     mqtt_receive_maximum: int = 1000
+    mqtt_reconnect_max_s: float = 30.0
     topic: str = DEFAULT_TOPIC
     #: Retained state messages (they carry the GPU uuid); "" derives it from ``topic`` (".../state").
     state_topic: str = ""
@@ -79,6 +80,7 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
     "mqtt_client_id": ("mqtt.clientId", "str"),
     "mqtt_session_expiry_s": ("mqtt.sessionExpiry", "duration"),
     "mqtt_receive_maximum": ("mqtt.receiveMaximum", "int"),
+    "mqtt_reconnect_max_s": ("mqtt.reconnectMaxBackoff", "duration"),
     "topic": ("topic", "str"),
     "state_topic": ("stateTopic", "str"),
     "group": ("group", "str"),
@@ -169,6 +171,8 @@ def validate_bridge(s: BridgeSettings) -> None:
         raise ConfigError(f"bridge.group: a share name without '/', '+', '#' or '$', got {s.group!r}")
     if not 1 <= s.mqtt_receive_maximum <= 65535:
         raise ConfigError(f"bridge.mqtt.receiveMaximum: must be 1..65535, got {s.mqtt_receive_maximum}")
+    if s.mqtt_reconnect_max_s < 0.5:
+        raise ConfigError(f"bridge.mqtt.reconnectMaxBackoff: must be at least 0.5 s, got {s.mqtt_reconnect_max_s}")
     if s.batch_max_samples < 1:
         raise ConfigError("bridge.batch.maxSamples: must be at least 1")
     if s.batch_max_delay_s <= 0 or s.remote_write_timeout_s <= 0:

@@ -5,8 +5,9 @@ the bridge's counters.
   ``mapper.naming`` (the table the mapper's own ``/metrics`` uses): catalog properties with a Prometheus name as
   ``value * prom_scale``; ``clock_event_reasons`` as ``gpu_clock_event_reason_active{reason}`` 0/1 per bit;
   ``compute_mode`` as ``gpu_compute_mode{mode}``; ``product_name`` as ``gpu_info{product_name}`` 1;
-  ``policy_state`` as ``gpu_mapper_policy_state{state}`` 1. Labels ``uuid``, ``device`` (the Device name without its namespace, as ``/metrics``), ``node``; ``gpu`` (the
-  NVML index) is not in the stream and is left out. Non-finite values are skipped (as ``/metrics`` does).
+  ``policy_state`` as ``gpu_mapper_policy_state{state}`` 1. Labels ``uuid``, ``device`` (the Device name
+  without its namespace, as ``/metrics``), ``node``;
+  ``gpu`` (the NVML index) is not in the stream and is left out. Non-finite values are skipped (as ``/metrics`` does).
 * ``SeqDedup`` remembers, per (node, device, boot id, topic), the sequence ranges already written (with their
   time ranges), so that a batch seen again is dropped and a merged batch (one range covering several batches)
   contributes only the rows of the batches not written yet. Memory is bounded: at most ``max_ranges`` ranges per

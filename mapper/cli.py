@@ -174,6 +174,7 @@ _BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--mqtt-client-id", "mqtt_client_id", "ID", "MQTT client id, stable per replica (default <group>-<hostname>)"),
     ("--mqtt-session-expiry", "mqtt_session_expiry_s", "DURATION", "how long the broker keeps the session (1h)"),
     ("--mqtt-receive-maximum", "mqtt_receive_maximum", "N", "unacknowledged messages the broker may send (1000)"),
+    ("--mqtt-reconnect-max-backoff", "mqtt_reconnect_max_s", "DURATION", "longest wait between reconnects (30s)"),
     ("--topic", "topic", "FILTER", "telemetry topic filter (default gpu-mapper/+/+/+/telemetry)"),
     ("--state-topic", "state_topic", "FILTER", "retained state messages (default: --topic with .../state)"),
     ("--group", "group", "NAME", "shared-subscription group of the replicas (default gpu-mapper-bridge)"),

@@ -132,6 +132,7 @@ def bridge_settings(broker_url: str, write_url: str, tmp: Path, **overrides: Any
         retry_min_s=0.1,
         retry_max_s=1.0,
         uuid_wait_s=2.0,
+        mqtt_reconnect_max_s=1.0,
     )
     return replace(base, **overrides)
 

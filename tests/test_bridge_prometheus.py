@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import re
 import signal
 import subprocess
 import sys
@@ -12,11 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
+from mapper.bridgecore import bridged_series_names
 from tests.apphelpers import wait_for
 from tests.bridgehelpers import FlakyReceiver, bridge_settings, expected_samples, publish_all, running_bridge, stream
 from tests.brokers import Mosquitto, free_port
 from tests.promserver import Prometheus
+from tests.test_deploy import dashboard, exprs, metric_refs
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +179,7 @@ async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_
             await wait_for(lambda: br.stats.batches_written >= len(recent), timeout_s=30, what="recent written")
             publish_all(mosquitto.url, old + recent[-1:], with_states=False)
             await wait_for(lambda: br.stats.spooled_requests >= len(old), timeout_s=30, what="old batches spooled")
-            await wait_for(lambda: br.stats.pending_batches == 0 and not br._claims, timeout_s=10, what="all done")
+            await wait_for(lambda: br.idle, timeout_s=10, what="all done")
         reasons = br.stats.refused_requests
         assert sum(reasons.values()) == len(old) and set(reasons) <= {"out_of_bounds", "too_old", "out_of_order"}
         refused = sum(br.stats.refused_samples.values())
@@ -209,3 +214,75 @@ async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_
         assert sum(int(r[4]) for r in rows) == refused, listing.stdout  # NUM SAMPLES column
     finally:
         prom.stop()
+
+
+def _grafana_to_promql(expr: str) -> str:
+    """A dashboard expression as Prometheus evaluates it: variables matched to anything, label_values(sel, l)
+    as its selector."""
+    text = re.sub(r"label_values\(([^,)]+(?:\{[^}]*\})?)\s*,[^)]*\)", r"\1", expr)
+    return text.replace("$node", ".+").replace("$gpu", ".+").replace("$instance", ".+")
+
+
+async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_series_draw_from_the_bridge(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=2, seconds=900)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: bridge.stats.batches_written >= len(batches), timeout_s=60, what="every batch written")
+    at = batches[-1].batch.ts_last_ms / 1000
+    bridged = bridged_series_names()
+    dash = [_grafana_to_promql(e) for e in exprs(dashboard())]
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    alerts = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    on_gpu_series = 0
+    for expr in dash + alerts:
+        result = prometheus.query(expr, at)  # raises naming the error when it does not parse
+        refs = metric_refs(expr)
+        if refs and refs <= bridged:
+            on_gpu_series += 1
+            for name in refs:
+                assert prometheus.query(name, at), f"{name} has no data from the bridge"
+            head, *threshold = re.split(r"\s(?:>|<|==|!=|>=|<=)\s", expr)
+            if threshold:  # a condition may well be false: the expression without its threshold has data
+                assert prometheus.query(head, at), f"{expr}: {head} returns nothing from the bridged series"
+            else:
+                assert result, f"{expr} returns nothing from the bridged series"
+    assert on_gpu_series >= 20
+
+
+async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_and_no_duplicate(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    from mapper.config import MqttSettings
+    from mapper.gpu.simnvml import SimNvml
+    from tests.apphelpers import fast_settings, running_app
+
+    sim = SimNvml(2, "H100", seed=11, scenario="training")
+    settings = fast_settings(
+        str(tmp_path / "mapper"), devices_dir=None, telemetry_window_s=1.0, mqtt=MqttSettings(url=mosquitto.url)
+    )
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        async with running_app(settings, sim) as app:
+            assert app.buffer is not None
+            await wait_for(lambda: bridge.stats.batches_written >= 4, timeout_s=30, what="the online part written")
+            mosquitto.stop()
+            down_ms = int(time.time() * 1000)
+            # offline: the mapper keeps sampling into its buffer
+            await wait_for(lambda: app.buffer.stats().batches >= 24, timeout_s=60, what="12 s of offline batches")
+            up_ms = int(time.time() * 1000)
+            mosquitto.start()
+            await wait_for(lambda: app.buffer.stats().batches == 0, timeout_s=60, what="the backlog replayed")
+            end_ms = int(time.time() * 1000)
+        await wait_for(lambda: bridge.idle, timeout_s=30, what="the bridge idle")
+    series = prometheus.raw_samples("gpu_power_usage_watts", end_ms / 1000 + 5, 600)
+    assert {dict(k)["uuid"] for k in series} == {g.uuid for g in sim.gpus}, "every GPU, by uuid"
+    for labels, points in series.items():
+        stamps = [t for t, _ in points]
+        assert stamps == sorted(set(stamps)), f"{labels}: duplicates or disorder"
+        assert stamps[0] < down_ms and stamps[-1] > up_ms, f"{labels}: the offline part is missing"
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        step = sorted(gaps)[len(gaps) // 2]
+        assert max(gaps) <= 2 * step, f"{labels}: a gap of {max(gaps)} ms (samples every {step} ms)"
+        offline = [t for t in stamps if down_ms < t < up_ms]
+        assert len(offline) >= (up_ms - down_ms) // step - 2, f"{labels}: {len(offline)} samples in the outage"
