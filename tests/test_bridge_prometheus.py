@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,12 +253,31 @@ async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_seri
     assert on_gpu_series >= 20
 
 
+@pytest.fixture
+def persistent_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    """A broker that keeps its sessions across a restart (as a production broker must for the bridge: a session
+    it forgot would miss what the mapper replays before the bridge subscribes again), saved every second."""
+    store = tmp_path / "mosquitto-store"
+    store.mkdir()
+    # as root, mosquitto drops to its own user, which cannot write a test's private directory: it stays root
+    user = "user root\n" if os.geteuid() == 0 else ""
+    config = f"{user}persistence true\npersistence_location {store}/\nautosave_interval 1"
+    broker = Mosquitto(tmp_path, extra_config=config)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
 async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_and_no_duplicate(
-    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+    tmp_path: Path, persistent_mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
     from mapper.config import MqttSettings
     from mapper.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, running_app
+
+    mosquitto = persistent_mosquitto
 
     sim = SimNvml(2, "H100", seed=11, scenario="training")
     settings = fast_settings(
@@ -286,3 +307,82 @@ async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_a
         assert max(gaps) <= 2 * step, f"{labels}: a gap of {max(gaps)} ms (samples every {step} ms)"
         offline = [t for t in stamps if down_ms < t < up_ms]
         assert len(offline) >= (up_ms - down_ms) // step - 2, f"{labels}: {len(offline)} samples in the outage"
+
+
+async def test_remote_write_2_falls_back_to_1_when_the_receiver_answers_2xx_without_the_written_header(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    # Prometheus 2.42 reads any body as 1.0: a 2.0 body parses as an empty WriteRequest, 204, no header.
+    batches = stream(gpus=1, seconds=60)
+    want = expected_samples(batches)
+    settings = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path, remote_write_version=2)
+    async with running_bridge(settings) as bridge:
+        assert bridge.snapshot().remote_write_version == 2
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: bridge.stats.batches_written >= len(batches), timeout_s=30, what="every batch written")
+    assert bridge.stats.version_fallbacks == 1 and bridge.version == 1
+    assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 600) == want
+
+
+@pytest.mark.parametrize(("status", "retried"), [(429, True), (503, True), (404, False), (415, False)])
+async def test_429_and_5xx_are_retried_and_other_4xx_are_refused_at_once_and_spooled(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus, status: int, retried: bool
+) -> None:
+    batches = stream(gpus=1, seconds=30)
+    flaky = FlakyReceiver(prometheus.write_url)
+    flaky.status = status
+    try:
+        async with running_bridge(bridge_settings(mosquitto.url, flaky.url, tmp_path)) as bridge:
+            publish_all(mosquitto.url, batches)
+            if retried:
+                await wait_for(lambda: len(flaky.answers) >= 3, timeout_s=30, what="three attempts")
+                await wait_for(lambda: bridge.stats.retries.get(f"http_{status}", 0) >= 3, timeout_s=10, what="counted")
+                assert set(bridge.stats.retries) == {f"http_{status}"} and bridge.stats.batches_written == 0
+                flaky.status = None
+                await wait_for(lambda: bridge.stats.batches_written == len(batches), timeout_s=30, what="written")
+                assert bridge.stats.spooled_requests == 0
+            else:
+                await wait_for(
+                    lambda: bridge.idle and bridge.stats.batches_received == len(batches), timeout_s=30, what="refused"
+                )
+                assert bridge.stats.retries == {}
+                # a request of several batches is split: each batch refused alone is counted and spooled
+                assert bridge.stats.refused_requests == {f"http_{status}": len(batches)}
+                assert bridge.stats.spooled_requests == len(batches) == len(list((tmp_path / "spool").glob("*.rw1")))
+                assert set(flaky.answers) == {status}
+                assert bridge.stats.batches_written == 0
+    finally:
+        flaky.close()
+
+
+async def test_the_bridge_serves_its_metrics_liveness_and_readiness(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=1, seconds=30)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: bridge.stats.batches_written == len(batches), timeout_s=30, what="written")
+        assert bridge.metrics is not None
+        base = bridge.metrics.url
+
+        def get(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(base + path, timeout=5) as resp:
+                    return resp.status, resp.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        status, text = await asyncio.to_thread(get, "/metrics")
+        assert status == 200
+        assert f"gpu_mapper_bridge_batches_written_total {float(len(batches))}" in text
+        assert "gpu_mapper_bridge_write_duration_seconds_bucket" in text
+        assert "gpu_mapper_bridge_sample_lag_seconds_count" in text
+        assert "gpu_mapper_bridge_mqtt_connected 1.0" in text
+        assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
+        assert await asyncio.to_thread(get, "/readyz") == (200, "ready\n")
+        mosquitto.stop()
+        await wait_for(lambda: not bridge.session.connected, timeout_s=10, what="the broker gone")
+        status, text = await asyncio.to_thread(get, "/readyz")
+        assert status == 503 and "not connected to the broker" in text
+        mosquitto.start()
+        await wait_for(lambda: bridge.session.connected, timeout_s=20, what="reconnected")
