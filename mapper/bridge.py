@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from mapper import __version__, remotewrite
 from mapper.bridgeconfig import BridgeSettings
-from mapper.bridgecore import BridgeStats, Converter, PendingRequest, SeqDedup, StreamKey, seq_range, series_types
+from mapper.bridgecore import BridgeStats, Converter, PendingRequest, SeqDedup, StreamKey, series_types
 from mapper.errors import ConfigError, TransientError
 from mapper.metrics import BridgeMetricsServer
 from mapper.mqtt import MqttSession, ReceivedMessage
@@ -236,16 +236,19 @@ def export_openmetrics(spool_dir: str | os.PathLike[str], out: IO[str]) -> int:
 
 @dataclass
 class _Accepted:
-    """One message whose samples are in a request, with what is needed to ack it, dedup it and redo it alone."""
+    """One message whose samples are in a request, with what is needed to ack it, dedup it and redo it alone:
+    ``parts`` are the batches it holds that were not written yet (a merged batch holds several)."""
 
     message: ReceivedMessage
     batch: DecodedBatch
     uuid: str
     key: StreamKey
-    seq_lo: int
-    seq_hi: int
-    exclude: list[tuple[int, int]]
+    parts: list[DecodedBatch]
     samples: int
+
+    @property
+    def seqs(self) -> list[int]:
+        return [p.seq for p in self.parts]
 
 
 class Bridge:
@@ -433,28 +436,40 @@ class Bridge:
                 self._release_waiting(lambda b: (b.node, b.device) in devices)
 
     def _accept(self, message: ReceivedMessage, batch: DecodedBatch, uuid: str) -> None:
-        lo, hi = seq_range(batch)
+        """Dedup by (node, device, boot id, topic) and sequence number, part by part: a merged batch holds the
+        batches it replaced (``DecodedBatch.split``), and only those not written yet are written."""
         key: StreamKey = (batch.node, batch.device, batch.boot_id, message.topic)
-        covered, overlap = self.dedup.check(key, lo, hi)
-        if covered:
-            self.stats.duplicate_batches += 1
-            self.stats.duplicate_samples += sum(len(s.values) for s in batch.samples)
-            self.session.ack(message)
-            return
-        for c_lo, c_hi, holder in self._claims.get(key, ()):
-            if c_lo <= lo and hi <= c_hi:
+        claims = self._claims.get(key, ())
+        new: list[DecodedBatch] = []
+        holder: PendingRequest | None = None
+        parts = batch.split() if batch.merged else (batch,)
+        for part in parts:
+            if self.dedup.check(key, part.seq, part.seq)[0]:
+                continue  # written
+            claimed = [c for lo, hi, c in claims if lo <= part.seq <= hi]
+            if claimed:
+                holder = claimed[-1]  # waits to be written in an earlier request
+                continue
+            new.append(part)
+        dropped = [p for p in parts if all(p is not q for q in new)]
+        if dropped:
+            self.stats.duplicate_batches += len(dropped)
+            self.stats.duplicate_samples += sum(len(s.values) for p in dropped for s in p.samples)
+        if not new:
+            if holder is None:
+                self.session.ack(message)
+            else:
                 # Sent again while its first copy waits to be written (a redelivery after a reconnect): it is
                 # acknowledged with that copy.
-                self.stats.duplicate_batches += 1
-                self.stats.duplicate_samples += sum(len(s.values) for s in batch.samples)
                 holder.riders.append(message)
-                return
+            return
         req = self._pending
         if req is None:
             req = self._pending = PendingRequest(self._now())
-        n = self.converter.add(req, batch, uuid, overlap)
-        req.messages.append(_Accepted(message, batch, uuid, key, lo, hi, overlap, n))
-        self._claims.setdefault(key, []).append((lo, hi, req))
+        n = sum(self.converter.add(req, part, part.uuid or uuid) for part in new)
+        req.messages.append(_Accepted(message, batch, uuid, key, new, n))
+        claim_list = self._claims.setdefault(key, [])
+        claim_list.extend((part.seq, part.seq, req) for part in new)
         if req.samples >= self.settings.batch_max_samples:
             self._sealed.append(req)
             self._pending = None
@@ -594,22 +609,25 @@ class Bridge:
         self.stats.requests_written += 1
         self.stats.samples_written += sum(len(s.ordered_parts()) for s in req.series())
         self._release(req)
-        self._release(req)
         for acc in req.messages:
-            b = acc.batch
-            self.dedup.record(acc.key, acc.seq_lo, acc.seq_hi, b.ts_first_ms, b.ts_last_ms)
+            self._record(acc)
             self.session.ack(acc.message)
-            self.stats.batches_written += 1
-            lag = max(0.0, now_wall - b.ts_last_ms / 1000.0)
+            self.stats.batches_written += len(acc.parts)
+            lag = max(0.0, now_wall - acc.parts[-1].ts_last_ms / 1000.0)
             self.stats.lag.observe(lag)
             self.stats.last_write_lag_s = lag
+
+    def _record(self, acc: _Accepted) -> None:
+        for part in acc.parts:
+            self.dedup.record(acc.key, part.seq, part.seq, part.ts_first_ms, part.ts_last_ms)
 
     async def _refused(self, req: PendingRequest, answer: Answer) -> None:
         if len(req.messages) > 1:
             # One batch's samples refuse the whole request: find which, one request per batch.
             for acc in req.messages:
                 alone = PendingRequest(self._now())
-                self.converter.add(alone, acc.batch, acc.uuid, acc.exclude)
+                for part in acc.parts:
+                    self.converter.add(alone, part, part.uuid or acc.uuid)
                 alone.messages.append(acc)
                 if not await self._write(alone):
                     return
@@ -629,8 +647,7 @@ class Bridge:
             "answer": answer.body[:2000],
             "samples": req.samples,
             "batches": [
-                {"node": a.key[0], "device": a.key[1], "boot_id": a.key[2], "seq": [a.seq_lo, a.seq_hi]}
-                for a in req.messages
+                {"node": a.key[0], "device": a.key[1], "boot_id": a.key[2], "seqs": a.seqs} for a in req.messages
             ],
         }
         try:
@@ -640,6 +657,5 @@ class Bridge:
             self.stats.spool_failures += 1
             log.error("bridge: a refused request (%d samples) could not be spooled: %s; dropped", req.samples, exc)
         for acc in req.messages:
-            b = acc.batch
-            self.dedup.record(acc.key, acc.seq_lo, acc.seq_hi, b.ts_first_ms, b.ts_last_ms)
+            self._record(acc)
             self.session.ack(acc.message)

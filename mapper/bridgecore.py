@@ -6,13 +6,14 @@ the bridge's counters.
   ``value * prom_scale``; ``clock_event_reasons`` as ``gpu_clock_event_reason_active{reason}`` 0/1 per bit;
   ``compute_mode`` as ``gpu_compute_mode{mode}``; ``product_name`` as ``gpu_info{product_name}`` 1;
   ``policy_state`` as ``gpu_mapper_policy_state{state}`` 1. Labels ``uuid``, ``device`` (the Device name
-  without its namespace, as ``/metrics``), ``node``;
-  ``gpu`` (the NVML index) is not in the stream and is left out. Non-finite values are skipped (as ``/metrics`` does).
+  without its namespace, as ``/metrics``), ``node``; ``gpu`` (the NVML index) is not in the stream and is left
+  out. Non-finite values are skipped (as ``/metrics`` does).
 * ``SeqDedup`` remembers, per (node, device, boot id, topic), the sequence ranges already written (with their
-  time ranges), so that a batch seen again is dropped and a merged batch (one range covering several batches)
-  contributes only the rows of the batches not written yet. Memory is bounded: at most ``max_ranges`` ranges per
-  stream (the oldest forgotten first) and ``max_streams`` streams (least recently used forgotten first);
-  forgetting can only let a duplicate through, which a receiver takes as a no-op (same timestamp, same value).
+  time ranges), so that a batch seen again is dropped; the bridge checks a merged batch part by part (each part
+  is a batch it replaced, ``DecodedBatch.split``), so it contributes only the batches not written yet. Memory
+  is bounded: at most ``max_ranges`` ranges per stream (the oldest forgotten first) and ``max_streams`` streams
+  (least recently used forgotten first); forgetting can only let a duplicate through, which a receiver takes
+  as a no-op (same timestamp, same value).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import bisect
 import math
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,13 +33,6 @@ _PACK_DOUBLE = struct.Struct("<d").pack
 
 # Handler kinds of the conversion table.
 _PLAIN, _REASONS, _MODE, _INFO, _POLICY = range(5)
-
-
-def seq_range(batch: DecodedBatch) -> tuple[int, int]:
-    """The batch's dedup identity: (first sequence, last sequence). A plain batch has one sequence number; a
-    merged batch (buffer compaction) covers the range of the batches it replaced."""
-    last = getattr(batch, "seq_last", None)
-    return batch.seq, batch.seq if last is None else int(last)
 
 
 @dataclass(frozen=True)
@@ -132,10 +125,8 @@ class Converter:
         req: PendingRequest,
         batch: DecodedBatch,
         uuid: str,
-        exclude: Sequence[tuple[int, int]] = (),
     ) -> int:
-        """Add the batch's samples (rows with a timestamp inside an ``exclude`` range are skipped); the number
-        of samples added."""
+        """Add the batch's samples; the number of samples added."""
         base = (batch.node, batch.device, uuid)
         bufs = req.streams.get(base)
         if bufs is None:
@@ -146,8 +137,6 @@ class Converter:
         added = 0
         for row in batch.samples:
             ts = row.ts_ms
-            if exclude and any(lo <= ts <= hi for lo, hi in exclude):
-                continue
             head, tail = sample_affixes(ts)
             for name, v in row.values.items():
                 h = table.get(name)

@@ -38,6 +38,7 @@ ConnectCallback = Callable[[], Any]
 #: OpenSSL's source location in an error text: ``(_ssl.c:2580)``.
 _SSL_WHERE_RE = re.compile(r"\s*\(_ssl\.c:\d+\)")
 
+
 @dataclass(frozen=True)
 class ReceivedMessage:
     """A message for a subscriber that acknowledges it itself (``subscribe_acked``): pass it to
@@ -545,7 +546,6 @@ class MqttSession:
         self._failures = 0
         self.last_failure = None
         self._warned.clear()
-        for topic_filter, (qos, _) in self._subs.items():
         self.generation += 1
         for topic_filter, (qos, _) in (*self._subs.items(), *self._acked_subs.items()):
             client.subscribe(topic_filter, qos)

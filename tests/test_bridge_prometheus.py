@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from mapper.bridgecore import bridged_series_names
+from mapper.telemetry import decode_batch
 from tests.apphelpers import wait_for
 from tests.bridgehelpers import FlakyReceiver, bridge_settings, expected_samples, publish_all, running_bridge, stream
 from tests.brokers import Mosquitto, free_port
@@ -386,3 +387,29 @@ async def test_the_bridge_serves_its_metrics_liveness_and_readiness(
         assert status == 503 and "not connected to the broker" in text
         mosquitto.start()
         await wait_for(lambda: bridge.session.connected, timeout_s=20, what="reconnected")
+
+
+async def test_a_merged_batch_and_the_batches_it_replaced_dedup_against_each_other(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    from mapper.telemetry import merge_batches
+    from tests.bridgehelpers import Published
+
+    batches = stream(gpus=1, seconds=200)  # 20 batches, seq 0..19
+    assert [p.batch.seq for p in batches] == list(range(20))
+    merged_payload = merge_batches([p.batch for p in batches[5:15]]).payload
+    merged = Published(batches[0].topic, merged_payload, decode_batch(merged_payload))
+    assert merged.batch.merged and merged.batch.seqs == tuple(range(5, 15))
+    want = expected_samples(batches)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, batches[:10])
+        await wait_for(lambda: bridge.stats.batches_written >= 10, timeout_s=30, what="the first ten written")
+        publish_all(mosquitto.url, [merged], with_states=False)  # 5..9 written already: 10..14 are new
+        await wait_for(lambda: bridge.stats.batches_written >= 15, timeout_s=30, what="the merged batch written")
+        publish_all(mosquitto.url, batches[12:], with_states=False)  # 12..14 came in the merged batch
+        await wait_for(lambda: bridge.stats.batches_written >= 20, timeout_s=30, what="all written")
+        await wait_for(lambda: bridge.idle, timeout_s=10, what="the bridge idle")
+    assert bridge.stats.duplicate_batches == 5 + 3
+    assert bridge.stats.batches_written == 20
+    assert bridge.stats.samples_written == want
+    assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 900) == want

@@ -9,7 +9,7 @@ import pytest
 
 from mapper import naming
 from mapper.bridgeconfig import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
-from mapper.bridgecore import Converter, PendingRequest, SeqDedup, bridged_series_names, seq_range
+from mapper.bridgecore import Converter, PendingRequest, SeqDedup, bridged_series_names
 from mapper.clock import FakeClock
 from mapper.errors import ConfigError
 from mapper.gpu.nvml import NvmlBackend
@@ -94,16 +94,15 @@ def test_the_naming_table_is_the_only_place_names_come_from() -> None:
             assert f'"{fam.name}"' not in text, f"{module} spells {fam.name} itself"
 
 
-def test_non_finite_and_string_values_write_nothing_and_excluded_rows_are_skipped() -> None:
+def test_non_finite_and_string_values_write_nothing() -> None:
     info, sample = a_sample()
     rows = [
         replace(sample, ts_ms=1000, values={"power_usage": float("nan"), "pstate": "P0", "temperature": 40}),
         replace(sample, ts_ms=2000, values={"power_usage": 100.0, "temperature": 41}),
-        replace(sample, ts_ms=3000, values={"power_usage": 101.0, "temperature": 42}),
     ]
     batch = decode_batch(encode_batch(rows, node="n", device="d/x", uuid=info.uuid, boot_id="ab12cd34", seq=3).payload)
     req = PendingRequest(0.0)
-    assert Converter().add(req, batch, info.uuid, exclude=[(2500, 3500)]) == 3
+    assert Converter().add(req, batch, info.uuid) == 3
     got = {dict(b.labels)["__name__"]: b.samples() for b in req.series()}
     assert got["gpu_power_usage_watts"] == [(2000, 100.0)]
     assert got["gpu_temperature_celsius"] == [(1000, 40.0), (2000, 41.0)]
@@ -143,12 +142,6 @@ def test_dedup_memory_is_bounded_and_forgetting_only_lets_duplicates_through() -
     for i in range(5):
         d.record(("n", f"d{i}", "b", "t"), 0, 0, 0, 0)
     assert len(d) == 3 and d.forgotten_streams == 3
-
-
-def test_seq_range_reads_a_merged_batch_range() -> None:
-    info, sample = a_sample()
-    b = decode_batch(encode_batch([sample], node="n", device="d/x", uuid=info.uuid, boot_id="ab12cd34", seq=7).payload)
-    assert seq_range(b) == (7, 7)
 
 
 # --------------------------------------------------------------------------------------------------
