@@ -295,6 +295,12 @@ async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_a
             up_ms = int(time.time() * 1000)
             mosquitto.start()
             await wait_for(lambda: app.buffer.stats().batches == 0, timeout_s=60, what="the backlog replayed")
+
+            def newest_ms() -> int:
+                series = prometheus.raw_samples("gpu_power_usage_watts", time.time() + 5, 600)
+                return min((p[-1][0] for p in series.values()), default=0) if len(series) == 2 else 0
+
+            await wait_for(lambda: newest_ms() > up_ms + 1000, timeout_s=30, what="live samples after the outage")
             end_ms = int(time.time() * 1000)
         await wait_for(lambda: bridge.idle, timeout_s=30, what="the bridge idle")
     series = prometheus.raw_samples("gpu_power_usage_watts", end_ms / 1000 + 5, 600)
