@@ -32,13 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mapper.bridgecore import Converter, PendingRequest  # noqa: E402
+from mapper.bridgecore import Converter, PendingRequest, bridged_series_names  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
 from mapper.discover import device_name  # noqa: E402
 from mapper.gpu.nvml import NvmlBackend  # noqa: E402
@@ -162,9 +163,17 @@ def protobuf_lib_pass(payloads: list[bytes], pb: object) -> tuple[int, float]:
 def compiled_proto(tmp: Path) -> object | None:
     try:
         subprocess.run(
-            [sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={REPO / 'proto'}", f"--python_out={tmp}",
-             "remote.proto"],
-            check=True, timeout=60, capture_output=True,
+            [
+                sys.executable,
+                "-m",
+                "grpc_tools.protoc",
+                f"--proto_path={REPO / 'proto'}",
+                f"--python_out={tmp}",
+                "remote.proto",
+            ],
+            check=True,
+            timeout=60,
+            capture_output=True,
         )
     except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired):
         return None
@@ -208,9 +217,24 @@ def end_to_end(messages: list[tuple[str, bytes]], states: list[tuple[str, bytes]
     broker.start()
     prom.start()
     port = free_port()
-    cmd = [sys.executable, "-m", "mapper.cli", "bridge", "--mqtt", broker.url, "--remote-write", prom.write_url,
-           "--mqtt-client-id", "bench-bridge", "--metrics-addr", f"127.0.0.1:{port}", "--spool-dir",
-           str(tmp / "spool"), "--log-level", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mapper.cli",
+        "bridge",
+        "--mqtt",
+        broker.url,
+        "--remote-write",
+        prom.write_url,
+        "--mqtt-client-id",
+        "bench-bridge",
+        "--metrics-addr",
+        f"127.0.0.1:{port}",
+        "--spool-dir",
+        str(tmp / "spool"),
+        "--log-level",
+        "WARNING",
+    ]
     url = f"http://127.0.0.1:{port}"
     log = (tmp / "bridge.log").open("ab")
     try:
@@ -240,10 +264,11 @@ def end_to_end(messages: list[tuple[str, bytes]], states: list[tuple[str, bytes]
         rss = _proc_hwm_mib(proc.pid)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        with urllib.request.urlopen(
-            f"{prom.url}/api/v1/query?query=count_over_time(%7B__name__%3D~%22gpu_.%2B%22%7D%5B2h%5D)", timeout=30
-        ) as resp:
-            stored = sum(float(r["value"][1]) for r in json.loads(resp.read())["data"]["result"])
+        stored = 0.0
+        for name in sorted(bridged_series_names()):  # per name: count_over_time drops the name
+            q = urllib.parse.quote(f"sum(count_over_time({name}[3h]))")
+            with urllib.request.urlopen(f"{prom.url}/api/v1/query?query={q}", timeout=60) as resp:
+                stored += sum(float(r["value"][1]) for r in json.loads(resp.read())["data"]["result"])
         return {
             "e2e_samples_per_s": round(want / wall),
             "e2e_wall_s": round(wall, 2),
