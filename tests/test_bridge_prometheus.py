@@ -419,3 +419,31 @@ async def test_a_merged_batch_and_the_batches_it_replaced_dedup_against_each_oth
     assert bridge.stats.batches_written == 20
     assert bridge.stats.samples_written == want
     assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 900) == want
+
+
+async def test_a_day_of_offline_telemetry_replayed_lands_in_place_on_the_time_axis(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    """The done-when of the bridge: a node offline for a day replays its buffer (oldest first, as the shipper
+    does); with an out-of-order window of a day the whole day lands live, every sample at its own timestamp."""
+    prom = Prometheus(tmp_path, ooo_window="25h")
+    prom.start()
+    try:
+        now_ms = int(time.time() * 1000)
+        day = stream(gpus=1, seconds=86_400, every_s=5, window_s=60.0, start_ms=now_ms - 86_400_000 - 5_000)
+        want = expected_samples(day)
+        settings = bridge_settings(mosquitto.url, prom.write_url, tmp_path)
+        async with running_bridge(settings) as bridge:
+            publish_all(mosquitto.url, day)
+            await wait_for(lambda: bridge.stats.batches_written >= len(day), timeout_s=100, what="the day written")
+        assert bridge.stats.samples_written == want
+        assert sum(bridge.stats.refused_requests.values()) == 0
+        [(_, points)] = prom.raw_samples("gpu_power_usage_watts", now_ms / 1000 + 1, 90_000).items()
+        stamps = [t for t, _ in points]
+        assert len(stamps) == 86_400 // 5
+        assert stamps == sorted(set(stamps))
+        assert stamps[0] == day[0].batch.ts_first_ms and stamps[-1] == day[-1].batch.ts_last_ms
+        assert max(b - a for a, b in itertools.pairwise(stamps)) == 5_000, "no gap anywhere in the day"
+        assert abs(stamps[0] - (now_ms - 86_400_000)) < 10_000, "a day ago, in place"
+    finally:
+        prom.stop()
