@@ -220,10 +220,10 @@ class Spool:
 
 def export_openmetrics(spool_dir: str | os.PathLike[str], out: IO[str]) -> int:
     """Write the spool as OpenMetrics text; the number of spool files read."""
-    spool = Spool(spool_dir)
-    files = spool.files()
     if not Path(spool_dir).is_dir():
         raise ConfigError(f"spool dir {spool_dir}: no such directory")
+    spool = Spool(spool_dir)
+    files = spool.files()
     for chunk in remotewrite.render_openmetrics(spool.series(), series_types()):
         out.write(chunk)
     return len(files)

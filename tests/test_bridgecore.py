@@ -188,3 +188,15 @@ def test_every_key_has_an_env_variable_and_bad_settings_are_named(tmp_path: Path
     cfg.write_text("bridge:\n  remoteWrite: {urll: x}\n")
     with pytest.raises(ConfigError, match=r"bridge\.remoteWrite\.urll"):
         load_bridge_settings(str(cfg), env={}, flags=ok)
+
+
+def test_export_names_a_missing_spool_dir_and_writes_just_eof_for_an_empty_one(tmp_path: Path) -> None:
+    import io
+
+    from mapper.bridge import export_openmetrics
+
+    with pytest.raises(ConfigError, match="no such directory"):
+        export_openmetrics(tmp_path / "nowhere", io.StringIO())
+    out = io.StringIO()
+    assert export_openmetrics(tmp_path, out) == 0
+    assert out.getvalue() == "# EOF\n"
