@@ -200,3 +200,16 @@ def test_export_names_a_missing_spool_dir_and_writes_just_eof_for_an_empty_one(t
     out = io.StringIO()
     assert export_openmetrics(tmp_path, out) == 0
     assert out.getvalue() == "# EOF\n"
+
+
+def test_the_mqtt_session_options_of_the_bridge_are_checked() -> None:
+    from mapper.mqtt import MqttSession, _unshared
+
+    with pytest.raises(ConfigError, match="session expiry needs MQTT 5"):
+        MqttSession("mqtt://b:1883", "c", session_expiry_s=60)
+    with pytest.raises(ConfigError, match="receive maximum"):
+        MqttSession("mqtt://b:1883", "c", mqtt5=True, receive_maximum=0)
+    s = MqttSession("mqtt://b:1883", "c", mqtt5=True, session_expiry_s=60, receive_maximum=10, manual_ack=True)
+    assert s.generation == 0 and s.manual_ack
+    assert _unshared("$share/g/gpu-mapper/+/+/+/telemetry") == "gpu-mapper/+/+/+/telemetry"
+    assert _unshared("gpu-mapper/#") == "gpu-mapper/#"
