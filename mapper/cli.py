@@ -1,4 +1,4 @@
-"""Command line: ``gpu-mapper run | discover | model | decode | status | buffer``.
+"""Command line: ``gpu-mapper run | discover | model | decode | status | buffer | bridge``.
 
 argv + environment + config file -> Settings; logging; ``asyncio.run(app.run(settings))``.
 """
@@ -159,7 +159,62 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", help="the running mapper's HTTP address (default http://127.0.0.1:9410)")
     st.add_argument("--data-dir", help="read the last snapshot from the data directory instead")
     st.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
+    _add_bridge_parser(sub)
     return parser
+
+
+#: ``gpu-mapper bridge`` flags: (flag, settings name, metavar, help). Each has a GPU_MAPPER_BRIDGE_* variable.
+_BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
+    ("--mqtt", "mqtt_url", "URL", "the cloud-side broker, mqtt://host:port or mqtts://host:port"),
+    ("--mqtt-username", "mqtt_username", "NAME", "MQTT user name"),
+    ("--mqtt-password", "mqtt_password", "PASSWORD", "MQTT password"),
+    ("--mqtt-ca-file", "mqtt_ca_file", "FILE", "CA bundle for mqtts://"),
+    ("--mqtt-cert-file", "mqtt_cert_file", "FILE", "client certificate for mqtts://"),
+    ("--mqtt-key-file", "mqtt_key_file", "FILE", "client key for mqtts://"),
+    ("--mqtt-client-id", "mqtt_client_id", "ID", "MQTT client id, stable per replica (default <group>-<hostname>)"),
+    ("--mqtt-session-expiry", "mqtt_session_expiry_s", "DURATION", "how long the broker keeps the session (1h)"),
+    ("--mqtt-receive-maximum", "mqtt_receive_maximum", "N", "unacknowledged messages the broker may send (1000)"),
+    ("--mqtt-reconnect-max-backoff", "mqtt_reconnect_max_s", "DURATION", "longest wait between reconnects (30s)"),
+    ("--topic", "topic", "FILTER", "telemetry topic filter (default gpu-mapper/+/+/+/telemetry)"),
+    ("--state-topic", "state_topic", "FILTER", "retained state messages (default: --topic with .../state)"),
+    ("--group", "group", "NAME", "shared-subscription group of the replicas (default gpu-mapper-bridge)"),
+    ("--remote-write", "remote_write", "URL", "remote-write endpoint, e.g. http://prometheus:9090/api/v1/write"),
+    ("--remote-write-version", "remote_write_version", "1|2", "remote write 1.0 (default) or 2.0 with fallback"),
+    ("--remote-write-username", "remote_write_username", "NAME", "basic auth user for the receiver"),
+    ("--remote-write-password", "remote_write_password", "PASSWORD", "basic auth password for the receiver"),
+    ("--remote-write-bearer-token-file", "remote_write_bearer_token_file", "FILE", "bearer token for the receiver"),
+    ("--remote-write-ca-file", "remote_write_ca_file", "FILE", "CA bundle for an https:// receiver"),
+    ("--remote-write-timeout", "remote_write_timeout_s", "DURATION", "timeout of one request (30s)"),
+    ("--batch-max-samples", "batch_max_samples", "N", "samples per request at most (10000)"),
+    ("--batch-max-delay", "batch_max_delay_s", "DURATION", "longest wait before a request goes out (1s)"),
+    ("--retry-min-backoff", "retry_min_s", "DURATION", "first retry delay after a 5xx, 429 or network error"),
+    ("--retry-max-backoff", "retry_max_s", "DURATION", "longest retry delay"),
+    ("--uuid-wait", "uuid_wait_s", "DURATION", "how long a batch without a known GPU uuid waits for one (5s)"),
+    ("--metrics-addr", "metrics_addr", "HOST:PORT", "/metrics /healthz /readyz (default 0.0.0.0:9411)"),
+    ("--spool-dir", "spool_dir", "DIR", "where refused requests are kept"),
+    ("--log-format", "log_format", "text|json", "log format"),
+    ("--log-level", "log_level", "LEVEL", "log level, e.g. INFO or DEBUG"),
+)
+
+
+def _add_bridge_parser(sub: Any) -> None:
+    from mapper.bridgeconfig import BRIDGE_ENV_KEYS
+
+    br = sub.add_parser(
+        "bridge",
+        help="cloud side: the MQTT telemetry stream into Prometheus remote write",
+        description="Read telemetry batches from the broker (MQTT 5 shared subscription, persistent session) and "
+        "write them by Prometheus remote write. Each flag overrides its GPU_MAPPER_BRIDGE_* variable, which "
+        "overrides the bridge: section of the config file. 'gpu-mapper bridge export' prints the spool of "
+        "refused requests as OpenMetrics text for promtool tsdb create-blocks-from openmetrics.",
+    )
+    br.add_argument("action", nargs="?", choices=["run", "export"], default="run", help="run (default) or export")
+    br.add_argument(
+        "--config", metavar="FILE", help="YAML config file (its bridge: section); env GPU_MAPPER_BRIDGE_CONFIG"
+    )
+    br.add_argument("--output", "-o", metavar="FILE", help="export: write here instead of standard output")
+    for flag, name, metavar, text in _BRIDGE_FLAGS:
+        br.add_argument(flag, dest="bridge_" + name, metavar=metavar, help=f"{text} (env {BRIDGE_ENV_KEYS[name]})")
 
 
 def _add_sim_flags(p: argparse.ArgumentParser) -> None:
@@ -203,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mapper import buffertool
 
             return buffertool.main(args)
+        if args.command == "bridge":
+            return _bridge(args)
     except ConfigError as exc:
         print(f"gpu-mapper: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -295,6 +352,54 @@ def _status(args: argparse.Namespace) -> int:
 
         print(render_status(snapshot))
     return 0
+
+
+def _bridge(args: argparse.Namespace) -> int:
+    from mapper.bridgeconfig import load_bridge_settings
+
+    flags = {k[len("bridge_") :]: v for k, v in vars(args).items() if k.startswith("bridge_")}
+    if args.action == "export":
+        from mapper.bridge import export_openmetrics
+        from mapper.bridgeconfig import BridgeSettings
+
+        spool_dir = flags.get("spool_dir")
+        if spool_dir is None:
+            cfg = args.config or os.environ.get("GPU_MAPPER_BRIDGE_CONFIG")
+            env_dir = os.environ.get("GPU_MAPPER_BRIDGE_SPOOL_DIR")
+            spool_dir = env_dir or (_spool_dir_of(cfg) if cfg else None) or BridgeSettings().spool_dir
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as out:
+                n = export_openmetrics(spool_dir, out)
+        else:
+            n = export_openmetrics(spool_dir, sys.stdout)
+        print(f"gpu-mapper bridge export: {n} spool file(s) from {spool_dir}", file=sys.stderr)
+        return 0
+    settings = load_bridge_settings(args.config, flags=flags)
+    setup_logging(settings.log_format, settings.log_level)
+    from mapper.bridge import Bridge
+
+    async def main_task() -> int:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(max_workers=DEFAULT_EXECUTOR_WORKERS, thread_name_prefix="bridge-io")
+        )
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await Bridge(settings).run(stop)
+
+    try:
+        return asyncio.run(main_task())
+    except KeyboardInterrupt:
+        return 130
+
+
+def _spool_dir_of(config_file: str) -> str | None:
+    from mapper.config import read_file
+
+    section = read_file(config_file).get("bridge") or {}
+    value = section.get("spoolDir") if isinstance(section, dict) else None
+    return str(value) if value else None
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import os
 import selectors
 import socket
@@ -53,8 +52,11 @@ from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_n
 from prometheus_client.samples import Sample as PromSample
 from prometheus_client.utils import floatToGoString
 
+from mapper import naming
+from mapper.bridgecore import BridgeStats
+from mapper.bridgecore import Histogram as BridgeHistogram
 from mapper.errors import ConfigError, NotFoundError, TransientError
-from mapper.model import CLOCK_EVENT_REASONS, COMPUTE_MODES, DEVICE_STATES, PROPERTIES, GpuInfo, Sample
+from mapper.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.stats import (
     STATUS_FILE_NAME,
     GpuSnapshot,
@@ -69,11 +71,11 @@ from mapper.webconfig import WebAuth, WebConfig, client_allowed
 
 log = logging.getLogger(__name__)
 
-#: Labels of every per-GPU series.
-GPU_LABELS = ("uuid", "gpu", "device", "node")
+#: Labels of every per-GPU series (the naming table's).
+GPU_LABELS = naming.GPU_LABELS
 
 #: Catalog properties exported as one numeric series each (those with a Prometheus name).
-EXPORTED_PROPERTIES = tuple(p for p in PROPERTIES if p.prom_name)
+EXPORTED_PROPERTIES = tuple(ps.spec for ps in naming.PROPERTY_SERIES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,54 +223,21 @@ def metric_names() -> frozenset[str]:
 
 
 def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
-    """Build every metric family for one snapshot (pure apart from the prometheus_client types)."""
+    """Build every metric family for one snapshot (pure apart from the prometheus_client types). Names, types,
+    help texts and labels come from ``mapper.naming`` (shared with the bridge)."""
     out: list[Metric] = []
     per_prop: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-    for spec in EXPORTED_PROPERTIES:
-        doc = f"{spec.description} ({spec.name}" + (f", {spec.unit}" if spec.unit else "") + ")"
-        fam: GaugeMetricFamily | CounterMetricFamily
-        if spec.prom_type == "counter":
-            fam = CounterMetricFamily(spec.prom_name, doc, labels=GPU_LABELS)
-        else:
-            fam = GaugeMetricFamily(spec.prom_name, doc, labels=GPU_LABELS)
-        per_prop[spec.name] = fam
+    for ps in naming.PROPERTY_SERIES:
+        per_prop[ps.spec.name] = _family(ps.family)
 
-    info = GaugeMetricFamily(
-        "gpu_info",
-        "GPU identity: always 1, labelled with the product name, driver version and PCI bus id",
-        labels=(*GPU_LABELS, "product_name", "driver_version", "pci_bus_id"),
-    )
-    reasons = GaugeMetricFamily(
-        "gpu_clock_event_reason_active",
-        "1 while the clock event reason holds the clocks back (one series per nvmlClocksEventReason bit)",
-        labels=(*GPU_LABELS, "reason"),
-    )
-    compute = GaugeMetricFamily(
-        "gpu_compute_mode", "1 for the compute mode in force, 0 for the others", labels=(*GPU_LABELS, "mode")
-    )
-    xids = CounterMetricFamily(
-        "gpu_xid_errors",
-        "XID events seen on the GPU since the mapper started, by XID code",
-        labels=(*GPU_LABELS, "xid"),
-    )
-    desired_cap = GaugeMetricFamily(
-        "gpu_power_limit_desired_watts",
-        "power cap asked for by the cloud or an edge application, before local policies",
-        labels=GPU_LABELS,
-    )
-    state = GaugeMetricFamily(
-        "gpu_mapper_device_state",
-        "1 for the device state last reported to EdgeCore, 0 for the others",
-        labels=(*GPU_LABELS, "state"),
-    )
-    policy_state = GaugeMetricFamily(
-        "gpu_mapper_policy_state",
-        "1, labelled with what the local policies are doing on the GPU (the policy_state twin)",
-        labels=(*GPU_LABELS, "state"),
-    )
-    sample_ts = GaugeMetricFamily(
-        "gpu_mapper_sample_timestamp_seconds", "Unix time of the GPU's latest sample", labels=GPU_LABELS
-    )
+    info = _family(naming.GPU_INFO)
+    reasons = _family(naming.CLOCK_EVENT_REASON)
+    compute = _family(naming.COMPUTE_MODE)
+    xids = _family(naming.XID_ERRORS)
+    desired_cap = _family(naming.DESIRED_POWER_LIMIT)
+    state = _family(naming.DEVICE_STATE)
+    policy_state = _family(naming.POLICY_STATE)
+    sample_ts = _family(naming.SAMPLE_TIMESTAMP)
 
     # The plain per-GPU series get their samples here rather than through ``add_metric``: one labels dict per
     # GPU, shared by all of them (``TextRenderer`` renders it once), instead of one dict per series.
@@ -277,7 +246,7 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
     ]
     driver = snap.driver_version
     for g in snap.gpus:
-        labels = [g.info.uuid, str(g.info.index), g.device_name, g.node or snap.node]
+        labels = [g.info.uuid, str(g.info.index), naming.device_label(g.device), g.node or snap.node]
         shared = dict(zip(GPU_LABELS, labels, strict=True))
         info.add_metric(
             [*labels, g.info.name, g.info.driver_version or driver, g.info.pci_bus_id],
@@ -299,14 +268,14 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
             number = _number(values.get(spec.name))
             if number is not None:
                 samples.append(PromSample(name, shared, number * spec.prom_scale))
-        mask = _number(values.get("clock_event_reasons"))
+        mask = _number(values.get(naming.CLOCK_EVENT_REASONS_PROPERTY))
         if mask is not None:
-            for bit, name in CLOCK_EVENT_REASONS:
-                reasons.add_metric([*labels, name], 1 if int(mask) & bit else 0)
-        mode = values.get("compute_mode")
-        if isinstance(mode, str) and mode in COMPUTE_MODES:
-            for m in COMPUTE_MODES:
-                compute.add_metric([*labels, m], 1 if m == mode else 0)
+            for reason, flag in naming.clock_event_reason_flags(int(mask)):
+                reasons.add_metric([*labels, reason], flag)
+        mode = values.get(naming.COMPUTE_MODE_PROPERTY)
+        if isinstance(mode, str):
+            for m, flag in naming.compute_mode_flags(mode):
+                compute.add_metric([*labels, m], flag)
 
     out.extend(per_prop.values())
     out.extend([info, reasons, compute, xids, desired_cap, state, policy_state, sample_ts])
@@ -319,12 +288,12 @@ def _sample_name(fam: Metric) -> str:
     return fam.name + "_total" if fam.type == "counter" else fam.name
 
 
-def _number(v: object) -> float | None:
-    if isinstance(v, bool):
-        return 1.0 if v else 0.0
-    if isinstance(v, int | float) and math.isfinite(v):
-        return float(v)
-    return None
+_number = naming.number
+
+
+def _family(f: naming.Family) -> GaugeMetricFamily | CounterMetricFamily:
+    kind = CounterMetricFamily if f.type == "counter" else GaugeMetricFamily
+    return kind(f.name, f.doc, labels=f.all_labels)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -866,3 +835,118 @@ def read_status_file(data_dir: str | os.PathLike[str]) -> MapperSnapshot:
         return MapperSnapshot.from_json(text)
     except SnapshotFormatError as exc:
         raise SnapshotFormatError(f"{path}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# gpu-mapper bridge: its own /metrics, /healthz, /readyz
+# --------------------------------------------------------------------------------------------------
+
+
+def _histogram(name: str, doc: str, h: BridgeHistogram) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, doc)
+    fam.add_metric([], [(floatToGoString(le), float(n)) for le, n in h.cumulative()], sum_value=h.sum)
+    return fam
+
+
+def bridge_metrics(s: BridgeStats) -> list[Metric]:
+    """The bridge's families (``gpu_mapper_bridge_*``) from its stats."""
+    p = "gpu_mapper_bridge_"
+    return [
+        _counter(p + "batches_received", "telemetry batches received from the broker", s.batches_received),
+        _counter(p + "samples_received", "property values in the batches received", s.samples_received),
+        _counter(p + "batches_written", "batches whose samples the receiver accepted", s.batches_written),
+        _counter(p + "samples_written", "samples the receiver accepted", s.samples_written),
+        _counter(p + "requests_written", "remote-write requests the receiver accepted", s.requests_written),
+        _counter(
+            p + "duplicate_batches",
+            "batches dropped as already written (node, device, boot id, seq range)",
+            s.duplicate_batches,
+        ),
+        _counter(p + "duplicate_samples", "property values in the duplicate batches dropped", s.duplicate_samples),
+        _counter(p + "decode_errors", "messages that are not telemetry batches (kept in the spool)", s.decode_errors),
+        _counter(
+            p + "uuid_unknown_batches",
+            "batches written without a uuid label (no uuid known in time)",
+            s.uuid_unknown_batches,
+        ),
+        _labelled(
+            CounterMetricFamily,
+            p + "refused_requests",
+            "requests refused with a 4xx (not retried), by reason",
+            ("reason",),
+            _keyed(s.refused_requests),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            p + "refused_samples",
+            "samples in refused requests (kept in the spool)",
+            ("reason",),
+            _keyed(s.refused_samples),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            p + "retries",
+            "remote-write attempts retried (5xx, 429, network), by reason",
+            ("reason",),
+            _keyed(s.retries),
+        ),
+        _counter(p + "spooled_requests", "refused requests written to the spool directory", s.spooled_requests),
+        _counter(
+            p + "spool_failures", "refused requests or messages the spool could not keep (dropped)", s.spool_failures
+        ),
+        _counter(p + "version_fallbacks", "falls back from remote write 2.0 to 1.0", s.version_fallbacks),
+        _histogram(p + "write_duration_seconds", "time of one remote-write POST", s.write_duration),
+        _histogram(p + "sample_lag_seconds", "age of a batch's newest sample when it was written", s.lag),
+        _gauge(p + "last_write_lag_seconds", "age of the newest sample of the last batch written", s.last_write_lag_s),
+        _gauge(p + "pending_batches", "batches received and not yet written or refused", s.pending_batches),
+        _gauge(p + "pending_samples", "samples waiting in requests not yet written", s.pending_samples),
+        _gauge(p + "mqtt_connected", "1 while the MQTT session is up", 1 if s.mqtt_connected else 0),
+        _gauge(p + "remote_write_version", "remote-write protocol version in use (1 or 2)", s.remote_write_version),
+        _gauge(p + "dedup_streams", "streams (node, device, boot id, topic) the dedup remembers", s.dedup_streams),
+    ]
+
+
+class _BridgeCollector:
+    def __init__(self, families: Callable[[], list[Metric]]) -> None:
+        self._families = families
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families()
+
+
+class BridgeMetricsServer(MetricsServer):
+    """``/metrics``, ``/healthz`` and ``/readyz`` of ``gpu-mapper bridge`` (the mapper server's loop and bounds).
+    ``problems()`` lists why it is not ready (empty: ready)."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        stats: Callable[[], BridgeStats],
+        heartbeats: Callable[[], Iterable[LoopHeartbeat]],
+        problems: Callable[[], list[str]],
+        loop: asyncio.AbstractEventLoop | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(addr, snapshot=lambda: MapperSnapshot(node=""), heartbeats=heartbeats, loop=loop, **kwargs)
+        self._problems = problems
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_BridgeCollector(lambda: bridge_metrics(self._call(stats))))
+
+    def handle(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
+        if path == "/readyz":
+            try:
+                problems = self._call(self._problems)
+            except TransientError as exc:
+                return 503, _TEXT, f"not ready: {exc}\n".encode()
+            if problems:
+                return 503, _TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
+            return 200, _TEXT, b"ready\n"
+        if path in ("/metrics", "/healthz"):
+            return super().handle(path, query)
+        if path == "/":
+            return 200, _TEXT, b"gpu-mapper bridge: /metrics /healthz /readyz\n"
+        return int(HTTPStatus.NOT_FOUND), _TEXT, f"not found: {path}\n".encode()

@@ -38,6 +38,25 @@ ConnectCallback = Callable[[], Any]
 
 #: OpenSSL's source location in an error text: ``(_ssl.c:2580)``.
 _SSL_WHERE_RE = re.compile(r"\s*\(_ssl\.c:\d+\)")
+
+
+@dataclass(frozen=True)
+class ReceivedMessage:
+    """A message for a subscriber that acknowledges it itself (``subscribe_acked``): pass it to
+    ``MqttSession.ack`` once it is safely handled. ``generation`` is the connection it came on (an ack belongs to
+    that connection: after a reconnect the broker sends unacknowledged messages again)."""
+
+    topic: str
+    payload: bytes
+    mid: int
+    qos: int
+    generation: int
+    retain: bool = False
+    dup: bool = False
+
+
+AckedCallback = Callable[[ReceivedMessage], Any]
+
 _PLAIN = {"mqtt": False, "tcp": False, "mqtts": True, "ssl": True}
 _DEFAULT_PORT = {False: 1883, True: 8883}
 
@@ -99,7 +118,16 @@ class MqttSession:
         connect_timeout_s: float = 10.0,
         max_inflight: int = 100,
         rng: random.Random | None = None,
+        mqtt5: bool = False,
+        session_expiry_s: int | None = None,
+        receive_maximum: int | None = None,
+        manual_ack: bool = False,
     ) -> None:
+        """``mqtt5`` speaks MQTT 5; with ``session_expiry_s`` the session is persistent (clean start off: the
+        broker keeps the subscriptions and the unacknowledged and queued messages while the client is away for
+        up to that long). ``manual_ack``: QoS 1/2 messages are acknowledged only by ``ack`` (subscribers of
+        ``subscribe_acked``) or right after the plain callbacks ran (``subscribe``). ``receive_maximum`` caps
+        the unacknowledged messages the broker sends (MQTT 5)."""
         self.address = parse_broker_url(url)
         if not client_id:
             raise ConfigError("MQTT client_id must not be empty")
@@ -113,6 +141,10 @@ class MqttSession:
             raise ConfigError(f"MQTT connect_timeout_s must be > 0, got {connect_timeout_s}")
         if (cert_file is None) != (key_file is None):
             raise ConfigError("MQTT client certificate needs both cert_file and key_file")
+        if session_expiry_s is not None and (not mqtt5 or session_expiry_s < 0):
+            raise ConfigError(f"MQTT session expiry needs MQTT 5 and >= 0 s, got {session_expiry_s}")
+        if receive_maximum is not None and (not mqtt5 or not 0 < receive_maximum <= 65535):
+            raise ConfigError(f"MQTT receive maximum needs MQTT 5 and 1..65535, got {receive_maximum}")
         if not self.address.tls and (ca_file or cert_file):
             raise ConfigError(f"MQTT {url}: CA or client certificate given for a plain (non-TLS) URL; use mqtts://")
         self.url = self.address.url
@@ -146,6 +178,11 @@ class MqttSession:
         #: Subscriptions the broker refused in a SUBACK (an ACL), by topic filter.
         self.refused_subscriptions: set[str] = set()
         self._subs: dict[str, tuple[int, list[MessageCallback]]] = {}
+        self._acked_subs: dict[str, tuple[int, list[AckedCallback]]] = {}
+        self.mqtt5 = mqtt5
+        self.manual_ack = manual_ack
+        #: Successful connections so far; a ``ReceivedMessage`` can be acknowledged only on its own connection.
+        self.generation = 0
         self._on_connect: list[ConnectCallback] = []
         self._connected_event: asyncio.Event | None = None
         self._stop_event: asyncio.Event | None = None
@@ -160,12 +197,21 @@ class MqttSession:
         self._refused: str | None = None
         self._misc_handle: asyncio.TimerHandle | None = None
 
-        client = paho.Client(
-            callback_api_version=paho.CallbackAPIVersion.VERSION2,
-            client_id=client_id,
-            clean_session=True,
-            protocol=paho.MQTTv311,
-        )
+        if mqtt5:
+            client = paho.Client(
+                callback_api_version=paho.CallbackAPIVersion.VERSION2,
+                client_id=client_id,
+                protocol=paho.MQTTv5,
+                manual_ack=manual_ack,
+            )
+        else:
+            client = paho.Client(
+                callback_api_version=paho.CallbackAPIVersion.VERSION2,
+                client_id=client_id,
+                clean_session=True,
+                protocol=paho.MQTTv311,
+                manual_ack=manual_ack,
+            )
         client.connect_timeout = connect_timeout_s
         client.max_inflight_messages_set(max_inflight)
         client.max_queued_messages_set(0)
@@ -186,7 +232,24 @@ class MqttSession:
                 client.tls_insecure_set(True)
         if will_topic is not None:
             client.will_set(will_topic, will_payload, qos=1, retain=will_retain)
-        client.connect_async(self.address.host, self.address.port, keepalive=keepalive_s)
+        if mqtt5:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.CONNECT)
+            if session_expiry_s is not None:
+                props.SessionExpiryInterval = session_expiry_s
+            if receive_maximum is not None:
+                props.ReceiveMaximum = receive_maximum
+            client.connect_async(
+                self.address.host,
+                self.address.port,
+                keepalive=keepalive_s,
+                clean_start=session_expiry_s is None,
+                properties=props,
+            )
+        else:
+            client.connect_async(self.address.host, self.address.port, keepalive=keepalive_s)
         client.on_connect = self._paho_connect
         client.on_disconnect = self._paho_disconnect
         client.on_publish = self._paho_publish
@@ -344,6 +407,30 @@ class MqttSession:
             self.refused_subscriptions.discard(topic_filter)
         if not self._pending_subs and self._subscribed_event is not None:
             self._subscribed_event.set()
+
+    def subscribe_acked(self, topic_filter: str, callback: AckedCallback, qos: int = 1) -> None:
+        """Like ``subscribe``, but ``callback(ReceivedMessage)`` owns the acknowledgement: with ``manual_ack``
+        the broker gets the PUBACK only when ``ack(message)`` is called. ``topic_filter`` may be a shared
+        subscription, ``$share/<group>/<filter>``."""
+        if qos not in (0, 1, 2):
+            raise ValueError(f"MQTT qos must be 0, 1 or 2, got {qos}")
+        _, callbacks = self._acked_subs.get(topic_filter, (qos, []))
+        callbacks.append(callback)
+        self._acked_subs[topic_filter] = (qos, callbacks)
+        if self._connected:
+            self._send_subscribe(self._client, topic_filter, qos)
+            self._sync_writer()
+
+    def ack(self, message: ReceivedMessage) -> bool:
+        """Acknowledge ``message`` to the broker; False (nothing sent) when its connection has ended, in which
+        case the broker sends it again on the next one."""
+        if not self.manual_ack or message.qos == 0:
+            return True
+        if message.generation != self.generation or not self._connected:
+            return False
+        rc = self._client.ack(message.mid, message.qos)
+        self._sync_writer()
+        return bool(rc == paho.MQTT_ERR_SUCCESS)
 
     # ------------------------------------------------------------------------------------------ connection
 
@@ -504,7 +591,8 @@ class MqttSession:
         self.last_failure = None
         self._warned.clear()
         self._pending_subs.clear()
-        for topic_filter, (qos, _) in self._subs.items():
+        self.generation += 1
+        for topic_filter, (qos, _) in (*self._subs.items(), *self._acked_subs.items()):
             self._send_subscribe(client, topic_filter, qos)
         self._connected = True
         if self._loop is not None:
@@ -529,7 +617,19 @@ class MqttSession:
 
     def _paho_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
         if self._loop is not None:
-            self._loop.call_soon(self._loop_message, message.topic, bytes(message.payload))
+            if self._acked_subs or self.manual_ack:
+                received = ReceivedMessage(
+                    message.topic,
+                    bytes(message.payload),
+                    message.mid,
+                    message.qos,
+                    self.generation,
+                    bool(message.retain),
+                    bool(message.dup),
+                )
+                self._loop.call_soon(self._loop_received, received)
+            else:
+                self._loop.call_soon(self._loop_message, message.topic, bytes(message.payload))
 
     # ------------------------------------------------------------------------------------------ loop side
 
@@ -583,6 +683,31 @@ class MqttSession:
                         self._keep(asyncio.ensure_future(result))
                 except Exception:
                     log.exception("mqtt %s: message callback for %s failed", self.url, topic)
+
+    def _loop_received(self, message: ReceivedMessage) -> None:
+        """A message in manual-ack mode (or for an acked subscriber): the acked subscribers own its PUBACK;
+        one only plain subscribers want is acknowledged after their callbacks ran."""
+        owners = [cbs for f, (_, cbs) in self._acked_subs.items() if topic_matches(_unshared(f), message.topic)]
+        self._loop_message(message.topic, message.payload)
+        if not owners:
+            self.ack(message)
+            return
+        for callbacks in owners:
+            for cb in callbacks:
+                try:
+                    result = cb(message)
+                    if asyncio.iscoroutine(result):
+                        self._keep(asyncio.ensure_future(result))
+                except Exception:
+                    log.exception("mqtt %s: message callback for %s failed", self.url, message.topic)
+
+
+def _unshared(topic_filter: str) -> str:
+    """The topic filter of a shared subscription (``$share/<group>/<filter>`` -> ``<filter>``)."""
+    if topic_filter.startswith("$share/"):
+        parts = topic_filter.split("/", 2)
+        return parts[2] if len(parts) == 3 else ""
+    return topic_filter
 
 
 class _SocketErrorSink:

@@ -1,0 +1,191 @@
+"""``gpu-mapper bridge`` settings (pure): the ``bridge:`` section of the YAML config file (a ConfigMap's
+``config.yaml`` too), overridden by ``GPU_MAPPER_BRIDGE_*`` environment variables, overridden by flags.
+
+Every key is listed in ``BRIDGE_KEYS`` (flag/env name -> file key path under ``bridge.`` and kind); errors name
+the key path, the variable or the flag.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from mapper.config import _convert, _lookup, read_file
+from mapper.errors import ConfigError
+
+DEFAULT_TOPIC = "gpu-mapper/+/+/+/telemetry"
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    #: The cloud-side broker (mqtt:// or mqtts://).
+    mqtt_url: str | None = None
+    mqtt_username: str | None = None
+    mqtt_password: str | None = None
+    mqtt_ca_file: str | None = None
+    mqtt_cert_file: str | None = None
+    mqtt_key_file: str | None = None
+    #: Stable per replica: the broker keeps the session (and its share of the stream) under this id.
+    mqtt_client_id: str = ""
+    mqtt_session_expiry_s: float = 3600.0
+    mqtt_receive_maximum: int = 1000
+    mqtt_reconnect_max_s: float = 30.0
+    topic: str = DEFAULT_TOPIC
+    #: Retained state messages (they carry the GPU uuid); "" derives it from ``topic`` (".../state").
+    state_topic: str = ""
+    group: str = "gpu-mapper-bridge"
+    remote_write: str | None = None
+    remote_write_version: int = 1
+    remote_write_username: str | None = None
+    remote_write_password: str | None = None
+    remote_write_bearer_token_file: str | None = None
+    remote_write_ca_file: str | None = None
+    remote_write_timeout_s: float = 30.0
+    batch_max_samples: int = 10_000
+    batch_max_delay_s: float = 1.0
+    retry_min_s: float = 0.5
+    retry_max_s: float = 30.0
+    uuid_wait_s: float = 5.0
+    dedup_max_streams: int = 100_000
+    metrics_addr: str = "0.0.0.0:9411"
+    spool_dir: str = "/var/lib/gpu-mapper-bridge/spool"
+    log_format: str = "text"
+    log_level: str = "INFO"
+    config_file: str | None = None
+
+    @property
+    def shared_filter(self) -> str:
+        """The shared subscription: ``$share/<group>/<topic>``."""
+        return f"$share/{self.group}/{self.topic}"
+
+    @property
+    def state_filter(self) -> str:
+        if self.state_topic:
+            return self.state_topic
+        head, sep, last = self.topic.rpartition("/")
+        return f"{head}/state" if sep and last == "telemetry" else ""
+
+
+#: flag/env name -> (file key path under ``bridge.``, kind)
+BRIDGE_KEYS: dict[str, tuple[str, str]] = {
+    "mqtt_url": ("mqtt.url", "str"),
+    "mqtt_username": ("mqtt.username", "str"),
+    "mqtt_password": ("mqtt.password", "str"),
+    "mqtt_ca_file": ("mqtt.caFile", "str"),
+    "mqtt_cert_file": ("mqtt.certFile", "str"),
+    "mqtt_key_file": ("mqtt.keyFile", "str"),
+    "mqtt_client_id": ("mqtt.clientId", "str"),
+    "mqtt_session_expiry_s": ("mqtt.sessionExpiry", "duration"),
+    "mqtt_receive_maximum": ("mqtt.receiveMaximum", "int"),
+    "mqtt_reconnect_max_s": ("mqtt.reconnectMaxBackoff", "duration"),
+    "topic": ("topic", "str"),
+    "state_topic": ("stateTopic", "str"),
+    "group": ("group", "str"),
+    "remote_write": ("remoteWrite.url", "str"),
+    "remote_write_version": ("remoteWrite.version", "int"),
+    "remote_write_username": ("remoteWrite.username", "str"),
+    "remote_write_password": ("remoteWrite.password", "str"),
+    "remote_write_bearer_token_file": ("remoteWrite.bearerTokenFile", "str"),
+    "remote_write_ca_file": ("remoteWrite.caFile", "str"),
+    "remote_write_timeout_s": ("remoteWrite.timeout", "duration"),
+    "batch_max_samples": ("batch.maxSamples", "int"),
+    "batch_max_delay_s": ("batch.maxDelay", "duration"),
+    "retry_min_s": ("retry.minBackoff", "duration"),
+    "retry_max_s": ("retry.maxBackoff", "duration"),
+    "uuid_wait_s": ("uuidWait", "duration"),
+    "dedup_max_streams": ("dedup.maxStreams", "int"),
+    "metrics_addr": ("metricsAddr", "str"),
+    "spool_dir": ("spoolDir", "str"),
+    "log_format": ("log.format", "str"),
+    "log_level": ("log.level", "str"),
+}
+
+#: Environment variables read (each overrides the file and is overridden by its flag).
+BRIDGE_ENV_KEYS: dict[str, str] = {name: "GPU_MAPPER_BRIDGE_" + name.upper() for name in BRIDGE_KEYS}
+CONFIG_ENV = "GPU_MAPPER_BRIDGE_CONFIG"
+
+
+def _known_paths(node: Any, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            out.extend(_known_paths(v, f"{prefix}{k}.") if isinstance(v, Mapping) else [f"{prefix}{k}"])
+    return out
+
+
+def load_bridge_settings(
+    file_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> BridgeSettings:
+    """Flags (non-None) override the environment, which overrides the file's ``bridge:`` section."""
+    env = os.environ if env is None else env
+    flags = flags or {}
+    if file_path is None:
+        file_path = flags.get("config") or env.get(CONFIG_ENV)
+    section: Mapping[str, Any] = {}
+    if file_path:
+        data = read_file(file_path)
+        raw = data.get("bridge") or {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"config file {file_path}: bridge: must be a mapping")
+        section = raw
+        valid = {path for path, _ in BRIDGE_KEYS.values()}
+        unknown = sorted(set(_known_paths(section)) - valid)
+        if unknown:
+            raise ConfigError(f"config file {file_path}: unknown key(s) bridge.{', bridge.'.join(unknown)}")
+    values: dict[str, Any] = {}
+    for name, (key_path, kind) in BRIDGE_KEYS.items():
+        raw_value = _lookup(section, key_path)
+        if raw_value is not None:
+            values[name] = _convert(kind, raw_value, "bridge." + key_path)
+        env_name = BRIDGE_ENV_KEYS[name]
+        if env.get(env_name, "") != "":
+            values[name] = _convert(kind, env[env_name], env_name)
+        if flags.get(name) is not None:
+            values[name] = _convert(kind, flags[name], "--" + name.replace("_", "-"))
+    known = {f.name for f in fields(BridgeSettings)}
+    settings = replace(BridgeSettings(), config_file=file_path, **{k: v for k, v in values.items() if k in known})
+    validate_bridge(settings)
+    return settings
+
+
+def validate_bridge(s: BridgeSettings) -> None:
+    """Raise ``ConfigError`` naming the first bad setting."""
+    if not s.mqtt_url:
+        raise ConfigError("bridge.mqtt.url (--mqtt, GPU_MAPPER_BRIDGE_MQTT_URL): a broker is required")
+    if not re.match(r"^(mqtt|mqtts|tcp|ssl)://[^/:]+(:\d+)?/?$", s.mqtt_url):
+        raise ConfigError(f"bridge.mqtt.url: expected mqtt://host:port or mqtts://host:port, got {s.mqtt_url!r}")
+    if not s.remote_write:
+        raise ConfigError("bridge.remoteWrite.url (--remote-write, GPU_MAPPER_BRIDGE_REMOTE_WRITE): required")
+    if not re.match(r"^https?://[^/]+(/.*)?$", s.remote_write):
+        raise ConfigError(f"bridge.remoteWrite.url: expected http(s)://host[:port]/path, got {s.remote_write!r}")
+    if s.remote_write_version not in (1, 2):
+        raise ConfigError(f"bridge.remoteWrite.version: must be 1 or 2, got {s.remote_write_version}")
+    if not s.topic or "#" in s.topic[:-1] or s.topic.startswith("$"):
+        raise ConfigError(f"bridge.topic: not a usable topic filter: {s.topic!r}")
+    if not re.fullmatch(r"[^/+#$]+", s.group):
+        raise ConfigError(f"bridge.group: a share name without '/', '+', '#' or '$', got {s.group!r}")
+    if not 1 <= s.mqtt_receive_maximum <= 65535:
+        raise ConfigError(f"bridge.mqtt.receiveMaximum: must be 1..65535, got {s.mqtt_receive_maximum}")
+    if s.mqtt_reconnect_max_s < 0.5:
+        raise ConfigError(f"bridge.mqtt.reconnectMaxBackoff: must be at least 0.5 s, got {s.mqtt_reconnect_max_s}")
+    if s.batch_max_samples < 1:
+        raise ConfigError("bridge.batch.maxSamples: must be at least 1")
+    if s.batch_max_delay_s <= 0 or s.remote_write_timeout_s <= 0:
+        raise ConfigError("bridge.batch.maxDelay and bridge.remoteWrite.timeout: must be positive")
+    if not 0 < s.retry_min_s <= s.retry_max_s:
+        raise ConfigError(
+            f"bridge.retry: need 0 < minBackoff <= maxBackoff, got {s.retry_min_s:g} s and {s.retry_max_s:g} s"
+        )
+    if s.dedup_max_streams < 1:
+        raise ConfigError("bridge.dedup.maxStreams: must be at least 1")
+    if s.log_format not in ("text", "json"):
+        raise ConfigError(f"bridge.log.format: must be text or json, got {s.log_format!r}")
+    if not re.match(r"^[^:]*:\d+$", s.metrics_addr) and not s.metrics_addr.startswith("["):
+        raise ConfigError(f"bridge.metricsAddr: expected HOST:PORT, got {s.metrics_addr!r}")
+    if s.remote_write_bearer_token_file and s.remote_write_username:
+        raise ConfigError("bridge.remoteWrite: give basic auth (username/password) or a bearer token file, not both")

@@ -1,0 +1,320 @@
+"""The bridge's logic without I/O (pure): telemetry batches -> remote-write series, dedup by sequence ranges,
+the bridge's counters.
+
+* ``Converter`` turns a decoded batch into samples of ``PendingRequest`` series, named and labelled by
+  ``mapper.naming`` (the table the mapper's own ``/metrics`` uses): catalog properties with a Prometheus name as
+  ``value * prom_scale``; ``clock_event_reasons`` as ``gpu_clock_event_reason_active{reason}`` 0/1 per bit;
+  ``compute_mode`` as ``gpu_compute_mode{mode}``; ``product_name`` as ``gpu_info{product_name}`` 1;
+  ``policy_state`` as ``gpu_mapper_policy_state{state}`` 1. Labels ``uuid``, ``device`` (the Device name
+  without its namespace, as ``/metrics``), ``node``; ``gpu`` (the NVML index) is not in the stream and is left
+  out. Non-finite values are skipped (as ``/metrics`` does).
+* ``SeqDedup`` remembers, per (node, device, boot id, topic), the sequence ranges already written (with their
+  time ranges), so that a batch seen again is dropped; the bridge checks a merged batch part by part (each part
+  is a batch it replaced, ``DecodedBatch.split``), so it contributes only the batches not written yet. Memory
+  is bounded: at most ``max_ranges`` ranges per stream (the oldest forgotten first) and ``max_streams`` streams
+  (least recently used forgotten first); forgetting can only let a duplicate through, which a receiver takes
+  as a no-op (same timestamp, same value).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from mapper import naming
+from mapper.remotewrite import MetricType, SeriesBuf, label_bytes, sample_affixes, sorted_labels
+from mapper.telemetry import DecodedBatch
+
+_PACK_DOUBLE = struct.Struct("<d").pack
+
+# Handler kinds of the conversion table.
+_PLAIN, _REASONS, _MODE, _INFO, _POLICY = range(5)
+
+
+@dataclass(frozen=True)
+class _Template:
+    """What a series of one stream keeps between requests: its labels, their 1.0 bytes, type and help."""
+
+    labels: tuple[tuple[str, str], ...]
+    labels_v1: bytes
+    mtype: MetricType
+    help: str
+
+
+class PendingRequest:
+    """The series of one remote-write request being built, and the messages whose samples are in it."""
+
+    def __init__(self, created_s: float) -> None:
+        self.created_s = created_s
+        #: (node, device, uuid) -> series id -> SeriesBuf
+        self.streams: dict[tuple[str, str, str], dict[Any, SeriesBuf]] = {}
+        self.samples = 0
+        self.messages: list[Any] = []
+        #: Copies of messages already in this request, acknowledged when it is written.
+        self.riders: list[Any] = []
+
+    def series(self) -> list[SeriesBuf]:
+        return [buf for bufs in self.streams.values() for buf in bufs.values()]
+
+
+def _table() -> dict[str, tuple[int, Any, str, MetricType, str]]:
+    """property name -> (kind, series id seed, series name, type, help), from the naming table."""
+    out: dict[str, tuple[int, Any, str, MetricType, str]] = {}
+    for ps in naming.PROPERTY_SERIES:
+        f = ps.family
+        out[ps.spec.name] = (_PLAIN, ps.scale, f.series_name, f.type, f.doc)
+    r, m, i, p = naming.CLOCK_EVENT_REASON, naming.COMPUTE_MODE, naming.GPU_INFO, naming.POLICY_STATE
+    out[naming.CLOCK_EVENT_REASONS_PROPERTY] = (_REASONS, None, r.series_name, r.type, r.doc)
+    out[naming.COMPUTE_MODE_PROPERTY] = (_MODE, None, m.series_name, m.type, m.doc)
+    out[naming.PRODUCT_NAME_PROPERTY] = (_INFO, None, i.series_name, i.type, i.doc)
+    out[naming.POLICY_STATE_PROPERTY] = (_POLICY, None, p.series_name, p.type, p.doc)
+    return out
+
+
+def series_types() -> dict[str, MetricType]:
+    """Every series name the bridge can write -> its type (for the OpenMetrics export)."""
+    return {name: mtype for _, _, name, mtype, _ in _table().values()}
+
+
+def bridged_series_names() -> frozenset[str]:
+    """Every series name the bridge writes (the GPU series a bridged store holds)."""
+    return frozenset(series_types())
+
+
+class Converter:
+    """Decoded batches -> samples in a ``PendingRequest``. Keeps the label bytes of every series it has made
+    (at most ``max_series``; then it starts afresh)."""
+
+    def __init__(self, max_series: int = 200_000) -> None:
+        self.max_series = max_series
+        self._table = _table()
+        self._templates: dict[tuple[tuple[str, str, str], Any], _Template] = {}
+        self._extra_label = {
+            _REASONS: naming.CLOCK_EVENT_REASON.labels[0],
+            _MODE: naming.COMPUTE_MODE.labels[0],
+            _INFO: naming.GPU_INFO.labels[0],
+            _POLICY: naming.POLICY_STATE.labels[0],
+        }
+
+    def _buf(self, base: tuple[str, str, str], sid: Any, bufs: dict[Any, SeriesBuf]) -> SeriesBuf:
+        key = (base, sid)
+        t = self._templates.get(key)
+        if t is None:
+            if len(self._templates) >= self.max_series:
+                self._templates = {}
+            node, device, uuid = base
+            prop, extra = (sid, None) if isinstance(sid, str) else sid
+            kind, _, name, mtype, doc = self._table[prop]
+            labels = {"device": naming.device_label(device), "node": node, "uuid": uuid}
+            if extra is not None:
+                labels[self._extra_label[kind]] = extra
+            pairs = sorted_labels(name, labels)
+            t = self._templates[key] = _Template(pairs, label_bytes(pairs), mtype, doc)
+        buf = SeriesBuf.__new__(SeriesBuf)
+        buf.labels, buf.labels_v1, buf.mtype, buf.help = t.labels, t.labels_v1, t.mtype, t.help
+        buf.stamps, buf.parts, buf.last_ts, buf.unsorted = [], [], -(1 << 63), False
+        bufs[sid] = buf
+        return buf
+
+    def add(
+        self,
+        req: PendingRequest,
+        batch: DecodedBatch,
+        uuid: str,
+    ) -> int:
+        """Add the batch's samples; the number of samples added."""
+        base = (batch.node, batch.device, uuid)
+        bufs = req.streams.get(base)
+        if bufs is None:
+            bufs = req.streams[base] = {}
+        table = self._table
+        pack = _PACK_DOUBLE
+        isfinite = math.isfinite
+        added = 0
+        for row in batch.samples:
+            ts = row.ts_ms
+            head, tail = sample_affixes(ts)
+            for name, v in row.values.items():
+                h = table.get(name)
+                if h is None:
+                    continue
+                kind = h[0]
+                if kind == _PLAIN:
+                    cls = v.__class__
+                    if cls is float:
+                        if not isfinite(v):  # type: ignore[arg-type]
+                            continue
+                        x = v * h[1]
+                    elif cls is int:
+                        x = v * h[1]
+                    elif cls is bool:
+                        x = h[1] if v else 0.0
+                    else:
+                        continue
+                    buf = bufs.get(name)
+                    if buf is None:
+                        buf = self._buf(base, name, bufs)
+                    if ts <= buf.last_ts:
+                        buf.unsorted = True
+                    else:
+                        buf.last_ts = ts
+                    buf.stamps.append(ts)
+                    buf.parts.append(head + pack(x) + tail)
+                    added += 1
+                    continue
+                for extra, x in self._derived(kind, v):
+                    sid = (name, extra)
+                    buf = bufs.get(sid)
+                    if buf is None:
+                        buf = self._buf(base, sid, bufs)
+                    if ts <= buf.last_ts:
+                        buf.unsorted = True
+                    else:
+                        buf.last_ts = ts
+                    buf.stamps.append(ts)
+                    buf.parts.append(head + pack(x) + tail)
+                    added += 1
+        req.samples += added
+        return added
+
+    @staticmethod
+    def _derived(kind: int, v: object) -> list[tuple[str, float]]:
+        if kind == _REASONS:
+            mask = naming.number(v)
+            if mask is None:
+                return []
+            return [(reason, float(flag)) for reason, flag in naming.clock_event_reason_flags(int(mask))]
+        if kind == _MODE:
+            return [(m, float(flag)) for m, flag in naming.compute_mode_flags(v)] if isinstance(v, str) else []
+        if isinstance(v, str) and v:  # _INFO (product name), _POLICY (policy state)
+            return [(v, 1.0)]
+        return []
+
+
+# --------------------------------------------------------------------------------------------------
+# Dedup by sequence ranges
+# --------------------------------------------------------------------------------------------------
+
+StreamKey = tuple[str, str, str, str]  # node, device, boot id, topic
+
+
+class SeqDedup:
+    """Sequence ranges already written, per stream, each with the time range of its samples."""
+
+    def __init__(self, max_streams: int = 100_000, max_ranges: int = 64) -> None:
+        if max_streams < 1 or max_ranges < 1:
+            raise ValueError("SeqDedup needs max_streams >= 1 and max_ranges >= 1")
+        self.max_streams = max_streams
+        self.max_ranges = max_ranges
+        #: key -> sorted, disjoint, non-adjacent [seq_lo, seq_hi, ts_lo, ts_hi]
+        self._streams: OrderedDict[StreamKey, list[list[int]]] = OrderedDict()
+        self.forgotten_ranges = 0
+        self.forgotten_streams = 0
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def check(self, key: StreamKey, lo: int, hi: int) -> tuple[bool, list[tuple[int, int]]]:
+        """(every sequence of lo..hi already written, the time ranges of the written ranges that overlap it)."""
+        ranges = self._streams.get(key)
+        if not ranges:
+            return False, []
+        self._streams.move_to_end(key)
+        i = bisect.bisect_right(ranges, [hi, math.inf])
+        overlap: list[tuple[int, int]] = []
+        covered = False
+        for r in reversed(ranges[:i]):
+            if r[1] < lo:
+                break
+            if r[0] <= lo and r[1] >= hi:
+                covered = True
+            overlap.append((r[2], r[3]))
+        return covered, overlap
+
+    def record(self, key: StreamKey, lo: int, hi: int, ts_lo: int, ts_hi: int) -> None:
+        """lo..hi (samples from ts_lo to ts_hi) is written."""
+        ranges = self._streams.get(key)
+        if ranges is None:
+            ranges = self._streams[key] = []
+            if len(self._streams) > self.max_streams:
+                self._streams.popitem(last=False)
+                self.forgotten_streams += 1
+        else:
+            self._streams.move_to_end(key)
+        new = [lo, hi, ts_lo, ts_hi]
+        keep: list[list[int]] = []
+        for r in ranges:
+            if r[1] + 1 < new[0] or r[0] > new[1] + 1:
+                keep.append(r)
+            else:  # overlapping or adjacent: merge
+                new = [min(r[0], new[0]), max(r[1], new[1]), min(r[2], new[2]), max(r[3], new[3])]
+        bisect.insort(keep, new)
+        while len(keep) > self.max_ranges:
+            keep.pop(0)
+            self.forgotten_ranges += 1
+        self._streams[key] = keep
+
+
+# --------------------------------------------------------------------------------------------------
+# Counters
+# --------------------------------------------------------------------------------------------------
+
+#: Write latency buckets (s) and lag buckets (s: a second to a week).
+WRITE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LAG_BUCKETS_S = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0)
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, x)] += 1
+        self.sum += x
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        out, running = [], 0
+        for bound, c in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += c
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class BridgeStats:
+    """Everything ``/metrics`` shows about the bridge (counters since start, gauges now)."""
+
+    batches_received: int = 0
+    samples_received: int = 0
+    batches_written: int = 0
+    samples_written: int = 0
+    requests_written: int = 0
+    duplicate_batches: int = 0
+    duplicate_samples: int = 0
+    decode_errors: int = 0
+    uuid_unknown_batches: int = 0
+    refused_requests: dict[str, int] = field(default_factory=dict)
+    refused_samples: dict[str, int] = field(default_factory=dict)
+    retries: dict[str, int] = field(default_factory=dict)
+    spooled_requests: int = 0
+    spool_failures: int = 0
+    version_fallbacks: int = 0
+    write_duration: Histogram = field(default_factory=lambda: Histogram(WRITE_BUCKETS_S))
+    lag: Histogram = field(default_factory=lambda: Histogram(LAG_BUCKETS_S))
+    # gauges
+    pending_batches: int = 0
+    pending_samples: int = 0
+    mqtt_connected: bool = False
+    remote_write_version: int = 1
+    dedup_streams: int = 0
+    last_write_lag_s: float = 0.0

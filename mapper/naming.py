@@ -1,0 +1,133 @@
+"""The Prometheus naming table: every per-GPU series name, type, help text and label set, in ONE place (pure).
+
+Two writers read it: the mapper's own ``/metrics`` (``mapper.metrics``) and the cloud-side bridge
+(``mapper.bridge``, MQTT telemetry -> remote write). So a series is called the same whether a Prometheus scrapes
+the edge node or the bridge writes the node's telemetry into a store, and a name is changed in one line.
+
+* ``PROPERTY_SERIES``: the catalog properties with a Prometheus name (``PropertySpec.prom_name``, in base units:
+  ``prom_scale`` turns the catalog value into the base unit), one numeric series each.
+* ``GPU_INFO``, ``CLOCK_EVENT_REASON``, ``COMPUTE_MODE``, ``POLICY_STATE``, ...: the families derived from other
+  values (``clock_event_reason_flags`` and ``compute_mode_flags`` say how), or from the mapper's own state.
+* ``GPU_LABELS``: the labels every per-GPU series carries. The bridge cannot fill ``gpu`` (the NVML index is not
+  in the telemetry stream; identity is the uuid) and leaves it absent, as remote write's empty value means.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mapper.model import CLOCK_EVENT_REASONS, COMPUTE_MODES, PROPERTIES, PromType, PropertySpec
+
+#: Labels of every per-GPU series.
+GPU_LABELS = ("uuid", "gpu", "device", "node")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family: its name as prometheus_client takes it, its type, help text and extra labels."""
+
+    name: str
+    type: PromType
+    doc: str
+    #: Labels after ``GPU_LABELS`` (per-GPU families) or the only labels (``per_gpu=False``).
+    labels: tuple[str, ...] = ()
+    per_gpu: bool = True
+
+    @property
+    def series_name(self) -> str:
+        """The name of its samples (the ``__name__`` a store sees): counters end in ``_total``."""
+        if self.type == "counter" and not self.name.endswith("_total"):
+            return self.name + "_total"
+        return self.name
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return (*GPU_LABELS, *self.labels) if self.per_gpu else self.labels
+
+
+@dataclass(frozen=True)
+class PropertySeries:
+    """A catalog property exported as one numeric series: value * ``scale`` in the base unit."""
+
+    spec: PropertySpec
+    family: Family
+
+    @property
+    def scale(self) -> float:
+        return self.spec.prom_scale
+
+
+def _property_doc(spec: PropertySpec) -> str:
+    return f"{spec.description} ({spec.name}" + (f", {spec.unit}" if spec.unit else "") + ")"
+
+
+PROPERTY_SERIES: tuple[PropertySeries, ...] = tuple(
+    PropertySeries(p, Family(p.prom_name, p.prom_type, _property_doc(p))) for p in PROPERTIES if p.prom_name
+)
+
+GPU_INFO = Family(
+    "gpu_info",
+    "gauge",
+    "GPU identity: always 1, labelled with the product name, driver version and PCI bus id",
+    ("product_name", "driver_version", "pci_bus_id"),
+)
+CLOCK_EVENT_REASON = Family(
+    "gpu_clock_event_reason_active",
+    "gauge",
+    "1 while the clock event reason holds the clocks back (one series per nvmlClocksEventReason bit)",
+    ("reason",),
+)
+COMPUTE_MODE = Family("gpu_compute_mode", "gauge", "1 for the compute mode in force, 0 for the others", ("mode",))
+XID_ERRORS = Family(
+    "gpu_xid_errors", "counter", "XID events seen on the GPU since the mapper started, by XID code", ("xid",)
+)
+DESIRED_POWER_LIMIT = Family(
+    "gpu_power_limit_desired_watts",
+    "gauge",
+    "power cap asked for by the cloud or an edge application, before local policies",
+)
+DEVICE_STATE = Family(
+    "gpu_mapper_device_state", "gauge", "1 for the device state last reported to EdgeCore, 0 for the others", ("state",)
+)
+POLICY_STATE = Family(
+    "gpu_mapper_policy_state",
+    "gauge",
+    "1, labelled with what the local policies are doing on the GPU (the policy_state twin)",
+    ("state",),
+)
+SAMPLE_TIMESTAMP = Family("gpu_mapper_sample_timestamp_seconds", "gauge", "Unix time of the GPU's latest sample")
+
+#: Property values the derived families read (the property names of the catalog).
+CLOCK_EVENT_REASONS_PROPERTY = "clock_event_reasons"
+COMPUTE_MODE_PROPERTY = "compute_mode"
+PRODUCT_NAME_PROPERTY = "product_name"
+POLICY_STATE_PROPERTY = "policy_state"
+
+
+def device_label(device: str) -> str:
+    """The ``device`` label of a KubeEdge Device ``namespace/name``: its name, without the namespace."""
+    return device.rsplit("/", 1)[-1]
+
+
+def number(v: object) -> float | None:
+    """A property value as a Prometheus sample value: booleans 0/1, finite numbers as floats, else None."""
+    if isinstance(v, bool):
+        return 1.0 if v else 0.0
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def clock_event_reason_flags(mask: int) -> Iterator[tuple[str, int]]:
+    """(reason, 1 or 0) for every known nvmlClocksEventReason bit of ``mask`` (``CLOCK_EVENT_REASON``)."""
+    for bit, name in CLOCK_EVENT_REASONS:
+        yield name, 1 if mask & bit else 0
+
+
+def compute_mode_flags(mode: str) -> Iterator[tuple[str, int]]:
+    """(mode, 1 or 0) for every compute mode, 1 for ``mode`` (``COMPUTE_MODE``); nothing for an unknown mode."""
+    if mode in COMPUTE_MODES:
+        for m in COMPUTE_MODES:
+            yield m, 1 if m == mode else 0

@@ -1,0 +1,220 @@
+"""Helpers of the bridge tests: telemetry streams from simulated GPUs, a plain MQTT publisher, bridge settings,
+an in-process bridge."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import threading
+import time
+import urllib.error
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as paho
+
+from mapper.bridge import Bridge
+from mapper.bridgeconfig import BridgeSettings
+from mapper.clock import FakeClock
+from mapper.discover import device_name
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.simnvml import SimNvml
+from mapper.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_payload, state_topic
+from tests.apphelpers import wait_for
+
+NODE = "edge-1"
+
+
+@dataclass(frozen=True)
+class Published:
+    topic: str
+    payload: bytes
+    batch: DecodedBatch
+
+
+def stream(
+    *,
+    gpus: int = 2,
+    seconds: int = 60,
+    start_ms: int | None = None,
+    node: str = NODE,
+    boot_id: str = "5c1f0e9a",
+    window_s: float = 10.0,
+    seed: int = 3,
+    every_s: int = 1,
+) -> list[Published]:
+    """Batches a mapper on ``gpus`` simulated H100s would publish for ``seconds`` of sampling every ``every_s``
+    (every property), ending now unless ``start_ms`` is given. Returned in publish order."""
+    start = start_ms if start_ms is not None else int(time.time() * 1000) - seconds * 1000
+    clock = FakeClock(start_wall_ms=start)
+    sim = SimNvml(gpus, "H100", clock=clock.monotonic, seed=seed, scenario="training")
+    backend = NvmlBackend(sim, clock=clock)
+    backend.init()
+    encoders: dict[str, BatchEncoder] = {}
+    out: list[Published] = []
+    try:
+        infos = backend.list_gpus()
+        for _ in range(0, seconds, every_s):
+            clock.advance(float(every_s))
+            for g in infos:
+                dev = f"default/{device_name(node, g.index)}"
+                enc = encoders.get(dev)
+                if enc is None:
+                    enc = encoders[dev] = BatchEncoder(node, dev, g.uuid, boot_id, window_s=window_s)
+                sample = backend.sample(g.uuid, None)
+                enc.add(sample)
+                b = enc.flush_due(sample.ts_ms)
+                if b is not None:
+                    out.append(Published(default_topic(node, dev), b.payload, decode_batch(b.payload)))
+        for dev, enc in encoders.items():
+            b = enc.flush()
+            if b is not None:
+                out.append(Published(default_topic(node, dev), b.payload, decode_batch(b.payload)))
+    finally:
+        backend.shutdown()
+    return out
+
+
+def states(batches: list[Published]) -> Iterator[tuple[str, bytes]]:
+    """The retained state message of every device of ``batches`` (its last sample)."""
+    last: dict[tuple[str, str], DecodedBatch] = {}
+    for p in batches:
+        last[(p.batch.node, p.batch.device)] = p.batch
+    for (node, device), b in last.items():
+        s = b.samples[-1]
+        uuid = b.uuid or next(p.batch.uuid for p in batches if p.batch.device == device and p.batch.uuid)
+        yield state_topic(node, device), state_payload(device, replace(s, uuid=uuid))
+
+
+class Publisher:
+    """A plain paho client (its own network thread) publishing QoS 1 and waiting for every PUBACK."""
+
+    def __init__(self, url: str, client_id: str = "test-publisher") -> None:
+        host, port = url.removeprefix("mqtt://").split(":")
+        self.client = paho.Client(callback_api_version=paho.CallbackAPIVersion.VERSION2, client_id=client_id)
+        self.client.max_inflight_messages_set(100)
+        self.client.connect(host, int(port), keepalive=30)
+        self.client.loop_start()
+
+    def publish(self, items: list[tuple[str, bytes, bool]], timeout_s: float = 60.0) -> None:
+        infos = [self.client.publish(topic, payload, qos=1, retain=retain) for topic, payload, retain in items]
+        deadline = time.monotonic() + timeout_s
+        for info in infos:
+            info.wait_for_publish(max(0.1, deadline - time.monotonic()))
+            assert info.is_published(), "a publish was not acknowledged in time"
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def publish_all(url: str, batches: list[Published], *, with_states: bool = True) -> None:
+    pub = Publisher(url)
+    try:
+        if with_states:
+            pub.publish([(t, p, True) for t, p in states(batches)])
+        pub.publish([(p.topic, p.payload, False) for p in batches])
+    finally:
+        pub.close()
+
+
+def bridge_settings(broker_url: str, write_url: str, tmp: Path, **overrides: Any) -> BridgeSettings:
+    base = BridgeSettings(
+        mqtt_url=broker_url,
+        mqtt_client_id="bridge-test-1",
+        remote_write=write_url,
+        metrics_addr="127.0.0.1:0",
+        spool_dir=str(tmp / "spool"),
+        batch_max_delay_s=0.2,
+        retry_min_s=0.1,
+        retry_max_s=1.0,
+        uuid_wait_s=2.0,
+        mqtt_reconnect_max_s=1.0,
+    )
+    return replace(base, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def running_bridge(settings: BridgeSettings) -> AsyncIterator[Bridge]:
+    bridge = Bridge(settings)
+    stop = asyncio.Event()
+    task = asyncio.create_task(bridge.run(stop))
+    try:
+        await wait_for(lambda: bridge.session.connected or task.done(), timeout_s=15, what="the bridge to connect")
+        assert not task.done(), f"the bridge exited early: {task.result()}"
+        yield bridge
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 20) == 0
+
+
+def expected_samples(batches: list[Published]) -> int:
+    """Samples the bridge writes for ``batches`` (its own conversion, counted without writing)."""
+    from mapper.bridgecore import Converter, PendingRequest
+
+    conv = Converter()
+    req = PendingRequest(0.0)
+    uuids = {p.batch.device: p.batch.uuid for p in batches if p.batch.uuid}
+    seen = set()
+    total = 0
+    for p in batches:
+        key = (p.batch.device, p.batch.seq)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += conv.add(req, p.batch, uuids[p.batch.device])
+    return total
+
+
+class FlakyReceiver:
+    """A real HTTP server in front of a real Prometheus: it forwards every POST unchanged, except that while
+    ``status`` is set it answers that status instead (a receiver outage), and it waits ``delay_s`` per request."""
+
+    def __init__(self, target_url: str) -> None:
+        self.target_url = target_url
+        self.status: int | None = None
+        self.delay_s = 0.0
+        self.answers: list[int] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if owner.delay_s:
+                    time.sleep(owner.delay_s)
+                status = owner.status
+                text = b"receiver outage (test)\n"
+                if status is None:
+                    req = urllib.request.Request(owner.target_url, data=body, method="POST")
+                    for k in ("Content-Encoding", "Content-Type", "X-Prometheus-Remote-Write-Version"):
+                        req.add_header(k, self.headers.get(k, ""))
+                    try:
+                        with urllib.request.urlopen(req, timeout=30) as resp:
+                            status, text = resp.status, resp.read()
+                    except urllib.error.HTTPError as exc:
+                        status, text = exc.code, exc.read()
+                owner.answers.append(status)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)

@@ -1,0 +1,449 @@
+"""gpu-mapper bridge against a real mosquitto and a real Prometheus (remote-write receiver, out-of-order window)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mapper.bridgecore import bridged_series_names
+from mapper.telemetry import decode_batch
+from tests.apphelpers import wait_for
+from tests.bridgehelpers import FlakyReceiver, bridge_settings, expected_samples, publish_all, running_bridge, stream
+from tests.brokers import Mosquitto, free_port
+from tests.promserver import Prometheus
+from tests.test_deploy import dashboard, exprs, metric_refs
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
+    prom = Prometheus(tmp_path)
+    prom.start()
+    try:
+        yield prom
+    finally:
+        prom.stop()
+
+
+def count_samples(prom: Prometheus, selector: str, at_s: float, window_s: int) -> int:
+    return sum(len(v) for v in prom.raw_samples(selector, at_s, window_s).values())
+
+
+async def test_batches_on_the_broker_reach_prometheus_once_each_named_as_the_mapper_names_them(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=2, seconds=120)
+    want = expected_samples(batches)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, batches)
+        publish_all(mosquitto.url, batches[:5], with_states=False)  # redelivered: dropped as duplicates
+        await wait_for(
+            lambda: bridge.stats.batches_written + bridge.stats.duplicate_batches >= len(batches) + 5,
+            timeout_s=60,
+            what="every batch written",
+        )
+    assert bridge.stats.duplicate_batches == 5
+    assert bridge.stats.samples_written == want
+    now = time.time() + 1
+    total = count_samples(prometheus, '{__name__=~"gpu_.+"}', now, 600)
+    assert total == want
+    power = prometheus.raw_samples("gpu_power_usage_watts", now, 600)
+    assert len(power) == 2
+    for labels, points in power.items():
+        names = dict(labels)
+        assert names["uuid"].startswith("GPU-") and names["node"] == "edge-1" and "gpu" not in names
+        stamps = [t for t, _ in points]
+        assert len(stamps) == 120 and stamps == sorted(set(stamps))
+
+
+async def test_two_replicas_in_one_group_each_take_part_and_together_write_everything_once(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=4, seconds=300)
+    want = expected_samples(batches)
+    a = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "a", mqtt_client_id="bridge-a")
+    b = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "b", mqtt_client_id="bridge-b")
+    async with running_bridge(a) as ra, running_bridge(b) as rb:
+        await wait_for(lambda: ra.session.connected and rb.session.connected, what="both replicas connected")
+        publish_all(mosquitto.url, batches)
+        await wait_for(
+            lambda: ra.stats.batches_written + rb.stats.batches_written >= len(batches),
+            timeout_s=60,
+            what="every batch written by one of the replicas",
+        )
+    assert ra.stats.batches_received > 0 and rb.stats.batches_received > 0, "both replicas took part"
+    assert ra.stats.batches_received + rb.stats.batches_received == len(batches), "each batch went to one replica"
+    assert ra.stats.duplicate_batches == rb.stats.duplicate_batches == 0
+    assert ra.stats.samples_written + rb.stats.samples_written == want
+    assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 900) == want
+
+
+async def test_a_receiver_answering_500_is_retried_with_backoff_and_nothing_is_lost(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=2, seconds=120)
+    want = expected_samples(batches)
+    flaky = FlakyReceiver(prometheus.write_url)
+    flaky.status = 500
+    try:
+        async with running_bridge(bridge_settings(mosquitto.url, flaky.url, tmp_path)) as bridge:
+            publish_all(mosquitto.url, batches)
+            await wait_for(lambda: bridge.stats.retries.get("http_500", 0) >= 3, timeout_s=30, what="retries")
+            assert bridge.stats.batches_written == 0
+            assert bridge.problems() == [] or "failing" in " ".join(bridge.problems())
+            assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 600) == 0
+            flaky.status = None  # the receiver recovers
+            await wait_for(
+                lambda: bridge.stats.batches_written >= len(batches), timeout_s=60, what="every batch written"
+            )
+        assert bridge.stats.samples_written == want
+        assert sum(bridge.stats.refused_requests.values()) == 0
+        assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 600) == want
+        assert flaky.answers.count(500) >= 3 and flaky.answers[-1] // 100 == 2
+    finally:
+        flaky.close()
+
+
+def _bridge_process(url: str, write_url: str, tmp: Path, port: int) -> subprocess.Popen[bytes]:
+    log = (tmp / f"bridge-{port}.log").open("ab")
+    cmd = [sys.executable, "-m", "mapper.cli", "bridge", "--mqtt", url, "--remote-write", write_url]
+    cmd += ["--mqtt-client-id", "bridge-k", "--metrics-addr", f"127.0.0.1:{port}", "--spool-dir", str(tmp / "spool")]
+    cmd += ["--batch-max-delay", "200ms", "--batch-max-samples", "500", "--retry-min-backoff", "100ms"]
+    return subprocess.Popen(cmd, stdout=log, stderr=log, cwd=REPO)
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+async def test_a_bridge_sigkilled_mid_stream_and_restarted_loses_nothing(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=2, seconds=600)
+    want = expected_samples(batches)
+    flaky = FlakyReceiver(prometheus.write_url)
+    flaky.delay_s = 0.05  # slow enough to be killed mid-stream
+    port = free_port()
+    proc = _bridge_process(mosquitto.url, flaky.url, tmp_path, port)
+    selector, now = '{__name__=~"gpu_.+"}', time.time() + 1
+    try:
+        await wait_for(lambda: _ready(port), timeout_s=30, what="the bridge process to be ready")
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: count_samples(prometheus, selector, now, 900) > 0, timeout_s=30, what="some written")
+        proc.kill()  # SIGKILL: no goodbye, unacknowledged messages stay with the broker
+        proc.wait(10)
+        written_before = count_samples(prometheus, selector, now, 900)
+        assert 0 < written_before < want, "killed mid-stream"
+        proc = _bridge_process(mosquitto.url, flaky.url, tmp_path, port)
+        await wait_for(
+            lambda: count_samples(prometheus, selector, now, 900) >= want, timeout_s=90, what="everything written"
+        )
+        assert count_samples(prometheus, selector, now, 900) == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        flaky.close()
+
+
+async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_that_promtool_accepts(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    prom = Prometheus(tmp_path, ooo_window="10m")
+    prom.start()
+    try:
+        recent = stream(gpus=1, seconds=60)
+        # the same GPU three hours earlier (another boot): far older than the 10 min out-of-order window
+        old = stream(gpus=1, seconds=30, start_ms=int(time.time() * 1000) - 3 * 3600 * 1000, boot_id="0ld0b007")
+        spool = tmp_path / "spool"
+        async with running_bridge(bridge_settings(mosquitto.url, prom.write_url, tmp_path, spool_dir=str(spool))) as br:
+            publish_all(mosquitto.url, recent)
+            await wait_for(lambda: br.stats.batches_written >= len(recent), timeout_s=30, what="recent written")
+            publish_all(mosquitto.url, old + recent[-1:], with_states=False)
+            await wait_for(lambda: br.stats.spooled_requests >= len(old), timeout_s=30, what="old batches spooled")
+            await wait_for(lambda: br.idle, timeout_s=10, what="all done")
+        reasons = br.stats.refused_requests
+        assert sum(reasons.values()) == len(old) and set(reasons) <= {"out_of_bounds", "too_old", "out_of_order"}
+        refused = sum(br.stats.refused_samples.values())
+        assert refused == expected_samples(old)
+        assert br.stats.duplicate_batches == 1, "the recent batch sent again was dropped"
+        assert len(list(spool.glob("*.rw1"))) == len(old)
+        om = tmp_path / "backfill.om"
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "mapper.cli", "bridge", "export", "--spool-dir", str(spool), "-o", str(om)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert out.returncode == 0, out.stderr
+        assert om.read_text().endswith("# EOF\n")
+        blocks = tmp_path / "blocks"
+        made = await asyncio.to_thread(
+            subprocess.run,
+            ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om), str(blocks)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert made.returncode == 0, made.stdout + made.stderr
+        listing = await asyncio.to_thread(
+            subprocess.run, ["promtool", "tsdb", "list", str(blocks)], capture_output=True, text=True, timeout=60
+        )
+        assert listing.returncode == 0, listing.stderr
+        rows = [line.split() for line in listing.stdout.splitlines()[1:] if line.strip()]
+        assert sum(int(r[4]) for r in rows) == refused, listing.stdout  # NUM SAMPLES column
+    finally:
+        prom.stop()
+
+
+def _grafana_to_promql(expr: str) -> str:
+    """A dashboard expression as Prometheus evaluates it: variables matched to anything, label_values(sel, l)
+    as its selector."""
+    text = re.sub(r"label_values\(([^,)]+(?:\{[^}]*\})?)\s*,[^)]*\)", r"\1", expr)
+    return text.replace("$node", ".+").replace("$gpu", ".+").replace("$instance", ".+")
+
+
+async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_series_draw_from_the_bridge(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=2, seconds=900)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: bridge.stats.batches_written >= len(batches), timeout_s=60, what="every batch written")
+    at = batches[-1].batch.ts_last_ms / 1000
+    bridged = bridged_series_names()
+    dash = [_grafana_to_promql(e) for e in exprs(dashboard())]
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    alerts = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    on_gpu_series = 0
+    for expr in dash + alerts:
+        result = prometheus.query(expr, at)  # raises naming the error when it does not parse
+        refs = metric_refs(expr)
+        if refs and refs <= bridged:
+            on_gpu_series += 1
+            for name in refs:
+                assert prometheus.query(name, at), f"{name} has no data from the bridge"
+            head, *threshold = re.split(r"\s(?:>|<|==|!=|>=|<=)\s", expr)
+            if threshold:  # a condition may well be false: the expression without its threshold has data
+                assert prometheus.query(head, at), f"{expr}: {head} returns nothing from the bridged series"
+            else:
+                assert result, f"{expr} returns nothing from the bridged series"
+    assert on_gpu_series >= 20
+
+
+@pytest.fixture
+def persistent_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    """A broker that keeps its sessions across a restart (as a production broker must for the bridge: a session
+    it forgot would miss what the mapper replays before the bridge subscribes again), saved every second."""
+    store = tmp_path / "mosquitto-store"
+    store.mkdir()
+    # as root, mosquitto drops to its own user, which cannot write a test's private directory: it stays root
+    user = "user root\n" if os.geteuid() == 0 else ""
+    config = f"{user}persistence true\npersistence_location {store}/\nautosave_interval 1"
+    broker = Mosquitto(tmp_path, extra_config=config)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_and_no_duplicate(
+    tmp_path: Path, persistent_mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    from mapper.config import MqttSettings
+    from mapper.gpu.simnvml import SimNvml
+    from tests.apphelpers import fast_settings, running_app
+
+    mosquitto = persistent_mosquitto
+
+    sim = SimNvml(2, "H100", seed=11, scenario="training")
+    settings = fast_settings(
+        str(tmp_path / "mapper"), devices_dir=None, telemetry_window_s=1.0, mqtt=MqttSettings(url=mosquitto.url)
+    )
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        async with running_app(settings, sim) as app:
+            assert app.buffer is not None
+            await wait_for(lambda: bridge.stats.batches_written >= 4, timeout_s=30, what="the online part written")
+            mosquitto.stop()
+            down_ms = int(time.time() * 1000)
+            # offline: the mapper keeps sampling into its buffer
+            await wait_for(lambda: app.buffer.stats().batches >= 24, timeout_s=60, what="12 s of offline batches")
+            up_ms = int(time.time() * 1000)
+            mosquitto.start()
+            await wait_for(lambda: app.buffer.stats().batches == 0, timeout_s=60, what="the backlog replayed")
+
+            def newest_ms() -> int:
+                series = prometheus.raw_samples("gpu_power_usage_watts", time.time() + 5, 600)
+                return min((p[-1][0] for p in series.values()), default=0) if len(series) == 2 else 0
+
+            await wait_for(lambda: newest_ms() > up_ms + 1000, timeout_s=30, what="live samples after the outage")
+            end_ms = int(time.time() * 1000)
+        await wait_for(lambda: bridge.idle, timeout_s=30, what="the bridge idle")
+    series = prometheus.raw_samples("gpu_power_usage_watts", end_ms / 1000 + 5, 600)
+    assert {dict(k)["uuid"] for k in series} == {g.uuid for g in sim.gpus}, "every GPU, by uuid"
+    for labels, points in series.items():
+        stamps = [t for t, _ in points]
+        assert stamps == sorted(set(stamps)), f"{labels}: duplicates or disorder"
+        assert stamps[0] < down_ms and stamps[-1] > up_ms, f"{labels}: the offline part is missing"
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        step = sorted(gaps)[len(gaps) // 2]
+        assert max(gaps) <= 2 * step, f"{labels}: a gap of {max(gaps)} ms (samples every {step} ms)"
+        offline = [t for t in stamps if down_ms < t < up_ms]
+        assert len(offline) >= (up_ms - down_ms) // step - 2, f"{labels}: {len(offline)} samples in the outage"
+
+
+async def test_remote_write_2_falls_back_to_1_when_the_receiver_answers_2xx_without_the_written_header(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    # Prometheus 2.42 reads any body as 1.0: a 2.0 body parses as an empty WriteRequest, 204, no header.
+    batches = stream(gpus=1, seconds=60)
+    want = expected_samples(batches)
+    settings = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path, remote_write_version=2)
+    async with running_bridge(settings) as bridge:
+        assert bridge.snapshot().remote_write_version == 2
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: bridge.stats.batches_written >= len(batches), timeout_s=30, what="every batch written")
+    assert bridge.stats.version_fallbacks == 1 and bridge.version == 1
+    assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 600) == want
+
+
+@pytest.mark.parametrize(("status", "retried"), [(429, True), (503, True), (404, False), (415, False)])
+async def test_429_and_5xx_are_retried_and_other_4xx_are_refused_at_once_and_spooled(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus, status: int, retried: bool
+) -> None:
+    batches = stream(gpus=1, seconds=30)
+    flaky = FlakyReceiver(prometheus.write_url)
+    flaky.status = status
+    try:
+        async with running_bridge(bridge_settings(mosquitto.url, flaky.url, tmp_path)) as bridge:
+            publish_all(mosquitto.url, batches)
+            if retried:
+                await wait_for(lambda: len(flaky.answers) >= 3, timeout_s=30, what="three attempts")
+                await wait_for(lambda: bridge.stats.retries.get(f"http_{status}", 0) >= 3, timeout_s=10, what="counted")
+                assert set(bridge.stats.retries) == {f"http_{status}"} and bridge.stats.batches_written == 0
+                flaky.status = None
+                await wait_for(lambda: bridge.stats.batches_written == len(batches), timeout_s=30, what="written")
+                assert bridge.stats.spooled_requests == 0
+            else:
+                await wait_for(
+                    lambda: bridge.idle and bridge.stats.batches_received == len(batches), timeout_s=30, what="refused"
+                )
+                assert bridge.stats.retries == {}
+                # a request of several batches is split: each batch refused alone is counted and spooled
+                assert bridge.stats.refused_requests == {f"http_{status}": len(batches)}
+                assert bridge.stats.spooled_requests == len(batches) == len(list((tmp_path / "spool").glob("*.rw1")))
+                assert set(flaky.answers) == {status}
+                assert bridge.stats.batches_written == 0
+    finally:
+        flaky.close()
+
+
+async def test_the_bridge_serves_its_metrics_liveness_and_readiness(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=1, seconds=30)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, batches)
+        await wait_for(lambda: bridge.stats.batches_written == len(batches), timeout_s=30, what="written")
+        assert bridge.metrics is not None
+        base = bridge.metrics.url
+
+        def get(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(base + path, timeout=5) as resp:
+                    return resp.status, resp.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        status, text = await asyncio.to_thread(get, "/metrics")
+        assert status == 200
+        assert f"gpu_mapper_bridge_batches_written_total {float(len(batches))}" in text
+        assert "gpu_mapper_bridge_write_duration_seconds_bucket" in text
+        assert "gpu_mapper_bridge_sample_lag_seconds_count" in text
+        assert "gpu_mapper_bridge_mqtt_connected 1.0" in text
+        assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
+        assert await asyncio.to_thread(get, "/readyz") == (200, "ready\n")
+        mosquitto.stop()
+        await wait_for(lambda: not bridge.session.connected, timeout_s=10, what="the broker gone")
+        status, text = await asyncio.to_thread(get, "/readyz")
+        assert status == 503 and "not connected to the broker" in text
+        mosquitto.start()
+        await wait_for(lambda: bridge.session.connected, timeout_s=20, what="reconnected")
+
+
+async def test_a_merged_batch_and_the_batches_it_replaced_dedup_against_each_other(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    from mapper.telemetry import merge_batches
+    from tests.bridgehelpers import Published
+
+    batches = stream(gpus=1, seconds=200)  # 20 batches, seq 0..19
+    assert [p.batch.seq for p in batches] == list(range(20))
+    merged_payload = merge_batches([p.batch for p in batches[5:15]]).payload
+    merged = Published(batches[0].topic, merged_payload, decode_batch(merged_payload))
+    assert merged.batch.merged and merged.batch.seqs == tuple(range(5, 15))
+    want = expected_samples(batches)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, batches[:10])
+        await wait_for(lambda: bridge.stats.batches_written >= 10, timeout_s=30, what="the first ten written")
+        publish_all(mosquitto.url, [merged], with_states=False)  # 5..9 written already: 10..14 are new
+        await wait_for(lambda: bridge.stats.batches_written >= 15, timeout_s=30, what="the merged batch written")
+        publish_all(mosquitto.url, batches[12:], with_states=False)  # 12..14 came in the merged batch
+        await wait_for(lambda: bridge.stats.batches_written >= 20, timeout_s=30, what="all written")
+        await wait_for(lambda: bridge.idle, timeout_s=10, what="the bridge idle")
+    assert bridge.stats.duplicate_batches == 5 + 3
+    assert bridge.stats.batches_written == 20
+    assert bridge.stats.samples_written == want
+    assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 900) == want
+
+
+async def test_a_day_of_offline_telemetry_replayed_lands_in_place_on_the_time_axis(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    """The done-when of the bridge: a node offline for a day replays its buffer (oldest first, as the shipper
+    does); with an out-of-order window of a day the whole day lands live, every sample at its own timestamp."""
+    prom = Prometheus(tmp_path, ooo_window="25h")
+    prom.start()
+    try:
+        now_ms = int(time.time() * 1000)
+        day = stream(gpus=1, seconds=86_400, every_s=5, window_s=60.0, start_ms=now_ms - 86_400_000 - 5_000)
+        want = expected_samples(day)
+        settings = bridge_settings(mosquitto.url, prom.write_url, tmp_path)
+        async with running_bridge(settings) as bridge:
+            publish_all(mosquitto.url, day)
+            await wait_for(lambda: bridge.stats.batches_written >= len(day), timeout_s=100, what="the day written")
+        assert bridge.stats.samples_written == want
+        assert sum(bridge.stats.refused_requests.values()) == 0
+        [(_, points)] = prom.raw_samples("gpu_power_usage_watts", now_ms / 1000 + 1, 90_000).items()
+        stamps = [t for t, _ in points]
+        assert len(stamps) == 86_400 // 5
+        assert stamps == sorted(set(stamps))
+        assert stamps[0] == day[0].batch.ts_first_ms and stamps[-1] == day[-1].batch.ts_last_ms
+        assert max(b - a for a, b in itertools.pairwise(stamps)) == 5_000, "no gap anywhere in the day"
+        assert abs(stamps[0] - (now_ms - 86_400_000)) < 10_000, "a day ago, in place"
+    finally:
+        prom.stop()

@@ -1,0 +1,215 @@
+"""The bridge's pure parts: series named exactly as the mapper's /metrics, dedup by sequence ranges, settings."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mapper import naming
+from mapper.bridgeconfig import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
+from mapper.bridgecore import Converter, PendingRequest, SeqDedup, bridged_series_names
+from mapper.clock import FakeClock
+from mapper.errors import ConfigError
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.simnvml import SimNvml
+from mapper.metrics import snapshot_metrics
+from mapper.model import GpuInfo
+from mapper.stats import GpuSnapshot, MapperSnapshot
+from mapper.telemetry import decode_batch, encode_batch
+
+
+def a_sample():  # type: ignore[no-untyped-def]
+    clock = FakeClock()
+    backend = NvmlBackend(SimNvml(1, "H100", clock=clock.monotonic, seed=5, scenario="training"), clock=clock)
+    backend.init()
+    try:
+        info = backend.list_gpus()[0]
+        clock.advance(1.0)
+        sample = backend.sample(info.uuid, None)
+    finally:
+        backend.shutdown()
+    values = dict(sample.values)
+    values["policy_state"] = "thermal:throttling-step1"
+    values["compute_mode"] = "exclusive_process"
+    values["clock_event_reasons"] = 0x4 | 0x40
+    return info, replace(sample, values=values)
+
+
+def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the_same_labels_and_value() -> None:
+    info, sample = a_sample()
+    device = "default/edge-1-gpu0"
+    product = str(sample.values["product_name"])
+    snap = MapperSnapshot(
+        node="edge-1",
+        gpus=(
+            GpuSnapshot(
+                info=GpuInfo(info.uuid, 0, product),
+                device=device,
+                sample=sample,
+                policy_state=str(sample.values["policy_state"]),
+            ),
+        ),
+    )
+    mapper_side = {}
+    for fam in snapshot_metrics(snap):
+        for s in fam.samples:
+            if s.name in bridged_series_names():
+                labels = {k: v for k, v in s.labels.items() if k not in ("gpu", "driver_version", "pci_bus_id") and v}
+                mapper_side[(s.name, tuple(sorted(labels.items())))] = s.value
+    batch = decode_batch(
+        encode_batch([sample], node="edge-1", device=device, uuid=info.uuid, boot_id="ab12cd34", seq=0).payload
+    )
+    req = PendingRequest(0.0)
+    n = Converter().add(req, batch, info.uuid)
+    bridge_side = {}
+    for buf in req.series():
+        labels = dict(buf.labels)
+        name = labels.pop("__name__")
+        [(ts, value)] = buf.samples()
+        assert ts == sample.ts_ms
+        bridge_side[(name, tuple(sorted(labels.items())))] = value
+    assert n == len(bridge_side) > 30
+    assert bridge_side == mapper_side
+    assert ("gpu_clock_event_reason_active", ()) not in bridge_side
+    assert {k[0] for k in bridge_side} >= {
+        "gpu_power_usage_watts",
+        "gpu_energy_consumption_joules_total",
+        "gpu_info",
+        "gpu_clock_event_reason_active",
+        "gpu_compute_mode",
+        "gpu_mapper_policy_state",
+    }
+
+
+def test_the_naming_table_is_the_only_place_names_come_from() -> None:
+    # metrics.py and the bridge read the table: no series name literal left in either module.
+    root = Path(__file__).resolve().parents[1] / "mapper"
+    for module in ("metrics.py", "bridge.py", "bridgecore.py"):
+        text = (root / module).read_text()
+        for ps in naming.PROPERTY_SERIES:
+            assert f'"{ps.family.name}"' not in text, f"{module} spells {ps.family.name} itself"
+        for fam in (naming.GPU_INFO, naming.CLOCK_EVENT_REASON, naming.COMPUTE_MODE, naming.POLICY_STATE):
+            assert f'"{fam.name}"' not in text, f"{module} spells {fam.name} itself"
+
+
+def test_non_finite_and_string_values_write_nothing() -> None:
+    info, sample = a_sample()
+    rows = [
+        replace(sample, ts_ms=1000, values={"power_usage": float("nan"), "pstate": "P0", "temperature": 40}),
+        replace(sample, ts_ms=2000, values={"power_usage": 100.0, "temperature": 41}),
+    ]
+    batch = decode_batch(encode_batch(rows, node="n", device="d/x", uuid=info.uuid, boot_id="ab12cd34", seq=3).payload)
+    req = PendingRequest(0.0)
+    assert Converter().add(req, batch, info.uuid) == 3
+    got = {dict(b.labels)["__name__"]: b.samples() for b in req.series()}
+    assert got["gpu_power_usage_watts"] == [(2000, 100.0)]
+    assert got["gpu_temperature_celsius"] == [(1000, 40.0), (2000, 41.0)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Dedup
+# --------------------------------------------------------------------------------------------------
+
+K = ("edge-1", "default/x", "ab12cd34", "gpu-mapper/edge-1/default/x/telemetry")
+
+
+def test_a_batch_seen_again_is_covered_and_a_merged_batch_overlaps_only_what_was_written() -> None:
+    d = SeqDedup()
+    assert d.check(K, 0, 0) == (False, [])
+    for seq in (0, 1, 2, 5):
+        d.record(K, seq, seq, seq * 10_000, seq * 10_000 + 9_000)
+    assert d.check(K, 1, 1)[0] is True
+    assert d.check(K, 0, 2)[0] is True, "adjacent ranges merge"
+    covered, overlap = d.check(K, 0, 6)  # a merged batch of 0..6: 3, 4 and 6 are new
+    assert covered is False
+    assert sorted(overlap) == [(0, 29_000), (50_000, 59_000)]
+    assert d.check(K, 3, 4) == (False, [])
+    assert d.check((*K[:2], "other-boot", K[3]), 1, 1) == (False, [])
+    d.record(K, 0, 6, 0, 69_000)
+    assert d.check(K, 3, 4)[0] is True
+    assert d.check(K, 6, 7) == (False, [(0, 69_000)])
+
+
+def test_dedup_memory_is_bounded_and_forgetting_only_lets_duplicates_through() -> None:
+    d = SeqDedup(max_streams=3, max_ranges=4)
+    for seq in range(0, 20, 2):  # ten disjoint ranges
+        d.record(K, seq, seq, seq, seq)
+    assert d.forgotten_ranges == 6
+    assert d.check(K, 0, 0) == (False, []), "the oldest ranges are forgotten"
+    assert d.check(K, 18, 18)[0] is True
+    for i in range(5):
+        d.record(("n", f"d{i}", "b", "t"), 0, 0, 0, 0)
+    assert len(d) == 3 and d.forgotten_streams == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------------
+
+
+def test_settings_come_from_the_file_then_the_environment_then_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "bridge.yaml"
+    cfg.write_text(
+        "bridge:\n  mqtt: {url: 'mqtt://broker:1883', sessionExpiry: 2h}\n"
+        "  remoteWrite: {url: 'http://prom:9090/api/v1/write', version: 2}\n"
+        "  group: g1\n  batch: {maxSamples: 500, maxDelay: 250ms}\n  spoolDir: /spool\n"
+    )
+    s = load_bridge_settings(str(cfg), env={}, flags={})
+    assert (s.mqtt_url, s.mqtt_session_expiry_s, s.remote_write_version, s.group) == (
+        "mqtt://broker:1883",
+        7200,
+        2,
+        "g1",
+    )
+    assert (s.batch_max_samples, s.batch_max_delay_s, s.spool_dir) == (500, 0.25, "/spool")
+    assert s.shared_filter == "$share/g1/gpu-mapper/+/+/+/telemetry"
+    assert s.state_filter == "gpu-mapper/+/+/+/state"
+    s = load_bridge_settings(str(cfg), env={"GPU_MAPPER_BRIDGE_GROUP": "g2"}, flags={})
+    assert s.group == "g2"
+    s = load_bridge_settings(str(cfg), env={"GPU_MAPPER_BRIDGE_GROUP": "g2"}, flags={"group": "g3"})
+    assert s.group == "g3"
+
+
+def test_every_key_has_an_env_variable_and_bad_settings_are_named(tmp_path: Path) -> None:
+    assert set(BRIDGE_ENV_KEYS) == set(BRIDGE_KEYS)
+    assert all(v.startswith("GPU_MAPPER_BRIDGE_") for v in BRIDGE_ENV_KEYS.values())
+    ok = {"mqtt_url": "mqtt://b:1883", "remote_write": "http://p:9090/api/v1/write"}
+    with pytest.raises(ConfigError, match=r"remoteWrite\.version"):
+        load_bridge_settings(None, env={}, flags={**ok, "remote_write_version": 3})
+    with pytest.raises(ConfigError, match=r"bridge\.mqtt\.url"):
+        load_bridge_settings(None, env={}, flags={"remote_write": ok["remote_write"]})
+    with pytest.raises(ConfigError, match="GPU_MAPPER_BRIDGE_BATCH_MAX_SAMPLES"):
+        load_bridge_settings(None, env={"GPU_MAPPER_BRIDGE_BATCH_MAX_SAMPLES": "lots"}, flags=ok)
+    with pytest.raises(ConfigError, match="group"):
+        load_bridge_settings(None, env={}, flags={**ok, "group": "a/b"})
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("bridge:\n  remoteWrite: {urll: x}\n")
+    with pytest.raises(ConfigError, match=r"bridge\.remoteWrite\.urll"):
+        load_bridge_settings(str(cfg), env={}, flags=ok)
+
+
+def test_export_names_a_missing_spool_dir_and_writes_just_eof_for_an_empty_one(tmp_path: Path) -> None:
+    import io
+
+    from mapper.bridge import export_openmetrics
+
+    with pytest.raises(ConfigError, match="no such directory"):
+        export_openmetrics(tmp_path / "nowhere", io.StringIO())
+    out = io.StringIO()
+    assert export_openmetrics(tmp_path, out) == 0
+    assert out.getvalue() == "# EOF\n"
+
+
+def test_the_mqtt_session_options_of_the_bridge_are_checked() -> None:
+    from mapper.mqtt import MqttSession, _unshared
+
+    with pytest.raises(ConfigError, match="session expiry needs MQTT 5"):
+        MqttSession("mqtt://b:1883", "c", session_expiry_s=60)
+    with pytest.raises(ConfigError, match="receive maximum"):
+        MqttSession("mqtt://b:1883", "c", mqtt5=True, receive_maximum=0)
+    s = MqttSession("mqtt://b:1883", "c", mqtt5=True, session_expiry_s=60, receive_maximum=10, manual_ack=True)
+    assert s.generation == 0 and s.manual_ack
+    assert _unshared("$share/g/gpu-mapper/+/+/+/telemetry") == "gpu-mapper/+/+/+/telemetry"
+    assert _unshared("gpu-mapper/#") == "gpu-mapper/#"
