@@ -38,12 +38,16 @@ class Mosquitto:
     def url(self) -> str:
         return f"mqtt://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 10.0) -> None:
-        conf = self.workdir / f"mosquitto-{self.port}.conf"
-        conf.write_text(
+    def config_text(self) -> str:
+        """The broker's configuration file; a subclass changes what the broker keeps by overriding this."""
+        return (
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
             f"max_inflight_messages 100\nmax_queued_messages 100000\n{self.extra_config}\n"
         )
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        conf = self.workdir / f"mosquitto-{self.port}.conf"
+        conf.write_text(self.config_text())
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen([mosquitto_binary(), "-c", str(conf)], stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s

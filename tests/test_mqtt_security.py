@@ -363,23 +363,8 @@ class _ConfBroker(Mosquitto):
         super().__init__(workdir)
         self._config = config.replace("listener 8883 127.0.0.1", f"listener {self.port} 127.0.0.1")
 
-    def start(self, timeout_s: float = 10.0) -> None:
-        import contextlib
-        import socket
-        import time
-
-        conf = self.workdir / "example.conf"
-        conf.write_text(self._config)
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mosquitto exited: {self.log_path.read_text()[-2000:]}")
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
-                return
-            time.sleep(0.02)
-        raise RuntimeError("mosquitto did not listen in time")
+    def config_text(self) -> str:
+        return self._config
 
 
 # --------------------------------------------------------------------------------------------------

@@ -158,31 +158,16 @@ class PersistentBroker(Mosquitto):
     """A mosquitto that saves its clients' sessions and queued messages when stopped with SIGTERM, so a
     persistent-session consumer misses nothing across the restart."""
 
-    def start(self, timeout_s: float = 10.0) -> None:
+    def config_text(self) -> str:
         store = self.workdir / "mosquitto-store"
         store.mkdir(exist_ok=True)
-        conf = self.workdir / f"mosquitto-{self.port}.conf"
-        conf.write_text(
+        return (
             # user root: started as root, mosquitto would otherwise drop to its own user, which cannot write
             # the store inside pytest's 0700 tmp_path (and every session would be lost on the restart).
             f"user root\nlistener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
             f"persistence_location {store}/\nautosave_interval 0\nmax_inflight_messages 100\n"
             "max_queued_messages 1000000\nmax_queued_bytes 0\n"
         )
-        log = self.log_path.open("ab")
-        from tests.brokers import mosquitto_binary
-
-        self.proc = subprocess.Popen([mosquitto_binary(), "-c", str(conf)], stdout=log, stderr=log)
-        import socket
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mosquitto exited: {self.log_path.read_text()[-2000:]}")
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
-                return
-            time.sleep(0.02)
-        raise RuntimeError(f"mosquitto did not listen on {self.port} within {timeout_s}s")
 
     def terminate(self) -> None:
         """A clean stop (the broker saves its sessions)."""
