@@ -87,6 +87,9 @@ class GpuWorker:
     desired_status: str = ""
     policy_state: str = "normal"
     statuses: dict[str, str] = field(default_factory=dict)
+    #: A step has finished with values: its twins are whole (``desired_status`` and ``policy_state`` set, not
+    #: only the sample). The reporter waits for it; a step is read by it between its awaits.
+    stepped: bool = False
     #: Properties this GPU cannot read: asked for and absent from the sample without an error (NVML answers
     #: NotSupported). One that is read again later (a driver upgrade; the backend asks again every few minutes)
     #: leaves the set.
@@ -355,6 +358,8 @@ class GpuWorker:
                 if rec.observed is not self.values:  # (an idle step hands back the values it was given)
                     self.values.update(rec.observed)
         result.state_changed = self.state != start.state
+        if self.values:
+            self.stepped = True
         return result
 
     def _lost(self, message: str) -> None:

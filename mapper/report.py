@@ -220,7 +220,7 @@ class Reporter:
             self.state_changed(device)
         key = device.key
         last = self._last_control.get(key)
-        if last is None or not worker.values:  # nothing reported yet: the first report is on its way
+        if last is None or not worker.stepped:  # nothing reported yet: the first report is on its way
             return
         acks = result.reconcile.acks if result.reconcile is not None else ()
         events = result.decision.events if result.decision is not None else ()
@@ -297,7 +297,7 @@ class Reporter:
                 self._resend_state.discard(key)
                 if self.eventbus is not None:
                     self.eventbus(state_update_topic(device.namespace, device.name), self._state_payload(worker))
-            if not worker.values:  # twins wait for the first sample: only the status twins help nobody
+            if not worker.stepped:  # twins wait for the first whole step: a bare sample has no desired_status yet
                 continue
             at = self._next_report_s.get(key, 0.0)
             if now >= at:

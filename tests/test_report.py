@@ -156,6 +156,42 @@ async def test_nothing_is_reported_before_the_first_sample(rig: Rig) -> None:
     assert len(rig.sink.statuses) == 1
 
 
+async def test_no_twins_go_out_between_a_steps_sample_and_its_reconcile(rig: Rig) -> None:
+    """The first step samples, then reads the GPU's constraints on the NVML thread before it reconciles: a
+    report pass in that gap would send ``desired_status`` empty. Twins wait for the whole step."""
+    import asyncio
+    import threading
+
+    from tests.apphelpers import wait_for
+
+    worker = next(iter(rig.workers.values()))
+    device = gpu_device("gpu0", worker.uuid)
+    worker.bind(device)
+    rig.reporter.bound(device)
+    entered, release = threading.Event(), threading.Event()
+    real = worker.reconciler.constraints
+
+    def held() -> object:
+        entered.set()
+        release.wait(10.0)
+        return real()
+
+    worker.reconciler.constraints = held  # type: ignore[method-assign]
+    step = asyncio.create_task(worker.tick())
+    try:
+        await wait_for(entered.is_set, what="the step to read the constraints")
+        assert worker.values and worker.desired_status == "", "the gap: sampled, not yet reconciled"
+        rig.reporter.report_due()
+        assert rig.sink.statuses == [], "no twins from a half-done step"
+    finally:
+        release.set()
+        await step
+    rig.run_for(0.2)
+    [(_, _, twins)] = rig.sink.statuses
+    assert twins["desired_status"] == ("", "none") and twins["policy_state"] == ("", "normal")
+    assert all(reported != "" for _, reported in twins.values()), twins
+
+
 async def test_a_state_change_is_reported_at_once_and_a_removed_device_reports_nothing(rig: Rig) -> None:
     devices = await bind_and_sample(rig)
     rig.run_for(5.0)
