@@ -39,7 +39,15 @@ from mapper.reconcile import Reconciler
 from mapper.registry import Registry
 from mapper.report import Reporter
 from mapper.shipper import TelemetryShipper
-from mapper.stats import DurationHistogram, LoopHeartbeat, MapperSnapshot, Readiness, gpu_snapshot, worker_totals
+from mapper.stats import (
+    DurationHistogram,
+    LoopHeartbeat,
+    MapperSnapshot,
+    Readiness,
+    device_state_payload,
+    gpu_snapshot,
+    worker_totals,
+)
 from mapper.statusview import console_table
 from mapper.store import DesiredStore
 from mapper.streams import TelemetryStreams
@@ -205,6 +213,7 @@ class MapperApp:
         self.publisher.shipper = self.shipper
         self.streams.shipper = self.shipper
         self.reporter.device_state = self.shipper.update_state
+        self.reporter.state_snapshot = self._state_snapshot
         if self.settings.buffer_compact_after_s > 0:
             try:
                 compaction = CompactionSettings(
@@ -492,6 +501,11 @@ class MapperApp:
         return Readiness(
             nvml_initialised=self.nvml_ready, dmi_registered=registered, standalone=not self.settings.dmi_enabled
         )
+
+    def _state_snapshot(self, device_key: str, worker: GpuWorker) -> bytes:
+        """A device's retained state message: its latest values and its GPU's status (``device_state_payload``)."""
+        g = gpu_snapshot(worker, self.node, self.collector.xids.get(worker.uuid, {}))
+        return device_state_payload(device_key, g, driver_version=self.driver_version, at_ms=self.clock.wall_ms())
 
     def snapshot(self) -> MapperSnapshot:
         xids = self.collector.xids

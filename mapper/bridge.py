@@ -5,7 +5,10 @@ expiry) and a shared subscription ``$share/<group>/<topic>``, so that N replicas
 a restarted replica gets what arrived meanwhile. Every telemetry message is acknowledged (PUBACK, paho's manual
 ack) only after its samples were written (2xx) or kept in the spool (a refusal): a crash or an outage of the
 receiver loses nothing, the broker sends the unacknowledged messages again. The retained ``state`` messages
-(a plain subscription: shared ones get no retained messages) give the GPU uuid of batches whose header omits it.
+(a plain subscription: shared ones get no retained messages) give the GPU uuid of batches whose header omits it,
+the GPU's identity labels (``gpu``, ``driver_version``, ``pci_bus_id``: a device's batches wait up to
+``uuid_wait_s`` for it) and the status series (``gpu_mapper_device_state``, ``gpu_xid_errors_total``,
+``gpu_power_limit_desired_watts``), written at the time of the snapshot and acknowledged after, like a batch.
 
 Output: ``mapper.bridgecore.Converter`` names the series (``mapper.naming``); requests are cut at
 ``batch_max_samples`` or ``batch_max_delay_s`` after their first message, one in flight at a time, so a series'
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import http.client
 import json
 import logging
@@ -43,7 +47,18 @@ from urllib.parse import urlsplit
 
 from mapper import __version__, remotewrite
 from mapper.bridgeconfig import BridgeSettings
-from mapper.bridgecore import BridgeStats, Converter, PendingRequest, SeqDedup, StreamKey, series_types
+from mapper.bridgecore import (
+    NO_IDENTITY,
+    BridgeStats,
+    Converter,
+    DeviceStatus,
+    GpuIdentity,
+    PendingRequest,
+    SeqDedup,
+    StreamKey,
+    parse_state,
+    series_types,
+)
 from mapper.errors import ConfigError, TransientError
 from mapper.metrics import BridgeMetricsServer
 from mapper.mqtt import MqttSession, ReceivedMessage
@@ -250,6 +265,33 @@ class _Accepted:
     def seqs(self) -> list[int]:
         return [p.seq for p in self.parts]
 
+    def add_to(self, converter: Converter, req: PendingRequest, idents: Callable[[str], GpuIdentity]) -> int:
+        total = 0
+        for part in self.parts:
+            uuid = part.uuid or self.uuid
+            total += converter.add(req, part, uuid, idents(uuid))
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.key[0], "device": self.key[1], "boot_id": self.key[2], "seqs": self.seqs}
+
+
+@dataclass
+class _AcceptedState:
+    """One state message whose status samples are in a request (acknowledged when it is written or spooled)."""
+
+    message: ReceivedMessage
+    node: str
+    status: DeviceStatus
+    uuid: str
+    samples: int
+
+    def add_to(self, converter: Converter, req: PendingRequest, idents: Callable[[str], GpuIdentity]) -> int:
+        return converter.add_status(req, self.node, self.status, self.uuid, idents(self.uuid))
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.node, "device": self.status.device, "state_at_ms": self.status.at_ms}
+
 
 class Bridge:
     """The service: run it with ``await Bridge(settings).run(stop)``."""
@@ -296,6 +338,10 @@ class Bridge:
             reconnect_max_s=settings.mqtt_reconnect_max_s,
         )
         self._uuids: OrderedDict[tuple[str, str], str] = OrderedDict()
+        #: (node, uuid) -> the GPU's identity, from its state messages.
+        self._idents: OrderedDict[tuple[str, str], GpuIdentity] = OrderedDict()
+        #: (node, device): no identity came within uuid_wait_s; its batches no longer wait for one.
+        self._no_ident: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._waiting: deque[tuple[float, ReceivedMessage, DecodedBatch]] = deque()
         self._pending: PendingRequest | None = None
         #: Messages in requests not yet written, per stream: (seq_lo, seq_hi, the request).
@@ -325,7 +371,7 @@ class Bridge:
         self.metrics.start()
         self.session.subscribe_acked(self.settings.shared_filter, self._on_batch, qos=1)
         if self.settings.state_filter:
-            self.session.subscribe(self.settings.state_filter, self._on_state, qos=1)
+            self.session.subscribe_acked(self.settings.state_filter, self._on_state, qos=1)
         await self.session.start()
         log.info(
             "bridge: %s (group %s) -> %s (remote write %d)",
@@ -370,26 +416,63 @@ class Bridge:
 
     # ------------------------------------------------------------------------------------------ intake
 
-    def _on_state(self, topic: str, payload: bytes) -> None:
-        """A retained state message: remember the device's GPU uuid."""
+    def _on_state(self, message: ReceivedMessage) -> None:
+        """A (retained) state message: remember the device's GPU uuid and identity; its status samples are
+        written like a batch's (and the message acknowledged after)."""
+        self.stats.state_messages += 1
+        parts = message.topic.split("/")
         try:
-            doc = json.loads(payload)
-            device, uuid = str(doc["device"]), str(doc.get("uuid") or "")
-        except (ValueError, KeyError, TypeError):
+            if len(parts) < 4:
+                raise ValueError("the topic names no node")
+            status = parse_state(message.payload)
+        except ValueError as exc:
+            self.stats.bad_state_messages += 1
+            self._log_once("bad-state", f"bridge: a message on {message.topic} is not a state message: {exc}")
+            self.session.ack(message)
             return
-        parts = topic.split("/")
-        if len(parts) >= 4 and uuid:
-            self._learn(parts[-4], device, uuid)
+        node = parts[-4]
+        if status.uuid:
+            # A state message names the GPU's identity, or none (a mapper before it: its series have no gpu label).
+            self._learn(node, status.device, status.uuid, status.identity or NO_IDENTITY)
+        uuid = status.uuid or self._uuids.get((node, status.device), "")
+        if not status.has_samples:
+            self.session.ack(message)
+            return
+        req = self._pending
+        if req is None:
+            req = self._pending = PendingRequest(self._now())
+        acc = _AcceptedState(message, node, status, uuid, 0)
+        acc.samples = acc.add_to(self.converter, req, functools.partial(self._ident, node))
+        req.messages.append(acc)
+        self._seal_if_full(req)
 
-    def _learn(self, node: str, device: str, uuid: str) -> None:
+    def _ident(self, node: str, uuid: str) -> GpuIdentity:
+        return self._idents.get((node, uuid), NO_IDENTITY)
+
+    def _learn(self, node: str, device: str, uuid: str, ident: GpuIdentity | None = None) -> None:
         key = (node, device)
         if self._uuids.get(key) != uuid:
             self._uuids[key] = uuid
             if len(self._uuids) > MAX_UUIDS:
                 self._uuids.popitem(last=False)
         self._uuids.move_to_end(key)
-        if self._waiting:
+        if ident is not None:
+            gpu = (node, uuid)
+            if self._idents.get(gpu) != ident:
+                self._idents[gpu] = ident
+                if len(self._idents) > MAX_UUIDS:
+                    self._idents.popitem(last=False)
+            self._idents.move_to_end(gpu)
+            self._no_ident.pop(key, None)
+        if self._waiting and self._ready(node, device, uuid):
             self._release_waiting(lambda b: (b.node, b.device) == key)
+
+    def _ready(self, node: str, device: str, uuid: str) -> bool:
+        """A batch of ``device`` can be written now: its GPU uuid is known, and its identity too (or there is no
+        state subscription to give one, or none came in time)."""
+        if not uuid:
+            return False
+        return not self.settings.state_filter or (node, uuid) in self._idents or (node, device) in self._no_ident
 
     def _on_batch(self, message: ReceivedMessage) -> None:
         self.stats.batches_received += 1
@@ -405,7 +488,7 @@ class Bridge:
         if batch.uuid:
             self._learn(batch.node, batch.device, batch.uuid)
         uuid = batch.uuid or self._uuids.get((batch.node, batch.device), "")
-        if not uuid and self.settings.uuid_wait_s > 0:
+        if not self._ready(batch.node, batch.device, uuid) and self.settings.uuid_wait_s > 0:
             self._waiting.append((self._now(), message, batch))
             return
         self._accept(message, batch, uuid)
@@ -415,11 +498,21 @@ class Bridge:
         for item in self._waiting:
             _, message, batch = item
             if which(batch):
-                uuid = self._uuids.get((batch.node, batch.device), "")
+                uuid = batch.uuid or self._uuids.get((batch.node, batch.device), "")
                 if not uuid:
                     self.stats.uuid_unknown_batches += 1
                     self._log_once(
                         "uuid", f"bridge: no GPU uuid known for {batch.node}/{batch.device}: written without uuid"
+                    )
+                elif self.settings.state_filter and (batch.node, uuid) not in self._idents:
+                    self.stats.identity_unknown_batches += 1
+                    self._no_ident[(batch.node, batch.device)] = None
+                    if len(self._no_ident) > MAX_UUIDS:
+                        self._no_ident.popitem(last=False)
+                    self._log_once(
+                        "identity",
+                        f"bridge: no state message from {batch.node}/{batch.device} within the uuid wait: written "
+                        "without the gpu, driver_version and pci_bus_id labels",
                     )
                 self._accept(message, batch, uuid)
             else:
@@ -466,10 +559,14 @@ class Bridge:
         req = self._pending
         if req is None:
             req = self._pending = PendingRequest(self._now())
-        n = sum(self.converter.add(req, part, part.uuid or uuid) for part in new)
-        req.messages.append(_Accepted(message, batch, uuid, key, new, n))
+        acc = _Accepted(message, batch, uuid, key, new, 0)
+        acc.samples = acc.add_to(self.converter, req, functools.partial(self._ident, batch.node))
+        req.messages.append(acc)
         claim_list = self._claims.setdefault(key, [])
         claim_list.extend((part.seq, part.seq, req) for part in new)
+        self._seal_if_full(req)
+
+    def _seal_if_full(self, req: PendingRequest) -> None:
         if req.samples >= self.settings.batch_max_samples:
             self._sealed.append(req)
             self._pending = None
@@ -595,6 +692,8 @@ class Bridge:
     def _release(self, req: PendingRequest) -> None:
         """``req`` is written or spooled: its claims go, its riders are acknowledged."""
         for acc in req.messages:
+            if isinstance(acc, _AcceptedState):
+                continue
             claims = self._claims.get(acc.key)
             if claims is not None:
                 claims[:] = [c for c in claims if c[2] is not req]
@@ -610,6 +709,10 @@ class Bridge:
         self.stats.samples_written += sum(len(s.ordered_parts()) for s in req.series())
         self._release(req)
         for acc in req.messages:
+            if isinstance(acc, _AcceptedState):
+                self.session.ack(acc.message)
+                self.stats.state_messages_written += 1
+                continue
             self._record(acc)
             self.session.ack(acc.message)
             self.stats.batches_written += len(acc.parts)
@@ -617,7 +720,9 @@ class Bridge:
             self.stats.lag.observe(lag)
             self.stats.last_write_lag_s = lag
 
-    def _record(self, acc: _Accepted) -> None:
+    def _record(self, acc: _Accepted | _AcceptedState) -> None:
+        if isinstance(acc, _AcceptedState):
+            return
         for part in acc.parts:
             self.dedup.record(acc.key, part.seq, part.seq, part.ts_first_ms, part.ts_last_ms)
 
@@ -626,8 +731,8 @@ class Bridge:
             # One batch's samples refuse the whole request: find which, one request per batch.
             for acc in req.messages:
                 alone = PendingRequest(self._now())
-                for part in acc.parts:
-                    self.converter.add(alone, part, part.uuid or acc.uuid)
+                node = acc.node if isinstance(acc, _AcceptedState) else acc.key[0]
+                acc.add_to(self.converter, alone, functools.partial(self._ident, node))
                 alone.messages.append(acc)
                 if not await self._write(alone):
                     return
@@ -646,9 +751,8 @@ class Bridge:
             "reason": reason,
             "answer": answer.body[:2000],
             "samples": req.samples,
-            "batches": [
-                {"node": a.key[0], "device": a.key[1], "boot_id": a.key[2], "seqs": a.seqs} for a in req.messages
-            ],
+            "batches": [a.describe() for a in req.messages if isinstance(a, _Accepted)],
+            "states": [a.describe() for a in req.messages if isinstance(a, _AcceptedState)],
         }
         try:
             await asyncio.to_thread(self.spool.put, remotewrite.encode_v1(req.series()), meta)

@@ -6,8 +6,12 @@ the bridge's counters.
   ``value * prom_scale``; ``clock_event_reasons`` as ``gpu_clock_event_reason_active{reason}`` 0/1 per bit;
   ``compute_mode`` as ``gpu_compute_mode{mode}``; ``product_name`` as ``gpu_info{product_name}`` 1;
   ``policy_state`` as ``gpu_mapper_policy_state{state}`` 1. Labels ``uuid``, ``device`` (the Device name
-  without its namespace, as ``/metrics``), ``node``; ``gpu`` (the NVML index) is not in the stream and is left
-  out. Non-finite values are skipped (as ``/metrics`` does).
+  without its namespace, as ``/metrics``), ``node``, and from the GPU's ``GpuIdentity`` (the retained state
+  message, ``parse_state``) ``gpu`` (the NVML index) and ``gpu_info``'s ``driver_version`` and ``pci_bus_id``;
+  a label the identity does not give is left out. Non-finite values are skipped (as ``/metrics`` does).
+* ``Converter.add_status`` turns the status a state message carries (``DeviceStatus``) into samples at the time
+  the snapshot was taken: ``gpu_mapper_device_state{state}`` 0/1 for every state, ``gpu_xid_errors_total{xid}``
+  and ``gpu_power_limit_desired_watts``.
 * ``SeqDedup`` remembers, per (node, device, boot id, topic), the sequence ranges already written (with their
   time ranges), so that a batch seen again is dropped; the bridge checks a merged batch part by part (each part
   is a batch it replaced, ``DecodedBatch.split``), so it contributes only the batches not written yet. Memory
@@ -19,20 +23,106 @@ the bridge's counters.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper import naming
+from mapper import naming, telemetry
+from mapper.model import DEVICE_STATES
 from mapper.remotewrite import MetricType, SeriesBuf, label_bytes, sample_affixes, sorted_labels
 from mapper.telemetry import DecodedBatch
 
 _PACK_DOUBLE = struct.Struct("<d").pack
 
 # Handler kinds of the conversion table.
-_PLAIN, _REASONS, _MODE, _INFO, _POLICY = range(5)
+_PLAIN, _REASONS, _MODE, _INFO, _POLICY, _STATE, _XID, _DESIRED = range(8)
+# Table keys of the status series (no property has a name like these).
+_STATE_KEY, _XID_KEY, _DESIRED_KEY = "@device_state", "@xid_errors", "@power_limit_desired"
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """What a GPU's series are labelled with beyond uuid, device and node (from its retained state message):
+    ``gpu`` (the NVML index as text), and ``gpu_info``'s ``driver_version`` and ``pci_bus_id``. "" = not known,
+    the label is left out."""
+
+    gpu: str = ""
+    pci_bus_id: str = ""
+    driver_version: str = ""
+
+
+#: The identity of a GPU whose state message names none (a mapper before it) or that has no state message.
+NO_IDENTITY = GpuIdentity()
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """A retained state message as the bridge reads it (``parse_state``). ``identity`` None, ``at_ms`` None:
+    the message has none (a mapper before them sent only device, uuid, ts_ms and values)."""
+
+    device: str
+    uuid: str
+    identity: GpuIdentity | None = None
+    at_ms: int | None = None
+    #: One of ``mapper.model.DEVICE_STATES``, or "" when not given.
+    state: str = ""
+    #: (XID code as text, events seen) by code.
+    xid_errors: tuple[tuple[str, int], ...] = ()
+    power_limit_desired_w: float | None = None
+
+    @property
+    def has_samples(self) -> bool:
+        """It carries a status to write (and the time to write it at)."""
+        return self.at_ms is not None and bool(self.state or self.xid_errors or self.power_limit_desired_w is not None)
+
+
+def parse_state(payload: bytes) -> DeviceStatus:
+    """A state message (``mapper.telemetry.state_payload``, ``mapper.stats.device_state_payload``); ValueError
+    saying what is wrong when it is not one."""
+    try:
+        doc = json.loads(payload)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    device, uuid = doc.get("device"), doc.get("uuid") or ""
+    if not isinstance(device, str) or not device or not isinstance(uuid, str):
+        raise ValueError("no device name (or a uuid that is not a string)")
+    identity = None
+    gpu = doc.get(telemetry.STATE_GPU)
+    if gpu is not None:
+        if not isinstance(gpu, dict):
+            raise ValueError(f"{telemetry.STATE_GPU!r} is not an object")
+        index = gpu.get("index")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+            raise ValueError(f"{telemetry.STATE_GPU}.index {index!r} is not a GPU index")
+        pci, driver = gpu.get("pci_bus_id") or "", gpu.get("driver_version") or ""
+        if not isinstance(pci, str) or not isinstance(driver, str):
+            raise ValueError(f"{telemetry.STATE_GPU}.pci_bus_id and .driver_version must be strings")
+        identity = GpuIdentity("" if index is None else str(index), pci, driver)
+    at_ms = doc.get(telemetry.STATE_AT_MS)
+    if at_ms is not None and (isinstance(at_ms, bool) or not isinstance(at_ms, int) or at_ms <= 0):
+        raise ValueError(f"{telemetry.STATE_AT_MS} {at_ms!r} is not a time in ms")
+    state = doc.get(telemetry.STATE_STATE) or ""
+    if not isinstance(state, str) or (state and state not in DEVICE_STATES):
+        raise ValueError(f"{telemetry.STATE_STATE} {state!r} is not one of {', '.join(DEVICE_STATES)}")
+    xids_doc = doc.get(telemetry.STATE_XID_ERRORS) or {}
+    if not isinstance(xids_doc, dict):
+        raise ValueError(f"{telemetry.STATE_XID_ERRORS!r} is not an object")
+    xids = []
+    for code, n in xids_doc.items():
+        if not code.isdigit() or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{telemetry.STATE_XID_ERRORS}: {code!r}: {n!r} is not an XID code and a count")
+        xids.append((str(int(code)), n))
+    desired = doc.get(telemetry.STATE_POWER_LIMIT_DESIRED_W)
+    if desired is not None and (
+        isinstance(desired, bool) or not isinstance(desired, int | float) or not math.isfinite(desired)
+    ):
+        raise ValueError(f"{telemetry.STATE_POWER_LIMIT_DESIRED_W} {desired!r} is not a number of W")
+    return DeviceStatus(device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired))
 
 
 @dataclass(frozen=True)
@@ -45,13 +135,16 @@ class _Template:
     help: str
 
 
+_Base = tuple[str, str, str, GpuIdentity]  # node, device, uuid, identity: what labels every series of a GPU
+
+
 class PendingRequest:
     """The series of one remote-write request being built, and the messages whose samples are in it."""
 
     def __init__(self, created_s: float) -> None:
         self.created_s = created_s
-        #: (node, device, uuid) -> series id -> SeriesBuf
-        self.streams: dict[tuple[str, str, str], dict[Any, SeriesBuf]] = {}
+        #: (node, device, uuid, identity) -> series id -> SeriesBuf
+        self.streams: dict[_Base, dict[Any, SeriesBuf]] = {}
         self.samples = 0
         self.messages: list[Any] = []
         #: Copies of messages already in this request, acknowledged when it is written.
@@ -72,6 +165,10 @@ def _table() -> dict[str, tuple[int, Any, str, MetricType, str]]:
     out[naming.COMPUTE_MODE_PROPERTY] = (_MODE, None, m.series_name, m.type, m.doc)
     out[naming.PRODUCT_NAME_PROPERTY] = (_INFO, None, i.series_name, i.type, i.doc)
     out[naming.POLICY_STATE_PROPERTY] = (_POLICY, None, p.series_name, p.type, p.doc)
+    s, x, d = naming.DEVICE_STATE, naming.XID_ERRORS, naming.DESIRED_POWER_LIMIT
+    out[_STATE_KEY] = (_STATE, None, s.series_name, s.type, s.doc)
+    out[_XID_KEY] = (_XID, None, x.series_name, x.type, x.doc)
+    out[_DESIRED_KEY] = (_DESIRED, None, d.series_name, d.type, d.doc)
     return out
 
 
@@ -92,26 +189,33 @@ class Converter:
     def __init__(self, max_series: int = 200_000) -> None:
         self.max_series = max_series
         self._table = _table()
-        self._templates: dict[tuple[tuple[str, str, str], Any], _Template] = {}
+        self._templates: dict[tuple[_Base, Any], _Template] = {}
         self._extra_label = {
             _REASONS: naming.CLOCK_EVENT_REASON.labels[0],
             _MODE: naming.COMPUTE_MODE.labels[0],
             _INFO: naming.GPU_INFO.labels[0],
             _POLICY: naming.POLICY_STATE.labels[0],
+            _STATE: naming.DEVICE_STATE.labels[0],
+            _XID: naming.XID_ERRORS.labels[0],
         }
+        # gpu_info's labels after product_name, as the identity gives them.
+        self._info_labels = naming.GPU_INFO.labels[1:]
+        assert self._info_labels == ("driver_version", "pci_bus_id"), "GpuIdentity fills these two"
 
-    def _buf(self, base: tuple[str, str, str], sid: Any, bufs: dict[Any, SeriesBuf]) -> SeriesBuf:
+    def _buf(self, base: _Base, sid: Any, bufs: dict[Any, SeriesBuf]) -> SeriesBuf:
         key = (base, sid)
         t = self._templates.get(key)
         if t is None:
             if len(self._templates) >= self.max_series:
                 self._templates = {}
-            node, device, uuid = base
+            node, device, uuid, ident = base
             prop, extra = (sid, None) if isinstance(sid, str) else sid
             kind, _, name, mtype, doc = self._table[prop]
-            labels = {"device": naming.device_label(device), "node": node, "uuid": uuid}
+            labels = {"device": naming.device_label(device), "node": node, "uuid": uuid, "gpu": ident.gpu}
             if extra is not None:
                 labels[self._extra_label[kind]] = extra
+            if kind == _INFO:
+                labels.update(zip(self._info_labels, (ident.driver_version, ident.pci_bus_id), strict=True))
             pairs = sorted_labels(name, labels)
             t = self._templates[key] = _Template(pairs, label_bytes(pairs), mtype, doc)
         buf = SeriesBuf.__new__(SeriesBuf)
@@ -125,9 +229,10 @@ class Converter:
         req: PendingRequest,
         batch: DecodedBatch,
         uuid: str,
+        ident: GpuIdentity = NO_IDENTITY,
     ) -> int:
-        """Add the batch's samples; the number of samples added."""
-        base = (batch.node, batch.device, uuid)
+        """Add the batch's samples (labelled with ``uuid`` and ``ident``); the number of samples added."""
+        base = (batch.node, batch.device, uuid, ident)
         bufs = req.streams.get(base)
         if bufs is None:
             bufs = req.streams[base] = {}
@@ -180,6 +285,38 @@ class Converter:
                     added += 1
         req.samples += added
         return added
+
+    def add_status(
+        self, req: PendingRequest, node: str, status: DeviceStatus, uuid: str, ident: GpuIdentity = NO_IDENTITY
+    ) -> int:
+        """Add the status of a state message at the time it was taken (nothing without ``at_ms``); the number of
+        samples added."""
+        if status.at_ms is None:
+            return 0
+        base = (node, status.device, uuid, ident)
+        bufs = req.streams.get(base)
+        if bufs is None:
+            bufs = req.streams[base] = {}
+        values: list[tuple[Any, float]] = []
+        if status.state:
+            values += [((_STATE_KEY, s), 1.0 if s == status.state else 0.0) for s in DEVICE_STATES]
+        values += [((_XID_KEY, code), float(n)) for code, n in status.xid_errors]
+        if status.power_limit_desired_w is not None:
+            values.append((_DESIRED_KEY, status.power_limit_desired_w))
+        ts = status.at_ms
+        head, tail = sample_affixes(ts)
+        for sid, x in values:
+            buf = bufs.get(sid)
+            if buf is None:
+                buf = self._buf(base, sid, bufs)
+            if ts <= buf.last_ts:
+                buf.unsorted = True
+            else:
+                buf.last_ts = ts
+            buf.stamps.append(ts)
+            buf.parts.append(head + _PACK_DOUBLE(x) + tail)
+        req.samples += len(values)
+        return len(values)
 
     @staticmethod
     def _derived(kind: int, v: object) -> list[tuple[str, float]]:
@@ -303,6 +440,10 @@ class BridgeStats:
     duplicate_samples: int = 0
     decode_errors: int = 0
     uuid_unknown_batches: int = 0
+    identity_unknown_batches: int = 0
+    state_messages: int = 0
+    state_messages_written: int = 0
+    bad_state_messages: int = 0
     refused_requests: dict[str, int] = field(default_factory=dict)
     refused_samples: dict[str, int] = field(default_factory=dict)
     retries: dict[str, int] = field(default_factory=dict)

@@ -869,6 +869,20 @@ def bridge_metrics(s: BridgeStats) -> list[Metric]:
             "batches written without a uuid label (no uuid known in time)",
             s.uuid_unknown_batches,
         ),
+        _counter(
+            p + "identity_unknown_batches",
+            "batches written without the gpu, driver_version and pci_bus_id labels (no state message in time)",
+            s.identity_unknown_batches,
+        ),
+        _counter(p + "state_messages", "device state messages received from the broker", s.state_messages),
+        _counter(
+            p + "state_messages_written",
+            "state messages whose status samples the receiver accepted",
+            s.state_messages_written,
+        ),
+        _counter(
+            p + "bad_state_messages", "messages on the state topic that are not state messages", s.bad_state_messages
+        ),
         _labelled(
             CounterMetricFamily,
             p + "refused_requests",

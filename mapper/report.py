@@ -120,7 +120,9 @@ class Reporter:
     ``workers``: every GPU's worker by UUID (the reporter reads them, never changes them). ``dmi``: the DMI
     reporter, or None without DMI. ``eventbus``: the EventBus publish, or None when EventBus reporting is off.
     ``device_state``: called with (device key, state JSON) on every periodic twin report (the shipper's
-    retained state snapshot), or None. ``beat``: the loop's heartbeat (name, period s)."""
+    retained state snapshot), or None; ``state_snapshot(device key, worker)`` makes that JSON when set (the app's
+    adds the GPU's status: ``mapper.stats.device_state_payload``), else it holds the values alone. ``beat``: the
+    loop's heartbeat (name, period s)."""
 
     def __init__(
         self,
@@ -141,6 +143,7 @@ class Reporter:
         self.dmi = dmi
         self.eventbus = eventbus
         self.device_state = device_state
+        self.state_snapshot: Callable[[str, GpuWorker], bytes] | None = None
         self.beat = beat
         #: Next periodic twin report per Device (monotonic s); 0: at once (just bound).
         self._next_report_s: dict[str, float] = {}
@@ -306,7 +309,9 @@ class Reporter:
                 self._report_twins(device, worker, device_twins(worker), periodic=True)
                 self.counts["periodic"] += 1
                 if self.device_state is not None:
-                    self.device_state(key, state_payload(key, worker_sample(worker)))
+                    make = self.state_snapshot
+                    payload = make(key, worker) if make is not None else state_payload(key, worker_sample(worker))
+                    self.device_state(key, payload)
             elif key in self._resend:
                 self._resend.discard(key)
                 if self.eventbus is not None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mapper import telemetry
 from mapper.collect import GpuWorker, worker_sample
 from mapper.model import DEVICE_STATES, GpuInfo, Sample, Value
 
@@ -567,6 +568,28 @@ def gpu_snapshot(worker: GpuWorker, node: str, xids: Mapping[int, int]) -> GpuSn
         if desired_pl is not None and desired_pl.valid and desired_pl.value is not None
         else None,
     )
+
+
+def device_state_payload(device: str, g: GpuSnapshot, *, driver_version: str, at_ms: int) -> bytes:
+    """The retained state message of a device (``mapper.telemetry.state_payload``) with the mapper's status of its
+    GPU: what the bridge turns into ``gpu_mapper_device_state``, ``gpu_xid_errors_total``,
+    ``gpu_power_limit_desired_watts`` and the ``gpu``, ``driver_version`` and ``pci_bus_id`` labels, as the
+    mapper's ``/metrics`` shows them. ``driver_version``: the node's, for a GPU that does not say its own."""
+    i = g.info
+    extra: dict[str, Any] = {
+        telemetry.STATE_AT_MS: at_ms,
+        telemetry.STATE_STATE: g.state,
+        telemetry.STATE_GPU: {
+            "index": i.index,
+            "pci_bus_id": i.pci_bus_id,
+            "driver_version": i.driver_version or driver_version,
+        },
+        telemetry.STATE_XID_ERRORS: {str(k): v for k, v in sorted(g.xid_errors.items())},
+    }
+    if g.desired_power_limit_w is not None:
+        extra[telemetry.STATE_POWER_LIMIT_DESIRED_W] = g.desired_power_limit_w
+    sample = g.sample if g.sample is not None else Sample(i.uuid, 0, {})
+    return telemetry.state_payload(device, sample, extra)
 
 
 @dataclass

@@ -1764,9 +1764,20 @@ class DeviceTelemetry:
         return out
 
 
-def state_payload(device: str, sample: Sample) -> bytes:
-    """The retained 'current state' message of a device: its latest values as one JSON object."""
-    doc = {"device": device, "uuid": sample.uuid, "ts_ms": sample.ts_ms, "values": dict(sample.values)}
+#: The status keys of a state message after ``device``, ``uuid``, ``ts_ms`` and ``values`` (all optional: a
+#: reader takes a message without them, as mappers before them sent): when the snapshot was taken (ms), the
+#: device state, the GPU's identity (``{"index", "pci_bus_id", "driver_version"}``), the XID events seen by code
+#: (``{"79": 1}``) and the desired power limit in W.
+STATE_AT_MS, STATE_STATE, STATE_GPU = "at_ms", "state", "gpu"
+STATE_XID_ERRORS, STATE_POWER_LIMIT_DESIRED_W = "xid_errors", "power_limit_desired_w"
+
+
+def state_payload(device: str, sample: Sample, extra: Mapping[str, Any] | None = None) -> bytes:
+    """The retained 'current state' message of a device: its latest values as one JSON object, with ``extra``
+    keys after them (the mapper's status: ``mapper.stats.device_state_payload``)."""
+    doc: dict[str, Any] = {"device": device, "uuid": sample.uuid, "ts_ms": sample.ts_ms, "values": dict(sample.values)}
+    if extra:
+        doc.update(extra)
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,15 +10,15 @@ import pytest
 
 from mapper import naming
 from mapper.bridgeconfig import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
-from mapper.bridgecore import Converter, PendingRequest, SeqDedup, bridged_series_names
+from mapper.bridgecore import Converter, GpuIdentity, PendingRequest, SeqDedup, bridged_series_names, parse_state
 from mapper.clock import FakeClock
 from mapper.errors import ConfigError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.metrics import snapshot_metrics
-from mapper.model import GpuInfo
-from mapper.stats import GpuSnapshot, MapperSnapshot
-from mapper.telemetry import decode_batch, encode_batch
+from mapper.model import DEVICE_STATES, GpuInfo
+from mapper.stats import GpuSnapshot, MapperSnapshot, device_state_payload
+from mapper.telemetry import decode_batch, encode_batch, state_payload
 
 
 def a_sample():  # type: ignore[no-untyped-def]
@@ -38,39 +39,48 @@ def a_sample():  # type: ignore[no-untyped-def]
 
 
 def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the_same_labels_and_value() -> None:
+    # The telemetry batch and the retained state message the mapper would send for one GPU, through the bridge's
+    # conversion, give exactly the GPU series the mapper's own /metrics shows for it: names, labels (gpu index,
+    # driver_version and pci_bus_id included), values.
     info, sample = a_sample()
     device = "default/edge-1-gpu0"
     product = str(sample.values["product_name"])
-    snap = MapperSnapshot(
-        node="edge-1",
-        gpus=(
-            GpuSnapshot(
-                info=GpuInfo(info.uuid, 0, product),
-                device=device,
-                sample=sample,
-                policy_state=str(sample.values["policy_state"]),
-            ),
-        ),
+    gpu = GpuSnapshot(
+        info=GpuInfo(info.uuid, 3, product, pci_bus_id="00000000:17:00.0"),
+        device=device,
+        sample=sample,
+        policy_state=str(sample.values["policy_state"]),
+        state="unhealthy",
+        xid_errors={79: 2, 48: 1},
+        desired_power_limit_w=450.0,
     )
+    snap = MapperSnapshot(node="edge-1", driver_version="550.54.15", gpus=(gpu,))
     mapper_side = {}
     for fam in snapshot_metrics(snap):
         for s in fam.samples:
             if s.name in bridged_series_names():
-                labels = {k: v for k, v in s.labels.items() if k not in ("gpu", "driver_version", "pci_bus_id") and v}
+                labels = {k: v for k, v in s.labels.items() if v}  # remote write: an empty label is no label
                 mapper_side[(s.name, tuple(sorted(labels.items())))] = s.value
     batch = decode_batch(
         encode_batch([sample], node="edge-1", device=device, uuid=info.uuid, boot_id="ab12cd34", seq=0).payload
     )
+    at_ms = sample.ts_ms + 700
+    status = parse_state(device_state_payload(device, gpu, driver_version="550.54.15", at_ms=at_ms))
+    assert status.identity == GpuIdentity("3", "00000000:17:00.0", "550.54.15") and status.has_samples
     req = PendingRequest(0.0)
-    n = Converter().add(req, batch, info.uuid)
+    conv = Converter()
+    n = conv.add(req, batch, info.uuid, status.identity)
+    n_status = conv.add_status(req, "edge-1", status, info.uuid, status.identity)
     bridge_side = {}
+    status_names = {naming.DEVICE_STATE.name, naming.XID_ERRORS.series_name, naming.DESIRED_POWER_LIMIT.name}
     for buf in req.series():
         labels = dict(buf.labels)
         name = labels.pop("__name__")
         [(ts, value)] = buf.samples()
-        assert ts == sample.ts_ms
+        assert ts == (at_ms if name in status_names else sample.ts_ms), name
         bridge_side[(name, tuple(sorted(labels.items())))] = value
-    assert n == len(bridge_side) > 30
+    assert n > 30 and n_status == len(DEVICE_STATES) + 2 + 1
+    assert n + n_status == len(bridge_side)
     assert bridge_side == mapper_side
     assert ("gpu_clock_event_reason_active", ()) not in bridge_side
     assert {k[0] for k in bridge_side} >= {
@@ -80,7 +90,51 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
         "gpu_clock_event_reason_active",
         "gpu_compute_mode",
         "gpu_mapper_policy_state",
+        "gpu_mapper_device_state",
+        "gpu_xid_errors_total",
+        "gpu_power_limit_desired_watts",
     }
+    [info_labels] = [dict(k[1]) for k in bridge_side if k[0] == "gpu_info"]
+    assert info_labels["gpu"] == "3" and info_labels["driver_version"] == "550.54.15"
+    assert info_labels["pci_bus_id"] == "00000000:17:00.0"
+
+
+def test_a_state_message_from_a_mapper_before_the_status_keys_reads_as_uuid_only() -> None:
+    info, sample = a_sample()
+    status = parse_state(state_payload("default/g", sample))
+    assert (status.device, status.uuid, status.identity, status.at_ms) == ("default/g", info.uuid, None, None)
+    assert not status.has_samples
+    assert Converter().add_status(PendingRequest(0.0), "n", status, info.uuid) == 0
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        (b"{", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"uuid": "GPU-1"}', "no device name"),
+        (b'{"device": "d/g", "gpu": 3}', "'gpu' is not an object"),
+        (b'{"device": "d/g", "gpu": {"index": -1}}', "gpu.index -1 is not a GPU index"),
+        (b'{"device": "d/g", "at_ms": "now"}', "at_ms 'now' is not a time in ms"),
+        (b'{"device": "d/g", "state": "sleepy"}', "state 'sleepy' is not one of ok, online"),
+        (b'{"device": "d/g", "xid_errors": {"x79": 1}}', "xid_errors: 'x79': 1 is not an XID code"),
+        (b'{"device": "d/g", "xid_errors": {"79": -1}}', "xid_errors: '79': -1 is not an XID code"),
+        (b'{"device": "d/g", "power_limit_desired_w": "300"}', "power_limit_desired_w '300' is not a number"),
+    ],
+)
+def test_a_bad_state_message_is_refused_saying_what_is_wrong(payload: bytes, error: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(error)):
+        parse_state(payload)
+
+
+def test_a_state_without_a_desired_power_limit_or_xids_writes_the_state_alone() -> None:
+    gpu = GpuSnapshot(info=GpuInfo("GPU-1", 0, "x"), device="default/g", state="online")
+    status = parse_state(device_state_payload("default/g", gpu, driver_version="", at_ms=5000))
+    assert status.identity == GpuIdentity("0", "", "")
+    req = PendingRequest(0.0)
+    assert Converter().add_status(req, "n", status, "GPU-1", status.identity) == len(DEVICE_STATES)
+    got = {dict(b.labels)["state"]: b.samples() for b in req.series()}
+    assert got == {s: [(5000, 1.0 if s == "online" else 0.0)] for s in DEVICE_STATES}
 
 
 def test_the_naming_table_is_the_only_place_names_come_from() -> None:
@@ -90,7 +144,15 @@ def test_the_naming_table_is_the_only_place_names_come_from() -> None:
         text = (root / module).read_text()
         for ps in naming.PROPERTY_SERIES:
             assert f'"{ps.family.name}"' not in text, f"{module} spells {ps.family.name} itself"
-        for fam in (naming.GPU_INFO, naming.CLOCK_EVENT_REASON, naming.COMPUTE_MODE, naming.POLICY_STATE):
+        for fam in (
+            naming.GPU_INFO,
+            naming.CLOCK_EVENT_REASON,
+            naming.COMPUTE_MODE,
+            naming.POLICY_STATE,
+            naming.DEVICE_STATE,
+            naming.XID_ERRORS,
+            naming.DESIRED_POWER_LIMIT,
+        ):
             assert f'"{fam.name}"' not in text, f"{module} spells {fam.name} itself"
 
 
