@@ -4,7 +4,9 @@ a real Prometheus; the bridge's CPU seconds per million samples and its peak RSS
 Workload: 8 simulated H100s (SimNvml through NvmlBackend, mixed scenarios, seed 41: not a seed the tests use)
 sampled every second, every property, for ``--minutes`` (default 30), cut into 10 s batches per device as the
 mapper cuts them. A "sample" is one (series, timestamp, value) the bridge writes (``Converter.add`` counts them),
-as Prometheus counts samples.
+as Prometheus counts samples. Each device's retained state message (``mapper.stats.device_state_payload``) gives
+its GPU's identity: every series carries the ``gpu`` label as the bridge writes it; end to end, the bridge also
+writes the status series of those messages (a few samples per device, counted in ``want``).
 
 * ``codec_samples_per_s``: decode (``mapper.telemetry.decode_batch``) + conversion (``bridgecore.Converter``) +
   remote-write 1.0 encoding and snappy (``mapper.remotewrite``), requests of 10 000 samples, CPU time of this one
@@ -39,13 +41,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mapper.bridgecore import Converter, PendingRequest, bridged_series_names  # noqa: E402
+from mapper.bridgecore import Converter, GpuIdentity, PendingRequest, bridged_series_names, parse_state  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
 from mapper.discover import device_name  # noqa: E402
 from mapper.gpu.nvml import NvmlBackend  # noqa: E402
 from mapper.gpu.simnvml import SimNvml  # noqa: E402
 from mapper.remotewrite import compress, encode_v1  # noqa: E402
-from mapper.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_payload, state_topic  # noqa: E402
+from mapper.stats import GpuSnapshot, device_state_payload  # noqa: E402
+from mapper.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_topic  # noqa: E402
 
 GPUS = 8
 NODE = "bench-node"
@@ -55,7 +58,8 @@ REQUEST_SAMPLES = 10_000
 
 
 def workload(minutes: float) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
-    """(telemetry (topic, payload) in publish order, retained state messages)."""
+    """(telemetry (topic, payload) in publish order, retained state messages: the mapper's, with each GPU's
+    identity and status)."""
     start = int(time.time() * 1000) - int(minutes * 60_000) - 10_000
     clock = FakeClock(start_wall_ms=start)
     sim = SimNvml(GPUS, "H100", clock=clock.monotonic, seed=41)
@@ -65,6 +69,8 @@ def workload(minutes: float) -> tuple[list[tuple[str, bytes]], list[tuple[str, b
     last = {}
     try:
         gpus = backend.list_gpus()
+        driver = backend.driver_version()
+        info = {f"default/{device_name(NODE, g.index)}": g for g in gpus}
         for g, scenario in zip(gpus, SCENARIOS, strict=False):
             sim.set_scenario(g.uuid, scenario)
         encoders = {
@@ -87,12 +93,32 @@ def workload(minutes: float) -> tuple[list[tuple[str, bytes]], list[tuple[str, b
                 out.append((default_topic(NODE, enc.device), b.payload))
     finally:
         backend.shutdown()
-    states = [(state_topic(NODE, dev), state_payload(dev, s)) for dev, s in last.items()]
+    states = []
+    for dev, s in last.items():
+        snap = GpuSnapshot(info=info[dev], device=dev, sample=s, state="online")
+        states.append((state_topic(NODE, dev), device_state_payload(dev, snap, driver_version=driver, at_ms=s.ts_ms)))
     return out, states
 
 
-def codec_pass(payloads: list[bytes]) -> tuple[int, float]:
-    """(samples, CPU s) for decode + convert + encode + snappy of every payload."""
+def identities(states: list[tuple[str, bytes]]) -> dict[str, GpuIdentity]:
+    """device -> the GPU identity its state message gives (the labels the bridge puts on its series)."""
+    out = {}
+    for _, payload in states:
+        status = parse_state(payload)
+        assert status.identity is not None
+        out[status.device] = status.identity
+    return out
+
+
+def status_samples(states: list[tuple[str, bytes]]) -> int:
+    """The samples the bridge writes for the state messages (the status series)."""
+    conv, req = Converter(), PendingRequest(0.0)
+    return sum(conv.add_status(req, NODE, parse_state(p), "") for _, p in states)
+
+
+def codec_pass(payloads: list[bytes], idents: dict[str, GpuIdentity]) -> tuple[int, float]:
+    """(samples, CPU s) for decode + convert + encode + snappy of every payload (series labelled as the bridge
+    labels them, the GPU's identity included)."""
     codec = BatchCodec(dictionary_id=0)
     conv = Converter()
     uuids: dict[str, str] = {}
@@ -104,7 +130,7 @@ def codec_pass(payloads: list[bytes]) -> tuple[int, float]:
         uuid = b.uuid or uuids.get(b.device, "")
         if b.uuid:
             uuids[b.device] = b.uuid
-        conv.add(req, b, uuid)
+        conv.add(req, b, uuid, idents[b.device])
         if req.samples >= REQUEST_SAMPLES:
             compress(encode_v1(req.series()))
             total += req.samples
@@ -123,7 +149,7 @@ def decode_pass(payloads: list[bytes]) -> tuple[int, float]:
     return 0, time.process_time() - t0
 
 
-def protobuf_lib_pass(payloads: list[bytes], pb: object) -> tuple[int, float]:
+def protobuf_lib_pass(payloads: list[bytes], pb: object, idents: dict[str, GpuIdentity]) -> tuple[int, float]:
     """The baseline encoder: the protobuf library's messages (decode and convert as in ``codec_pass``)."""
     codec = BatchCodec(dictionary_id=0)
     conv = Converter()
@@ -149,7 +175,7 @@ def protobuf_lib_pass(payloads: list[bytes], pb: object) -> tuple[int, float]:
         uuid = b.uuid or uuids.get(b.device, "")
         if b.uuid:
             uuids[b.device] = b.uuid
-        conv.add(req, b, uuid)
+        conv.add(req, b, uuid, idents[b.device])
         if req.samples >= REQUEST_SAMPLES:
             flush(req)
             total += req.samples
@@ -292,7 +318,8 @@ def main() -> None:
     args = ap.parse_args()
     messages, states = workload(args.minutes)
     payloads = [p for _, p in messages]
-    runs = [codec_pass(payloads) for _ in range(args.repeat)]
+    idents = identities(states)
+    runs = [codec_pass(payloads, idents) for _ in range(args.repeat)]
     samples = runs[0][0]
     cpu = min(r[1] for r in runs)
     decode_cpu = min(decode_pass(payloads)[1] for _ in range(args.repeat))
@@ -308,10 +335,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as d:
         pb = compiled_proto(Path(d))
         if pb is not None:
-            lib_cpu = min(protobuf_lib_pass(payloads, pb)[1] for _ in range(args.repeat))
+            lib_cpu = min(protobuf_lib_pass(payloads, pb, idents)[1] for _ in range(args.repeat))
             out["protobuf_lib_encode_samples_per_s"] = round(samples / lib_cpu)
         if not args.no_e2e:
-            out.update(end_to_end(messages, states, samples, Path(d)))
+            out.update(end_to_end(messages, states, samples + status_samples(states), Path(d)))
     out["machine"] = f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}"
     print(json.dumps(out))
 

@@ -22,7 +22,9 @@ from mapper.clock import FakeClock
 from mapper.discover import device_name
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_payload, state_topic
+from mapper.model import GpuInfo, Sample
+from mapper.stats import GpuSnapshot, device_state_payload
+from mapper.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
 from tests.apphelpers import wait_for
 
 NODE = "edge-1"
@@ -33,6 +35,9 @@ class Published:
     topic: str
     payload: bytes
     batch: DecodedBatch
+    #: The GPU the batch is of, as the mapper enumerated it, and the node's driver (its state messages say them).
+    gpu: GpuInfo | None = None
+    driver_version: str = ""
 
 
 def stream(
@@ -57,6 +62,8 @@ def stream(
     out: list[Published] = []
     try:
         infos = backend.list_gpus()
+        driver = backend.driver_version()
+        by_device = {f"default/{device_name(node, g.index)}": g for g in infos}
         for _ in range(0, seconds, every_s):
             clock.advance(float(every_s))
             for g in infos:
@@ -68,25 +75,73 @@ def stream(
                 enc.add(sample)
                 b = enc.flush_due(sample.ts_ms)
                 if b is not None:
-                    out.append(Published(default_topic(node, dev), b.payload, decode_batch(b.payload)))
+                    out.append(Published(default_topic(node, dev), b.payload, decode_batch(b.payload), g, driver))
         for dev, enc in encoders.items():
             b = enc.flush()
             if b is not None:
-                out.append(Published(default_topic(node, dev), b.payload, decode_batch(b.payload)))
+                out.append(
+                    Published(default_topic(node, dev), b.payload, decode_batch(b.payload), by_device[dev], driver)
+                )
     finally:
         backend.shutdown()
     return out
 
 
+#: The XID the state messages of GPU 0 count (one more every XID_EVERY_S of sample time), and its desired power
+#: limit (the other GPUs have neither).
+XID, XID_EVERY_S, DESIRED_W = 48, 300, 300.0
+
+
+def state_message(p: Published, sample: Sample, uuid: str, since_ms: int) -> tuple[str, bytes]:
+    """The state message the mapper would publish for ``p``'s device at ``sample`` (``device_state_payload``):
+    GPU 0 online with a desired power limit and XIDs counted since ``since_ms``, the others online."""
+    assert p.gpu is not None, "a batch of stream() says its GPU"
+    first = p.gpu.index == 0
+    gpu = GpuSnapshot(
+        info=replace(p.gpu, driver_version=""),  # the node's driver stands for it, as the mapper's does
+        device=p.batch.device,
+        sample=replace(sample, uuid=uuid),
+        state="online",
+        xid_errors={XID: 1 + (sample.ts_ms - since_ms) // (XID_EVERY_S * 1000)} if first else {},
+        desired_power_limit_w=DESIRED_W if first else None,
+    )
+    payload = device_state_payload(p.batch.device, gpu, driver_version=p.driver_version, at_ms=sample.ts_ms)
+    return state_topic(p.batch.node, p.batch.device), payload
+
+
+def _uuid_of(batches: list[Published], device: str) -> str:
+    return next(p.batch.uuid for p in batches if p.batch.device == device and p.batch.uuid)
+
+
+def _since_ms(batches: list[Published], device: str) -> int:
+    return min(p.batch.ts_first_ms for p in batches if p.batch.device == device)
+
+
 def states(batches: list[Published]) -> Iterator[tuple[str, bytes]]:
     """The retained state message of every device of ``batches`` (its last sample)."""
-    last: dict[tuple[str, str], DecodedBatch] = {}
+    last: dict[tuple[str, str], Published] = {}
     for p in batches:
-        last[(p.batch.node, p.batch.device)] = p.batch
-    for (node, device), b in last.items():
-        s = b.samples[-1]
-        uuid = b.uuid or next(p.batch.uuid for p in batches if p.batch.device == device and p.batch.uuid)
-        yield state_topic(node, device), state_payload(device, replace(s, uuid=uuid))
+        last[(p.batch.node, p.batch.device)] = p
+    for p in last.values():
+        device = p.batch.device
+        uuid = p.batch.uuid or _uuid_of(batches, device)
+        yield state_message(p, p.batch.samples[-1], uuid, _since_ms(batches, device))
+
+
+def state_stream(batches: list[Published], every_s: int = 20) -> list[tuple[str, bytes]]:
+    """The state messages the mapper would publish every ``every_s`` of sample time (its report cycle) over
+    ``batches``, in time order."""
+    out: list[tuple[int, str, bytes]] = []
+    next_ms: dict[str, int] = {}
+    for p in batches:
+        device = p.batch.device
+        uuid, since_ms = p.batch.uuid or _uuid_of(batches, device), _since_ms(batches, device)
+        for s in p.batch.samples:
+            if s.ts_ms >= next_ms.get(device, 0):
+                next_ms[device] = s.ts_ms + every_s * 1000
+                out.append((s.ts_ms, *state_message(p, s, uuid, since_ms)))
+    out.sort(key=lambda m: m[0])
+    return [(topic, payload) for _, topic, payload in out]
 
 
 class Publisher:
@@ -121,6 +176,15 @@ def publish_all(url: str, batches: list[Published], *, with_states: bool = True)
         pub.close()
 
 
+def publish_states(url: str, messages: list[tuple[str, bytes]]) -> None:
+    """State messages (``state_stream``), retained as the mapper publishes them, in order."""
+    pub = Publisher(url, client_id="test-state-publisher")
+    try:
+        pub.publish([(t, p, True) for t, p in messages])
+    finally:
+        pub.close()
+
+
 def bridge_settings(broker_url: str, write_url: str, tmp: Path, **overrides: Any) -> BridgeSettings:
     base = BridgeSettings(
         mqtt_url=broker_url,
@@ -151,9 +215,10 @@ async def running_bridge(settings: BridgeSettings) -> AsyncIterator[Bridge]:
         assert await asyncio.wait_for(task, 20) == 0
 
 
-def expected_samples(batches: list[Published]) -> int:
-    """Samples the bridge writes for ``batches`` (its own conversion, counted without writing)."""
-    from mapper.bridgecore import Converter, PendingRequest
+def expected_samples(batches: list[Published], *, with_states: bool = True) -> int:
+    """Samples the bridge writes for ``batches`` (its own conversion, counted without writing), with those of
+    the state messages ``publish_all`` sends before them (``with_states``)."""
+    from mapper.bridgecore import Converter, PendingRequest, parse_state
 
     conv = Converter()
     req = PendingRequest(0.0)
@@ -166,6 +231,8 @@ def expected_samples(batches: list[Published]) -> int:
             continue
         seen.add(key)
         total += conv.add(req, p.batch, uuids[p.batch.device])
+    if with_states:
+        total += sum(conv.add_status(req, NODE, parse_state(payload), "") for _, payload in states(batches))
     return total
 
 

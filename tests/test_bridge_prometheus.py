@@ -21,7 +21,16 @@ import yaml
 from mapper.bridgecore import bridged_series_names
 from mapper.telemetry import decode_batch
 from tests.apphelpers import wait_for
-from tests.bridgehelpers import FlakyReceiver, bridge_settings, expected_samples, publish_all, running_bridge, stream
+from tests.bridgehelpers import (
+    FlakyReceiver,
+    bridge_settings,
+    expected_samples,
+    publish_all,
+    publish_states,
+    running_bridge,
+    state_stream,
+    stream,
+)
 from tests.brokers import Mosquitto, free_port
 from tests.promserver import Prometheus
 from tests.test_deploy import dashboard, exprs, metric_refs
@@ -64,11 +73,24 @@ async def test_batches_on_the_broker_reach_prometheus_once_each_named_as_the_map
     assert total == want
     power = prometheus.raw_samples("gpu_power_usage_watts", now, 600)
     assert len(power) == 2
+    gpus = {p.batch.uuid: p.gpu for p in batches if p.batch.uuid}
     for labels, points in power.items():
         names = dict(labels)
-        assert names["uuid"].startswith("GPU-") and names["node"] == "edge-1" and "gpu" not in names
+        assert names["uuid"].startswith("GPU-") and names["node"] == "edge-1"
+        gpu = gpus[names["uuid"]]
+        assert gpu is not None and names["gpu"] == str(gpu.index), "the NVML index, from the state message"
         stamps = [t for t, _ in points]
         assert len(stamps) == 120 and stamps == sorted(set(stamps))
+    infos = {dict(k)["uuid"]: dict(k) for k in prometheus.raw_samples("gpu_info", now, 600)}
+    assert infos.keys() == gpus.keys()
+    for uuid, labels in infos.items():
+        gpu = gpus[uuid]
+        assert gpu is not None
+        assert (labels["gpu"], labels["pci_bus_id"], labels["driver_version"]) == (
+            str(gpu.index),
+            gpu.pci_bus_id,
+            batches[0].driver_version,
+        )
 
 
 async def test_two_replicas_in_one_group_each_take_part_and_together_write_everything_once(
@@ -89,7 +111,11 @@ async def test_two_replicas_in_one_group_each_take_part_and_together_write_every
     assert ra.stats.batches_received > 0 and rb.stats.batches_received > 0, "both replicas took part"
     assert ra.stats.batches_received + rb.stats.batches_received == len(batches), "each batch went to one replica"
     assert ra.stats.duplicate_batches == rb.stats.duplicate_batches == 0
-    assert ra.stats.samples_written + rb.stats.samples_written == want
+    # each replica writes the retained state messages (a plain subscription): the store takes the second copy
+    # (same series, timestamp and value) as a no-op
+    status = want - expected_samples(batches, with_states=False)
+    assert status > 0 and ra.stats.state_messages == rb.stats.state_messages == 4
+    assert ra.stats.samples_written + rb.stats.samples_written == want + status
     assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 900) == want
 
 
@@ -186,7 +212,7 @@ async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_
         reasons = br.stats.refused_requests
         assert sum(reasons.values()) == len(old) and set(reasons) <= {"out_of_bounds", "too_old", "out_of_order"}
         refused = sum(br.stats.refused_samples.values())
-        assert refused == expected_samples(old)
+        assert refused == expected_samples(old, with_states=False)
         assert br.stats.duplicate_batches == 1, "the recent batch sent again was dropped"
         assert len(list(spool.glob("*.rw1"))) == len(old)
         om = tmp_path / "backfill.om"
@@ -230,20 +256,27 @@ async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_seri
     tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
     batches = stream(gpus=2, seconds=900)
+    periodic = state_stream(batches)  # the state messages of every report cycle: the status series over time
     async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_states(mosquitto.url, periodic)
         publish_all(mosquitto.url, batches)
         await wait_for(lambda: bridge.stats.batches_written >= len(batches), timeout_s=60, what="every batch written")
+        await wait_for(
+            lambda: bridge.stats.state_messages_written >= len(periodic) + 2, timeout_s=30, what="the states written"
+        )
     at = batches[-1].batch.ts_last_ms / 1000
     bridged = bridged_series_names()
     dash = [_grafana_to_promql(e) for e in exprs(dashboard())]
     rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yaml").read_text())
     alerts = [r["expr"] for g in rules["groups"] for r in g["rules"]]
     on_gpu_series = 0
+    drawn: set[str] = set()
     for expr in dash + alerts:
         result = prometheus.query(expr, at)  # raises naming the error when it does not parse
         refs = metric_refs(expr)
         if refs and refs <= bridged:
             on_gpu_series += 1
+            drawn |= refs
             for name in refs:
                 assert prometheus.query(name, at), f"{name} has no data from the bridge"
             head, *threshold = re.split(r"\s(?:>|<|==|!=|>=|<=)\s", expr)
@@ -251,7 +284,12 @@ async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_seri
                 assert prometheus.query(head, at), f"{expr}: {head} returns nothing from the bridged series"
             else:
                 assert result, f"{expr} returns nothing from the bridged series"
-    assert on_gpu_series >= 20
+    # every GPU series the dashboard and the alerts read is bridged: the status series from the state messages too
+    gpu_refs = {n for e in dash + alerts for n in metric_refs(e) if n.startswith("gpu_") and "_mapper_" not in n}
+    gpu_refs |= {n for e in dash + alerts for n in metric_refs(e) if n == "gpu_mapper_device_state"}
+    assert gpu_refs <= drawn, f"not drawn from the bridge: {sorted(gpu_refs - drawn)}"
+    assert {"gpu_xid_errors_total", "gpu_power_limit_desired_watts", "gpu_mapper_device_state"} <= drawn
+    assert on_gpu_series >= 23
 
 
 @pytest.fixture
@@ -353,9 +391,11 @@ async def test_429_and_5xx_are_retried_and_other_4xx_are_refused_at_once_and_spo
                     lambda: bridge.idle and bridge.stats.batches_received == len(batches), timeout_s=30, what="refused"
                 )
                 assert bridge.stats.retries == {}
-                # a request of several batches is split: each batch refused alone is counted and spooled
-                assert bridge.stats.refused_requests == {f"http_{status}": len(batches)}
-                assert bridge.stats.spooled_requests == len(batches) == len(list((tmp_path / "spool").glob("*.rw1")))
+                # a request of several batches is split: each batch refused alone is counted and spooled (and the
+                # state message, the first in the request)
+                assert bridge.stats.refused_requests == {f"http_{status}": len(batches) + 1}
+                spooled = len(list((tmp_path / "spool").glob("*.rw1")))
+                assert bridge.stats.spooled_requests == len(batches) + 1 == spooled
                 assert set(flaky.answers) == {status}
                 assert bridge.stats.batches_written == 0
     finally:
@@ -447,3 +487,87 @@ async def test_a_day_of_offline_telemetry_replayed_lands_in_place_on_the_time_ax
         assert abs(stamps[0] - (now_ms - 86_400_000)) < 10_000, "a day ago, in place"
     finally:
         prom.stop()
+
+
+_DEVICE = """
+apiVersion: devices.kubeedge.io/v1beta1
+kind: Device
+metadata: {{name: gpu0, namespace: default}}
+spec:
+  deviceModelRef: {{name: nvidia-gpu}}
+  nodeName: edge-1
+  protocol: {{protocolName: gpu, configData: {{uuid: {uuid}}}}}
+  properties:
+  - {{name: power_usage, collectCycle: 100, reportCycle: 300, reportToCloud: true}}
+  - {{name: power_limit, desired: {{value: "300"}}, collectCycle: 100, reportCycle: 300, reportToCloud: true}}
+  - {{name: product_name, collectCycle: 1000, reportCycle: 300, reportToCloud: true}}
+"""
+
+#: The per-GPU series the bridge writes from the state messages, and two it writes from the telemetry batches.
+_STATUS_SERIES = ("gpu_mapper_device_state", "gpu_xid_errors_total", "gpu_power_limit_desired_watts", "gpu_info")
+
+
+async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_its_own_metrics_show_them(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """End to end from a real mapper: its desired power limit, an XID that makes its GPU unhealthy, the GPU's
+    index, PCI bus id and driver go out in its state messages; the bridged Prometheus then holds exactly the
+    series, labels and values of the mapper's own /metrics, and the unhealthy alert's expression is true."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mapper.config import MqttSettings
+    from mapper.gpu.simnvml import SimNvml
+    from tests.apphelpers import fast_settings, running_app
+
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "gpu0.yaml").write_text(_DEVICE.format(uuid=uuid0))
+    settings = fast_settings(str(tmp_path / "mapper"), devices_dir=str(devices), mqtt=MqttSettings(url=mosquitto.url))
+
+    def edge(metrics_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(metrics_url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name in (*_STATUS_SERIES, "gpu_power_usage_watts"):
+                    labels = tuple(sorted((k, v) for k, v in s.labels.items() if v))
+                    out[(s.name, labels)] = 0.0 if s.name == "gpu_power_usage_watts" else s.value
+        return out
+
+    def store() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        out = {}
+        for name in (*_STATUS_SERIES, "gpu_power_usage_watts"):
+            for series in prometheus.query(name, time.time()):
+                labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k != "__name__"))
+                out[(name, labels)] = 0.0 if name == "gpu_power_usage_watts" else float(series["value"][1])
+        return out
+
+    bridge_config = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)
+    async with running_bridge(bridge_config) as bridge, running_app(settings, sim) as app:
+        assert app.metrics is not None
+        metrics_url = app.metrics.url
+        await wait_for(lambda: sim.gpu(uuid0).power_limit_w == 300, timeout_s=20, what="the desired 300 W set")
+        sim.inject_xid(uuid0, 48)
+        await wait_for(lambda: app.workers[uuid0].state == "unhealthy", timeout_s=20, what="unhealthy: XID 48")
+        want = await asyncio.to_thread(edge, metrics_url)  # (the server asks the app's loop: not from it)
+        assert (
+            "gpu_xid_errors_total",
+            (("device", "gpu0"), ("gpu", "0"), ("node", "edge-1"), ("uuid", uuid0), ("xid", "48")),
+        ) in want
+        assert {k[0] for k in want} == {*_STATUS_SERIES, "gpu_power_usage_watts"}
+        # the mapper's state messages go out every report cycle: the store catches up with its /metrics
+        deadline = time.monotonic() + 30
+        while (got := store()) != want:
+            assert time.monotonic() < deadline, f"the store shows {got}, the mapper's /metrics {want}"
+            await asyncio.sleep(0.2)
+            want = await asyncio.to_thread(edge, metrics_url)
+    assert bridge.stats.identity_unknown_batches == 0 and bridge.stats.bad_state_messages == 0
+    desired = prometheus.query('gpu_power_limit_desired_watts{gpu="0"}', time.time())
+    assert [float(s["value"][1]) for s in desired] == [300.0]
+    [info] = prometheus.query("gpu_info", time.time())
+    assert info["metric"]["pci_bus_id"] == sim.gpus[0].pci.busId and info["metric"]["driver_version"]
+    [alert] = prometheus.query('gpu_mapper_device_state{state="unhealthy"} == 1', time.time())
+    assert alert["metric"]["uuid"] == uuid0
