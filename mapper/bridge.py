@@ -520,7 +520,8 @@ class Bridge:
         self._waiting = keep
 
     def _expire_waiting(self) -> None:
-        if self._waiting:
+        # (runs every pass of the write loop: the oldest waits at the front, so a pass with none expired is O(1))
+        if self._waiting and self._waiting[0][0] <= self._now() - self.settings.uuid_wait_s:
             deadline = self._now() - self.settings.uuid_wait_s
             expired = {id(b) for t, _, b in self._waiting if t <= deadline}
             if expired:

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -571,3 +572,38 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
     assert info["metric"]["pci_bus_id"] == sim.gpus[0].pci.busId and info["metric"]["driver_version"]
     [alert] = prometheus.query('gpu_mapper_device_state{state="unhealthy"} == 1', time.time())
     assert alert["metric"]["uuid"] == uuid0
+
+
+async def test_without_a_state_message_a_devices_batches_wait_once_then_go_without_the_identity_labels(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    from mapper.telemetry import state_payload, state_topic
+    from tests.bridgehelpers import NODE, Publisher
+
+    batches = stream(gpus=2, seconds=60)
+    gpu0 = [p for p in batches if p.gpu is not None and p.gpu.index == 0]
+    gpu1 = [p for p in batches if p.gpu is not None and p.gpu.index == 1]
+    assert len(gpu0) == len(gpu1) == 6
+    # GPU 1's mapper predates the status keys: its state message names the uuid alone
+    last1 = gpu1[-1].batch
+    old_state = state_payload(last1.device, replace(last1.samples[-1], uuid=gpu1[0].batch.uuid))
+    pub = Publisher(mosquitto.url, "test-old-mapper")
+    try:
+        settings = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path, uuid_wait_s=1.0)
+        async with running_bridge(settings) as bridge:
+            pub.publish([(state_topic(NODE, last1.device), old_state, True)])
+            publish_all(mosquitto.url, gpu0[:3] + gpu1[:3], with_states=False)
+            await wait_for(lambda: bridge.stats.batches_written >= 6, timeout_s=30, what="the first batches written")
+            # GPU 0's first batches waited for a state message that never came; GPU 1's did not wait
+            assert bridge.stats.identity_unknown_batches == 3
+            publish_all(mosquitto.url, gpu0[3:] + gpu1[3:], with_states=False)
+            await wait_for(lambda: bridge.stats.batches_written >= 12, timeout_s=30, what="every batch written")
+            assert bridge.stats.identity_unknown_batches == 3, "a device that had no state message waits once"
+            assert bridge.stats.uuid_unknown_batches == 0 and bridge.stats.bad_state_messages == 0
+    finally:
+        pub.close()
+    power = prometheus.raw_samples("gpu_power_usage_watts", time.time() + 1, 600)
+    assert len(power) == 2
+    for labels, points in power.items():
+        assert "gpu" not in dict(labels) and len(points) == 60, labels
+    assert not prometheus.query("gpu_mapper_device_state", time.time() + 1), "no status without the status keys"
