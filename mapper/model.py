@@ -804,6 +804,10 @@ class Constraints:
     gpu_freqs_mhz: tuple[float, ...] = ()
     #: Jetson: the nvpmodel power modes as (id, name), by id; empty elsewhere.
     power_modes: tuple[tuple[int, str], ...] = ()
+    #: Jetson: the devfreq range (MHz) the power mode in force sets (what a removed desired range returns to).
+    gpu_freq_default_mhz: tuple[float, float] | None = None
+    #: Jetson: nvpmodel.conf's default power mode (what a removed desired mode returns to with restore_modes).
+    power_mode_default: int | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -234,30 +235,42 @@ def test_a_read_only_max_freq_not_root_is_no_permission(tmp_path):
     # Root ignores file modes: make the same call as nobody, in a forked child, for the kernel's own answer.
     backend = JetsonBackend(tmp_path)
     uuid = one_uuid(backend)
-    for folder in (tmp_path, *tmp_path.parents):  # nobody must reach the tree (pytest's folders are 0700)
-        if folder == Path(tempfile.gettempdir()) or folder == Path("/"):
+
+    def attempt() -> str:
+        try:
+            backend.set_gpu_freq_range(uuid, 306, 1300.5)
+        except NoPermissionError as exc:
+            return f"refused {exc.reason} {exc}"
+        return "no error"
+
+    got = as_nobody(tmp_path, attempt)
+    assert got.startswith("refused no-permission") and "need root" in got, got
+    assert (tmp_path / "sys/class/devfreq/17000000.gpu/max_freq").read_text().strip() == "816000000"
+
+
+def as_nobody(tree: Path, fn: Callable[[], str]) -> str:
+    """``fn()`` run as the user nobody in a forked child (for root, which file modes do not stop); its text, or
+    the exception it raised."""
+    for folder in (tree, *tree.parents):  # nobody must reach the tree (pytest's folders are 0700)
+        if folder in (Path(tempfile.gettempdir()), Path("/")):
             break
         os.chmod(folder, os.stat(folder).st_mode | 0o005)
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: drop to nobody, try, report through the pipe, never return into pytest
-        text = "no error"
+    if pid == 0:  # the child: drop to nobody, run, report through the pipe, never return into pytest
         try:
             os.setgid(65534)
             os.setuid(65534)
-            backend.set_gpu_freq_range(uuid, 306, 1300.5)
-        except NoPermissionError as exc:
-            text = f"refused {exc.reason} {exc}"
+            text = fn()
         except BaseException as exc:
-            text = f"other {exc!r}"
+            text = f"raised {exc!r}"
         os.write(write, text.encode()[:4000])
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as pipe:
         got = pipe.read()
     os.waitpid(pid, 0)
-    assert got.startswith("refused no-permission") and "need root" in got, got
-    assert (tmp_path / "sys/class/devfreq/17000000.gpu/max_freq").read_text().strip() == "816000000"
+    return got
 
 
 def test_power_modes_come_from_nvpmodel_conf_and_switch_through_nvpmodel(tmp_path):

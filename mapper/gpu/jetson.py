@@ -181,6 +181,28 @@ def parse_nvpmodel_conf(text: str) -> tuple[dict[int, str], int | None]:
     return modes, int(default.group(1)) if default else None
 
 
+def parse_gpu_ranges(text: str) -> dict[int, tuple[int, int]]:
+    """Each power mode's ``GPU MIN_FREQ`` / ``GPU MAX_FREQ`` lines (Hz; 0 or -1 where the mode leaves that end to
+    the hardware), by mode id."""
+    ranges: dict[int, tuple[int, int]] = {}
+    mode: int | None = None
+    for line in text.splitlines():
+        header = _POWER_MODEL_RE.search(line)
+        if header:
+            mode = int(header.group(1))
+            ranges[mode] = (0, -1)
+            continue
+        parts = line.split()
+        if mode is not None and len(parts) == 3 and parts[0] == "GPU" and parts[1] in ("MIN_FREQ", "MAX_FREQ"):
+            try:
+                hz = int(parts[2])
+            except ValueError:
+                continue
+            lo, hi = ranges[mode]
+            ranges[mode] = (hz, hi) if parts[1] == "MIN_FREQ" else (lo, hz)
+    return ranges
+
+
 def _mhz(hz: int | float) -> float:
     return round(float(hz) / 1e6, 6)
 
@@ -318,12 +340,16 @@ class JetsonBackend:
             self._ensure()
             self._check(uuid)
             modes = self._modes()
+            text = _read_text(self.root / "etc/nvpmodel.conf") or ""
+            default_mode = parse_nvpmodel_conf(text)[1] if text else None
             return Constraints(
                 unsupported=frozenset(
                     {"power_limit", "locked_gpu_clocks", "locked_memory_clocks", "persistence_mode", "compute_mode"}
                 ),
                 gpu_freqs_mhz=tuple(_mhz(f) for f in self._freqs_hz),
                 power_modes=tuple(sorted(modes.items())),
+                gpu_freq_default_mhz=self._default_range(parse_gpu_ranges(text)),
+                power_mode_default=default_mode if default_mode in modes else None,
             )
 
     def poll_events(self) -> list[GpuEvent]:
@@ -490,6 +516,20 @@ class JetsonBackend:
     def _modes(self) -> dict[int, str]:
         text = _read_text(self.root / "etc/nvpmodel.conf")
         return parse_nvpmodel_conf(text)[0] if text else {}
+
+    def _default_range(self, ranges: Mapping[int, tuple[int, int]]) -> tuple[float, float] | None:
+        """The devfreq range (MHz) the power mode in force sets: its GPU MIN/MAX_FREQ, the hardware's where it
+        leaves an end open or there is no mode; None without available frequencies."""
+        if not self._freqs_hz:
+            return None
+        lo_hz, hi_hz = self._freqs_hz[0], self._freqs_hz[-1]
+        mode = self._current_mode()
+        mode_lo, mode_hi = ranges.get(mode, (0, -1)) if mode is not None else (0, -1)
+        if mode_lo > 0:
+            lo_hz = min((f for f in self._freqs_hz if f >= mode_lo - FREQ_TOLERANCE_HZ), default=hi_hz)
+        if mode_hi > 0:
+            hi_hz = max((f for f in self._freqs_hz if f <= mode_hi + FREQ_TOLERANCE_HZ), default=lo_hz)
+        return _mhz(lo_hz), _mhz(max(lo_hz, hi_hz))
 
     def _current_mode(self) -> int | None:
         text = _read_text(self.root / "var/lib/nvpmodel/status")
