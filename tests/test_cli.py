@@ -66,6 +66,21 @@ def test_discover_on_a_simulated_jetson_prints_its_one_valid_device_of_the_jetso
         assert "emc_freq" in names
 
 
+def test_discover_with_the_jetson_backend_reads_the_board_under_its_root_or_says_none_is_there(tmp_path):
+    from mapper.gpu.jetson import board_uuid
+    from mapper.gpu.simjetson import build_tree
+
+    prof = build_tree(tmp_path / "board", "xavier-agx")
+    out = gpu_mapper("discover", "--backend", "jetson", "--jetson-root", str(tmp_path / "board"), "--node-name", "x1")
+    assert out.returncode == 0, out.stderr
+    (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert doc["spec"]["protocol"]["configData"]["uuid"] == board_uuid(prof.model, prof.serial)
+    out = gpu_mapper("discover", "--backend", "jetson", "--jetson-root", str(tmp_path / "empty"), "--node-name", "x1")
+    assert out.returncode == 1 and "no Tegra GPU under" in out.stderr and "Traceback" not in out.stderr
+    out = gpu_mapper("discover", "--node-name", "x1", env={**os.environ, "GPU_MAPPER_BACKEND": "tegra"})
+    assert out.returncode == 2 and "backend: must be auto, nvml or jetson" in out.stderr
+
+
 def test_bad_configuration_is_a_clear_error_not_a_traceback(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("policies:\n  thermalThrottling: {maxTemp: 85, releaseTemp: 90}\n")
