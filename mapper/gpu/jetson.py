@@ -119,12 +119,16 @@ class Rail:
     voltage: Path | None = None
     current: Path | None = None
     power: Path | None = None
+    #: A GPU token in the label (VDD_GPU_SOC, VDD_CPU_GPU_CV, GPU): the GPU's rail.
+    gpu: bool = False
 
 
 @dataclass(frozen=True)
 class Zone:
     type: str
     path: Path
+    #: ``path / "temp"``, made once.
+    temp: Path
 
 
 def board_uuid(model: str, serial: str) -> str:
@@ -136,9 +140,13 @@ def _read_text(path: Path) -> str | None:
     """A sysfs / device-tree file's text without NULs and surrounding blanks; None when it is missing or this user
     may not read it. Other errors (EIO from a driver) propagate."""
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY)  # one open and one read: sysfs values are small (no buffered file object)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return None
+    try:
+        data = os.read(fd, 65536)
+    finally:
+        os.close(fd)
     return data.replace(b"\x00", b"").decode("ascii", "replace").strip()
 
 
@@ -249,6 +257,10 @@ class JetsonBackend:
         self._energy_gpu_j = 0.0
         #: Modes nvpmodel said need a reboot (refused without ``allow_reboot``).
         self._reboot_modes: set[int] = set()
+        #: nvpmodel.conf's modes, kept while the file's (mtime, size) stays the same.
+        self._modes_cache: tuple[tuple[int, int], dict[int, str]] | None = None
+        #: The GPU zone's trip points (slowdown, shutdown; millidegrees), read once per ``init``.
+        self._trips: tuple[int | None, int | None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def init(self) -> None:
@@ -291,6 +303,8 @@ class JetsonBackend:
             self._zones = self._find_zones()
             self._rails = self._find_rails()
             self._freqs_hz = self._read_freqs()
+            self._trips = None
+            self._modes_cache = None
             self._last_power = None
             self._ready = True
 
@@ -480,7 +494,7 @@ class JetsonBackend:
             for entry in sorted(base.glob("thermal_zone*"), key=lambda p: _zone_number(p.name)):
                 zone_type = _read_text(entry / "type")
                 if zone_type:
-                    zones.append(Zone(zone_type, entry))
+                    zones.append(Zone(zone_type, entry, entry / "temp"))
         return zones
 
     def _find_rails(self) -> list[Rail]:
@@ -495,12 +509,20 @@ class JetsonBackend:
                         label = _read_text(label_file) or ""
                         n = _channel(label_file.name)
                         if _is_rail(label):
-                            rails.append(Rail(label, voltage=hwmon / f"in{n}_input", current=hwmon / f"curr{n}_input"))
+                            rails.append(
+                                Rail(
+                                    label,
+                                    voltage=hwmon / f"in{n}_input",
+                                    current=hwmon / f"curr{n}_input",
+                                    gpu=_is_gpu_rail(label),
+                                )
+                            )
                 for iio in sorted(dev.glob("iio:device*")):
                     for name_file in sorted(iio.glob("rail_name_*"), key=lambda p: _channel(p.name)):
                         label = _read_text(name_file) or ""
                         if _is_rail(label):
-                            rails.append(Rail(label, power=iio / f"in_power{_channel(name_file.name)}_input"))
+                            power = iio / f"in_power{_channel(name_file.name)}_input"
+                            rails.append(Rail(label, power=power, gpu=_is_gpu_rail(label)))
         return rails
 
     def _read_freqs(self) -> tuple[int, ...]:
@@ -514,8 +536,18 @@ class JetsonBackend:
             return ()
 
     def _modes(self) -> dict[int, str]:
-        text = _read_text(self.root / "etc/nvpmodel.conf")
-        return parse_nvpmodel_conf(text)[0] if text else {}
+        path = self.root / "etc/nvpmodel.conf"
+        try:
+            st = os.stat(path)
+        except OSError:
+            return {}
+        key = (st.st_mtime_ns, st.st_size)
+        if self._modes_cache is not None and self._modes_cache[0] == key:
+            return self._modes_cache[1]
+        text = _read_text(path)
+        modes = parse_nvpmodel_conf(text)[0] if text else {}
+        self._modes_cache = (key, modes)
+        return modes
 
     def _default_range(self, ranges: Mapping[int, tuple[int, int]]) -> tuple[float, float] | None:
         """The devfreq range (MHz) the power mode in force sets: its GPU MIN/MAX_FREQ, the hardware's where it
@@ -649,7 +681,7 @@ class JetsonBackend:
     def _zone_temps(self) -> list[tuple[str, int]]:
         temps: list[tuple[str, int]] = []
         for zone in self._zones:
-            milli = _read_int(zone.path / "temp")
+            milli = _read_int(zone.temp)
             if milli is None or milli in OFFLINE_TEMPS:
                 continue
             temps.append((zone.type.lower(), milli))
@@ -667,9 +699,20 @@ class JetsonBackend:
                 out["temperature_tj"] = round(max(soc) / 1000)
 
     def _r_trips(self, out: dict[str, Value]) -> None:
+        if self._trips is None:
+            self._trips = self._read_trips()
+        slowdown, shutdown = self._trips
+        if slowdown is not None:
+            out["temperature_slowdown"] = round(slowdown / 1000)
+        if shutdown is not None:
+            out["temperature_shutdown"] = round(shutdown / 1000)
+
+    def _read_trips(self) -> tuple[int | None, int | None]:
+        """The GPU zone's lowest passive/hot and lowest critical trip point (millidegrees): the board fixes them,
+        so they are read once per ``init``."""
         zone = next((z for z in self._zones if z.type.lower().startswith("gpu")), None)
         if zone is None:
-            return
+            return None, None
         slowdown: list[int] = []
         shutdown: list[int] = []
         for type_file in zone.path.glob("trip_point_*_type"):
@@ -681,29 +724,28 @@ class JetsonBackend:
                 slowdown.append(temp)
             elif kind == "critical":
                 shutdown.append(temp)
-        if slowdown:
-            out["temperature_slowdown"] = round(min(slowdown) / 1000)
-        if shutdown:
-            out["temperature_shutdown"] = round(min(shutdown) / 1000)
+        return min(slowdown, default=None), min(shutdown, default=None)
 
     def _r_rails(self, out: dict[str, Value]) -> None:
         watts: list[tuple[str, float]] = []
+        gpu: float | None = None
         for rail in self._rails:
             if rail.power is not None:
                 mw = _read_int(rail.power)
-                if mw is not None:
-                    watts.append((rail.label, mw / 1000))
-                continue
-            assert rail.voltage is not None and rail.current is not None
-            mv, ma = _read_int(rail.voltage), _read_int(rail.current)
-            if mv is not None and ma is not None:
-                watts.append((rail.label, mv * ma / 1e6))
+                w = None if mw is None else mw / 1000
+            else:
+                assert rail.voltage is not None and rail.current is not None
+                mv, ma = _read_int(rail.voltage), _read_int(rail.current)
+                w = None if mv is None or ma is None else mv * ma / 1e6
+            if w is not None:
+                watts.append((rail.label, w))
+                if rail.gpu and gpu is None:
+                    gpu = w
         if not watts:
             return
         module = next((w for label, w in watts if label.upper() == "VDD_IN"), None)
         if module is None:
             module = sum(w for _, w in watts)
-        gpu = next((w for label, w in watts if "GPU" in re.split(r"[_\s]+", label.upper())), None)
         now = self._clock.monotonic()
         if self._last_power is not None:
             then, module_then, gpu_then = self._last_power
@@ -766,6 +808,10 @@ def _wanted(properties: Iterable[str] | None) -> frozenset[str]:
 
 def _is_rail(label: str) -> bool:
     return bool(label) and "sum of shunt" not in label.lower() and not _NC_TOKEN.search(label.upper())
+
+
+def _is_gpu_rail(label: str) -> bool:
+    return "GPU" in re.split(r"[_\s]+", label.upper())
 
 
 def _channel(name: str) -> int:
