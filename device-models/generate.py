@@ -12,7 +12,8 @@ Writes
   (its UUID must be replaced by a real one; ``gpu-mapper discover`` prints the node's Devices);
 * ``device-models/nvidia-jetson.yaml``: the Jetson DeviceModel; ``device-models/examples-jetson/``: that model and
   the Device of ``gpu-mapper run --sim 1 --sim-profile orin-agx --node-name demo-node`` (the simulated board's
-  UUID), asking for a 816 MHz GPU maximum and power mode 3 (MODE_50W).
+  UUID), asking for a 816 MHz GPU maximum and power mode 3 (MODE_50W); ``deploy/jetson/devicemodel.yaml``: the
+  Jetson model next to its DaemonSet.
 
 tests/test_device_models.py runs the same functions and fails when a committed file differs.
 """
@@ -129,6 +130,7 @@ def outputs() -> dict[Path, str]:
         HERE / "nvidia-jetson.yaml": jetson_model,
         HERE / "examples-jetson" / "nvidia-jetson.yaml": jetson_model,
         HERE / "examples-jetson" / "demo-node.yaml": jetson_demo_yaml(),
+        deploy / "jetson" / "devicemodel.yaml": jetson_model,
         HERE / "nvidia-gpu.yaml": model,
         HERE / "examples" / "nvidia-gpu.yaml": model,
         HERE / "examples" / "demo-node.yaml": demo_devices_yaml(),
