@@ -354,3 +354,19 @@ def test_lowering_max_freq_lowers_the_clock_the_gpu_rail_power_and_in_time_the_t
     assert hot["gpu_freq"] == 1377.0 and cool["gpu_freq"] == 522.75
     assert cool["power_gpu_rail"] < hot["power_gpu_rail"] / 2
     assert cool["temperature"] < hot["temperature"] - 5
+
+
+def test_an_edited_nvpmodel_conf_is_read_again_and_the_trip_points_once_per_init(tmp_path):
+    _, backend = board(tmp_path, "orin-agx")
+    uuid = one_uuid(backend)
+    conf = tmp_path / "orin-agx/etc/nvpmodel.conf"
+    assert backend.sample(uuid, ["power_mode_name"]).values == {"power_mode_name": "MODE_30W"}
+    conf.write_text(conf.read_text().replace("NAME=MODE_30W", "NAME=MODE_30W_CUSTOM"))
+    assert backend.sample(uuid, ["power_mode_name"]).values == {"power_mode_name": "MODE_30W_CUSTOM"}
+    trip = tmp_path / "orin-agx/sys/devices/virtual/thermal/thermal_zone1/trip_point_0_temp"
+    assert backend.sample(uuid, ["temperature_slowdown"]).values == {"temperature_slowdown": 99}
+    trip.write_text("95000\n")  # the board fixes them; a root edit shows after the next init
+    assert backend.sample(uuid, ["temperature_slowdown"]).values == {"temperature_slowdown": 99}
+    backend.shutdown()
+    backend.init()
+    assert backend.sample(uuid, ["temperature_slowdown"]).values == {"temperature_slowdown": 95}

@@ -220,7 +220,8 @@ class JetsonBackend:
 
     ``root``: the filesystem root the layout above is read under. ``nvpmodel``: the command (argv) that switches
     power modes; ``-m <id>`` is appended. ``allow_reboot``: a mode that needs a reboot may reboot the node.
-    ``command_timeout_s`` bounds nvpmodel. Calls are serialised by a lock (they are blocking file reads).
+    ``command_timeout_s`` bounds nvpmodel (below the GPU loop's 10 s bound on a backend call). Calls are serialised
+    by a lock (they are blocking file reads).
     """
 
     def __init__(
@@ -230,7 +231,7 @@ class JetsonBackend:
         nvpmodel: Sequence[str] = ("nvpmodel",),
         allow_reboot: bool = False,
         clock: Clock | None = None,
-        command_timeout_s: float = 20.0,
+        command_timeout_s: float = 8.0,
     ) -> None:
         if not nvpmodel:
             raise ValueError("JetsonBackend: the nvpmodel command is empty")

@@ -530,8 +530,8 @@ def _nvpmodel_main(argv: Sequence[str]) -> int:
         _write(status.with_name("reboot-requested"), f"{args.m}\n")
     devfreq = next((root / "sys/class/devfreq").iterdir())
     freqs = sorted(int(f) for f in (devfreq / "available_frequencies").read_text().split())
-    (devfreq / "min_freq").write_text(f"{freqs[0]}\n")
-    (devfreq / "max_freq").write_text(f"{gpu_max if gpu_max > 0 else freqs[-1]}\n")
+    _write(devfreq / "min_freq", f"{freqs[0]}\n")  # whole files at once: a reader never sees half a value
+    _write(devfreq / "max_freq", f"{gpu_max if gpu_max > 0 else freqs[-1]}\n")
     _write(status, f"pmode:{args.m:04d} fmode:quiet\n")
     print(f"NVPM: power mode {args.m} ({name}) applied")
     return 0
