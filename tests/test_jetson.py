@@ -370,3 +370,14 @@ def test_an_edited_nvpmodel_conf_is_read_again_and_the_trip_points_once_per_init
     backend.shutdown()
     backend.init()
     assert backend.sample(uuid, ["temperature_slowdown"]).values == {"temperature_slowdown": 95}
+
+
+def test_without_a_serial_number_the_machine_id_names_the_board_and_without_both_it_is_refused(tmp_path):
+    build_tree(tmp_path, "orin-nano")
+    (tmp_path / "proc/device-tree/serial-number").unlink()
+    (tmp_path / "etc/machine-id").write_text("0123456789abcdef0123456789abcdef\n")
+    uuid = one_uuid(JetsonBackend(tmp_path))
+    assert uuid == board_uuid(PROFILES["orin-nano"].model, "0123456789abcdef0123456789abcdef")
+    (tmp_path / "etc/machine-id").unlink()
+    with pytest.raises(PermanentError, match="no serial number to build its identity from"):
+        JetsonBackend(tmp_path).init()

@@ -280,10 +280,10 @@ class JetsonBackend:
             serial = _read_text(self.root / "proc/device-tree/serial-number") or ""
             if not serial:
                 serial = _read_text(self.root / "etc/machine-id") or ""
-            if not model and not serial:
+            if not serial:  # the model alone would give every board of a kind the same UUID
                 raise PermanentError(
-                    f"Jetson GPU {devfreq.name}: neither {self.root / 'proc/device-tree/model'} nor a serial number "
-                    "(proc/device-tree/serial-number, etc/machine-id) to build its identity from"
+                    f"Jetson GPU {devfreq.name}: no serial number to build its identity from: neither "
+                    f"{self.root / 'proc/device-tree/serial-number'} nor {self.root / 'etc/machine-id'} can be read"
                 )
             self._model = model or "Jetson"
             self._serial = serial
