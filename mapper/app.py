@@ -29,6 +29,7 @@ from mapper.devicefiles import watch_folder
 from mapper.doorlimit import InboundLimiter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.eventbus import DELTA_FILTER, membership_topic
+from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.nvml import NvmlBackend
 from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
 from mapper.model import GpuInfo, Sample
@@ -68,9 +69,16 @@ class StartInterrupted(Exception):
     """The stop event was set while start-up waited (NVML not ready): shut down without running."""
 
 
-def build_backend(settings: Settings, clock: Clock | None = None, *, one_shot: bool = False) -> NvmlBackend:
-    """The NVML backend over the real ``pynvml`` or, with ``--sim N``, over the simulated NVML. ``one_shot``: for a
-    command that exits after its calls (errors without the daemon's retry wording)."""
+def build_backend(
+    settings: Settings, clock: Clock | None = None, *, one_shot: bool = False
+) -> NvmlBackend | JetsonBackend:
+    """The NVML backend over the real ``pynvml`` or, with ``--sim N``, over the simulated NVML; a Jetson's
+    backend where ``mapper.backends.wants_jetson`` says so. ``one_shot``: for a command that exits after its
+    calls (errors without the daemon's retry wording)."""
+    from mapper.backends import build_jetson_backend, wants_jetson
+
+    if wants_jetson(settings):
+        return build_jetson_backend(settings, clock, one_shot=one_shot)
     if settings.sim:
         from mapper.gpu.simnvml import SimNvml
 
@@ -100,7 +108,7 @@ def read_status(url: str | None = None, data_dir: str | None = None) -> MapperSn
 class MapperApp:
     """One mapper process: the GPUs of this node, their Devices, and every way in and out."""
 
-    def __init__(self, settings: Settings, backend: NvmlBackend, *, clock: Clock | None = None) -> None:
+    def __init__(self, settings: Settings, backend: NvmlBackend | JetsonBackend, *, clock: Clock | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.clock: Clock = clock or SystemClock()

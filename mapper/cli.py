@@ -144,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_flags(disc)
     disc.add_argument("--node-name", help="node name used in Device names and nodeName (default: hostname)")
     disc.add_argument("--namespace", default="default", help="Device namespace (default: default)")
-    disc.add_argument("--model", default="nvidia-gpu", help="DeviceModel name (default: nvidia-gpu)")
+    disc.add_argument("--model", help="DeviceModel name (default: the GPU family's, nvidia-gpu or nvidia-jetson)")
 
-    sub.add_parser("model", help="print the GPU DeviceModel YAML generated from the property catalog")
+    sub.add_parser("model", help="print every GPU DeviceModel (nvidia-gpu, nvidia-jetson) generated from the catalog")
 
     dec = sub.add_parser("decode", help="turn telemetry batches into JSON lines")
     dec.add_argument("file", nargs="?", default="-", help="a file of batches, or - for standard input")
@@ -219,9 +219,19 @@ def _add_bridge_parser(sub: Any) -> None:
 
 def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim", type=int, metavar="N", help="use N simulated GPUs instead of the real NVML")
-    p.add_argument("--sim-profile", help="simulated GPU profile: H100, H200, A100, A10, L4, L40S or T4")
+    p.add_argument(
+        "--sim-profile",
+        help="simulated GPU profile: H100, H200, A100, A10, L4, L40S or T4 (NVML); orin-agx, xavier-agx or "
+        "orin-nano (a Jetson: a simulated sysfs tree under the data directory)",
+    )
     p.add_argument("--sim-seed", type=int, help="simulator seed (UUIDs and noise derive from it)")
     p.add_argument("--sim-scenario", help="simulated workload: idle, steady, inference, training, heat, oscillating")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "nvml", "jetson"],
+        help="GPU library: auto (default: NVML where it starts, else a Jetson's sysfs), nvml or jetson",
+    )
+    p.add_argument("--jetson-root", help="Jetson: the root sysfs and /proc are read under (default /)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -239,9 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "discover":
             return _discover(args)
         if args.command == "model":
-            from mapper.discover import model_yaml
+            from mapper.discover import all_models_yaml
 
-            sys.stdout.write(model_yaml())
+            sys.stdout.write(all_models_yaml())
             return 0
         if args.command == "decode":
             from mapper.telemetry import decode_command

@@ -20,7 +20,7 @@ from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.model import (
-    NVML_PROPERTIES,
+    BACKEND_PROPERTIES,
     PROPERTY_BY_NAME,
     Constraints,
     DeviceConfig,
@@ -101,8 +101,9 @@ class GpuWorker:
     #: Steps in a row that raised an unexpected exception (0 once one works again), and all of them.
     failing_steps: int = 0
     failed_steps: int = 0
-    #: The NVML properties grouped by collect cycle for the bound Device: (cycle s, names), built on first use,
-    #: dropped by ``bind``. Properties sharing a cycle are sampled together, so a tick handles a few groups.
+    #: The backend's properties (its family's: ``GpuInfo.family``) grouped by collect cycle for the bound Device:
+    #: (cycle s, names), built on first use, dropped by ``bind``. Properties sharing a cycle are sampled together,
+    #: so a tick handles a few groups.
     _schedule: list[tuple[float, tuple[str, ...]]] | None = None
     #: Next due time (monotonic s) per schedule group; empty: everything is due now.
     _due_at: list[float] = field(default_factory=list)
@@ -131,7 +132,7 @@ class GpuWorker:
     def _groups(self) -> list[tuple[float, tuple[str, ...]]]:
         if self._schedule is None:
             by_cycle: dict[float, list[str]] = {}
-            for spec in NVML_PROPERTIES:
+            for spec in BACKEND_PROPERTIES.get(self.info.family, BACKEND_PROPERTIES["nvml"]):
                 by_cycle.setdefault(self.cycle_ms(spec.name) / 1000, []).append(spec.name)
             self._schedule = sorted((cycle_s, tuple(names)) for cycle_s, names in by_cycle.items())
             self._names = {}

@@ -104,6 +104,14 @@ class Settings:
     sim_profile: str = "H100"
     sim_seed: int = 0
     sim_scenario: str = "inference"
+    #: Which GPU library: ``auto`` (NVML where it initialises, else a Jetson's sysfs), ``nvml`` or ``jetson``.
+    backend: str = "auto"
+    #: Jetson: the filesystem root sysfs, /proc and the nvpmodel files are read under (a host mount in a pod).
+    jetson_root: str = "/"
+    #: Jetson: the nvpmodel command (split on blanks); ``-m <id>`` is appended.
+    jetson_nvpmodel: str = "nvpmodel"
+    #: Jetson: a desired power mode that needs a reboot may reboot the node (else it is rejected: needs-reboot).
+    jetson_allow_reboot: bool = False
     edgecore_socket: str = "/etc/kubeedge/dmi.sock"
     socket: str = "/etc/kubeedge/gpu.sock"
     mqtt: MqttSettings = field(default_factory=MqttSettings)
@@ -173,6 +181,10 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "sim_profile": ("sim.profile", "str"),
     "sim_seed": ("sim.seed", "int"),
     "sim_scenario": ("sim.scenario", "str"),
+    "backend": ("backend", "str"),
+    "jetson_root": ("jetson.root", "str"),
+    "jetson_nvpmodel": ("jetson.nvpmodel", "str"),
+    "jetson_allow_reboot": ("jetson.allowReboot", "bool"),
     "edgecore_socket": ("edgecoreSocket", "str"),
     "socket": ("socket", "str"),
     "mqtt_url": ("mqtt.url", "str"),
@@ -407,6 +419,10 @@ def validate(settings: Settings) -> None:
         raise ConfigError(f"dmi.maxMessageBytes: must be 64KiB..256MiB, got {settings.dmi_max_message_bytes}")
     if settings.sim < 0 or settings.sim > 64:
         raise ConfigError(f"sim.count: must be 0..64, got {settings.sim}")
+    if settings.backend not in ("auto", "nvml", "jetson"):
+        raise ConfigError(f"backend: must be auto, nvml or jetson, got {settings.backend!r}")
+    if not settings.jetson_nvpmodel.split():
+        raise ConfigError("jetson.nvpmodel: the command is empty")
 
 
 def split_addr(addr: str) -> tuple[str, int]:

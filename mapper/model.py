@@ -53,6 +53,8 @@ REJECT_REASONS = (
     "unknown-property",
     "not-supported",
     "no-permission",
+    "needs-reboot",
+    "command-failed",
 )
 
 #: Longest raw desired value accepted before any parsing (twin values are at most 512 chars).
@@ -94,8 +96,9 @@ class PropertySpec:
     maximum: str = ""
     #: Default collect cycle for generated Devices, in milliseconds.
     collect_cycle_ms: int = 10_000
-    #: "nvml": read from the GPU by the backend; "mapper": computed by the mapper itself (status twins).
-    source: Literal["nvml", "mapper"] = "nvml"
+    #: "nvml": read by the NVML backend (some also by the Jetson backend: ``JETSON_SHARED``); "jetson": read by the
+    #: Jetson backend only (sysfs, nvpmodel); "mapper": computed by the mapper itself (status twins).
+    source: Literal["nvml", "jetson", "mapper"] = "nvml"
 
     @property
     def writable(self) -> bool:
@@ -116,7 +119,7 @@ def _p(
     maximum: str = "",
     collect_cycle_ms: int = 10_000,
     nvml_write: str = "",
-    source: Literal["nvml", "mapper"] = "nvml",
+    source: Literal["nvml", "jetson", "mapper"] = "nvml",
 ) -> PropertySpec:
     return PropertySpec(
         name=name,
@@ -135,6 +138,170 @@ def _p(
         source=source,
     )
 
+
+#: Properties only a Jetson has, read by ``mapper.gpu.jetson.JetsonBackend`` from sysfs, /proc and nvpmodel
+#: (``nvml_read`` / ``nvml_write`` name the file or command; docs/jetson.md). A Jetson also reads the NVML
+#: family's ``JETSON_SHARED`` properties, with the same names, units and meaning.
+_JETSON: tuple[PropertySpec, ...] = (
+    _p(
+        "gpu_freq",
+        "FLOAT",
+        "MHz",
+        "current GPU frequency (devfreq)",
+        "/sys/class/devfreq/<gpu>/cur_freq (Hz)",
+        prom_name="gpu_frequency_hertz",
+        prom_scale=1e6,
+        minimum="0",
+        collect_cycle_ms=1_000,
+        source="jetson",
+    ),
+    _p(
+        "gpu_min_freq",
+        "FLOAT",
+        "MHz",
+        "lower end of the GPU's devfreq range; a desired value snaps up to the next available frequency",
+        "/sys/class/devfreq/<gpu>/min_freq (Hz)",
+        nvml_write="write /sys/class/devfreq/<gpu>/min_freq (Hz, root)",
+        prom_name="gpu_frequency_min_hertz",
+        prom_scale=1e6,
+        minimum="0",
+        collect_cycle_ms=5_000,
+        source="jetson",
+    ),
+    _p(
+        "gpu_max_freq",
+        "FLOAT",
+        "MHz",
+        "upper end of the GPU's devfreq range; a desired value snaps down to the next available frequency",
+        "/sys/class/devfreq/<gpu>/max_freq (Hz)",
+        nvml_write="write /sys/class/devfreq/<gpu>/max_freq (Hz, root)",
+        prom_name="gpu_frequency_max_hertz",
+        prom_scale=1e6,
+        minimum="0",
+        collect_cycle_ms=5_000,
+        source="jetson",
+    ),
+    _p(
+        "gpu_available_freqs",
+        "STRING",
+        "MHz",
+        "the GPU frequencies devfreq offers, lowest first, comma separated",
+        "/sys/class/devfreq/<gpu>/available_frequencies (Hz)",
+        collect_cycle_ms=60_000,
+        source="jetson",
+    ),
+    _p(
+        "emc_freq",
+        "FLOAT",
+        "MHz",
+        "external memory controller frequency (needs debugfs, root)",
+        "/sys/kernel/debug/bpmp/debug/clk/emc/rate (Hz)",
+        prom_name="gpu_emc_frequency_hertz",
+        prom_scale=1e6,
+        minimum="0",
+        collect_cycle_ms=5_000,
+        source="jetson",
+    ),
+    _p(
+        "temperature_cpu",
+        "INT",
+        "celsius",
+        "CPU cluster temperature (thermal zone cpu-thermal / CPU-therm)",
+        "/sys/devices/virtual/thermal/thermal_zone*/temp (millidegrees)",
+        prom_name="gpu_cpu_temperature_celsius",
+        minimum="0",
+        maximum="120",
+        collect_cycle_ms=1_000,
+        source="jetson",
+    ),
+    _p(
+        "temperature_tj",
+        "INT",
+        "celsius",
+        "junction temperature (tj-thermal; without that zone the hottest online zone)",
+        "/sys/devices/virtual/thermal/thermal_zone*/temp (millidegrees)",
+        prom_name="gpu_tj_temperature_celsius",
+        minimum="0",
+        maximum="120",
+        collect_cycle_ms=1_000,
+        source="jetson",
+    ),
+    _p(
+        "power_gpu_rail",
+        "FLOAT",
+        "W",
+        "power of the INA3221 rail that feeds the GPU (VDD_GPU_SOC, VDD_CPU_GPU_CV, GPU)",
+        "/sys/bus/i2c/devices/*/hwmon/hwmon*/in<N>_input x curr<N>_input (mV x mA)",
+        prom_name="gpu_rail_power_watts",
+        minimum="0",
+        collect_cycle_ms=1_000,
+        source="jetson",
+    ),
+    _p(
+        "energy_gpu_rail",
+        "FLOAT",
+        "J",
+        "energy of the GPU rail since the mapper started, integrated from its samples",
+        "integral of power_gpu_rail",
+        prom_name="gpu_rail_energy_joules_total",
+        prom_type="counter",
+        minimum="0",
+        collect_cycle_ms=1_000,
+        source="jetson",
+    ),
+    _p(
+        "power_rails",
+        "STRING",
+        "W",
+        "every monitored rail's power, LABEL:watts comma separated",
+        "/sys/bus/i2c/devices/*/hwmon/hwmon*/in<N>_label, in<N>_input, curr<N>_input",
+        collect_cycle_ms=5_000,
+        source="jetson",
+    ),
+    _p(
+        "shared_memory_used",
+        "INT",
+        "bytes",
+        "RAM in use, which the CPU and the GPU share (MemTotal - MemAvailable)",
+        "/proc/meminfo",
+        prom_name="gpu_shared_memory_used_bytes",
+        minimum="0",
+        collect_cycle_ms=1_000,
+        source="jetson",
+    ),
+    _p(
+        "shared_memory_total",
+        "INT",
+        "bytes",
+        "RAM the CPU and the GPU share (MemTotal)",
+        "/proc/meminfo",
+        prom_name="gpu_shared_memory_total_bytes",
+        minimum="0",
+        collect_cycle_ms=60_000,
+        source="jetson",
+    ),
+    _p(
+        "power_mode",
+        "INT",
+        "",
+        "nvpmodel power mode id (modes in /etc/nvpmodel.conf); one that needs a reboot is refused unless allowed",
+        "/var/lib/nvpmodel/status (pmode:NNNN)",
+        nvml_write="nvpmodel -m <id> (root)",
+        prom_name="gpu_power_mode",
+        minimum="0",
+        collect_cycle_ms=10_000,
+        source="jetson",
+    ),
+    _p(
+        "power_mode_name",
+        "STRING",
+        "",
+        "name of the nvpmodel power mode in force (MAXN, MODE_30W, ...)",
+        "/etc/nvpmodel.conf (< POWER_MODEL ID=.. NAME=.. >)",
+        collect_cycle_ms=10_000,
+        source="jetson",
+    ),
+)
 
 PROPERTIES: tuple[PropertySpec, ...] = (
     # --- identity -------------------------------------------------------------------------------
@@ -545,12 +712,42 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         collect_cycle_ms=1_000,
         source="mapper",
     ),
+    *_JETSON,
 )
 
 PROPERTY_BY_NAME: Mapping[str, PropertySpec] = {p.name: p for p in PROPERTIES}
 WRITABLE: tuple[str, ...] = tuple(p.name for p in PROPERTIES if p.writable)
-#: Properties the GPU backend reads (everything but the mapper's own status twins).
+#: Properties the NVML backend reads (everything but the mapper's own status twins and the Jetson-only ones).
 NVML_PROPERTIES: tuple[PropertySpec, ...] = tuple(p for p in PROPERTIES if p.source == "nvml")
+#: NVML-family properties a Jetson reads too (from sysfs), with the same name, unit and meaning: the board model
+#: is ``product_name``, GPU load is ``utilization_gpu``, the module input rail (VDD_IN) is ``power_usage``.
+JETSON_SHARED: tuple[str, ...] = (
+    "uuid",
+    "product_name",
+    "utilization_gpu",
+    "temperature",
+    "temperature_slowdown",
+    "temperature_shutdown",
+    "power_usage",
+    "energy_consumption",
+)
+#: Properties the Jetson backend reads, in catalog order.
+JETSON_PROPERTIES: tuple[PropertySpec, ...] = tuple(
+    p for p in PROPERTIES if p.source == "jetson" or p.name in JETSON_SHARED
+)
+#: GPU families (``GpuInfo.family``) and the properties each one's backend reads.
+BACKEND_PROPERTIES: Mapping[str, tuple[PropertySpec, ...]] = {"nvml": NVML_PROPERTIES, "jetson": JETSON_PROPERTIES}
+
+
+def family_properties(family: str) -> tuple[PropertySpec, ...]:
+    """Every catalog property a GPU of ``family`` has (what its backend reads and the mapper's status twins), in
+    catalog order: what its DeviceModel lists. Raises ``ValueError`` for an unknown family."""
+    read = BACKEND_PROPERTIES.get(family)
+    if read is None:
+        raise ValueError(f"unknown GPU family {family!r} (known: {', '.join(BACKEND_PROPERTIES)})")
+    names = {p.name for p in read}
+    return tuple(p for p in PROPERTIES if p.name in names or p.source == "mapper")
+
 
 #: Writable properties that NVML sets together, as (min, max) pairs.
 CLOCK_PAIRS: Mapping[str, tuple[str, str]] = {
@@ -575,6 +772,8 @@ class GpuInfo:
     serial: str = ""
     driver_version: str = ""
     architecture: str = ""
+    #: Which backend family serves it (``BACKEND_PROPERTIES``): ``nvml`` or ``jetson``.
+    family: str = "nvml"
 
 
 @dataclass(frozen=True)
@@ -601,6 +800,14 @@ class Constraints:
     graphics_clocks_mhz: tuple[int, ...] = ()
     #: Writable properties this GPU cannot set (learnt from NotSupported), by name.
     unsupported: frozenset[str] = frozenset()
+    #: Jetson: the GPU frequencies devfreq offers (MHz), lowest first; empty elsewhere.
+    gpu_freqs_mhz: tuple[float, ...] = ()
+    #: Jetson: the nvpmodel power modes as (id, name), by id; empty elsewhere.
+    power_modes: tuple[tuple[int, str], ...] = ()
+    #: Jetson: the devfreq range (MHz) the power mode in force sets (what a removed desired range returns to).
+    gpu_freq_default_mhz: tuple[float, float] | None = None
+    #: Jetson: nvpmodel.conf's default power mode (what a removed desired mode returns to with restore_modes).
+    power_mode_default: int | None = None
 
 
 @dataclass(frozen=True)
@@ -684,6 +891,20 @@ class GpuBackend(Protocol):
     def set_persistence_mode(self, uuid: str, enabled: bool) -> None: ...
     def set_compute_mode(self, uuid: str, mode: str) -> None: ...
     def poll_events(self) -> list[GpuEvent]: ...
+
+
+class FrequencyActuator(Protocol):
+    """What a backend offers where the GPU is governed by a devfreq range and power modes instead of a power cap
+    (``mapper.gpu.jetson.JetsonBackend``). Blocking, bounded, raises only ``mapper.errors`` types."""
+
+    def set_gpu_freq_range(self, uuid: str, min_mhz: float, max_mhz: float) -> tuple[float, float]:
+        """Set the GPU's devfreq range to two of ``Constraints.gpu_freqs_mhz``; the (min, max) read back."""
+        ...
+
+    def set_power_mode(self, uuid: str, mode_id: int) -> None:
+        """Switch to nvpmodel mode ``mode_id``; ``PermanentError(reason="needs-reboot")`` where that needs a
+        reboot the backend may not do."""
+        ...
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,8 +7,11 @@ the read-back values to know what is really in force, and returns statuses, outc
 records for every status change. Every cycle compares again, so drift (driver reload, GPU reset, another tool)
 is re-applied within one cycle and counted.
 
-Action groups: the power limit, the two locked-clock *pairs* (min and max are one NVML call) and the two modes.
-Counters and the ``desired_status`` twin use the group names; statuses and acks are per property.
+Action groups: the power limit, the two locked-clock *pairs* (min and max are one NVML call) and the two modes;
+on a Jetson the devfreq range (``gpu_min_freq`` / ``gpu_max_freq``, one ``set_gpu_freq_range`` call: values snap
+to the frequencies the GPU offers, the maximum down and the minimum up) and the nvpmodel ``power_mode``, set
+through the backend's ``FrequencyActuator`` methods. Counters and the ``desired_status`` twin use the group names;
+statuses and acks are per property.
 
 No I/O here: the backend is the ``mapper.model.GpuBackend`` Protocol and time comes from an injected ``Clock``.
 """
@@ -73,13 +76,20 @@ GROUPS: Mapping[str, tuple[str, ...]] = {
     "locked_memory_clocks": ("locked_memory_clock_min", "locked_memory_clock_max"),
     "persistence_mode": ("persistence_mode",),
     "compute_mode": ("compute_mode",),
+    "power_mode": ("power_mode",),
+    "gpu_freq_range": ("gpu_min_freq", "gpu_max_freq"),
 }
+#: What to read back after a group was set, where it changes more than its own properties (nvpmodel sets the
+#: mode's devfreq range).
+_READ_BACK: Mapping[str, tuple[str, ...]] = {"power_mode": ("power_mode", "gpu_min_freq", "gpu_max_freq")}
 _GROUP_OF: Mapping[str, str] = {prop: group for group, props in GROUPS.items() for prop in props}
 #: The properties a desired value can set, in catalog order (the order acks go out in).
 _WRITABLE_IN_ORDER = tuple(p for p in PROPERTY_BY_NAME if p in _GROUP_OF)
 
 #: NVML keeps power limits in mW; a read-back within this many watts of the target is the target.
 POWER_TOLERANCE_W = 0.0011
+#: Devfreq keeps Hz; a frequency within this many MHz of the target is the target.
+FREQ_TOLERANCE_MHZ = 0.001
 
 Result = Literal["applied", "pending", "rejected", "overridden"]
 _TAG_UNSAFE = re.compile(r"[^a-zA-Z0-9_.]+")
@@ -186,6 +196,11 @@ def _same(group: str, observed: tuple[Value | None, ...], target: tuple[Value, .
         return str(observed[0]) == str(target[0])
     if group == "persistence_mode":
         return bool(observed[0]) == bool(target[0])
+    if group == "gpu_freq_range":
+        return all(
+            isinstance(o, int | float) and abs(float(o) - float(t)) <= FREQ_TOLERANCE_MHZ
+            for o, t in zip(observed, target, strict=True)
+        )
     return tuple(int(v) for v in observed if v is not None) == tuple(int(v) for v in target)
 
 
@@ -301,7 +316,127 @@ def plan(
         add_target(target)
         statuses[group] = Status("applied" if in_force(target) else "pending")
 
+    # --- Jetson: the power mode first (nvpmodel resets the devfreq range), then the range -------------
+    _plan_power_mode(desired, constraints, restore_set, restore_modes, statuses, add_target, in_force, restored)
+    _plan_freq_range(desired, constraints, clamp, restore_set, statuses, add_target, in_force, restored)
+    range_target = targets.get("gpu_freq_range")
+    groups_acting = {a.group for a in actions}
+    if range_target is not None and "power_mode" in groups_acting and "gpu_freq_range" not in groups_acting:
+        # nvpmodel sets the mode's own devfreq range: a range in force now is set again after the switch.
+        actions.append(Action("gpu_freq_range", "set", range_target.value, range_target.origin))
+
     return Plan(tuple(actions), statuses, targets, frozenset(restored))
+
+
+def _plan_power_mode(
+    desired: Mapping[str, DesiredValue],
+    constraints: Constraints,
+    restore: set[str],
+    restore_modes: bool,
+    statuses: dict[str, Status],
+    add_target: Callable[[Target], None],
+    in_force: Callable[[Target], bool],
+    restored: set[str],
+) -> None:
+    prop = "power_mode"
+    d = desired.get(prop)
+    modes = dict(constraints.power_modes)
+    if d is None:
+        if prop in restore:
+            default = constraints.power_mode_default
+            if restore_modes and default is not None and prop not in constraints.unsupported:
+                target = Target(prop, (default,), "default")
+                add_target(target)
+                if in_force(target):
+                    restored.add(prop)
+            else:
+                restored.add(prop)
+        return
+    if not d.valid or isinstance(d.value, str | bool) or d.value is None:
+        statuses[prop] = Status("rejected", d.reason or "wrong-type")
+        return
+    if not modes or prop in constraints.unsupported:
+        statuses[prop] = Status("rejected", "not-supported")
+        return
+    mode = int(d.value)
+    if mode not in modes:
+        statuses[prop] = Status("rejected", "unknown-value")
+        return
+    target = Target(prop, (mode,), "desired")
+    add_target(target)
+    statuses[prop] = Status("applied" if in_force(target) else "pending")
+
+
+def _snap(value: float, allowed: tuple[float, ...], down: bool) -> float | None:
+    """The allowed frequency at or below (``down``) / at or above ``value``; None when there is none."""
+    if down:
+        below = [a for a in allowed if a <= value + FREQ_TOLERANCE_MHZ]
+        return max(below) if below else None
+    above = [a for a in allowed if a >= value - FREQ_TOLERANCE_MHZ]
+    return min(above) if above else None
+
+
+def _plan_freq_range(
+    desired: Mapping[str, DesiredValue],
+    constraints: Constraints,
+    clamp: bool,
+    restore: set[str],
+    statuses: dict[str, Status],
+    add_target: Callable[[Target], None],
+    in_force: Callable[[Target], bool],
+    restored: set[str],
+) -> None:
+    group = "gpu_freq_range"
+    min_prop, max_prop = GROUPS[group]
+    d_min, d_max = desired.get(min_prop), desired.get(max_prop)
+    allowed = tuple(sorted(constraints.gpu_freqs_mhz))
+    default = constraints.gpu_freq_default_mhz or ((allowed[0], allowed[-1]) if allowed else None)
+    if d_min is None and d_max is None:
+        asked = restore & {min_prop, max_prop}
+        if asked:
+            if default is None or group_unsupported(constraints, group):
+                restored |= asked
+            else:
+                target = Target(group, (float(default[0]), float(default[1])), "default")
+                add_target(target)
+                if in_force(target):
+                    restored |= asked
+        return
+    present = {d.prop: d for d in (d_min, d_max) if d is not None}
+
+    def reject(reason: str) -> None:
+        for prop in present:
+            statuses[prop] = Status("rejected", reason)
+
+    bad = {prop: d.reason or "wrong-type" for prop, d in present.items() if not d.valid}
+    if bad:  # a bad side carries its own reason; the other cannot apply alone and shows the same
+        first = next(iter(bad.values()))
+        for prop in present:
+            statuses[prop] = Status("rejected", bad.get(prop, first))
+        return
+    if not allowed or default is None or group_unsupported(constraints, group):
+        reject("not-supported")
+        return
+    clamped = False
+    lo_want = float(d_min.value) if d_min is not None else default[0]  # type: ignore[arg-type]
+    hi_want = float(d_max.value) if d_max is not None else default[1]  # type: ignore[arg-type]
+    lo = _snap(lo_want, allowed, down=False)  # the minimum snaps up, the maximum down: never outside the ask
+    hi = _snap(hi_want, allowed, down=True)
+    if lo is None or hi is None:
+        if not clamp:
+            reject("out-of-range")
+            return
+        lo = allowed[-1] if lo is None else lo
+        hi = allowed[0] if hi is None else hi
+        clamped = True
+    if lo > hi:
+        reject("out-of-range")
+        return
+    target = Target(group, (lo, hi), "desired", clamped=clamped)
+    add_target(target)
+    status = Status("applied" if in_force(target) else "pending", "clamped" if clamped else "")
+    for prop in present:
+        statuses[prop] = status
 
 
 def _plan_power(
@@ -941,6 +1076,13 @@ class Reconciler:
         elif group == "compute_mode":
             self.backend.set_compute_mode(uuid, str(value[0]))
             self._last_set["compute_mode"] = str(value[0])
+        elif group == "gpu_freq_range":
+            lo, hi = _actuator(self.backend, "set_gpu_freq_range", uuid)(uuid, float(value[0]), float(value[1]))
+            self._last_set["gpu_min_freq"], self._last_set["gpu_max_freq"] = float(lo), float(hi)
+        elif group == "power_mode":
+            _actuator(self.backend, "set_power_mode", uuid)(uuid, int(value[0]))
+            self._last_set["power_mode"] = int(value[0])
+            self._constraints = None  # the mode's devfreq range (a removed range's default) changed with it
         else:  # pragma: no cover - plan only emits the groups above
             raise ValueError(f"unknown action group {group!r}")
 
@@ -951,7 +1093,7 @@ class Reconciler:
         self._last_set[max_prop] = int(hi)
 
     def _read_back(self, observed: dict[str, Value], applied: list[ActionOutcome]) -> dict[str, Value]:
-        props = [p for out in applied for p in GROUPS[out.action.group]]
+        props = [p for out in applied for p in _READ_BACK.get(out.action.group, GROUPS[out.action.group])]
         merged = dict(observed)
         for prop in props:  # the setter's word first, the GPU's reading (when there is one) over it
             if prop in self._last_set:
@@ -1013,6 +1155,14 @@ class Reconciler:
                 )
             )
         return acks
+
+
+def _actuator(backend: GpuBackend, name: str, uuid: str) -> Callable[..., Any]:
+    """The backend's ``FrequencyActuator`` method ``name``; ``UnsupportedError`` where it offers none (NVML)."""
+    method = getattr(backend, name, None)
+    if method is None:
+        raise UnsupportedError(f"GPU {uuid}: its backend cannot {name.removeprefix('set_').replace('_', ' ')}")
+    return method
 
 
 def _json_scalar(raw: Value) -> Value | None:

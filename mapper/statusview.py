@@ -57,7 +57,7 @@ def _gpu_row(g: GpuSnapshot) -> list[str]:
     mem = "-"
     if isinstance(used, int | float) and isinstance(total, int | float) and total:
         mem = f"{used / 2**30:.1f}/{total / 2**30:.0f} GiB"
-    sm = _unit(g.value("clock_sm"), " MHz")
+    sm = _unit(g.value("clock_sm") if g.value("clock_sm") is not None else g.value("gpu_freq"), " MHz")  # Jetson
     state = g.state + " (no sample yet)" if g.sample is None else g.state
     return [
         device,
@@ -162,7 +162,8 @@ def console_table(node: str, workers: Iterable[GpuWorker], *, buffer_batches: in
         name = worker.device.name if worker.device is not None else worker.uuid[:22]
         lines.append(
             f"{name:<22} {num(v, 'power_usage', 1):>9} {num(v, 'power_limit'):>6} {num(v, 'temperature'):>6} "
-            f"{num(v, 'utilization_gpu'):>6} {num(v, 'clock_sm'):>6} {num(v, 'clock_memory'):>7}  {worker.state:<9} "
+            f"{num(v, 'utilization_gpu'):>6} {num(v, 'clock_sm' if 'clock_sm' in v else 'gpu_freq'):>6} "
+            f"{num(v, 'clock_memory' if 'clock_memory' in v else 'emc_freq'):>7}  {worker.state:<9} "
             f"{worker.policy_state} {worker.desired_status}".rstrip()
         )
     return "\n".join(lines) + "\n\n"

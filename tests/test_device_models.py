@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from mapper.devicefiles import load_folder
-from mapper.discover import model_doc, model_yaml
-from mapper.model import PROPERTIES, PROPERTY_BY_NAME, TWIN_KEY_RE, TWIN_VALUE_RE, parse_value
+from mapper.discover import FAMILY_MODELS, model_doc, model_yaml
+from mapper.model import PROPERTY_BY_NAME, TWIN_KEY_RE, TWIN_VALUE_RE, family_properties, parse_value
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = (REPO / ".." / "shared").resolve()
@@ -123,10 +123,11 @@ def generator() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_the_committed_device_model_is_what_the_catalog_generates() -> None:
-    committed = (REPO / "device-models" / "nvidia-gpu.yaml").read_text()
-    assert committed == model_yaml(), (
-        "device-models/nvidia-gpu.yaml and mapper/model.py PROPERTIES disagree: "
+@pytest.mark.parametrize("model", sorted(FAMILY_MODELS.values()))
+def test_the_committed_device_model_is_what_the_catalog_generates(model: str) -> None:
+    committed = (REPO / "device-models" / f"{model}.yaml").read_text()
+    assert committed == model_yaml(name=model), (
+        f"device-models/{model}.yaml and mapper/model.py PROPERTIES disagree: "
         "run .venv/bin/python device-models/generate.py"
     )
 
@@ -136,11 +137,12 @@ def test_every_generated_file_under_device_models_is_up_to_date() -> None:
         assert path.read_text() == text, f"{path} is stale: run .venv/bin/python device-models/generate.py"
 
 
-def test_the_model_lists_every_catalog_property_with_its_type_access_unit_and_range() -> None:
-    doc = next(yaml_docs(REPO / "device-models" / "nvidia-gpu.yaml"))
+@pytest.mark.parametrize(("family", "model"), sorted(FAMILY_MODELS.items()))
+def test_the_model_lists_every_catalog_property_with_its_type_access_unit_and_range(family: str, model: str) -> None:
+    doc = next(yaml_docs(REPO / "device-models" / f"{model}.yaml"))
     by_name = {p["name"]: p for p in doc["spec"]["properties"]}
-    assert list(by_name) == [p.name for p in PROPERTIES]
-    for spec in PROPERTIES:
+    assert list(by_name) == [p.name for p in family_properties(family)]
+    for spec in family_properties(family):
         p = by_name[spec.name]
         assert p["type"] == spec.ptype
         assert p["accessMode"] == spec.access
@@ -165,6 +167,15 @@ def test_the_model_names_the_required_read_write_properties() -> None:
         "persistence_mode",
         "compute_mode",
     }
+
+
+def test_the_jetson_model_names_its_frequency_range_and_power_mode_as_read_write_and_no_nvml_setter() -> None:
+    doc = model_doc(name="nvidia-jetson")
+    names = [p["name"] for p in doc["spec"]["properties"]]
+    rw = {p["name"] for p in doc["spec"]["properties"] if p["accessMode"] == "ReadWrite"}
+    assert rw == {"gpu_min_freq", "gpu_max_freq", "power_mode"}
+    assert {"utilization_gpu", "temperature", "power_usage", "desired_status", "policy_state"} <= set(names)
+    assert "power_limit" not in names and "fan_speed" not in names
 
 
 @needs_crds

@@ -1,0 +1,106 @@
+"""Choosing the GPU backend family (part of the composition root, next to ``mapper.app.build_backend``).
+
+``settings.backend``: ``nvml``; ``jetson``; ``auto`` (the default): NVML where it initialises, else a Jetson's
+sysfs where a Tegra GPU is found under ``jetson.root``, else NVML (whose start-up error says what is missing).
+With ``--sim N`` the simulator's profile decides: a Jetson profile (orin-agx, xavier-agx, orin-nano) builds a
+simulated sysfs tree and runs the real ``JetsonBackend`` over it, any other profile is a simulated NVML.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mapper.clock import Clock, SystemClock
+from mapper.config import Settings
+from mapper.errors import ConfigError
+from mapper.gpu.jetson import JetsonBackend, tegra_gpu_present
+from mapper.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
+
+log = logging.getLogger(__name__)
+
+
+def wants_jetson(settings: Settings) -> bool:
+    """True when this mapper serves a Jetson (see the module docstring)."""
+    if settings.sim:
+        if settings.backend == "nvml" and is_jetson_profile(settings.sim_profile):
+            raise ConfigError(f"sim.profile: {settings.sim_profile} is a Jetson profile, but backend is nvml")
+        if settings.backend == "jetson" and not is_jetson_profile(settings.sim_profile):
+            raise ConfigError(
+                f"sim.profile: {settings.sim_profile} is an NVML profile, but backend is jetson "
+                "(Jetson profiles: orin-agx, xavier-agx, orin-nano)"
+            )
+        return is_jetson_profile(settings.sim_profile)
+    if settings.backend != "auto":
+        return settings.backend == "jetson"
+    if not tegra_gpu_present(settings.jetson_root):
+        return False
+    if _nvml_starts():
+        log.info("a Tegra GPU is here, but NVML initialises: using NVML (backend: jetson to read sysfs instead)")
+        return False
+    log.info("NVML does not initialise and a Tegra GPU is under %s: using the Jetson backend", settings.jetson_root)
+    return True
+
+
+def _nvml_starts() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except Exception:  # any failure (no library, no driver, no device) means: not NVML
+        return False
+    return True
+
+
+class _SimulatedJetsonBackend(JetsonBackend):
+    """The Jetson backend over a simulated board; its shutdown also stops the board's physics (and removes a
+    temporary tree)."""
+
+    def __init__(self, sim: SimJetson, remove: bool, **kwargs: Any) -> None:
+        super().__init__(sim.root, **kwargs)
+        self._sim = sim
+        self._remove = remove
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._sim.stop()
+        if self._remove:
+            shutil.rmtree(self._sim.root, ignore_errors=True)
+
+
+def build_jetson_backend(settings: Settings, clock: Clock | None = None, *, one_shot: bool = False) -> JetsonBackend:
+    """The Jetson backend over ``jetson.root`` or, with ``--sim``, over a simulated board whose tree lies in
+    ``<data dir>/sim-jetson`` (a temporary directory for one-shot commands or when the data dir cannot be made)."""
+    clock = clock or SystemClock()
+    options: dict[str, Any] = {"allow_reboot": settings.jetson_allow_reboot, "clock": clock}
+    if not settings.sim:
+        return JetsonBackend(settings.jetson_root, nvpmodel=settings.jetson_nvpmodel.split(), **options)
+    if settings.sim != 1:
+        raise ConfigError(f"sim.count: a Jetson has one GPU, got {settings.sim} with profile {settings.sim_profile}")
+    root: Path | None = None
+    if not one_shot:
+        try:
+            root = Path(settings.data_dir) / "sim-jetson"
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("cannot use %s for the simulated Jetson (%s): a temporary directory instead", root, exc)
+            root = None
+    remove = root is None
+    if root is None:
+        root = Path(tempfile.mkdtemp(prefix="gpu-mapper-sim-jetson-"))
+    sim = SimJetson.create(
+        root,
+        settings.sim_profile,
+        scenario=settings.sim_scenario,
+        seed=settings.sim_seed,
+        clock=clock.monotonic,
+        # As on a board: only root may write the devfreq limits and run nvpmodel (reads work for anyone).
+        as_root=os.geteuid() == 0,
+    )
+    sim.start()
+    return _SimulatedJetsonBackend(sim, remove, nvpmodel=nvpmodel_command(root), **options)
