@@ -23,7 +23,7 @@ from mapper.clock import Clock, SystemClock
 from mapper.collect import Collector, GpuWorker, TickResult
 from mapper.compact import CompactionSettings, Compactor
 from mapper.config import Settings
-from mapper.datadir import prepare_data_dir
+from mapper.datadir import require_data_dir
 from mapper.devicefiles import watch_folder
 from mapper.doorlimit import InboundLimiter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
@@ -168,12 +168,7 @@ class MapperApp:
     # start-up and shutdown
     # ==============================================================================================
     async def start(self) -> None:
-        try:
-            prepare_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
-        except OSError as exc:
-            raise PermanentError(f"data dir {self.data_dir}: cannot create or use it ({exc.strerror or exc})") from exc
-        if not self.data_dir.is_dir():
-            raise PermanentError(f"data dir {self.data_dir}: not a directory")
+        require_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
         await self._init_nvml()
         self.buffer = Buffer(
             self.data_dir / "telemetry.db",
@@ -245,7 +240,8 @@ class MapperApp:
                 clock=self.clock,
                 on_registered=self.bindings.on_registered,
             )
-            self.dmi_reporter = DmiReporter(self.dmi_client, clock=self.clock)
+            # A token per GPU kept for prompt reports (one Device per GPU may change at once).
+            self.dmi_reporter = DmiReporter(self.dmi_client, clock=self.clock, devices=len(self.workers))
             self.reporter.dmi = self.dmi_reporter
         made = (self.buffer, self.shipper, self.session, self.dmi_client, self.dmi_server)
         self.status.attach(self.driver_version, *made)

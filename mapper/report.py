@@ -225,6 +225,8 @@ class Reporter:
         key = device.key
         last = self._last_control.get(key)
         if last is None or not worker.stepped:  # nothing reported yet: the first report is on its way
+            if worker.stepped:
+                self.wake.set()  # (the report loop skipped the Device until this step: its first twins are due)
             return
         acks = result.reconcile.acks if result.reconcile is not None else ()
         events = result.decision.events if result.decision is not None else ()

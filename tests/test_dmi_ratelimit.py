@@ -111,6 +111,21 @@ def test_periodic_reports_leave_a_token_per_device_for_prompt_ones(fake_clock: F
     assert scheduler.pop_ready() == StateReport("default", "gpu0", "online")
 
 
+def test_the_reserve_is_one_token_per_gpu_from_the_start_and_at_most_the_burst_less_one(fake_clock: FakeClock) -> None:
+    bucket = TokenBucket(fake_clock, rate_per_s=0.8, burst=10)
+    scheduler = ReportScheduler(bucket, devices=8)
+    assert scheduler.reserve == 8, "before any offer: the first one must not spend the reserve"
+    scheduler.offer_status("default", "gpu0", [Twin("temperature", "", "40")])
+    scheduler.offer_status("default", "gpu1", [Twin("temperature", "", "40")])
+    assert scheduler.pop_ready() is not None and scheduler.pop_ready() is not None
+    assert scheduler.pop_ready() is None, "two periodic reports leave 8 tokens"
+    assert ReportScheduler(bucket, devices=20).reserve == 9
+    assert ReportScheduler(bucket, devices=0).reserve == 0
+    assert ReportScheduler(bucket).reserve == 0, "without a count: the devices offered for, none yet"
+    with pytest.raises(ValueError, match="devices must be >= 0"):
+        ReportScheduler(bucket, devices=-1)
+
+
 def test_a_periodic_report_waiting_long_enough_is_promoted_and_never_starves(fake_clock: FakeClock) -> None:
     bucket = TokenBucket(fake_clock, rate_per_s=1.0, burst=3)
     scheduler = ReportScheduler(bucket, reserve=2, promote_after_s=30.0)

@@ -161,6 +161,29 @@ async def test_nothing_is_reported_before_the_first_sample(rig: Rig) -> None:
     assert len(rig.sink.statuses) == 1
 
 
+async def test_a_gpu_stepped_before_its_device_was_bound_reports_after_a_step_with_it_and_at_once(rig: Rig) -> None:
+    """Start-up: the GPUs step unbound until EdgeCore's Devices arrive. A Device's first twins wait for a step
+    with it bound (its desired values reconciled, not the unbound step's ``none``), and that step wakes the
+    report loop at once instead of leaving them to its idle wait."""
+    worker = next(iter(rig.workers.values()))
+    await worker.tick()
+    assert worker.stepped and worker.desired_status == "none"
+    device = gpu_device("gpu0", worker.uuid)
+    worker.desired.set("power_limit", "450", "cloud", rig.clock.wall_ms())
+    worker.bind(device)
+    rig.reporter.bound(device)
+    assert not worker.stepped, "a new binding waits for a step with it"
+    rig.reporter.report_due()
+    assert rig.sink.statuses == []
+    rig.reporter.wake.clear()
+    rig.reporter.after_step(worker, await worker.tick())
+    assert rig.reporter.wake.is_set(), "the step wakes the report loop"
+    rig.reporter.report_due()
+    [(_, _, twins)] = rig.sink.statuses
+    assert twins["power_limit"] == ("450", "450") and "power_limit:applied" in twins["desired_status"][1]
+    assert rig.sink.status_prompt == [False], "start-up's first report is periodic"
+
+
 async def test_no_twins_go_out_between_a_steps_sample_and_its_reconcile(rig: Rig) -> None:
     """The first step samples, then reads the GPU's constraints on the NVML thread before it reconciles: a
     report pass in that gap would send ``desired_status`` empty. Twins wait for the whole step."""

@@ -371,10 +371,12 @@ class DmiReporter:
         idle_poll_s: float = 0.25,
         idle_wait_s: float = 5.0,
         reserve: int | None = None,
+        devices: int | None = None,
     ) -> None:
         self.client = client
-        #: ``reserve``: tokens the periodic reports leave for prompt ones (None: one per device, see ratelimit).
-        self.scheduler = ReportScheduler(client.bucket, reserve=reserve)
+        #: ``reserve``: tokens the periodic reports leave for prompt ones; None: one per device, ``devices`` of
+        #: them (one per GPU of the node) or those offered for so far (see ``mapper.dmi.ratelimit``).
+        self.scheduler = ReportScheduler(client.bucket, reserve=reserve, devices=devices)
         self._clock: Clock = clock or client._clock
         #: How often ``run`` looks again while not registered (reports wait for the registration).
         self.idle_poll_s = idle_poll_s

@@ -135,19 +135,28 @@ class SchedulerStats:
 class ReportScheduler:
     """Latest-value-per-device queue in front of a ``TokenBucket``.
 
-    ``reserve``: tokens periodic reports leave in the bucket; None (the default): one per device offered for
-    (until it is forgotten), at most ``burst - 1``. ``promote_after_s``: a periodic report pending this long
-    counts as prompt."""
+    ``reserve``: tokens periodic reports leave in the bucket; None (the default): one per device, at most
+    ``burst - 1``, the devices being ``devices`` (how many may report promptly at once: one per GPU of the node)
+    or, when that is None too, those offered for so far and not forgotten. ``promote_after_s``: a periodic
+    report pending this long counts as prompt."""
 
     def __init__(
-        self, bucket: TokenBucket, *, reserve: int | None = None, promote_after_s: float = PROMOTE_AFTER_S
+        self,
+        bucket: TokenBucket,
+        *,
+        reserve: int | None = None,
+        devices: int | None = None,
+        promote_after_s: float = PROMOTE_AFTER_S,
     ) -> None:
         if reserve is not None and not 0 <= reserve < bucket.burst:
             raise ValueError(f"reserve must be in 0..{bucket.burst - 1} (burst - 1), got {reserve}")
+        if devices is not None and devices < 0:
+            raise ValueError(f"devices must be >= 0, got {devices}")
         if promote_after_s <= 0:
             raise ValueError(f"promote_after_s must be > 0, got {promote_after_s}")
         self.bucket = bucket
         self.reserve_tokens = reserve
+        self.devices = devices
         self.promote_after_s = promote_after_s
         self._clock = bucket.clock
         self._status: OrderedDict[str, StatusReport] = OrderedDict()
@@ -161,7 +170,8 @@ class ReportScheduler:
         """The tokens periodic reports leave in the bucket now."""
         if self.reserve_tokens is not None:
             return self.reserve_tokens
-        return min(len(self._devices), self.bucket.burst - 1)
+        devices = self.devices if self.devices is not None else len(self._devices)
+        return min(devices, self.bucket.burst - 1)
 
     # --- offers ---------------------------------------------------------------------------------------
     def offer_status(self, namespace: str, name: str, twins: Iterable[Twin], *, prompt: bool = False) -> None:
