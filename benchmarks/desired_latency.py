@@ -34,7 +34,8 @@ every GPU has its desired 450 W (start-up's first twins and states are still bei
 burst of 10), the client changes all 8 Devices at once (8 UpdateDevice calls, a new channel each); per Device:
 its call sent -> the first ``ReportDeviceStatus`` with the new value seen by the test EdgeCore. Baseline in the
 same run, ``dmi_startup_reserve0``: the same with the DMI reporter's reserve for prompt reports set to 0, so
-start-up's reports may spend the whole budget first (how the mapper behaved before the reserve). Target: < 1 s.
+start-up's reports may spend the whole budget first (the reserve off; prompt reports still go first). Target:
+< 1 s.
 
 Live (``telemetry.live`` on, standalone, 8 GPUs at 1 s): every live message for ``--live-s`` seconds at a
 subscriber in the client process, latency from the sample's ``ts_ms`` (end of its NVML read; wall clock, 1 ms
