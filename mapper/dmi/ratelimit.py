@@ -12,7 +12,7 @@ is bounded by the number of devices.
 Prompt reports win where the budget is short. An offer is *prompt* (a change the cloud should see at once: a
 desired value applied, a policy override, a state change) or *periodic* (a report cycle, the first report
 after start-up). Periodic reports spend a token only while the bucket keeps ``reserve`` tokens after it: one
-per device it reports for, at most ``burst - 1`` (8 of 10 on a node with 8 GPUs), so that a change on every
+per GPU of the node, at most ``burst - 1`` (8 of 10 on a node with 8 GPUs), so that a change on every
 device at once still goes out in the same second right after start-up, when the first reports of every device
 would otherwise have emptied the bucket. Periodic reports are not fewer for it (the bucket refills at the same
 rate); start-up's first reports spread over more seconds. A prompt offer for a device with a periodic report
