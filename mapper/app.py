@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import logging
 import os
-import sys
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -23,15 +22,16 @@ from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
 from mapper.collect import Collector, GpuWorker, TickResult
 from mapper.compact import CompactionSettings, Compactor
-from mapper.config import Settings, read_file
-from mapper.datadir import prepare_data_dir
+from mapper.config import Settings
+from mapper.datadir import require_data_dir
 from mapper.devicefiles import watch_folder
 from mapper.doorlimit import InboundLimiter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.eventbus import DELTA_FILTER, membership_topic
 from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.nvml import NvmlBackend
-from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
+from mapper.housekeeping import Housekeeping
+from mapper.metrics import MetricsServer, write_status_file
 from mapper.model import GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions
 from mapper.policy import PolicyEngine, parse_policies
@@ -40,16 +40,8 @@ from mapper.reconcile import Reconciler
 from mapper.registry import Registry
 from mapper.report import Reporter
 from mapper.shipper import TelemetryShipper
-from mapper.stats import (
-    DurationHistogram,
-    LoopHeartbeat,
-    MapperSnapshot,
-    Readiness,
-    device_state_payload,
-    gpu_snapshot,
-    worker_totals,
-)
-from mapper.statusview import console_table
+from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness
+from mapper.status import StatusSource, run_console
 from mapper.store import DesiredStore
 from mapper.streams import TelemetryStreams
 
@@ -98,13 +90,6 @@ def build_backend(
     return NvmlBackend(nvml, clock=clock, one_shot=one_shot)
 
 
-def read_status(url: str | None = None, data_dir: str | None = None) -> MapperSnapshot:
-    """The snapshot of a running mapper (its HTTP /status), or the last one it wrote to its data directory."""
-    if data_dir is not None and url is None:
-        return read_status_file(data_dir)
-    return fetch_status(url or "http://127.0.0.1:9410")
-
-
 class MapperApp:
     """One mapper process: the GPUs of this node, their Devices, and every way in and out."""
 
@@ -142,8 +127,6 @@ class MapperApp:
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._beats: dict[str, LoopHeartbeat] = {}
-        self._collect_hist = DurationHistogram()
-        self._config_mtime = 0.0
         self.collector = Collector(
             self.workers,
             backend,
@@ -151,7 +134,7 @@ class MapperApp:
             on_step=self._after_tick,
             on_round=self.streams.store_round,
             beat=self._beat,
-            observe=self._observe_round,
+            observe=lambda duration_s: self.status.observe_round(duration_s),
             on_sample=self._live if settings.telemetry_live else None,
         )
         self.publisher = Publisher(
@@ -180,20 +163,20 @@ class MapperApp:
         self.inbound = InboundLimiter(
             "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock.monotonic
         )
-        #: How often the status file is written and the config file checked for changes. (Each round wakes the
-        #: loop and a thread; the status file is the offline fallback of ``gpu-mapper status``, /status is live.)
-        self.housekeeping_interval_s = 10.0
+        parts = (self.workers, self.collector, self.publisher, self.inbound, self.clock)
+        self.status = StatusSource(settings, __version__, *parts)
+        #: The status file and config reloads (its ``interval_s``: how often).
+        write_status = functools.partial(write_status_file, settings.data_dir)
+        overrides = self.bindings.policy_overrides
+        self.housekeeping = Housekeeping(
+            self.snapshot, write_status, settings.config_file, self.policies, overrides, self._beat
+        )
 
     # ==============================================================================================
     # start-up and shutdown
     # ==============================================================================================
     async def start(self) -> None:
-        try:
-            prepare_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
-        except OSError as exc:
-            raise PermanentError(f"data dir {self.data_dir}: cannot create or use it ({exc.strerror or exc})") from exc
-        if not self.data_dir.is_dir():
-            raise PermanentError(f"data dir {self.data_dir}: not a directory")
+        require_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
         await self._init_nvml()
         self.buffer = Buffer(
             self.data_dir / "telemetry.db",
@@ -212,7 +195,7 @@ class MapperApp:
                 self.reporter.eventbus = self.publisher.publish_soon
         self.shipper = TelemetryShipper(
             self.buffer,
-            self._publish_default,
+            self.publisher.publish_telemetry,
             node=self.node,
             clock=self.clock,
             rate_limit_bytes_per_s=self.settings.replay_rate_bytes_per_s,
@@ -221,7 +204,7 @@ class MapperApp:
         self.publisher.shipper = self.shipper
         self.streams.shipper = self.shipper
         self.reporter.device_state = self.shipper.update_state
-        self.reporter.state_snapshot = self._state_snapshot
+        self.reporter.state_snapshot = self.status.state_message
         if self.settings.buffer_compact_after_s > 0:
             try:
                 compaction = CompactionSettings(
@@ -266,8 +249,11 @@ class MapperApp:
                 clock=self.clock,
                 on_registered=self.bindings.on_registered,
             )
-            self.dmi_reporter = DmiReporter(self.dmi_client, clock=self.clock)
+            # A token per GPU kept for prompt reports (one Device per GPU may change at once).
+            self.dmi_reporter = DmiReporter(self.dmi_client, clock=self.clock, devices=len(self.workers))
             self.reporter.dmi = self.dmi_reporter
+        made = (self.buffer, self.shipper, self.session, self.dmi_client, self.dmi_server)
+        self.status.attach(self.driver_version, *made)
         self.metrics = MetricsServer(
             self.settings.metrics_addr,
             snapshot=self.snapshot,
@@ -344,7 +330,7 @@ class MapperApp:
             self._spawn("shipper", self._run_shipper())
         if self.compactor is not None:
             self._spawn("compactor", self.compactor.run())
-        self._spawn("housekeeping", self._housekeeping_loop())
+        self._spawn("housekeeping", self.housekeeping.run())
         if self.dmi_client is not None and self.dmi_reporter is not None:
             self._spawn("dmi-client", self.dmi_client.run())
             self._spawn("dmi-reporter", self.dmi_reporter.run())
@@ -354,7 +340,7 @@ class MapperApp:
                 watch_folder(self.settings.devices_dir, self.node, self.bindings.apply_folder, self._beat),
             )
         if self.settings.print_interval_s > 0:
-            self._spawn("console", self._console_loop(self.settings.print_interval_s))
+            self._spawn("console", run_console(self.status, self.settings.print_interval_s, self._beat))
         if on_started is not None:
             on_started()
         await stop.wait()
@@ -423,7 +409,7 @@ class MapperApp:
             await self.dmi_client.close()
         if self.metrics is not None:
             with contextlib.suppress(Exception):
-                write_status_file(self.settings.data_dir, self.snapshot())
+                self.housekeeping.write_status(self.snapshot())
             self.metrics.stop()
         if self.buffer is not None:
             self.buffer.close()
@@ -435,9 +421,6 @@ class MapperApp:
     # ==============================================================================================
     # the collector's steps: telemetry, acks and events, reports
     # ==============================================================================================
-    def _observe_round(self, duration_s: float) -> None:
-        self._collect_hist = self._collect_hist.observe(duration_s)
-
     def _live(self, worker: GpuWorker, sample: Sample) -> None:
         if worker.device is not None:
             self.publisher.publish_live(worker.device.key, sample)
@@ -472,13 +455,6 @@ class MapperApp:
             key_file=m.key_file,
         )
 
-    async def _publish_default(
-        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
-    ) -> None:
-        if self.session is None:
-            raise TransientError("no MQTT broker configured (--mqtt): telemetry stays in the buffer")
-        await self.session.publish(topic, payload, qos=qos, retain=retain, timeout_s=timeout_s)
-
     async def _publisher_for(self, address: str) -> Callable[..., Awaitable[None]]:
         """A property's ``pushMethod.mqtt.address``: its own long-lived session, made once."""
         new = address not in self.sessions
@@ -510,97 +486,8 @@ class MapperApp:
             nvml_initialised=self.nvml_ready, dmi_registered=registered, standalone=not self.settings.dmi_enabled
         )
 
-    def _state_snapshot(self, device_key: str, worker: GpuWorker) -> bytes:
-        """A device's retained state message: its latest values and its GPU's status (``device_state_payload``)."""
-        g = gpu_snapshot(worker, self.node, self.collector.xids.get(worker.uuid, {}))
-        return device_state_payload(device_key, g, driver_version=self.driver_version, at_ms=self.clock.wall_ms())
-
     def snapshot(self) -> MapperSnapshot:
-        xids = self.collector.xids
-        gpus = [gpu_snapshot(w, self.node, xids.get(w.uuid, {})) for w in self.workers.values()]
-        totals = worker_totals(self.workers.values())
-        dmi_rpcs: dict[tuple[str, str], int] = {}
-        for counts in (
-            self.dmi_client.rpc_counts if self.dmi_client else {},
-            self.dmi_server.rpc_counts if self.dmi_server else {},
-        ):
-            for method, results in counts.items():
-                for result, n in results.items():
-                    dmi_rpcs[(method, result)] = dmi_rpcs.get((method, result), 0) + n
-        buf = self.buffer.stats() if self.buffer is not None else None
-        ship = self.shipper.stats() if self.shipper is not None else None
-        return MapperSnapshot(
-            node=self.node,
-            taken_at_ms=self.clock.wall_ms(),
-            version=__version__,
-            mode="dmi" if self.settings.dmi_enabled else "standalone",
-            driver_version=self.driver_version,
-            gpus=tuple(gpus),
-            buffer_bytes=buf.bytes if buf else 0,
-            buffer_batches=buf.batches if buf else 0,
-            buffer_max_bytes=self.settings.buffer_max_bytes,
-            buffer_oldest_age_s=buf.oldest_age_s if buf else None,
-            buffer_drops=dict(buf.drops_by_reason) if buf else {},
-            replay_remaining_batches=ship.replay_remaining_batches if ship else 0,
-            telemetry_published_batches=ship.published_batches if ship else 0,
-            telemetry_published_bytes=ship.published_bytes if ship else 0,
-            mqtt_enabled=self.session is not None,
-            mqtt_connected=self.session.connected if self.session is not None else False,
-            mqtt_reconnects=self.session.reconnects if self.session is not None else 0,
-            mqtt_inbound_dropped=dict(self.inbound.dropped),
-            dmi_registered=self.dmi_client.registered if self.dmi_client is not None else False,
-            dmi_rpcs=dmi_rpcs,
-            reconcile_actions=totals.actions,
-            drift_reapplies=totals.drift,
-            desired_rejections=totals.rejections,
-            policy_overrides_active=totals.overrides,
-            policy_events=dict(self.publisher.policy_events),
-            collect_duration=self._collect_hist,
-            collect_errors=dict(self.collector.errors),
-        )
-
-    async def _housekeeping_loop(self) -> None:
-        """The status file for ``gpu-mapper status --data-dir``, and config reloads (policies)."""
-        while True:
-            self._beat("housekeeping", self.housekeeping_interval_s)
-            try:
-                await asyncio.to_thread(write_status_file, self.settings.data_dir, self.snapshot())
-            except (OSError, MapperError) as exc:
-                log.warning("could not write the status file: %s", exc)
-            self._maybe_reload_config()
-            await asyncio.sleep(self.housekeeping_interval_s)
-
-    def _maybe_reload_config(self) -> None:
-        path = self.settings.config_file
-        if not path:
-            return
-        try:
-            mtime = os.stat(path).st_mtime
-        except OSError:
-            return
-        if self._config_mtime == 0.0:
-            self._config_mtime = mtime
-            return
-        if mtime == self._config_mtime:
-            return
-        self._config_mtime = mtime
-        try:
-            data = read_file(path)
-            config = parse_policies(data.get("policies") or {})
-            self.policies.configure(config, self.bindings.policy_overrides())
-        except ConfigError as exc:
-            log.error("config %s changed but was refused; the previous policies stay: %s", path, exc)
-            return
-        log.info("config %s reloaded: policies %s", path, json.dumps(config.to_mapping()))
-
-    async def _console_loop(self, interval_s: float) -> None:
-        while True:
-            self._beat("console", interval_s)
-            mqtt = "off" if self.session is None else "up" if self.session.connected else "down"
-            batches = self.buffer.stats().batches if self.buffer is not None else 0
-            sys.stdout.write(console_table(self.node, self.workers.values(), buffer_batches=batches, mqtt=mqtt))
-            sys.stdout.flush()
-            await asyncio.sleep(interval_s)
+        return self.status.snapshot()
 
 
 async def run(settings: Settings, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:

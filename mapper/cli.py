@@ -352,7 +352,7 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from mapper.app import read_status
+    from mapper.metrics import read_status
 
     snapshot = read_status(url=args.url, data_dir=args.data_dir)
     if args.json:

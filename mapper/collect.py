@@ -87,8 +87,9 @@ class GpuWorker:
     desired_status: str = ""
     policy_state: str = "normal"
     statuses: dict[str, str] = field(default_factory=dict)
-    #: A step has finished with values: its twins are whole (``desired_status`` and ``policy_state`` set, not
-    #: only the sample). The reporter waits for it; a step is read by it between its awaits.
+    #: A step has finished with values since the last ``bind``: its twins are whole (``desired_status`` and
+    #: ``policy_state`` set for this Device, not only the sample). The reporter waits for it; a step is read by
+    #: it between its awaits.
     stepped: bool = False
     #: Properties this GPU cannot read: asked for and absent from the sample without an error (NVML answers
     #: NotSupported). One that is read again later (a driver upgrade; the backend asks again every few minutes)
@@ -195,6 +196,7 @@ class GpuWorker:
         self.device = device
         self._schedule = None
         self._due_at = []
+        self.stepped = False  # the twins of a new binding wait for a whole step with it
         self.wake()
 
     def wake(self) -> None:

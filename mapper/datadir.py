@@ -17,10 +17,24 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from mapper.errors import PermanentError
+
 log = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+
+
+def require_data_dir(path: Path, files: Iterable[str] = ()) -> list[str]:
+    """``prepare_data_dir`` for the mapper's start-up: ``PermanentError`` naming the directory when it cannot be
+    made or used, or is not a directory (a file in its place)."""
+    try:
+        problems = prepare_data_dir(path, files)
+    except OSError as exc:
+        raise PermanentError(f"data dir {path}: cannot create or use it ({exc.strerror or exc})") from exc
+    if not path.is_dir():
+        raise PermanentError(f"data dir {path}: not a directory")
+    return problems
 
 
 def prepare_data_dir(path: str | os.PathLike[str], files: Iterable[str] = ()) -> list[str]:

@@ -964,3 +964,10 @@ class BridgeMetricsServer(MetricsServer):
         if path == "/":
             return 200, _TEXT, b"gpu-mapper bridge: /metrics /healthz /readyz\n"
         return int(HTTPStatus.NOT_FOUND), _TEXT, f"not found: {path}\n".encode()
+
+
+def read_status(url: str | None = None, data_dir: str | None = None) -> MapperSnapshot:
+    """The snapshot of a running mapper (its HTTP /status), or the last one it wrote to its data directory."""
+    if data_dir is not None and url is None:
+        return read_status_file(data_dir)
+    return fetch_status(url or "http://127.0.0.1:9410")

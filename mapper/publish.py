@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol
 
 from mapper.clock import Clock
-from mapper.errors import MapperError
+from mapper.errors import MapperError, TransientError
 from mapper.model import Sample
 from mapper.policy import PolicyEvent
 from mapper.reconcile import Ack, ack_to_json
@@ -183,6 +183,14 @@ class Publisher:
             log.debug("live sample of %s not sent: %s", device_key, exc)
             return
         self.publish_soon(live_topic(self.node, device_key), payload, qos=0)
+
+    async def publish_telemetry(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
+    ) -> None:
+        """The shipper's publish on the default broker (resolves on PUBACK); ``TransientError`` without one."""
+        if self.session is None:
+            raise TransientError("no MQTT broker configured (--mqtt): telemetry stays in the buffer")
+        await self.session.publish(topic, payload, qos=qos, retain=retain, timeout_s=timeout_s)
 
     async def publish_offline(self, timeout_s: float = 2.0) -> None:
         """The retained ``offline`` status at shutdown (the last will covers a crash)."""

@@ -21,7 +21,11 @@ DMI reporter's rate-limited, coalescing queue) and EventBus (``twin/update`` / `
 
 The node-wide rate budget itself (a token bucket of 0.8 RPC/s, burst 10, under EdgeCore's 1/s, burst 100) is
 spent by the DMI reporter (``mapper.dmi.client.DmiReporter``), which keeps one pending report per Device and
-merges what is offered meanwhile: this module decides what is offered and when.
+merges what is offered meanwhile: this module decides what is offered and when, and marks the prompt offers
+(``prompt=True``: the prompt twins above, and a state that changed after the Device's first report). The DMI
+reporter sends those first and lets periodic ones (start-up's first reports included) spend only what leaves
+a token per Device in the bucket, so a change right after start-up does not wait behind start-up's reports
+(``mapper.dmi.ratelimit``).
 
 It sees domain types and Protocols only: the DMI reporter is a ``StatusSink``, the EventBus a publish callable.
 ``report_due`` is one pass on the injected clock (tests run it on fake time); ``run`` is the loop around it.
@@ -55,8 +59,8 @@ _GOLDEN = 0.6180339887498949
 class StatusSink(Protocol):
     """What the reporter needs from ``mapper.dmi.client.DmiReporter`` (never blocking, never failing)."""
 
-    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None: ...
-    def offer_state(self, namespace: str, name: str, state: str) -> None: ...
+    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin], *, prompt: bool = False) -> None: ...
+    def offer_state(self, namespace: str, name: str, state: str, *, prompt: bool = False) -> None: ...
     def forget(self, namespace: str, name: str) -> None: ...
 
 
@@ -224,6 +228,8 @@ class Reporter:
         key = device.key
         last = self._last_control.get(key)
         if last is None or not worker.stepped:  # nothing reported yet: the first report is on its way
+            if worker.stepped:
+                self.wake.set()  # (the report loop skipped the Device until this step: its first twins are due)
             return
         acks = result.reconcile.acks if result.reconcile is not None else ()
         events = result.decision.events if result.decision is not None else ()
@@ -295,7 +301,8 @@ class Reporter:
                         key, self._next_state_s.get(key, 0.0), now, self.state_cycle_s(device)
                     )
                 self._resend_state.discard(key)
-                self._report_state(device, worker.state)
+                # A change after the first report is news (unhealthy, back online): prompt over DMI.
+                self._report_state(device, worker.state, prompt=changed and key in self._reported_state)
             elif key in self._resend_state:
                 self._resend_state.discard(key)
                 if self.eventbus is not None:
@@ -347,7 +354,7 @@ class Reporter:
         if self.dmi is not None:
             twins = device_twins(worker, sorted(names))
             self._note(device, worker, twins)
-            self.dmi.offer_status(device.namespace, device.name, twins)
+            self.dmi.offer_status(device.namespace, device.name, twins, prompt=True)
             self.counts["prompt"] += 1
         return float("inf")
 
@@ -359,11 +366,11 @@ class Reporter:
                 self.beat("report", max(1.0, delay_s))
             await sleep_or_wake(self.wake, delay_s)
 
-    def _report_state(self, device: DeviceConfig, state: str) -> None:
+    def _report_state(self, device: DeviceConfig, state: str, *, prompt: bool = False) -> None:
         self._reported_state[device.key] = state
         self.counts["state"] += 1
         if self.dmi is not None:
-            self.dmi.offer_state(device.namespace, device.name, state)
+            self.dmi.offer_state(device.namespace, device.name, state, prompt=prompt)
         if self.eventbus is not None:
             topic = state_update_topic(device.namespace, device.name)
             self.eventbus(topic, state_update_payload(state, self.clock.wall_ms()))

@@ -36,7 +36,7 @@ async def running_app(
 ) -> AsyncIterator[MapperApp]:
     backend = NvmlBackend(sim)
     app = MapperApp(settings, backend)
-    app.housekeeping_interval_s = housekeeping_interval_s
+    app.housekeeping.interval_s = housekeeping_interval_s
     stop = asyncio.Event()
     task = asyncio.create_task(app.run(stop))
     try:

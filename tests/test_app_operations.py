@@ -78,12 +78,12 @@ async def test_policies_are_reloaded_when_the_config_file_changes_and_a_bad_edit
     sim = SimNvml(1, "H100", seed=0, scenario="idle")
     async with running_app(settings, sim, housekeeping_interval_s=0.1) as app:
         assert app.policies.config.thermal.max_temp_c == 85
-        await wait_for(lambda: app._config_mtime != 0.0, what="the config file to be watched")
+        await wait_for(lambda: app.housekeeping.config_mtime != 0.0, what="the config file to be watched")
         cfg.write_text("policies:\n  thermalThrottling: {enabled: true, maxTemp: 78, releaseTemp: 70}\n")
         await wait_for(lambda: app.policies.config.thermal.max_temp_c == 78, what="the new maxTemp in force")
         cfg.write_text("policies:\n  thermalThrottling: {enabled: true, maxTemp: 70, releaseTemp: 75}\n")
         bad_mtime = cfg.stat().st_mtime
-        await wait_for(lambda: app._config_mtime == bad_mtime, what="the bad edit looked at")
+        await wait_for(lambda: app.housekeeping.config_mtime == bad_mtime, what="the bad edit looked at")
         assert app.policies.config.thermal.max_temp_c == 78, "a bad edit keeps the previous policies"
 
 
@@ -99,8 +99,8 @@ async def test_on_started_is_called_once_when_every_loop_runs(tmp_path: Path):
     task = asyncio.create_task(app.run(stop, on_started=lambda: seen.append((app.nvml_ready, len(app.workers)))))
     try:
         await wait_for(lambda: seen, what="on_started")
-        rounds = app._collect_hist.count
-        await wait_for(lambda: app._collect_hist.count >= rounds + 3, what="three more collect rounds")
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 3, what="three more collect rounds")
         assert seen == [(True, 2)], "called once, after NVML is up and both GPUs have their loops"
     finally:
         stop.set()

@@ -320,6 +320,47 @@ async def test_reporter_over_real_sockets_keeps_eight_gpus_within_the_limit_on_f
     assert reporter.scheduler.stats.coalesced > 3000
 
 
+async def test_prompt_reports_go_before_start_ups_and_keep_within_a_burst_10_edgecore_on_fake_time(
+    sock_dir: str,
+) -> None:
+    """Start-up offers every one of 8 devices' first twins and state (periodic); right after the first send,
+    all 8 change (prompt). The 8 prompt reports reach EdgeCore in the same fake second, before start-up's
+    states; EdgeCore (1/s, burst 10: as if other mappers had spent 90 of its tokens) refuses nothing."""
+    clock = FakeClock()
+    core = FakeEdgeCore(os.path.join(sock_dir, "dmi.sock"), now=clock.monotonic, burst=10)
+    await core.start()
+    client = make_client(core, sock_dir, clock=clock)
+    reporter = DmiReporter(client)
+    try:
+        await client.register()
+        client.registered = True
+        for d in range(8):
+            reporter.offer_state("default", f"gpu{d}", "online")
+            reporter.offer_status("default", f"gpu{d}", [Twin("power_limit", "", "700")])
+        assert await reporter.send_ready() == 1, "start-up's reports leave a token per device"
+        assert reporter.next_wait_s() == pytest.approx(1.25)
+        clock.advance(0.2)
+        changed_at = clock.monotonic()
+        for d in range(8):
+            reporter.offer_status("default", f"gpu{d}", [Twin("power_limit", "400", "400")], prompt=True)
+        assert await reporter.send_ready() == 8
+        prompt_at = core.rec.call_times[-8:]
+        assert all(t - changed_at < 1.0 for t in prompt_at)
+        assert {s.deviceName for s in core.rec.statuses[-8:]} == {f"gpu{d}" for d in range(8)}
+        assert all(s.reportedDevice.twins[-1].reported.value == "400" for s in core.rec.statuses[-8:])
+        assert core.rec.states == [], "start-up's states wait behind the prompt reports"
+        for _ in range(400):  # 100 s: the rest of start-up as the budget refills
+            await reporter.send_ready()
+            clock.advance(0.25)
+    finally:
+        await client.close()
+        await core.stop()
+    assert core.rec.refused == [] and core.rec.violations == []
+    assert sorted(s.deviceName for s in core.rec.states) == [f"gpu{d}" for d in range(8)]
+    assert reporter.scheduler.pending == 0
+    assert reporter.scheduler.stats.popped_prompt == 8
+
+
 async def test_reporter_holds_reports_during_an_outage_and_then_sends_only_the_latest(sock_dir: str) -> None:
     clock = FakeClock()
     core = FakeEdgeCore(os.path.join(sock_dir, "dmi.sock"), now=clock.monotonic)

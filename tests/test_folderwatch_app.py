@@ -57,8 +57,8 @@ async def test_the_app_picks_up_a_new_device_file_at_once_and_never_looks_at_an_
         # Idle: no look, no read, for longer than the old 2 s poll (timed by the mapper's own collect rounds, 10 a
         # second: on a loaded machine a plain sleep could pass with the loop hardly running).
         looks_before, reads_before = len(looks), len(reads)
-        rounds = app._collect_hist.count
-        await wait_for(lambda: app._collect_hist.count >= rounds + 25, timeout_s=30, what="25 collect rounds")
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 25, timeout_s=30, what="25 collect rounds")
         assert len(looks) == looks_before, "an idle folder was looked at"
         assert len(reads) == reads_before, "an idle folder was read"
 

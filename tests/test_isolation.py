@@ -21,8 +21,8 @@ DELTA_TOPIC = "$hw/events/device/default/gpu0/twin/update/delta"
 
 def rounds_after(app, n: int):
     """A predicate true once the collector has finished ``n`` more rounds than now."""
-    start = app._collect_hist.count
-    return lambda: app._collect_hist.count >= start + n
+    start = app.status.collect_duration.count
+    return lambda: app.status.collect_duration.count >= start + n
 
 
 @pytest.mark.timeout(60)

@@ -51,7 +51,7 @@ APP_CHILD = textwrap.dedent(
 
     async def main():
         app = mapper.app.MapperApp(settings, NvmlBackend(sim))
-        app.housekeeping_interval_s = 0.2
+        app.housekeeping.interval_s = 0.2
         stop = asyncio.Event()
         task = asyncio.create_task(app.run(stop))
         def bound():

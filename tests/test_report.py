@@ -29,13 +29,18 @@ class Sink:
     statuses: list[tuple[float, str, dict[str, tuple[str, str]]]] = field(default_factory=list)
     states: list[tuple[float, str, str]] = field(default_factory=list)
     forgotten: list[str] = field(default_factory=list)
+    #: Whether each of ``statuses`` / ``states`` was offered as prompt.
+    status_prompt: list[bool] = field(default_factory=list)
+    state_prompt: list[bool] = field(default_factory=list)
 
-    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None:
+    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin], *, prompt: bool = False) -> None:
         values = {t.name: (t.observed_desired, t.reported) for t in twins}
         self.statuses.append((self.clock.monotonic(), f"{namespace}/{name}", values))
+        self.status_prompt.append(prompt)
 
-    def offer_state(self, namespace: str, name: str, state: str) -> None:
+    def offer_state(self, namespace: str, name: str, state: str, *, prompt: bool = False) -> None:
         self.states.append((self.clock.monotonic(), f"{namespace}/{name}", state))
+        self.state_prompt.append(prompt)
 
     def forget(self, namespace: str, name: str) -> None:
         self.forgotten.append(f"{namespace}/{name}")
@@ -156,6 +161,29 @@ async def test_nothing_is_reported_before_the_first_sample(rig: Rig) -> None:
     assert len(rig.sink.statuses) == 1
 
 
+async def test_a_gpu_stepped_before_its_device_was_bound_reports_after_a_step_with_it_and_at_once(rig: Rig) -> None:
+    """Start-up: the GPUs step unbound until EdgeCore's Devices arrive. A Device's first twins wait for a step
+    with it bound (its desired values reconciled, not the unbound step's ``none``), and that step wakes the
+    report loop at once instead of leaving them to its idle wait."""
+    worker = next(iter(rig.workers.values()))
+    await worker.tick()
+    assert worker.stepped and worker.desired_status == "none"
+    device = gpu_device("gpu0", worker.uuid)
+    worker.desired.set("power_limit", "450", "cloud", rig.clock.wall_ms())
+    worker.bind(device)
+    rig.reporter.bound(device)
+    assert not worker.stepped, "a new binding waits for a step with it"
+    rig.reporter.report_due()
+    assert rig.sink.statuses == []
+    rig.reporter.wake.clear()
+    rig.reporter.after_step(worker, await worker.tick())
+    assert rig.reporter.wake.is_set(), "the step wakes the report loop"
+    rig.reporter.report_due()
+    [(_, _, twins)] = rig.sink.statuses
+    assert twins["power_limit"] == ("450", "450") and "power_limit:applied" in twins["desired_status"][1]
+    assert rig.sink.status_prompt == [False], "start-up's first report is periodic"
+
+
 async def test_no_twins_go_out_between_a_steps_sample_and_its_reconcile(rig: Rig) -> None:
     """The first step samples, then reads the GPU's constraints on the NVML thread before it reconciles: a
     report pass in that gap would send ``desired_status`` empty. Twins wait for the whole step."""
@@ -204,6 +232,9 @@ async def test_a_state_change_is_reported_at_once_and_a_removed_device_reports_n
     rig.run_for(0.5)
     offline = [t for t, k, s in rig.sink.states if k == "default/gpu0" and s == "offline"]
     assert offline and offline[0] - changed_at < 0.2
+    flags = {(k, s): p for (_, k, s), p in zip(rig.sink.states, rig.sink.state_prompt, strict=True)}
+    assert flags[("default/gpu0", "offline")], "a change of state is prompt over DMI"
+    assert not flags[("default/gpu0", "online")], "the first state after start-up is not"
 
     rig.reporter.removed(devices[1])
     worker1 = rig.workers[devices[1].uuid]
@@ -285,6 +316,8 @@ async def test_a_desired_value_applied_is_reported_at_once_on_both_paths_and_the
     times = [round(t - start, 2) for t, k, _ in rig.sink.statuses if k == "default/gpu0"]
     assert times == [0.0, round(changed_at - start, 2), 10.0, 30.0]
     assert rig.reporter.counts["prompt"] == 1 and rig.reporter.counts["prompt_eventbus"] == 1
+    flags = [p for (_, k, _), p in zip(rig.sink.statuses, rig.sink.status_prompt, strict=True) if k == "default/gpu0"]
+    assert flags == [False, True, False, False], "only the change is offered as prompt; the cycles are periodic"
 
 
 async def test_changes_within_a_second_go_in_one_dmi_report_and_at_once_on_the_eventbus(rig: Rig) -> None:
@@ -377,6 +410,55 @@ async def test_eight_gpus_changed_in_the_same_second_all_report_within_it_inside
         backend.shutdown()
 
 
+async def test_eight_gpus_changed_right_after_start_up_all_report_within_a_second_inside_the_dmi_budget() -> None:
+    """Start-up's first twins and states (16 periodic reports against a bucket of 10) leave a token per Device,
+    so a change on all 8 as soon as each has its first twins still goes out in the same second; start-up's
+    states follow, and the cycles carry on within the budget."""
+    clock = FakeClock()
+    sim = SimNvml(8, "H100", seed=5, scenario="steady", clock=clock.monotonic)
+    backend = NvmlBackend(sim, clock=clock)
+    backend.init()
+    try:
+        workers = {
+            info.uuid: GpuWorker(
+                info=info,
+                backend=backend,
+                reconciler=Reconciler(backend, info.uuid, clock=clock),
+                policies=PolicyEngine(),
+                clock=clock,
+            )
+            for info in backend.list_gpus()
+        }
+        sink = BudgetSink(clock)
+        sink.scheduler.bucket.take_forced()  # MapperRegister took one
+        reporter = Reporter(workers, clock=clock, dmi=sink)
+        rig = Rig(clock, sim, workers, sink, [], reporter)  # type: ignore[arg-type]
+        start = clock.monotonic()
+        await bind_and_sample(rig)
+        keys = {f"default/gpu{i}" for i in range(8)}
+        while {k for _, k, _ in sink.statuses} != keys:
+            rig.run_for(0.25)
+            assert clock.monotonic() - start < 30.0, "every Device's first twins"
+        first_twins_s = clock.monotonic() - start
+        assert not sink.states or len(sink.states) < 8, "start-up's first twins went before its first states"
+        changed_at = clock.monotonic()
+        for worker in workers.values():
+            await change_power_limit(rig, worker, "450")
+        rig.run_for(1.0)
+        prompt = [(t, k, tw) for t, k, tw in sink.statuses if t >= changed_at and "power_limit" in tw]
+        assert sorted(k for _, k, _ in prompt if tw_has(prompt, k, "450")) == sorted(keys)
+        assert max(t for t, _, _ in prompt) - changed_at <= 1.0, "every GPU's change within a second"
+        rig.run_for(60.0)
+        assert {k for _, k, s in sink.states if s == "online"} == keys, "start-up's states followed"
+        sent = sorted([t for t, _, _ in sink.statuses] + [t for t, _, _ in sink.states])
+        for i, t in enumerate(sent):
+            in_window = [u for u in sent[: i + 1] if u > t - 10.0]
+            assert len(in_window) <= 9 + 0.8 * 10 + 1e-9, (t, len(in_window))
+        assert first_twins_s < 10.0, f"start-up's first twins took {first_twins_s:.1f} s"
+    finally:
+        backend.shutdown()
+
+
 def tw_has(prompt: list[tuple[float, str, dict[str, tuple[str, str]]]], key: str, watts: str) -> bool:
     return any(k == key and tw["power_limit"] == (watts, watts) for _, k, tw in prompt)
 
@@ -384,20 +466,19 @@ def tw_has(prompt: list[tuple[float, str, dict[str, tuple[str, str]]]], key: str
 @dataclass
 class BudgetSink(Sink):
     """The DMI reporter's queue and token bucket (the real ``ReportScheduler`` and ``TokenBucket``, 0.8/s,
-    burst 10) on fake time: records each report when the budget lets it go, not when it is offered."""
+    burst 10) on fake time: records each report when the budget lets it go, not when it is offered. As the DMI
+    reporter's task does, it sends after the report loop's pass (``Rig.run_for`` drains it), not in the offer."""
 
     def __post_init__(self) -> None:
         from mapper.dmi.ratelimit import ReportScheduler, TokenBucket
 
         self.scheduler = ReportScheduler(TokenBucket(self.clock, rate_per_s=0.8, burst=10))
 
-    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None:
-        self.scheduler.offer_status(namespace, name, twins)
-        self.drain()
+    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin], *, prompt: bool = False) -> None:
+        self.scheduler.offer_status(namespace, name, twins, prompt=prompt)
 
-    def offer_state(self, namespace: str, name: str, state: str) -> None:
-        self.scheduler.offer_state(namespace, name, state)
-        self.drain()
+    def offer_state(self, namespace: str, name: str, state: str, *, prompt: bool = False) -> None:
+        self.scheduler.offer_state(namespace, name, state, prompt=prompt)
 
     def drain(self) -> float | None:
         from mapper.dmi.ratelimit import StateReport
@@ -406,10 +487,12 @@ class BudgetSink(Sink):
             now = self.clock.monotonic()
             if isinstance(report, StateReport):
                 self.states.append((now, report.key, report.state))
+                self.state_prompt.append(report.prompt)
             else:
                 self.statuses.append(
                     (now, report.key, {t.name: (t.observed_desired, t.reported) for t in report.twins})
                 )
+                self.status_prompt.append(report.prompt)
         return self.scheduler.wait_s()
 
 

@@ -17,8 +17,9 @@ socket disappears, changes inode, or an RPC fails with UNAVAILABLE, the client r
 EdgeCore answers again (within ~1-2 s of it coming back), and anyway every ``reregister_interval_s``.
 
 ``DmiReporter`` sits in front of the report RPCs: callers ``offer_status`` / ``offer_state`` whenever they
-like; it keeps only the latest value per device and sends within the node-wide token bucket (see
-``mapper.dmi.ratelimit``), states first, devices round-robin.
+like, ``prompt=True`` for a change to show at once; it keeps only the latest value per device and sends within
+the node-wide token bucket (see ``mapper.dmi.ratelimit``): prompt reports first, periodic ones only while the
+bucket keeps a reserve of tokens for prompt ones, devices round-robin.
 """
 
 from __future__ import annotations
@@ -369,9 +370,13 @@ class DmiReporter:
         clock: Clock | None = None,
         idle_poll_s: float = 0.25,
         idle_wait_s: float = 5.0,
+        reserve: int | None = None,
+        devices: int | None = None,
     ) -> None:
         self.client = client
-        self.scheduler = ReportScheduler(client.bucket)
+        #: ``reserve``: tokens the periodic reports leave for prompt ones; None: one per device, ``devices`` of
+        #: them (one per GPU of the node) or those offered for so far (see ``mapper.dmi.ratelimit``).
+        self.scheduler = ReportScheduler(client.bucket, reserve=reserve, devices=devices)
         self._clock: Clock = clock or client._clock
         #: How often ``run`` looks again while not registered (reports wait for the registration).
         self.idle_poll_s = idle_poll_s
@@ -388,15 +393,15 @@ class DmiReporter:
         self.dropped_twins = 0
         self.last_error = ""
 
-    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin]) -> None:
-        self.scheduler.offer_status(namespace, name, twins)
+    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin], *, prompt: bool = False) -> None:
+        self.scheduler.offer_status(namespace, name, twins, prompt=prompt)
         self._wake.set()
 
-    def offer_state(self, namespace: str, name: str, state: str) -> None:
+    def offer_state(self, namespace: str, name: str, state: str, *, prompt: bool = False) -> None:
         """Raises ValueError at once for a state EdgeCore would drop."""
         if state not in DEVICE_STATES:
             raise ValueError(f"device {namespace}/{name}: state {state!r} is not one of {', '.join(DEVICE_STATES)}")
-        self.scheduler.offer_state(namespace, name, state)
+        self.scheduler.offer_state(namespace, name, state, prompt=prompt)
         self._wake.set()
 
     def forget(self, namespace: str, name: str) -> None:

@@ -1,0 +1,195 @@
+"""The running mapper's snapshot (``mapper.stats.MapperSnapshot``), built on demand from the parts that hold
+each figure: the GPU workers, the collector, the publisher, the door's limiter, and (once started) the
+buffer, the shipper, the MQTT session and the DMI client and server.
+
+``StatusSource.snapshot`` is what ``/metrics``, ``/status`` and the status file read; nothing in it touches
+the hardware or the network. It sees the adapters through the small Protocols below only (``mapper.app``
+hands the concrete objects in as it builds them). ``run_console`` is the loop that prints the live table of
+``gpu-mapper run --sim N`` (``mapper.statusview.console_table``) every ``print_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, TextIO
+
+from mapper.clock import Clock
+from mapper.collect import Collector, GpuWorker
+from mapper.config import Settings
+from mapper.doorlimit import InboundLimiter
+from mapper.publish import Publisher
+from mapper.shipper import TelemetryShipper
+from mapper.stats import DurationHistogram, MapperSnapshot, device_state_payload, gpu_snapshot, worker_totals
+from mapper.statusview import console_table
+
+
+class BufferFigures(Protocol):
+    """What the snapshot reads of ``mapper.buffer.BufferStats``."""
+
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def batches(self) -> int: ...
+    @property
+    def oldest_age_s(self) -> float | None: ...
+    @property
+    def drops_by_reason(self) -> Mapping[str, int]: ...
+
+
+class BufferLike(Protocol):
+    def stats(self) -> BufferFigures: ...
+
+
+class SessionLike(Protocol):
+    """What the snapshot reads of ``mapper.mqtt.MqttSession``."""
+
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def reconnects(self) -> int: ...
+
+
+class RpcCounting(Protocol):
+    """``mapper.dmi.server.DmiServer``: RPCs by method and result."""
+
+    @property
+    def rpc_counts(self) -> Mapping[str, Mapping[str, int]]: ...
+
+
+class DmiClientLike(RpcCounting, Protocol):
+    """``mapper.dmi.client.DmiClient``: its RPCs, and whether EdgeCore knows us."""
+
+    @property
+    def registered(self) -> bool: ...
+
+
+class StatusSource:
+    """The snapshot of one mapper, from its parts (``settings``: its node name, mode and buffer cap). The
+    parts made at start-up (``buffer``, ``shipper``, ``session``, ``dmi_client``, ``dmi_server``) and the
+    driver version are handed in by ``attach`` once they exist. ``observe_round`` is the collector's
+    per-round duration callback."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        version: str,
+        workers: Mapping[str, GpuWorker],
+        collector: Collector,
+        publisher: Publisher,
+        inbound: InboundLimiter,
+        clock: Clock,
+    ) -> None:
+        self.node = settings.node_name
+        self.version = version
+        self.workers = workers
+        self.collector = collector
+        self.publisher = publisher
+        self.inbound = inbound
+        self.clock = clock
+        self.dmi_enabled = settings.dmi_enabled
+        self.buffer_max_bytes = settings.buffer_max_bytes
+        self.driver_version = ""
+        self.buffer: BufferLike | None = None
+        self.shipper: TelemetryShipper | None = None
+        self.session: SessionLike | None = None
+        self.dmi_client: DmiClientLike | None = None
+        self.dmi_server: RpcCounting | None = None
+        #: Durations of the collect rounds.
+        self.collect_duration = DurationHistogram()
+
+    def attach(
+        self,
+        driver_version: str,
+        buffer: BufferLike | None,
+        shipper: TelemetryShipper | None,
+        session: SessionLike | None,
+        dmi_client: DmiClientLike | None,
+        dmi_server: RpcCounting | None,
+    ) -> None:
+        """The parts made at start-up (None: not made, e.g. no broker or no DMI)."""
+        self.driver_version = driver_version
+        self.buffer = buffer
+        self.shipper = shipper
+        self.session = session
+        self.dmi_client = dmi_client
+        self.dmi_server = dmi_server
+
+    def observe_round(self, duration_s: float) -> None:
+        self.collect_duration = self.collect_duration.observe(duration_s)
+
+    def mqtt_state(self) -> str:
+        """The default broker: off (none configured), up or down."""
+        return "off" if self.session is None else "up" if self.session.connected else "down"
+
+    def buffer_batches(self) -> int:
+        return self.buffer.stats().batches if self.buffer is not None else 0
+
+    def state_message(self, device_key: str, worker: GpuWorker) -> bytes:
+        """A device's retained state message: its latest values and its GPU's status (``device_state_payload``)."""
+        g = gpu_snapshot(worker, self.node, self.collector.xids.get(worker.uuid, {}))
+        return device_state_payload(device_key, g, driver_version=self.driver_version, at_ms=self.clock.wall_ms())
+
+    def snapshot(self) -> MapperSnapshot:
+        xids = self.collector.xids
+        gpus = [gpu_snapshot(w, self.node, xids.get(w.uuid, {})) for w in self.workers.values()]
+        totals = worker_totals(self.workers.values())
+        counted = [part.rpc_counts for part in (self.dmi_client, self.dmi_server) if part is not None]
+        dmi_rpcs = summed_rpc_counts(counted)
+        buf = self.buffer.stats() if self.buffer is not None else None
+        ship = self.shipper.stats() if self.shipper is not None else None
+        return MapperSnapshot(
+            node=self.node,
+            taken_at_ms=self.clock.wall_ms(),
+            version=self.version,
+            mode="dmi" if self.dmi_enabled else "standalone",
+            driver_version=self.driver_version,
+            gpus=tuple(gpus),
+            buffer_bytes=buf.bytes if buf else 0,
+            buffer_batches=buf.batches if buf else 0,
+            buffer_max_bytes=self.buffer_max_bytes,
+            buffer_oldest_age_s=buf.oldest_age_s if buf else None,
+            buffer_drops=dict(buf.drops_by_reason) if buf else {},
+            replay_remaining_batches=ship.replay_remaining_batches if ship else 0,
+            telemetry_published_batches=ship.published_batches if ship else 0,
+            telemetry_published_bytes=ship.published_bytes if ship else 0,
+            mqtt_enabled=self.session is not None,
+            mqtt_connected=self.session.connected if self.session is not None else False,
+            mqtt_reconnects=self.session.reconnects if self.session is not None else 0,
+            mqtt_inbound_dropped=dict(self.inbound.dropped),
+            dmi_registered=self.dmi_client.registered if self.dmi_client is not None else False,
+            dmi_rpcs=dmi_rpcs,
+            reconcile_actions=totals.actions,
+            drift_reapplies=totals.drift,
+            desired_rejections=totals.rejections,
+            policy_overrides_active=totals.overrides,
+            policy_events=dict(self.publisher.policy_events),
+            collect_duration=self.collect_duration,
+            collect_errors=dict(self.collector.errors),
+        )
+
+
+def summed_rpc_counts(sources: Iterable[Mapping[str, Mapping[str, int]]]) -> dict[tuple[str, str], int]:
+    """RPC counts of the DMI client and server, summed by (method, result)."""
+    dmi_rpcs: dict[tuple[str, str], int] = {}
+    for counts in sources:
+        for method, results in counts.items():
+            for result, n in results.items():
+                dmi_rpcs[(method, result)] = dmi_rpcs.get((method, result), 0) + n
+    return dmi_rpcs
+
+
+async def run_console(
+    status: StatusSource, interval_s: float, beat: Callable[[str, float], None], out: TextIO | None = None
+) -> None:
+    """``console_table`` written to ``out`` (stdout) every ``interval_s``."""
+    while True:
+        beat("console", interval_s)
+        stream = out or sys.stdout
+        table = console_table(
+            status.node, status.workers.values(), buffer_batches=status.buffer_batches(), mqtt=status.mqtt_state()
+        )
+        stream.write(table)
+        stream.flush()
+        await asyncio.sleep(interval_s)
