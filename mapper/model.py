@@ -545,6 +545,15 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         collect_cycle_ms=1_000,
         source="mapper",
     ),
+    _p(
+        "processes",
+        "STRING",
+        "",
+        "who uses the GPU: process count, the top container by power and by memory, pids suspected of leaking",
+        "computed by the process cycle (docs/processes.md)",
+        collect_cycle_ms=5_000,
+        source="mapper",
+    ),
 )
 
 PROPERTY_BY_NAME: Mapping[str, PropertySpec] = {p.name: p for p in PROPERTIES}
