@@ -34,6 +34,7 @@ from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_
 from mapper.model import GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions
 from mapper.policy import PolicyEngine, parse_policies
+from mapper.processloop import process_loop
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler
 from mapper.registry import Registry
@@ -159,6 +160,8 @@ class MapperApp:
             rebind=lambda worker, device: self.streams.bind(worker.uuid, device),
         )
         self.registry.subscribe(self.bindings.on_device_change)
+        #: Who uses each GPU (docs/processes.md); None when ``processes.interval`` is 0.
+        self.processes = process_loop(settings, backend, self.workers, self.publisher, self.streams, clock=self.clock)
         self.bindings.max_delta_bytes = settings.inbound_max_bytes
         #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).
         self.inbound = InboundLimiter(
@@ -328,6 +331,9 @@ class MapperApp:
         if self.compactor is not None:
             self._spawn("compactor", self.compactor.run())
         self._spawn("housekeeping", self._housekeeping_loop())
+        if self.processes is not None:
+            self.processes.beat = self._beat
+            self._spawn("processes", self.processes.run())
         if self.dmi_client is not None and self.dmi_reporter is not None:
             self._spawn("dmi-client", self.dmi_client.run())
             self._spawn("dmi-reporter", self.dmi_reporter.run())
@@ -535,6 +541,8 @@ class MapperApp:
             policy_events=dict(self.publisher.policy_events),
             collect_duration=self._collect_hist,
             collect_errors=dict(self.collector.errors),
+            workloads=self.processes.workloads() if self.processes is not None else (),
+            process_errors=dict(self.processes.errors) if self.processes is not None else {},
         )
 
     async def _housekeeping_loop(self) -> None:
