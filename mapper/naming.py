@@ -197,6 +197,14 @@ POD_TELEMETRY_FIELDS: dict[str, Family] = {
 }
 
 
+#: The GPU-wide telemetry series of the process cycle, each a family above (plain numbers in base units).
+PROCESS_GPU_SERIES: dict[str, Family] = {
+    "processes_count": PROCESSES,
+    "processes_idle_energy": IDLE_ENERGY,
+    "processes_unattributed_energy": UNATTRIBUTED_ENERGY,
+}
+
+
 def pod_series(field: str, namespace: str, pod: str, container: str) -> str:
     """The telemetry series name of one field of one workload (``POD_TELEMETRY_FIELDS``)."""
     return f"{POD_TELEMETRY_PREFIX}{field}:{namespace}/{pod}/{container}"

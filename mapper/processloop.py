@@ -44,7 +44,6 @@ from mapper.streams import TelemetryStreams
 from mapper.workloads import PodDirs, PodResolver, ProcessOwner
 
 __all__ = [
-    "GPU_SERIES",
     "LEAK_POLICY",
     "TWIN_PROPERTY",
     "LeakPolicyEvent",
@@ -58,8 +57,6 @@ log = logging.getLogger("mapper.processloop")
 LEAK_POLICY = "gpu-memory-leak"
 #: The catalog property the ``processes`` twin reports.
 TWIN_PROPERTY = "processes"
-#: The GPU-wide telemetry series of the process cycle (next to the ``pod:...`` series).
-GPU_SERIES = ("processes_count", "processes_idle_energy", "processes_unattributed_energy")
 
 #: ``(device key, uuid, events)``: ``mapper.publish.Publisher.publish_step`` without acks.
 PublishEvents = Callable[[str, str, Sequence[PolicyEvent]], None]
