@@ -166,6 +166,8 @@ class Settings:
     leak_enabled: bool = True
     leak_window_s: float = 1800.0
     leak_threshold_bytes: int = 1 << 30
+    #: The idle power (W) of a GPU by UUID or product name, where known; else the process cycle learns it.
+    idle_power_w: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def dmi_enabled(self) -> bool:
@@ -390,9 +392,27 @@ def load_settings(
     policies = file_data.get("policies") or {}
     if not isinstance(policies, Mapping):
         raise ConfigError("policies: must be a mapping")
-    settings = replace(Settings(), mqtt=mqtt, policies=dict(policies), config_file=file_path, **values)
+    idle_power = _idle_power(_lookup(file_data, "processes.idlePower"))
+    settings = replace(
+        Settings(), mqtt=mqtt, policies=dict(policies), config_file=file_path, idle_power_w=idle_power, **values
+    )
     validate(settings)
     return settings
+
+
+def _idle_power(raw: Any) -> dict[str, float]:
+    """``processes.idlePower``: ``{<GPU UUID or product name>: <watts>}``."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"processes.idlePower: expected a mapping of GPU UUID or product name to watts, got {raw!r}")
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        watts = _convert("float", value, f"processes.idlePower.{key}")
+        if not watts:
+            raise ConfigError(f"processes.idlePower.{key}: must be more than 0 W, got {value!r}")
+        out[str(key)] = watts
+    return out
 
 
 def validate(settings: Settings) -> None:

@@ -191,7 +191,11 @@ class ProcessMonitor:
         if delta is None and energy is None and sample.power_w is not None and dt is not None and dt > 0:
             delta = sample.power_w * min(dt, _MAX_INTERVAL_S)  # no counter: the power reading over the interval
         if delta is not None and dt is not None and dt > 0:
-            state.idle.observe(delta / dt, len(uses))
+            # An interval in which no process had time on the SMs (none at all, or resident processes that
+            # computed nothing: an inference server between requests) shows the GPU's idle power. Where NVML gives
+            # no per-process utilisation (MIG, an old driver), only an interval without processes does.
+            busy = sum(1 for u in uses if (u.sm_ratio or 0.0) > 0) if sample.utilization_source else len(uses)
+            state.idle.observe(delta / dt, busy)
             idle_w = state.idle.watts or 0.0
             per_process = split_energy(delta, dt, idle_w, {u.pid: u.sm_ratio for u in uses})
             by_key: dict[WorkloadKey, float] = {}

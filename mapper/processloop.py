@@ -145,6 +145,8 @@ class ProcessLoop:
     publish_events: PublishEvents | None = None
     add_telemetry: AddTelemetry | None = None
     beat: Callable[[str, float], None] | None = None
+    #: Configured idle power (W) by GPU UUID or product name (``processes.idlePower``); else it is learnt.
+    idle_power_by_gpu: Mapping[str, float] = field(default_factory=dict)
     #: The latest report of each GPU.
     latest: dict[str, GpuWorkloads] = field(default_factory=dict)
     #: GPUs whose cycle failed, by reason (NVML's error reason, ``timeout``, ``owners``).
@@ -155,6 +157,9 @@ class ProcessLoop:
     def __post_init__(self) -> None:
         if not math.isfinite(self.interval_s) or self.interval_s <= 0:
             raise ValueError(f"process interval_s must be > 0, got {self.interval_s!r}")
+        #: The monitor's configured idle power by UUID, filled as each GPU is first seen.
+        self.idle_power_w: dict[str, float] = dict(self.monitor.idle_power_w)
+        self.monitor.idle_power_w = self.idle_power_w
 
     def workloads(self) -> tuple[GpuWorkloads, ...]:
         """The latest report of each GPU still on the node, by UUID."""
@@ -204,12 +209,16 @@ class ProcessLoop:
         except (TimeoutError, OSError) as exc:
             self._failed(uuid, "owners", f"reading the owners of its processes failed: {exc}")
             owners = {}
+        worker = self.workers.get(uuid)
+        if worker is not None and uuid not in self.idle_power_w:
+            known = self.idle_power_by_gpu.get(uuid, self.idle_power_by_gpu.get(worker.info.name))
+            if known is not None:
+                self.idle_power_w[uuid] = known
         report, leaks = self.monitor.observe(sample, owners, self.clock.monotonic())
         self.latest[uuid] = report
         if report.reason and report.reason not in self._reasons_logged and len(self._reasons_logged) < 32:
             self._reasons_logged.add(report.reason)
             log.warning("processes on GPU %s: %s", uuid, report.reason)
-        worker = self.workers.get(uuid)
         if worker is not None:
             worker.values[TWIN_PROPERTY] = report.twin_text()
         if self.add_telemetry is not None:
@@ -280,4 +289,5 @@ def process_loop(
         publish_events=publish_events,
         add_telemetry=add_telemetry,
         beat=beat,
+        idle_power_by_gpu=dict(settings.idle_power_w),
     )
