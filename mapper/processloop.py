@@ -175,23 +175,27 @@ class ProcessLoop:
             await asyncio.sleep(max(0.0, self.interval_s - elapsed))
 
     async def run_once(self) -> list[GpuWorkloads]:
-        """One cycle over every GPU; the reports made (a GPU whose query failed has none this cycle)."""
+        """One cycle over every GPU; the reports made (a GPU whose query failed has none this cycle). The GPUs'
+        NVML queries go to the backend's worker as one job, and their owners are found in one thread hop (none
+        when every PID and pod is known already)."""
         if not self._refreshed:
             self._refreshed = True
             await call_in_thread(self.resolver.refresh, timeout_s=self.call_timeout_s)
             if self.resolver.unreadable_reason:
                 log.warning("processes: pods cannot be named: %s", self.resolver.unreadable_reason)
+        uuids = list(self.workers)
+        sampled = await asyncio.gather(*(self._sample(uuid) for uuid in uuids))
+        samples = {uuid: s for uuid, s in zip(uuids, sampled, strict=True) if s is not None}
+        owners = await self._owners(samples)
         out: list[GpuWorkloads] = []
-        for uuid in list(self.workers):
-            report = await self._one(uuid)
-            if report is not None:
-                out.append(report)
+        for uuid, sample in samples.items():
+            out.append(self._observe(uuid, sample, owners.get(uuid, {})))
         for gone in [u for u in self.latest if u not in self.workers]:
             del self.latest[gone]
             self.monitor.forget(gone)
         return out
 
-    async def _one(self, uuid: str) -> GpuWorkloads | None:
+    async def _sample(self, uuid: str) -> ProcessSample | None:
         try:
             sample: ProcessSample = await call_backend(
                 self.backend, self.backend.processes, uuid, timeout_s=self.call_timeout_s, what=f"GPU {uuid}: "
@@ -199,16 +203,26 @@ class ProcessLoop:
         except MapperError as exc:
             self._failed(uuid, exc.reason, str(exc))
             return None
-        pids = [p.pid for p in sample.processes]
+        return sample
+
+    async def _owners(self, samples: Mapping[str, ProcessSample]) -> dict[str, dict[int, ProcessOwner]]:
+        pids = {uuid: [p.pid for p in s.processes] for uuid, s in samples.items()}
+        resolver, root = self.resolver, self.proc_root
+
+        def owners() -> dict[str, dict[int, ProcessOwner]]:
+            return {uuid: resolver.owners(root, these, uuid) for uuid, these in pids.items()}
+
+        if all(resolver.cached(these, uuid) for uuid, these in pids.items()):
+            return owners()
         try:
-            owners: dict[int, ProcessOwner] = (
-                await call_in_thread(self.resolver.owners, self.proc_root, pids, uuid, timeout_s=self.call_timeout_s)
-                if pids
-                else {}
-            )
+            found: dict[str, dict[int, ProcessOwner]] = await call_in_thread(owners, timeout_s=self.call_timeout_s)
         except (TimeoutError, OSError) as exc:
-            self._failed(uuid, "owners", f"reading the owners of its processes failed: {exc}")
-            owners = {}
+            for uuid in pids:
+                self._failed(uuid, "owners", f"reading the owners of its processes failed: {exc}")
+            return {}
+        return found
+
+    def _observe(self, uuid: str, sample: ProcessSample, owners: Mapping[int, ProcessOwner]) -> GpuWorkloads:
         worker = self.workers.get(uuid)
         if worker is not None and uuid not in self.idle_power_w:
             known = self.idle_power_by_gpu.get(uuid, self.idle_power_by_gpu.get(worker.info.name))
