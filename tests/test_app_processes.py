@@ -311,3 +311,52 @@ async def test_each_pods_share_of_the_gpu_shows_everywhere_and_sums_to_the_gpus_
             assert "LEAK SUSPECTED: pid 2102" in text
     finally:
         listener.close()
+
+
+@pytest.mark.timeout(60)
+async def test_the_processes_twin_goes_to_edgecore_over_dmi_as_a_twin_it_accepts(sock_dir: str, tmp_path: Path) -> None:
+    from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
+
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    uuid = sim.gpus[0].uuid
+    sim.set_scenario_processes(None, False)
+    proc = tmp_path / "proc"
+    host = tmp_path / "host"
+    dirs = PodDirs.under(str(host))
+    long_pod = "inference-" + "x" * 140  # a pod name of 150 characters: the twin cuts names to 120
+    for index, (pid, pod, container, mem) in enumerate(
+        [(3001, long_pod, "vllm", 20 * GIB), (3002, "etl-0", "job", GIB)]
+    ):
+        sim.start_process(uuid, pid, mem, weight=2.0 - index)
+        _pod(proc, dirs, pid, "ml", pod, container, index + 1)
+    edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
+    edge.devices = [pb_device("gpu0", uuid, properties={"power_usage": None, "processes": None}, cycle_ms=200)]
+    edge.models = [pb_model(props={"power_usage": "FLOAT", "processes": "STRING"})]
+    await edge.start()
+    settings = fast_settings(
+        str(tmp_path / "data"),
+        edgecore_socket=edge.socket_path,
+        socket=f"{sock_dir}/gpu.sock",
+        process_interval_s=0.25,
+        proc_root=str(proc),
+        pod_files_root=str(host),
+    )
+    try:
+        async with running_app(settings, sim):
+
+            def processes_twins() -> list[str]:
+                return [
+                    t.reported.value
+                    for r in edge.rec.statuses
+                    for t in r.reportedDevice.twins
+                    if t.propertyName == "processes" and ",power:" in t.reported.value
+                ]
+
+            twins = await wait_for(processes_twins, what="a processes twin with the top pod by power")
+            cut = f"ml/{long_pod}/vllm"[:120]
+            assert twins[-1].startswith(f"count:2,power:{cut}@")
+            assert f",memory:{cut}@{20 * GIB}B" in twins[-1]
+            assert TWIN_VALUE.fullmatch(twins[-1])
+            assert edge.rec.twin_rejections == [] and edge.rec.violations == []
+    finally:
+        await edge.stop()
