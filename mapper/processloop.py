@@ -170,7 +170,14 @@ class ProcessLoop:
             started = self.clock.monotonic()
             if self.beat is not None:
                 self.beat("processes", self.interval_s)
-            await self.run_once()
+            try:
+                await self.run_once()
+            except Exception:
+                # A bug in one cycle (a file the resolver did not expect, ...) must not stop the mapper: the
+                # cycle is logged with its traceback (the first time and every 100th), counted, and tried again.
+                failed = self.errors["cycle-failed"] = self.errors.get("cycle-failed", 0) + 1
+                if failed % 100 == 1:
+                    log.exception("the process cycle failed (%d times); it runs again in %g s", failed, self.interval_s)
             elapsed = self.clock.monotonic() - started
             await asyncio.sleep(max(0.0, self.interval_s - elapsed))
 

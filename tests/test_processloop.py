@@ -360,3 +360,34 @@ def test_the_twin_stays_a_valid_twin_value_with_long_names_and_many_leaks() -> N
     assert text.startswith("count:400,power:" + "a" * 120 + "@99.5W") and text.endswith("/100007/#32more")
     odd = replace(report, pods=(PodUse("ns", "pöd", "c c", 1.0, 2.0, 3, 1),), leaking_pids=())
     assert odd.twin_text() == "count:400,power:ns/p_d/c_c@2.0W,memory:ns/p_d/c_c@3B"
+
+
+async def test_a_cycle_that_fails_unexpectedly_is_logged_counted_and_run_again(
+    node: tuple[SimNvml, NvmlBackend, dict[str, GpuWorker], Path],
+    fake_clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import asyncio
+
+    from tests.apphelpers import wait_for
+
+    sim, backend, workers, tmp_path = node
+    sim.start_process(next(iter(workers)), 501, GIB)
+    outputs = Outputs()
+    beats: list[str] = []
+    loop = make_loop(backend, workers, tmp_path, fake_clock, outputs, interval_s=0.05)
+    loop.beat = lambda name, period_s: beats.append(name)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a file the resolver did not expect")
+
+    loop.resolver.owners = broken  # type: ignore[method-assign]
+    task = asyncio.create_task(loop.run())
+    try:
+        await wait_for(lambda: loop.errors.get("cycle-failed", 0) >= 3, what="three failed cycles")
+        assert not task.done() and beats.count("processes") >= 3
+        assert sum("the process cycle failed" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
