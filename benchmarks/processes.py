@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from mapper.clock import FakeClock
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
+from mapper.leak import LeakConfig
 from mapper.processes import ProcessMonitor
 from mapper.workloads import PodDirs, PodResolver
 
@@ -61,7 +63,16 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=50)
     ap.add_argument("--cycles", type=int, default=200)
     ap.add_argument("--interval-s", type=float, default=5.0)
+    ap.add_argument(
+        "--warm-cycles",
+        type=int,
+        default=None,
+        help="untimed cycles first (default: enough to fill the leak detector's window, its steady state)",
+    )
     args = ap.parse_args()
+    warm_cycles = args.warm_cycles
+    if warm_cycles is None:
+        warm_cycles = math.ceil(LeakConfig().window_s / args.interval_s) + 1
     clock = FakeClock()
     sim = SimNvml(args.gpus, "H100", clock=clock.monotonic, scenario="steady")
     backend = NvmlBackend(sim, clock=clock)
@@ -72,8 +83,11 @@ def main() -> None:
         uuids = [g.uuid for g in sim.gpus]
         for uuid in uuids:  # warm: handles, the resolver's first scan
             backend.sample(uuid)
-            s = backend.processes(uuid)
-            monitor.observe(s, resolver.owners(str(proc), [p.pid for p in s.processes], uuid), clock.monotonic())
+        for _ in range(warm_cycles):  # and the leak detector's window filled (its cost grows until it is)
+            clock.advance(args.interval_s)
+            for uuid in uuids:
+                s = backend.processes(uuid)
+                monitor.observe(s, resolver.owners(str(proc), [p.pid for p in s.processes], uuid), clock.monotonic())
         t_sample = t_owners = t_observe = t_base = 0.0
         for _ in range(args.cycles):
             clock.advance(args.interval_s)
@@ -99,6 +113,7 @@ def main() -> None:
         "gpus": args.gpus,
         "processes_per_gpu": args.processes,
         "cycles": args.cycles,
+        "warm_cycles": warm_cycles,
         "interval_s": args.interval_s,
         "cycle_ms_per_gpu": round(cycle_ms, 3),
         "sample_ms": round(t_sample / per * 1000, 3),

@@ -35,6 +35,7 @@ from mapper.metrics import MetricsServer, write_status_file
 from mapper.model import GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions
 from mapper.policy import PolicyEngine, parse_policies
+from mapper.processloop import process_loop
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler
 from mapper.registry import Registry
@@ -158,13 +159,20 @@ class MapperApp:
             rebind=lambda worker, device: self.streams.bind(worker.uuid, device),
         )
         self.registry.subscribe(self.bindings.on_device_change)
+        #: Who uses each GPU (docs/processes.md); None when ``processes.interval`` is 0, and on a Jetson (its
+        #: per-process use is not read: docs/jetson.md).
+        self.processes = (
+            process_loop(settings, backend, self.workers, self.publisher, self.streams, clock=self.clock)
+            if isinstance(backend, NvmlBackend)
+            else None
+        )
         self.bindings.max_delta_bytes = settings.inbound_max_bytes
         #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).
         self.inbound = InboundLimiter(
             "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock.monotonic
         )
         parts = (self.workers, self.collector, self.publisher, self.inbound, self.clock)
-        self.status = StatusSource(settings, __version__, *parts)
+        self.status = StatusSource(settings, __version__, *parts, processes=self.processes)
         #: The status file and config reloads (its ``interval_s``: how often).
         write_status = functools.partial(write_status_file, settings.data_dir)
         overrides = self.bindings.policy_overrides
@@ -331,6 +339,9 @@ class MapperApp:
         if self.compactor is not None:
             self._spawn("compactor", self.compactor.run())
         self._spawn("housekeeping", self.housekeeping.run())
+        if self.processes is not None:
+            self.processes.beat = self._beat
+            self._spawn("processes", self.processes.run())
         if self.dmi_client is not None and self.dmi_reporter is not None:
             self._spawn("dmi-client", self.dmi_client.run())
             self._spawn("dmi-reporter", self.dmi_reporter.run())

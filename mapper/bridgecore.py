@@ -169,12 +169,17 @@ def _table() -> dict[str, tuple[int, Any, str, MetricType, str]]:
     out[_STATE_KEY] = (_STATE, None, s.series_name, s.type, s.doc)
     out[_XID_KEY] = (_XID, None, x.series_name, x.type, x.doc)
     out[_DESIRED_KEY] = (_DESIRED, None, d.series_name, d.type, d.doc)
+    for series, f in naming.PROCESS_GPU_SERIES.items():
+        out[series] = (_PLAIN, 1.0, f.series_name, f.type, f.doc)
     return out
 
 
 def series_types() -> dict[str, MetricType]:
     """Every series name the bridge can write -> its type (for the OpenMetrics export)."""
-    return {name: mtype for _, _, name, mtype, _ in _table().values()}
+    types = {name: mtype for _, _, name, mtype, _ in _table().values()}
+    types.update({f.series_name: f.type for f in naming.POD_TELEMETRY_FIELDS.values()})
+    types[naming.LEAK_SUSPECTED.series_name] = naming.LEAK_SUSPECTED.type
+    return types
 
 
 def bridged_series_names() -> frozenset[str]:
@@ -190,6 +195,9 @@ class Converter:
         self.max_series = max_series
         self._table = _table()
         self._templates: dict[tuple[_Base, Any], _Template] = {}
+        #: Workload series (``naming.pod_series`` names) -> their handler and extra labels; at most
+        #: ``max_series`` (then it starts afresh).
+        self._pods: dict[str, tuple[int, Any, str, MetricType, str, dict[str, str]]] = {}
         self._extra_label = {
             _REASONS: naming.CLOCK_EVENT_REASON.labels[0],
             _MODE: naming.COMPUTE_MODE.labels[0],
@@ -210,8 +218,13 @@ class Converter:
                 self._templates = {}
             node, device, uuid, ident = base
             prop, extra = (sid, None) if isinstance(sid, str) else sid
-            kind, _, name, mtype, doc = self._table[prop]
+            entry = self._table.get(prop)
             labels = {"device": naming.device_label(device), "node": node, "uuid": uuid, "gpu": ident.gpu}
+            if entry is None:  # a workload series (``_pod``)
+                kind, _, name, mtype, doc, who = self._pods[prop]
+                labels.update(who)
+            else:
+                kind, _, name, mtype, doc = entry
             if extra is not None:
                 labels[self._extra_label[kind]] = extra
             if kind == _INFO:
@@ -244,9 +257,11 @@ class Converter:
             ts = row.ts_ms
             head, tail = sample_affixes(ts)
             for name, v in row.values.items():
-                h = table.get(name)
+                h: tuple[Any, ...] | None = table.get(name)
                 if h is None:
-                    continue
+                    h = self._pod(name)
+                    if h is None:
+                        continue
                 kind = h[0]
                 if kind == _PLAIN:
                     cls = v.__class__
@@ -317,6 +332,26 @@ class Converter:
             buf.parts.append(head + _PACK_DOUBLE(x) + tail)
         req.samples += len(values)
         return len(values)
+
+    def _pod(self, name: str) -> tuple[int, Any, str, MetricType, str, dict[str, str]] | None:
+        """The handler of a workload series (``naming.pod_series``: ``gpu_pod_*{namespace,pod,container}``; or
+        ``naming.leak_series``: ``gpu_process_memory_leak_suspected{pid,namespace,pod,container}``), None for any
+        other name the table does not know."""
+        h = self._pods.get(name)
+        if h is None:
+            parsed = naming.parse_pod_series(name)
+            if parsed is not None:
+                f, namespace, pod, container = parsed
+                who = dict(zip(naming.POD_LABELS, (namespace, pod, container), strict=True))
+            else:
+                leak = naming.parse_leak_series(name)
+                if leak is None:
+                    return None
+                f, who = naming.LEAK_SUSPECTED, dict(zip(naming.PROCESS_LABELS, leak, strict=True))
+            if len(self._pods) >= self.max_series:
+                self._pods = {}
+            h = self._pods[name] = (_PLAIN, 1.0, f.series_name, f.type, f.doc, who)
+        return h
 
     @staticmethod
     def _derived(kind: int, v: object) -> list[tuple[str, float]]:

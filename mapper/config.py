@@ -160,6 +160,22 @@ class Settings:
     #: Print a live per-GPU table on stdout every ``print_interval_s`` (0 = off).
     print_interval_s: float = 0.0
     config_file: str | None = None
+    #: The process cycle (docs/processes.md): who uses each GPU, sampled every ``process_interval_s`` (0 = off);
+    #: series of their own for the top ``process_top_n`` processes per GPU (by SM share and by memory) and
+    #: energy counters for at most ``process_max_workloads`` containers per GPU, the rest summed as ``other``.
+    process_interval_s: float = 5.0
+    process_top_n: int = 5
+    process_max_workloads: int = 32
+    #: Where the host's processes are seen (``/proc`` with ``hostPID: true``) and the root the kubelet's (or
+    #: edged's) pod files are read under (``/var/log/containers``, ``/var/log/pods``, ``/var/lib/*/pods``).
+    proc_root: str = "/proc"
+    pod_files_root: str = "/"
+    #: The GPU memory leak detector: a process whose memory floor rises over the window by the threshold.
+    leak_enabled: bool = True
+    leak_window_s: float = 1800.0
+    leak_threshold_bytes: int = 1 << 30
+    #: The idle power (W) of a GPU by UUID or product name, where known; else the process cycle learns it.
+    idle_power_w: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def dmi_enabled(self) -> bool:
@@ -223,6 +239,14 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "clamp": ("reconcile.clamp", "bool"),
     "restore_modes": ("reconcile.restoreModes", "bool"),
     "print_interval_s": ("console.printInterval", "duration"),
+    "process_interval_s": ("processes.interval", "duration"),
+    "process_top_n": ("processes.topN", "int"),
+    "process_max_workloads": ("processes.maxWorkloads", "int"),
+    "proc_root": ("processes.procRoot", "str"),
+    "pod_files_root": ("processes.podFilesRoot", "str"),
+    "leak_enabled": ("processes.leak.enabled", "bool"),
+    "leak_window_s": ("processes.leak.window", "duration"),
+    "leak_threshold_bytes": ("processes.leak.threshold", "size"),
 }
 
 #: Environment variables read (each overrides the file, and is overridden by the flag of the same name).
@@ -380,9 +404,27 @@ def load_settings(
     policies = file_data.get("policies") or {}
     if not isinstance(policies, Mapping):
         raise ConfigError("policies: must be a mapping")
-    settings = replace(Settings(), mqtt=mqtt, policies=dict(policies), config_file=file_path, **values)
+    idle_power = _idle_power(_lookup(file_data, "processes.idlePower"))
+    settings = replace(
+        Settings(), mqtt=mqtt, policies=dict(policies), config_file=file_path, idle_power_w=idle_power, **values
+    )
     validate(settings)
     return settings
+
+
+def _idle_power(raw: Any) -> dict[str, float]:
+    """``processes.idlePower``: ``{<GPU UUID or product name>: <watts>}``."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"processes.idlePower: expected a mapping of GPU UUID or product name to watts, got {raw!r}")
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        watts = _convert("float", value, f"processes.idlePower.{key}")
+        if not watts:
+            raise ConfigError(f"processes.idlePower.{key}: must be more than 0 W, got {value!r}")
+        out[str(key)] = watts
+    return out
 
 
 def validate(settings: Settings) -> None:
@@ -423,6 +465,17 @@ def validate(settings: Settings) -> None:
         raise ConfigError(f"backend: must be auto, nvml or jetson, got {settings.backend!r}")
     if not settings.jetson_nvpmodel.split():
         raise ConfigError("jetson.nvpmodel: the command is empty")
+    if settings.process_interval_s != 0 and not 0.1 <= settings.process_interval_s <= 3600:
+        raise ConfigError(f"processes.interval: must be 0 (off) or 100ms..1h, got {settings.process_interval_s} s")
+    if not 1 <= settings.process_top_n <= 100:
+        raise ConfigError(f"processes.topN: must be 1..100, got {settings.process_top_n}")
+    if not 1 <= settings.process_max_workloads <= 1000:
+        raise ConfigError(f"processes.maxWorkloads: must be 1..1000, got {settings.process_max_workloads}")
+    if settings.leak_window_s <= 0 or settings.leak_threshold_bytes <= 0:
+        raise ConfigError(
+            "processes.leak: window and threshold must be positive, got "
+            f"{settings.leak_window_s} s and {settings.leak_threshold_bytes} bytes"
+        )
 
 
 def split_addr(addr: str) -> tuple[str, int]:

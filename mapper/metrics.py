@@ -57,6 +57,7 @@ from mapper.bridgecore import BridgeStats
 from mapper.bridgecore import Histogram as BridgeHistogram
 from mapper.errors import ConfigError, NotFoundError, TransientError
 from mapper.model import DEVICE_STATES, GpuInfo, Sample
+from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 from mapper.stats import (
     STATUS_FILE_NAME,
     GpuSnapshot,
@@ -280,6 +281,7 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
     out.extend(per_prop.values())
     out.extend([info, reasons, compute, xids, desired_cap, state, policy_state, sample_ts])
     out.extend(_self_metrics(snap))
+    out.extend(workload_metrics(snap))
     return out
 
 
@@ -289,6 +291,65 @@ def _sample_name(fam: Metric) -> str:
 
 
 _number = naming.number
+
+
+def workload_metrics(snap: MapperSnapshot) -> list[Metric]:
+    """Who uses each GPU (the process cycle's latest ``GpuWorkloads``): process rows, per-container energy,
+    power, memory and SM share, the GPU's idle and unattributed energy, suspected leaks (docs/processes.md)."""
+    fams = {
+        f.name: _family(f)
+        for f in (
+            naming.PROCESSES,
+            naming.PROCESS_MEMORY,
+            naming.PROCESS_SM,
+            naming.POD_ENERGY,
+            naming.POD_POWER,
+            naming.POD_MEMORY,
+            naming.POD_SM,
+            naming.IDLE_ENERGY,
+            naming.IDLE_POWER,
+            naming.UNATTRIBUTED_ENERGY,
+            naming.LEAK_SUSPECTED,
+        )
+    }
+    labels_of = {
+        g.info.uuid: [g.info.uuid, str(g.info.index), naming.device_label(g.device), g.node or snap.node]
+        for g in snap.gpus
+    }
+    for w in snap.workloads:
+        labels = labels_of.get(w.uuid)
+        if labels is None:
+            continue
+        fams[naming.PROCESSES.name].add_metric(labels, w.process_count)
+        fams[naming.IDLE_ENERGY.name].add_metric(labels, w.idle_joules_total)
+        fams[naming.IDLE_POWER.name].add_metric(labels, w.idle_power_w)
+        fams[naming.UNATTRIBUTED_ENERGY.name].add_metric(labels, w.unattributed_joules_total)
+        rows = {r.pid: r for r in w.processes}
+        for r in w.processes:
+            who = [*labels, str(r.pid) if r.pid else "other", r.namespace, r.pod, r.container]
+            if r.memory_used_bytes is not None:
+                fams[naming.PROCESS_MEMORY.name].add_metric(who, r.memory_used_bytes)
+            if r.sm_ratio is not None:
+                fams[naming.PROCESS_SM.name].add_metric(who, r.sm_ratio)
+        for pid in w.leaking_pids:
+            row = rows.get(pid)
+            owner = [row.namespace, row.pod, row.container] if row is not None else ["", "", ""]
+            fams[naming.LEAK_SUSPECTED.name].add_metric([*labels, str(pid), *owner], 1)
+        for p in w.pods:
+            who = [*labels, p.namespace, p.pod, p.container]
+            fams[naming.POD_ENERGY.name].add_metric(who, p.energy_joules_total)
+            fams[naming.POD_POWER.name].add_metric(who, p.power_w)
+            fams[naming.POD_MEMORY.name].add_metric(who, p.memory_used_bytes)
+            if p.sm_ratio is not None:
+                fams[naming.POD_SM.name].add_metric(who, p.sm_ratio)
+    errors = _labelled(
+        CounterMetricFamily,
+        "gpu_mapper_process_errors",
+        "process cycles of a GPU that failed, by reason",
+        ("reason",),
+        _keyed(snap.process_errors),
+    )
+    return [*fams.values(), errors]
 
 
 def _family(f: naming.Family) -> GaugeMetricFamily | CounterMetricFamily:
@@ -453,7 +514,11 @@ def _FULL_EXAMPLE() -> MapperSnapshot:
         xid_errors={79: 1},
         desired_power_limit_w=1.0,
     )
-    return MapperSnapshot(node="n", gpus=(gpu,))
+    pod = PodUse("ns", "pod", "c", 1.0, 1.0, 1, 1, 0.5)
+    workloads = GpuWorkloads(
+        "GPU-0", 1, 1, (ProcessRow(1, "ns", "pod", "c", 1, 0.5, 1.0),), (pod,), 1.0, 1.0, 1.0, leaking_pids=(1,)
+    )
+    return MapperSnapshot(node="n", gpus=(gpu,), workloads=(workloads,))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -712,6 +712,15 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         collect_cycle_ms=1_000,
         source="mapper",
     ),
+    _p(
+        "processes",
+        "STRING",
+        "",
+        "who uses the GPU: process count, the top container by power and by memory, pids suspected of leaking",
+        "computed by the process cycle (docs/processes.md)",
+        collect_cycle_ms=5_000,
+        source="mapper",
+    ),
     *_JETSON,
 )
 
@@ -746,7 +755,16 @@ def family_properties(family: str) -> tuple[PropertySpec, ...]:
     if read is None:
         raise ValueError(f"unknown GPU family {family!r} (known: {', '.join(BACKEND_PROPERTIES)})")
     names = {p.name for p in read}
-    return tuple(p for p in PROPERTIES if p.name in names or p.source == "mapper")
+    computed = [
+        p for p in PROPERTIES if p.source == "mapper" and family in MAPPER_PROPERTY_FAMILIES.get(p.name, (family,))
+    ]
+    names.update(p.name for p in computed)
+    return tuple(p for p in PROPERTIES if p.name in names)
+
+
+#: Mapper-computed properties that only some families have (any other serves every family): the process cycle
+#: reads NVML's process lists, which a Jetson does not offer (docs/jetson.md).
+MAPPER_PROPERTY_FAMILIES: Mapping[str, tuple[str, ...]] = {"processes": ("nvml",)}
 
 
 #: Writable properties that NVML sets together, as (min, max) pairs.

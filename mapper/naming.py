@@ -131,3 +131,113 @@ def compute_mode_flags(mode: str) -> Iterator[tuple[str, int]]:
     if mode in COMPUTE_MODES:
         for m in COMPUTE_MODES:
             yield m, 1 if m == mode else 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Who uses the GPU (the process cycle, ``mapper.processes``; docs/processes.md)
+# --------------------------------------------------------------------------------------------------
+
+#: Labels of a process series after ``GPU_LABELS``: the host pid (``other`` for the row summing the processes
+#: past the top N) and what it belongs to ("" where unknown; a host process has all three empty).
+PROCESS_LABELS = ("pid", "namespace", "pod", "container")
+#: Labels of a workload (container) series after ``GPU_LABELS``; ``pod="other"`` sums those past the bound.
+POD_LABELS = ("namespace", "pod", "container")
+
+PROCESS_MEMORY = Family(
+    "gpu_process_memory_used_bytes",
+    "gauge",
+    "GPU memory a process holds (the top N processes by SM share and by memory, the rest summed as other)",
+    PROCESS_LABELS,
+)
+PROCESS_SM = Family(
+    "gpu_process_sm_utilization_ratio",
+    "gauge",
+    "share of the GPU's time a process had kernels on the SMs over the last process cycle (0-1)",
+    PROCESS_LABELS,
+)
+PROCESSES = Family("gpu_processes", "gauge", "processes running on the GPU (compute and graphics)")
+POD_ENERGY = Family(
+    "gpu_pod_energy_joules",
+    "counter",
+    "GPU energy attributed to a container by its SM share, the idle part excluded (docs/processes.md)",
+    POD_LABELS,
+)
+POD_POWER = Family(
+    "gpu_pod_power_watts", "gauge", "GPU power attributed to a container over the last process cycle", POD_LABELS
+)
+POD_MEMORY = Family("gpu_pod_memory_used_bytes", "gauge", "GPU memory the processes of a container hold", POD_LABELS)
+POD_SM = Family(
+    "gpu_pod_sm_utilization_ratio",
+    "gauge",
+    "SM share of the processes of a container over the last process cycle (0-1)",
+    POD_LABELS,
+)
+IDLE_ENERGY = Family(
+    "gpu_idle_energy_joules", "counter", "GPU energy counted as idle (the GPU's power at no load), given to no pod"
+)
+IDLE_POWER = Family("gpu_idle_power_watts", "gauge", "the GPU's idle power the attribution uses")
+UNATTRIBUTED_ENERGY = Family(
+    "gpu_unattributed_energy_joules", "counter", "active GPU energy of intervals in which no process was seen"
+)
+LEAK_SUSPECTED = Family(
+    "gpu_process_memory_leak_suspected",
+    "gauge",
+    "1 for a process whose GPU memory floor kept rising over the leak window (a signal only)",
+    PROCESS_LABELS,
+)
+
+#: The telemetry series of a workload's use of a GPU: ``pod:<field>:<namespace>/<pod>/<container>`` (names
+#: cannot hold ``/`` or ``:``), each field a family above, in its base unit.
+POD_TELEMETRY_PREFIX = "pod:"
+POD_TELEMETRY_FIELDS: dict[str, Family] = {
+    "energy": POD_ENERGY,
+    "power": POD_POWER,
+    "memory": POD_MEMORY,
+    "sm": POD_SM,
+}
+
+
+#: The GPU-wide telemetry series of the process cycle, each a family above (plain numbers in base units).
+PROCESS_GPU_SERIES: dict[str, Family] = {
+    "processes_count": PROCESSES,
+    "processes_idle_energy": IDLE_ENERGY,
+    "processes_unattributed_energy": UNATTRIBUTED_ENERGY,
+    "processes_idle_power": IDLE_POWER,
+}
+
+#: The telemetry series of a process suspected of leaking GPU memory: ``leak:<pid>:<namespace>/<pod>/<container>``
+#: (1 while suspected, absent after; an owner not known is three empty names), ``LEAK_SUSPECTED`` on the bridge.
+LEAK_TELEMETRY_PREFIX = "leak:"
+
+
+def pod_series(field: str, namespace: str, pod: str, container: str) -> str:
+    """The telemetry series name of one field of one workload (``POD_TELEMETRY_FIELDS``)."""
+    return f"{POD_TELEMETRY_PREFIX}{field}:{namespace}/{pod}/{container}"
+
+
+def parse_pod_series(name: str) -> tuple[Family, str, str, str] | None:
+    """``(family, namespace, pod, container)`` of a ``pod_series`` name, None for any other name."""
+    if not name.startswith(POD_TELEMETRY_PREFIX):
+        return None
+    field, sep, who = name[len(POD_TELEMETRY_PREFIX) :].partition(":")
+    family = POD_TELEMETRY_FIELDS.get(field)
+    parts = who.split("/")
+    if family is None or not sep or len(parts) != 3:
+        return None
+    return family, parts[0], parts[1], parts[2]
+
+
+def leak_series(pid: int, namespace: str, pod: str, container: str) -> str:
+    """The telemetry series name of a process suspected of leaking (``LEAK_TELEMETRY_PREFIX``)."""
+    return f"{LEAK_TELEMETRY_PREFIX}{pid}:{namespace}/{pod}/{container}"
+
+
+def parse_leak_series(name: str) -> tuple[str, str, str, str] | None:
+    """``(pid, namespace, pod, container)`` of a ``leak_series`` name, None for any other name."""
+    if not name.startswith(LEAK_TELEMETRY_PREFIX):
+        return None
+    pid, sep, who = name[len(LEAK_TELEMETRY_PREFIX) :].partition(":")
+    parts = who.split("/")
+    if not pid.isdigit() or not sep or len(parts) != 3:
+        return None
+    return pid, parts[0], parts[1], parts[2]

@@ -31,7 +31,7 @@ from mapper.leak import LeakConfig, LeakDetector, LeakEvent
 from mapper.model import ProcessSample
 from mapper.workloads import ProcessOwner
 
-__all__ = ["GpuWorkloads", "PodUse", "ProcessMonitor", "ProcessRow", "workload_key"]
+__all__ = ["TWIN_MAX_CHARS", "GpuWorkloads", "PodUse", "ProcessMonitor", "ProcessRow", "workload_key"]
 
 #: Counter deltas larger than this many seconds at the GPU's maximum plausible draw are a reset, not energy.
 _MAX_INTERVAL_S = 3600.0
@@ -73,6 +73,16 @@ class PodUse:
     power_w: float
     memory_used_bytes: int = 0
     processes: int = 0
+    #: The SM shares of its processes summed (0..1; None when NVML gave none of them one).
+    sm_ratio: float | None = None
+
+
+#: The longest twin value KubeEdge's devicetwin accepts (``^[a-zA-Z0-9-_.,:/@#]{1,512}$``).
+TWIN_MAX_CHARS = 512
+#: The longest workload name the twin carries (namespace/pod/container, each part up to 253 characters).
+_TWIN_NAME_CHARS = 120
+#: Suspected pids the twin lists at most (then ``#<n>more``).
+_TWIN_LEAK_PIDS = 8
 
 
 @dataclass(frozen=True)
@@ -104,8 +114,9 @@ class GpuWorkloads:
         return max(named, key=lambda p: (p.memory_used_bytes, p.namespace, p.pod, p.container)) if named else None
 
     def twin_text(self) -> str:
-        """The ``processes`` twin: compact, twin-safe (``[a-zA-Z0-9-_.,:/@#]``): ``count:3,power:ns/pod/c@41.5W,
-        memory:ns/pod/c@12884901888B``."""
+        """The ``processes`` twin: compact, twin-safe (``[a-zA-Z0-9-_.,:/@#]``, at most ``TWIN_MAX_CHARS``):
+        ``count:3,power:ns/pod/c@41.5W,memory:ns/pod/c@12884901888B,leak:31``. Long names are cut to 120
+        characters, and at most 8 suspected pids are listed (``leak:31/32/#5more``)."""
         parts = [f"count:{self.process_count}"]
         top = self.top_by_power
         if top is not None:
@@ -114,13 +125,17 @@ class GpuWorkloads:
         if top is not None:
             parts.append(f"memory:{_who(top)}@{top.memory_used_bytes}B")
         if self.leaking_pids:
-            parts.append("leak:" + "/".join(str(p) for p in self.leaking_pids))
-        return ",".join(parts)
+            pids = [str(p) for p in self.leaking_pids[:_TWIN_LEAK_PIDS]]
+            if len(self.leaking_pids) > _TWIN_LEAK_PIDS:
+                pids.append(f"#{len(self.leaking_pids) - _TWIN_LEAK_PIDS}more")
+            parts.append("leak:" + "/".join(pids))
+        return ",".join(parts)[:TWIN_MAX_CHARS]
 
 
 def _who(p: PodUse) -> str:
     name = "/".join(x for x in (p.namespace, p.pod, p.container) if x) or "host"
-    return "".join(c if c.isalnum() or c in "-_./:@#" else "_" for c in name)
+    safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_./:@#" else "_" for c in name)
+    return safe[:_TWIN_NAME_CHARS]
 
 
 @dataclass
@@ -176,7 +191,11 @@ class ProcessMonitor:
         if delta is None and energy is None and sample.power_w is not None and dt is not None and dt > 0:
             delta = sample.power_w * min(dt, _MAX_INTERVAL_S)  # no counter: the power reading over the interval
         if delta is not None and dt is not None and dt > 0:
-            state.idle.observe(delta / dt, len(uses))
+            # An interval in which no process had time on the SMs (none at all, or resident processes that
+            # computed nothing: an inference server between requests) shows the GPU's idle power. Where NVML gives
+            # no per-process utilisation (MIG, an old driver), only an interval without processes does.
+            busy = sum(1 for u in uses if (u.sm_ratio or 0.0) > 0) if sample.utilization_source else len(uses)
+            state.idle.observe(delta / dt, busy)
             idle_w = state.idle.watts or 0.0
             per_process = split_energy(delta, dt, idle_w, {u.pid: u.sm_ratio for u in uses})
             by_key: dict[WorkloadKey, float] = {}
@@ -233,15 +252,27 @@ class ProcessMonitor:
             slots[key] = slot
         memory: dict[WorkloadKey, int] = {}
         count: dict[WorkloadKey, int] = {}
+        sm: dict[WorkloadKey, float] = {}
         for use in uses:
             slot = slots[keys[use.pid]]
             memory[slot] = memory.get(slot, 0) + (use.memory_used_bytes or 0)
             count[slot] = count.get(slot, 0) + 1
+            if use.sm_ratio is not None:
+                sm[slot] = sm.get(slot, 0.0) + use.sm_ratio
         rows = []
         for key in sorted(set(ledger.entries) | set(memory)):
             entry = ledger.entries.get(key)
             joules, power = (entry.joules_total, entry.power_w) if entry is not None else (0.0, 0.0)
             rows.append(
-                PodUse(key.namespace, key.pod, key.container, joules, power, memory.get(key, 0), count.get(key, 0))
+                PodUse(
+                    key.namespace,
+                    key.pod,
+                    key.container,
+                    joules,
+                    power,
+                    memory.get(key, 0),
+                    count.get(key, 0),
+                    sm.get(key),
+                )
             )
         return tuple(rows)

@@ -23,6 +23,7 @@ from typing import Any
 from mapper import telemetry
 from mapper.collect import GpuWorker, worker_sample
 from mapper.model import DEVICE_STATES, GpuInfo, Sample, Value
+from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 
 #: Version of the JSON layout written by ``MapperSnapshot.to_json``.
 SNAPSHOT_FORMAT = 1
@@ -175,6 +176,11 @@ class MapperSnapshot:
     collect_duration: DurationHistogram = field(default_factory=DurationHistogram)
     #: Failed samples by error reason (``transient``, ``gpu-lost``, ``timeout``...).
     collect_errors: Mapping[str, int] = field(default_factory=dict)
+    # --- who uses the GPUs (the process cycle, docs/processes.md) ---
+    #: The latest process cycle of each GPU (empty when the cycle is off or has not run yet).
+    workloads: tuple[GpuWorkloads, ...] = ()
+    #: GPUs whose process cycle failed, by reason.
+    process_errors: Mapping[str, int] = field(default_factory=dict)
 
     def gpu(self, uuid: str) -> GpuSnapshot | None:
         for g in self.gpus:
@@ -230,6 +236,10 @@ class MapperSnapshot:
                 },
                 "errors": dict(self.collect_errors),
             },
+            "processes": {
+                "gpus": [_workloads_to_dict(w) for w in self.workloads],
+                "errors": dict(self.process_errors),
+            },
         }
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -248,6 +258,8 @@ class MapperSnapshot:
         policy = r.obj("policy")
         collect = r.obj("collect")
         dur = collect.obj("duration")
+        # Absent from the status file of a mapper older than the process cycle.
+        procs = r.obj("processes") if "processes" in r.names() else None
         try:
             histogram = DurationHistogram(
                 bounds_s=tuple(dur.numbers("bounds_s")),
@@ -286,6 +298,8 @@ class MapperSnapshot:
             policy_events=policy.pairs("events"),
             collect_duration=histogram,
             collect_errors=collect.count_map("errors"),
+            workloads=tuple(_workloads_from_reader(w) for w in procs.objs("gpus")) if procs else (),
+            process_errors=procs.count_map("errors") if procs else {},
         )
 
     @classmethod
@@ -388,6 +402,89 @@ def _gpu_from_reader(r: _Reader) -> GpuSnapshot:
     )
 
 
+def _workloads_to_dict(w: GpuWorkloads) -> dict[str, Any]:
+    return {
+        "uuid": w.uuid,
+        "ts_ms": w.ts_ms,
+        "process_count": w.process_count,
+        "processes": [
+            {
+                "pid": p.pid,
+                "namespace": p.namespace,
+                "pod": p.pod,
+                "container": p.container,
+                "memory_used_bytes": p.memory_used_bytes,
+                "sm_ratio": p.sm_ratio,
+                "power_w": p.power_w,
+            }
+            for p in w.processes
+        ],
+        "pods": [
+            {
+                "namespace": p.namespace,
+                "pod": p.pod,
+                "container": p.container,
+                "energy_joules_total": p.energy_joules_total,
+                "power_w": p.power_w,
+                "memory_used_bytes": p.memory_used_bytes,
+                "processes": p.processes,
+                "sm_ratio": p.sm_ratio,
+            }
+            for p in w.pods
+        ],
+        "idle_joules_total": w.idle_joules_total,
+        "idle_power_w": w.idle_power_w,
+        "unattributed_joules_total": w.unattributed_joules_total,
+        "idle_source": w.idle_source,
+        "leaking_pids": list(w.leaking_pids),
+        "reason": w.reason,
+        "unsupported": dict(w.unsupported),
+    }
+
+
+def _workloads_from_reader(r: _Reader) -> GpuWorkloads:
+    rows = tuple(
+        ProcessRow(
+            pid=p.count("pid"),
+            namespace=p.text("namespace"),
+            pod=p.text("pod"),
+            container=p.text("container"),
+            memory_used_bytes=p.opt_count("memory_used_bytes"),
+            sm_ratio=p.opt_number("sm_ratio"),
+            power_w=p.number("power_w"),
+        )
+        for p in r.objs("processes")
+    )
+    pods = tuple(
+        PodUse(
+            namespace=p.text("namespace"),
+            pod=p.text("pod"),
+            container=p.text("container"),
+            energy_joules_total=p.number("energy_joules_total"),
+            power_w=p.number("power_w"),
+            memory_used_bytes=p.count("memory_used_bytes"),
+            processes=p.count("processes"),
+            sm_ratio=p.opt_number("sm_ratio"),
+        )
+        for p in r.objs("pods")
+    )
+    unsupported = r.obj("unsupported")
+    return GpuWorkloads(
+        uuid=r.text("uuid"),
+        ts_ms=r.count("ts_ms"),
+        process_count=r.count("process_count"),
+        processes=rows,
+        pods=pods,
+        idle_joules_total=r.number("idle_joules_total"),
+        idle_power_w=r.number("idle_power_w"),
+        unattributed_joules_total=r.number("unattributed_joules_total"),
+        idle_source=r.text("idle_source"),
+        leaking_pids=tuple(r.counts_list("leaking_pids")),
+        reason=r.text("reason"),
+        unsupported={k: unsupported.text(k) for k in unsupported.names()},
+    )
+
+
 class _Reader:
     """Typed access to a JSON object with error messages that name the path."""
 
@@ -432,6 +529,10 @@ class _Reader:
     def opt_number(self, key: str) -> float | None:
         v = self.doc.get(key)
         return None if v is None else self.number(key)
+
+    def opt_count(self, key: str) -> int | None:
+        v = self.doc.get(key)
+        return None if v is None else self.count(key)
 
     def numbers(self, key: str) -> list[float]:
         return [float(x) for x in self._list(key, _is_number, "numbers")]

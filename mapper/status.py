@@ -19,6 +19,7 @@ from mapper.clock import Clock
 from mapper.collect import Collector, GpuWorker
 from mapper.config import Settings
 from mapper.doorlimit import InboundLimiter
+from mapper.processes import GpuWorkloads
 from mapper.publish import Publisher
 from mapper.shipper import TelemetryShipper
 from mapper.stats import DurationHistogram, MapperSnapshot, device_state_payload, gpu_snapshot, worker_totals
@@ -65,6 +66,15 @@ class DmiClientLike(RpcCounting, Protocol):
     def registered(self) -> bool: ...
 
 
+class WorkloadSource(Protocol):
+    """What the snapshot reads of the process cycle (``mapper.processloop.ProcessLoop``)."""
+
+    @property
+    def errors(self) -> Mapping[str, int]: ...
+
+    def workloads(self) -> tuple[GpuWorkloads, ...]: ...
+
+
 class StatusSource:
     """The snapshot of one mapper, from its parts (``settings``: its node name, mode and buffer cap). The
     parts made at start-up (``buffer``, ``shipper``, ``session``, ``dmi_client``, ``dmi_server``) and the
@@ -80,8 +90,10 @@ class StatusSource:
         publisher: Publisher,
         inbound: InboundLimiter,
         clock: Clock,
+        processes: WorkloadSource | None = None,
     ) -> None:
         self.node = settings.node_name
+        self.processes = processes
         self.version = version
         self.workers = workers
         self.collector = collector
@@ -167,6 +179,8 @@ class StatusSource:
             policy_events=dict(self.publisher.policy_events),
             collect_duration=self.collect_duration,
             collect_errors=dict(self.collector.errors),
+            workloads=self.processes.workloads() if self.processes is not None else (),
+            process_errors=dict(self.processes.errors) if self.processes is not None else {},
         )
 
 

@@ -16,6 +16,9 @@ from mapper.model import Value
 from mapper.stats import GpuSnapshot, MapperSnapshot
 
 _COLUMNS = ("DEVICE", "UUID", "POWER / CAP", "TEMP", "UTIL", "MEM", "SM CLOCK", "STATE", "DESIRED", "POLICY")
+_POD_COLUMNS = ("POD (namespace/pod/container)", "GPU", "POWER", "ENERGY", "GPU MEM", "SM", "PROCS")
+#: Pods ``gpu-mapper status`` lists, the top ones by power over the node.
+TOP_PODS = 10
 
 
 def render_status(snapshot: MapperSnapshot) -> str:
@@ -36,6 +39,10 @@ def render_status(snapshot: MapperSnapshot) -> str:
     else:
         lines.append("no GPUs")
     lines.append("")
+    pods = _pods(s)
+    if pods:
+        lines.extend(pods)
+        lines.append("")
     lines.extend(_backlog(s))
     return "\n".join(lines) + "\n"
 
@@ -71,6 +78,51 @@ def _gpu_row(g: GpuSnapshot) -> list[str]:
         g.desired_status or "-",
         g.policy_state or "-",
     ]
+
+
+def _pods(s: MapperSnapshot) -> list[str]:
+    """The top pods (containers) by GPU power over the node, then each GPU's idle part and leaks."""
+    if not s.workloads:
+        return []
+    names = {g.info.uuid: g.device_name or g.info.uuid for g in s.gpus}
+    uses = [(w.uuid, p) for w in s.workloads for p in w.pods if p.processes or p.power_w > 0]
+    uses.sort(key=lambda up: (-up[1].power_w, -up[1].memory_used_bytes, up[1].namespace, up[1].pod))
+    out: list[str] = []
+    if uses:
+        rows = [
+            [
+                "/".join(x for x in (p.namespace, p.pod, p.container) if x) or "(host processes)",
+                names.get(uuid, uuid),
+                f"{p.power_w:.1f} W",
+                _energy(p.energy_joules_total),
+                f"{p.memory_used_bytes / 2**30:.1f} GiB",
+                "-" if p.sm_ratio is None else f"{100 * p.sm_ratio:.0f} %",
+                str(p.processes),
+            ]
+            for uuid, p in uses[:TOP_PODS]
+        ]
+        out.extend(_table(_POD_COLUMNS, rows))
+        if len(uses) > TOP_PODS:
+            out.append(f"... and {len(uses) - TOP_PODS} more")
+    for w in s.workloads:
+        line = (
+            f"{names.get(w.uuid, w.uuid)}: {w.process_count} processes, idle {w.idle_power_w:.1f} W"
+            f" ({w.idle_source}), idle energy {_energy(w.idle_joules_total)}"
+        )
+        if w.leaking_pids:
+            line += ", LEAK SUSPECTED: pid " + ", ".join(str(pid) for pid in w.leaking_pids)
+        if w.reason:
+            line += f"; {w.reason}"
+        out.append(line)
+    return out
+
+
+def _energy(joules: float) -> str:
+    if joules >= 3.6e6:
+        return f"{joules / 3.6e6:.2f} kWh"
+    if joules >= 1000:
+        return f"{joules / 1000:.1f} kJ"
+    return f"{joules:.0f} J"
 
 
 def _backlog(s: MapperSnapshot) -> list[str]:

@@ -303,6 +303,19 @@ class PodResolver:
         why = self.unreadable_reason or f"pod {ref.pod_uid} not found in the kubelet's or edged's files"
         return ProcessOwner(pid=pid, comm=comm, container=ref, pod=PodInfo(uid=ref.pod_uid), reason=why)
 
+    def cached(self, pids: Iterable[int], scope: str = "") -> bool:
+        """Whether ``owners(..., pids, scope)`` would read no file: every pid's cgroup is known and so is its pod
+        (then it may run on the event loop; otherwise it belongs in a thread)."""
+        cache = self._parsed.get(scope, {})
+        for pid in pids:
+            got = cache.get(pid)
+            if got is None:
+                return False
+            ref = got[1]
+            if ref is not None and ref.pod_uid and not self.knows(ref):
+                return False
+        return True
+
     def owners(self, proc_root: str, pids: Iterable[int], scope: str = "") -> dict[int, ProcessOwner]:
         """Every pid's owner; rescans the kubelet's files once if a pod turns up that they did not name.
 
@@ -311,7 +324,8 @@ class PodResolver:
         came back within one process cycle."""
         cache = self._parsed.get(scope, {})
         parsed = {pid: cache.get(pid) or read_owner(proc_root, pid) for pid in pids}
-        self._parsed[scope] = {pid: got for pid, got in parsed.items() if not got[2]}
+        # (A pid that could not be read is kept too: without hostPID it stays invisible while it runs.)
+        self._parsed[scope] = parsed
         if any(ref is not None and ref.pod_uid and not self.knows(ref) for _c, ref, _r in parsed.values()):
             self.refresh()
         return {pid: self.resolve(pid, comm, ref, reason) for pid, (comm, ref, reason) in parsed.items()}

@@ -22,9 +22,13 @@ from mapper.clock import FakeClock
 from mapper.discover import device_name
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
+from mapper.leak import LeakConfig
 from mapper.model import GpuInfo, Sample
+from mapper.processes import ProcessMonitor
+from mapper.processloop import telemetry_values
 from mapper.stats import GpuSnapshot, device_state_payload
 from mapper.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
+from mapper.workloads import PodInfo, ProcessOwner
 from tests.apphelpers import wait_for
 
 NODE = "edge-1"
@@ -50,9 +54,12 @@ def stream(
     window_s: float = 10.0,
     seed: int = 3,
     every_s: int = 1,
+    processes_every_s: int = 0,
 ) -> list[Published]:
     """Batches a mapper on ``gpus`` simulated H100s would publish for ``seconds`` of sampling every ``every_s``
-    (every property), ending now unless ``start_ms`` is given. Returned in publish order."""
+    (every property), ending now unless ``start_ms`` is given. Returned in publish order. ``processes_every_s``:
+    the process cycle's rows too, at that cycle (the simulator's trainer of each GPU in pod ``ml/trainer-<i>``, and
+    on the first GPU a process that leaks)."""
     start = start_ms if start_ms is not None else int(time.time() * 1000) - seconds * 1000
     clock = FakeClock(start_wall_ms=start)
     sim = SimNvml(gpus, "H100", clock=clock.monotonic, seed=seed, scenario="training")
@@ -60,11 +67,15 @@ def stream(
     backend.init()
     encoders: dict[str, BatchEncoder] = {}
     out: list[Published] = []
+    # A leak over a short window, so that a 15-minute stream shows one (the default window is 30 min).
+    monitor = ProcessMonitor(leak=LeakConfig(window_s=300.0, threshold_bytes=256 << 20))
     try:
         infos = backend.list_gpus()
+        if processes_every_s:  # the first GPU also runs a process that leaks 4 MiB/s beside its trainer
+            sim.start_process(infos[0].uuid, 4242, 1 << 30, weight=0.2, growth_bytes_per_s=float(4 << 20))
         driver = backend.driver_version()
         by_device = {f"default/{device_name(node, g.index)}": g for g in infos}
-        for _ in range(0, seconds, every_s):
+        for step in range(0, seconds, every_s):
             clock.advance(float(every_s))
             for g in infos:
                 dev = f"default/{device_name(node, g.index)}"
@@ -73,6 +84,14 @@ def stream(
                     enc = encoders[dev] = BatchEncoder(node, dev, g.uuid, boot_id, window_s=window_s)
                 sample = backend.sample(g.uuid, None)
                 enc.add(sample)
+                if processes_every_s and step % processes_every_s == 0:
+                    procs = backend.processes(g.uuid)
+                    pod = PodInfo(
+                        uid=f"00000000-0000-4000-8000-{g.index:012x}", namespace="ml", name=f"trainer-{g.index}"
+                    )
+                    owners = {p.pid: ProcessOwner(p.pid, pod=pod, container_name="pytorch") for p in procs.processes}
+                    report, _ = monitor.observe(procs, owners, clock.monotonic())
+                    enc.add(Sample(g.uuid, procs.ts_ms, telemetry_values(report)))
                 b = enc.flush_due(sample.ts_ms)
                 if b is not None:
                     out.append(Published(default_topic(node, dev), b.payload, decode_batch(b.payload), g, driver))

@@ -256,7 +256,7 @@ def _grafana_to_promql(expr: str) -> str:
 async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_series_draw_from_the_bridge(
     tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
-    batches = stream(gpus=2, seconds=900)
+    batches = stream(gpus=2, seconds=900, processes_every_s=5)
     periodic = state_stream(batches)  # the state messages of every report cycle: the status series over time
     async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
         publish_states(mosquitto.url, periodic)

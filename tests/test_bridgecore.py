@@ -275,3 +275,59 @@ def test_the_mqtt_session_options_of_the_bridge_are_checked() -> None:
     assert s.generation == 0 and s.manual_ack
     assert _unshared("$share/g/gpu-mapper/+/+/+/telemetry") == "gpu-mapper/+/+/+/telemetry"
     assert _unshared("gpu-mapper/#") == "gpu-mapper/#"
+
+
+def test_the_workload_series_of_the_telemetry_stream_are_bridged_as_the_mappers_metrics_show_them() -> None:
+    from mapper.processes import GpuWorkloads, PodUse, ProcessRow
+    from mapper.processloop import telemetry_values
+
+    uuid, device = "GPU-7d6c5b4a-0000-4000-8000-000000000001", "default/edge-1-gpu0"
+    report = GpuWorkloads(
+        uuid,
+        ts_ms=5000,
+        process_count=3,
+        pods=(
+            PodUse("ml", "trainer-0", "pytorch", 1234.5, 212.25, 30 << 30, 1, 0.42),
+            PodUse("vision", "detector-7f", "triton", 99.0, 17.5, 8 << 30, 2, None),
+            PodUse("", "", "", 3.0, 1.0, 1 << 29, 1, 0.01),  # host processes
+            PodUse("", "other", "", 7.0, 0.0, 0, 0, None),
+        ),
+        idle_joules_total=4000.0,
+        unattributed_joules_total=12.0,
+        idle_power_w=61.5,
+        processes=(ProcessRow(31, "ml", "trainer-0", "pytorch", 2 << 30, 0.2),),
+        leaking_pids=(31, 77),  # 77: a process outside the top rows, owner not known
+    )
+    snap = MapperSnapshot(
+        node="edge-1", gpus=(GpuSnapshot(info=GpuInfo(uuid, 0, "x"), device=device),), workloads=(report,)
+    )
+    families = {*(f.series_name for f in naming.POD_TELEMETRY_FIELDS.values())}
+    families |= {f.series_name for f in naming.PROCESS_GPU_SERIES.values()}
+    families.add(naming.LEAK_SUSPECTED.series_name)
+    assert families <= bridged_series_names()
+    mapper_side = {}
+    for fam in snapshot_metrics(snap):
+        for s in fam.samples:
+            if s.name in families:
+                labels = {k: v for k, v in s.labels.items() if k != "gpu" and v}
+                mapper_side[(s.name, tuple(sorted(labels.items())))] = s.value
+    row = replace(a_sample()[1], uuid=uuid, ts_ms=report.ts_ms, values=telemetry_values(report))
+    encoded = encode_batch([row], node="edge-1", device=device, uuid=uuid, boot_id="ab12cd34", seq=0)
+    batch = decode_batch(encoded.payload)
+    req = PendingRequest(0.0)
+    Converter().add(req, batch, uuid)
+    bridge_side = {}
+    for buf in req.series():
+        labels = dict(buf.labels)
+        name = labels.pop("__name__")
+        [(ts, value)] = buf.samples()
+        assert ts == report.ts_ms
+        bridge_side[(name, tuple(sorted(labels.items())))] = value
+    assert bridge_side == mapper_side
+    trainer = ("namespace", "ml"), ("node", "edge-1"), ("pod", "trainer-0"), ("uuid", uuid)
+    key = tuple(sorted((("container", "pytorch"), ("device", "edge-1-gpu0"), *trainer)))
+    assert bridge_side[("gpu_pod_energy_joules_total", key)] == 1234.5
+    assert bridge_side[("gpu_pod_memory_used_bytes", key)] == 30 << 30
+    leaks = sorted(dict(k[1])["pid"] for k in bridge_side if k[0] == "gpu_process_memory_leak_suspected")
+    assert leaks == ["31", "77"]
+    assert len({k[0] for k in bridge_side}) == 9

@@ -150,7 +150,7 @@ def test_the_container_holds_only_the_privilege_that_power_limits_need() -> None
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     pod = one("DaemonSet")["spec"]["template"]["spec"]
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-    assert not pod.get("hostPID") and not pod.get("hostIPC")
+    assert not pod.get("hostIPC")
 
 
 def test_every_privilege_in_the_daemonset_carries_a_comment_saying_why() -> None:
@@ -165,6 +165,7 @@ def test_every_privilege_in_the_daemonset_carries_a_comment_saying_why() -> None
         "capabilities:",
         "automountServiceAccountToken:",
         "hostPath:",
+        "hostPID:",
     ):
         found = [i for i, line in enumerate(lines) if line.strip().startswith(key)]
         assert found, key
@@ -195,6 +196,24 @@ def test_the_daemonset_mounts_the_sockets_config_and_data_dir_where_the_config_p
     assert Path(config_path).name in one("ConfigMap")["data"]
     assert env["GPU_MAPPER_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["GPU_MAPPER_NODE_NAME"]["name"] == mapper_config.ENV_KEYS["node_name"]
+
+
+def test_the_process_cycle_sees_host_pids_and_reads_the_pod_folders_read_only_where_the_config_points() -> None:
+    from mapper.workloads import PodDirs
+
+    pod = one("DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    settings = load_settings(str(DEPLOY / "configmap.yaml"), env={"GPU_MAPPER_NODE_NAME": "edge1"})
+    assert settings.process_interval_s == 5.0 and settings.proc_root == "/proc"
+    dirs = PodDirs.under(settings.pod_files_root)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container()["volumeMounts"]}
+    for path in (dirs.log_pods, dirs.log_containers):
+        mount = mounts[path]
+        assert mount["readOnly"] is True, f"{path} must be mounted read only"
+        assert volumes[mount["name"]]["hostPath"]["path"] == path
+    # Nothing else of the host's processes or the kubelet's state: no token or volume folder is mounted.
+    assert not any(p.startswith(("/var/lib/kubelet", "/proc", "/host")) for p in mounts)
 
 
 def test_the_mqtt_password_comes_from_a_mounted_secret_file_not_the_configmap_or_the_environment() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -82,3 +83,57 @@ def test_unknown_memory_and_disabled_detector_say_nothing() -> None:
 def test_bad_config_is_refused_by_name(kwargs: dict[str, float], word: str) -> None:
     with pytest.raises(ValueError, match=word):
         LeakConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def _reference_events(config: LeakConfig, series: list[tuple[float, int]]) -> list[tuple[str, float, int]]:
+    """The detector's rule written plainly (every sample of the window, one pass per observation)."""
+    kept: list[tuple[float, int]] = []
+    suspected = False
+    out: list[tuple[str, float, int]] = []
+    n, window = config.segments, config.window_s
+    for now, used in series:
+        kept.append((now, used))
+        while len(kept) > 1 and now - kept[1][0] >= window:
+            kept.pop(0)
+        start = now - window
+        growth: int | None = None
+        if kept[0][0] <= start + 1e-9:
+            floors: list[int | None] = [None] * n
+            for ts, u in kept:
+                i = min(n - 1, max(0, int((ts - start) / window * n)))
+                floors[i] = u if floors[i] is None else min(u, floors[i])  # type: ignore[type-var]
+            known = [f for f in floors if f is not None]
+            if len(known) == n:
+                rising = all(b > a for a, b in itertools.pairwise(known))
+                growth = known[-1] - known[0] if rising else 0
+        leaking = growth is not None and growth >= config.threshold_bytes
+        if leaking and not suspected:
+            suspected = True
+            out.append(("leak-suspected", now, growth or 0))
+        elif not leaking and suspected and growth is not None:
+            suspected = False
+            out.append(("leak-cleared", now, growth))
+    return out
+
+
+def test_the_detector_decides_as_the_plain_rule_over_random_memory_and_timing() -> None:
+    import random
+
+    actions: list[str] = []
+    for seed in range(12):
+        rng = random.Random(seed)
+        window = rng.choice([60.0, 300.0, 600.0])
+        config = LeakConfig(window_s=window, threshold_bytes=GIB // 4, segments=rng.randint(2, 8))
+        t, used = 0.0, 2 * GIB
+        series = []
+        for _ in range(600):
+            t += rng.choice([1.0, 2.5, 5.0, 5.0, 5.0, 7.3])
+            step = rng.choice([-1, 0, 1, 1, 2]) * (8 << 20)
+            used = max(0, used + step - (GIB // 2 if rng.random() < 0.01 else 0))
+            series.append((t, used))
+        detector = LeakDetector(config)
+        got = [(e.action, e.ts_s, e.growth_bytes) for now, u in series for e in detector.observe(UUID, {7: u}, now)]
+        assert got == _reference_events(config, series), f"seed {seed}"
+        actions += [a for a, _, _ in got]
+    # The random series exercise both decisions.
+    assert actions.count("leak-suspected") >= 3 and actions.count("leak-cleared") >= 3

@@ -189,6 +189,51 @@ ts(
     12,
 )
 y += 8
+row("Pods (who uses the GPU)")
+ts(
+    "GPU power by pod",
+    [
+        ('sum by (namespace, pod) (gpu_pod_power_watts{node=~"$node", uuid=~"$gpu"})', "{{namespace}}/{{pod}}"),
+        ('sum by (node) (gpu_idle_power_watts{node=~"$node", uuid=~"$gpu"})', "{{node}} idle"),
+    ],
+    "watt",
+    0,
+    desc="Each pod's share of the GPUs' power by SM time (docs/processes.md), and the idle part given to no pod.",
+)
+ts(
+    "GPU memory by pod",
+    [
+        ('sum by (namespace, pod) (gpu_pod_memory_used_bytes{node=~"$node", uuid=~"$gpu"})', "{{namespace}}/{{pod}}"),
+        (f"gpu_process_memory_leak_suspected{G} == 1", "leak suspected: pid {{pid}} {{namespace}}/{{pod}}"),
+    ],
+    "bytes",
+    12,
+)
+y += 8
+ts(
+    "GPU energy by pod (last hour)",
+    [
+        (
+            'sum by (namespace, pod) (increase(gpu_pod_energy_joules_total{node=~"$node", uuid=~"$gpu"}[1h]))',
+            "{{namespace}}/{{pod}}",
+        ),
+    ],
+    "joule",
+    0,
+)
+ts(
+    "SM share by pod",
+    [
+        (
+            'sum by (namespace, pod) (gpu_pod_sm_utilization_ratio{node=~"$node", uuid=~"$gpu"})',
+            "{{namespace}}/{{pod}}",
+        ),
+    ],
+    "percentunit",
+    12,
+    extra={"min": 0},
+)
+y += 8
 row("gpu-mapper")
 ts(
     "Offline buffer backlog",
