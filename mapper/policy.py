@@ -32,11 +32,14 @@ import yaml
 
 from mapper.config import parse_duration_s
 from mapper.errors import ConfigError
+from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
 from mapper.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
+from mapper.xid import DEFAULT_FATAL_XIDS, XidPolicy
 
 __all__ = [
     "DEFAULT_CRITICAL_XIDS",
     "Amount",
+    "ChecksConfig",
     "Decision",
     "HealthConfig",
     "HealthState",
@@ -47,6 +50,8 @@ __all__ = [
     "PolicyState",
     "PowerSavingConfig",
     "PowerSavingState",
+    "ProbeConfig",
+    "RecoveryConfig",
     "ThermalConfig",
     "ThermalState",
     "decide",
@@ -57,8 +62,8 @@ __all__ = [
     "parse_policies",
 ]
 
-#: XIDs after which NVIDIA advises a GPU reset or a reboot (nvml-facts.md section 6).
-DEFAULT_CRITICAL_XIDS: frozenset[int] = frozenset({48, 62, 64, 74, 79, 95, 119, 120})
+#: XIDs after which NVIDIA advises a GPU reset or a reboot: the XID catalog's fatal ones (``mapper.xid``).
+DEFAULT_CRITICAL_XIDS: frozenset[int] = DEFAULT_FATAL_XIDS
 
 HealthAction = Literal["none", "min-power"]
 HEALTH_ACTIONS: tuple[str, ...] = ("none", "min-power")
@@ -107,12 +112,63 @@ class PowerSavingConfig:
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    """Level 3: the CUDA probe (``docs/health.md``)."""
+
+    enabled: bool = True
+    interval_s: float = 600.0
+    #: The probe process is killed after this long: ``timeout``.
+    timeout_s: float = 30.0
+    #: Not run while the GPU's utilisation is above this (percent): ``skipped:busy-<n>pct``.
+    skip_above_pct: float = 50.0
+    #: A pass slower than this is ``slow`` (degraded).
+    slow_above_s: float = 5.0
+    #: While the GPU is not healthy, probe this often (the way back by passing probes).
+    retry_interval_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ChecksConfig:
+    """Level 2: the driver checks."""
+
+    enabled: bool = True
+    interval_s: float = 60.0
+    #: NVML must answer the checks' calls within this.
+    nvml_deadline_s: float = 2.0
+    #: Persistence is wanted on this node: ``nvidia-persistenced`` must run.
+    persistence: bool = False
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """The recovery flow after a fatal fault (``mapper.recovery``)."""
+
+    enabled: bool = True
+    #: Reset the GPU (``nvidia-smi -r``) when the self-check fails and no process runs on it.
+    allow_reset: bool = False
+    #: Run ``nvidia-smi -q`` / ``dcgmi diag -r 1`` where present as part of the self-check.
+    self_check_tools: bool = True
+
+
+@dataclass(frozen=True)
 class HealthConfig:
     enabled: bool = True
+    #: The XIDs that make the GPU unhealthy (the fatal list; the catalog's fatal XIDs by default).
     critical_xids: frozenset[int] = DEFAULT_CRITICAL_XIDS
+    #: XIDs counted and logged but never acted upon.
+    ignore_xids: frozenset[int] = frozenset()
     ecc_uncorrected: bool = True
     #: ``none``: report only. ``min-power``: also cap the unhealthy GPU at its minimum power limit.
     action: HealthAction = "none"
+    #: Passing probes in a row that bring a GPU back from a fault whose way back is ``probes``.
+    recovery_probes: int = 3
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    @property
+    def xids(self) -> XidPolicy:
+        return XidPolicy(ignore=self.ignore_xids, fatal=self.critical_xids)
 
 
 @dataclass(frozen=True)
@@ -147,8 +203,29 @@ class PolicyConfig:
             "health": {
                 "enabled": h.enabled,
                 "criticalXids": sorted(h.critical_xids),
+                "ignoreXids": sorted(h.ignore_xids),
                 "eccUncorrected": h.ecc_uncorrected,
                 "action": h.action,
+                "recoveryProbes": h.recovery_probes,
+                "probe": {
+                    "enabled": h.probe.enabled,
+                    "interval": format_duration(h.probe.interval_s),
+                    "timeout": format_duration(h.probe.timeout_s),
+                    "skipAboveUtilization": h.probe.skip_above_pct,
+                    "slowAbove": format_duration(h.probe.slow_above_s),
+                    "retryInterval": format_duration(h.probe.retry_interval_s),
+                },
+                "checks": {
+                    "enabled": h.checks.enabled,
+                    "interval": format_duration(h.checks.interval_s),
+                    "nvmlDeadline": format_duration(h.checks.nvml_deadline_s),
+                    "persistence": h.checks.persistence,
+                },
+                "recovery": {
+                    "enabled": h.recovery.enabled,
+                    "allowReset": h.recovery.allow_reset,
+                    "selfCheckTools": h.recovery.self_check_tools,
+                },
             },
         }
 
@@ -271,28 +348,112 @@ def _parse_power_saving(raw: Mapping[str, Any] | None, path: str) -> PowerSaving
     )
 
 
+def _xid_list(raw: Mapping[str, Any], key: str, path: str, default: frozenset[int]) -> frozenset[int]:
+    if key not in raw:
+        return default
+    items = raw[key]
+    if isinstance(items, str) or not isinstance(items, Sequence):
+        raise ConfigError(f"{path}.{key}: expected a list of XID numbers, got {items!r}")
+    for i, x in enumerate(items):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ConfigError(f"{path}.{key}[{i}]: expected a non-negative integer XID, got {x!r}")
+    return frozenset(items)
+
+
+def _parse_probe(raw: Mapping[str, Any] | None, path: str) -> ProbeConfig:
+    if raw is None:
+        return ProbeConfig()
+    _check_keys(raw, ("enabled", "interval", "timeout", "skipAboveUtilization", "slowAbove", "retryInterval"), path)
+    d = ProbeConfig()
+    timeout = _duration(raw, "timeout", path, d.timeout_s)
+    if timeout <= 0:
+        raise ConfigError(f"{path}.timeout: must be above 0s, got {raw['timeout']!r}")
+    interval = _duration(raw, "interval", path, d.interval_s)
+    if interval < 1:
+        raise ConfigError(f"{path}.interval: must be at least 1s, got {raw['interval']!r}")
+    retry = _duration(raw, "retryInterval", path, d.retry_interval_s)
+    if retry < 1:
+        raise ConfigError(f"{path}.retryInterval: must be at least 1s, got {raw['retryInterval']!r}")
+    return ProbeConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        interval_s=interval,
+        timeout_s=timeout,
+        skip_above_pct=_number(raw, "skipAboveUtilization", path, d.skip_above_pct, 0, 100, "percent"),
+        slow_above_s=_duration(raw, "slowAbove", path, d.slow_above_s),
+        retry_interval_s=retry,
+    )
+
+
+def _parse_checks(raw: Mapping[str, Any] | None, path: str) -> ChecksConfig:
+    if raw is None:
+        return ChecksConfig()
+    _check_keys(raw, ("enabled", "interval", "nvmlDeadline", "persistence"), path)
+    d = ChecksConfig()
+    interval = _duration(raw, "interval", path, d.interval_s)
+    if interval < 1:
+        raise ConfigError(f"{path}.interval: must be at least 1s, got {raw['interval']!r}")
+    deadline = _duration(raw, "nvmlDeadline", path, d.nvml_deadline_s)
+    if deadline <= 0:
+        raise ConfigError(f"{path}.nvmlDeadline: must be above 0s, got {raw['nvmlDeadline']!r}")
+    return ChecksConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        interval_s=interval,
+        nvml_deadline_s=deadline,
+        persistence=_bool(raw, "persistence", path, d.persistence),
+    )
+
+
+def _parse_recovery(raw: Mapping[str, Any] | None, path: str) -> RecoveryConfig:
+    if raw is None:
+        return RecoveryConfig()
+    _check_keys(raw, ("enabled", "allowReset", "selfCheckTools"), path)
+    d = RecoveryConfig()
+    return RecoveryConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        allow_reset=_bool(raw, "allowReset", path, d.allow_reset),
+        self_check_tools=_bool(raw, "selfCheckTools", path, d.self_check_tools),
+    )
+
+
+_HEALTH_KEYS = (
+    "enabled",
+    "criticalXids",
+    "ignoreXids",
+    "eccUncorrected",
+    "action",
+    "recoveryProbes",
+    "probe",
+    "checks",
+    "recovery",
+)
+
+
 def _parse_health(raw: Mapping[str, Any] | None, path: str) -> HealthConfig:
     if raw is None:
         return HealthConfig()
-    _check_keys(raw, ("enabled", "criticalXids", "eccUncorrected", "action"), path)
+    _check_keys(raw, _HEALTH_KEYS, path)
     d = HealthConfig()
-    xids = d.critical_xids
-    if "criticalXids" in raw:
-        items = raw["criticalXids"]
-        if isinstance(items, str) or not isinstance(items, Sequence):
-            raise ConfigError(f"{path}.criticalXids: expected a list of XID numbers, got {items!r}")
-        for i, x in enumerate(items):
-            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-                raise ConfigError(f"{path}.criticalXids[{i}]: expected a non-negative integer XID, got {x!r}")
-        xids = frozenset(items)
+    fatal = _xid_list(raw, "criticalXids", path, d.critical_xids)
+    ignore = _xid_list(raw, "ignoreXids", path, d.ignore_xids)
+    both = sorted(fatal & ignore)
+    if both and "ignoreXids" in raw and "criticalXids" in raw:
+        raise ConfigError(f"{path}.ignoreXids: {both} are also in criticalXids (an XID is ignored or fatal, not both)")
     action = raw.get("action", d.action)
     if action not in HEALTH_ACTIONS:
         raise ConfigError(f"{path}.action: expected one of {', '.join(HEALTH_ACTIONS)}, got {action!r}")
+    probes = raw.get("recoveryProbes", d.recovery_probes)
+    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= 100:
+        raise ConfigError(f"{path}.recoveryProbes: expected a whole number of probes from 1 to 100, got {probes!r}")
     return HealthConfig(
         enabled=_bool(raw, "enabled", path, True),
-        critical_xids=xids,
+        critical_xids=fatal,
+        ignore_xids=ignore,
         ecc_uncorrected=_bool(raw, "eccUncorrected", path, d.ecc_uncorrected),
         action=action,
+        recovery_probes=probes,
+        probe=_parse_probe(_section(raw, "probe", path), f"{path}.probe"),
+        checks=_parse_checks(_section(raw, "checks", path), f"{path}.checks"),
+        recovery=_parse_recovery(_section(raw, "recovery", path), f"{path}.recovery"),
     )
 
 
@@ -392,11 +553,31 @@ class PowerSavingState:
 
 @dataclass(frozen=True)
 class HealthState:
+    """Level 1 (``status``, ``cause``: XIDs, ECC, GPU lost), the level-2 checks and level 3 (the probe), and the
+    way back from each fault (``docs/health.md``)."""
+
     status: Literal["ok", "unhealthy", "offline"] = "ok"
     #: Twin-safe cause: ``xid79``, ``ecc``, ``gpu-lost``.
     cause: str = ""
     last_xid: int = 0
     ecc_uncorrected: int | None = None
+    #: How the level-1 fault clears: ``reset``, ``reboot`` or ``probes`` ("" while ok).
+    recovery: str = ""
+    #: The subsystem of the level-1 fault, or of ``degraded``.
+    subsystem: str = ""
+    #: A level-1 warning (an XID of severity warning): degraded until ``recovery_probes`` passing probes.
+    degraded: str = ""
+    #: Level 3: the probe's verdict and reason.
+    probe_status: HealthStatus = "healthy"
+    probe_cause: str = ""
+    #: Passing probes in a row since the last fault.
+    passes: int = 0
+    #: A reset (driver reload) happened since the last probe failure: one passing probe clears it then.
+    reset_seen: bool = False
+    #: The latest level-2 checks.
+    checks: tuple[CheckResult, ...] = ()
+    last_probe: ProbeResult | None = None
+    report: HealthReport = HEALTHY_REPORT
 
 
 @dataclass(frozen=True)
@@ -430,6 +611,10 @@ class PolicyContext:
     #: The backend raised GpuLostError for this GPU, or it is no longer enumerated (no sample).
     gpu_lost: bool = False
     uuid: str = ""
+    #: A level-3 probe that finished since the last decision.
+    probe: ProbeResult | None = None
+    #: Level-2 checks run since the last decision (all of them: they replace the previous set).
+    checks: tuple[CheckResult, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -689,7 +874,7 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
     last_xid = st.last_xid
     if xid_now is not None and int(xid_now) != st.last_xid:
         last_xid = int(xid_now)
-        if last_xid != 0:
+        if last_xid != 0 and last_xid not in xids:
             xids.append(last_xid)
     ecc_now = _num(values, "ecc_errors_uncorrected")
     ecc_rise = any(e.kind == "ecc_double" for e in ctx.events)
@@ -705,31 +890,138 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
     if lost:
         if st.status != "offline":
             run.event(HEALTH, "offline", "gpu-lost")
-        return replace(new, status="offline", cause="gpu-lost")
+        new = replace(new, status="offline", cause="gpu-lost", recovery="reboot", subsystem="pcie")
+        return _with_report(new)
     if st.status == "offline" and values:
         run.event(HEALTH, "recovered", "gpu-back")
-        new = replace(new, status="ok", cause="")
+        new = replace(new, status="ok", cause="", recovery="", subsystem="", reset_seen=True)
     if not cfg.enabled:
-        if new.status == "unhealthy":
+        if new.status == "unhealthy" or new.degraded or new.probe_status != "healthy":
             run.event(HEALTH, "disabled", "policy-disabled")
-            new = replace(new, status="ok", cause="")
-        return new
-    if reset and new.status == "unhealthy":
-        run.event(HEALTH, "recovered", "gpu-reset")
-        new = replace(new, status="ok", cause="")
-    cause = ""
+        return _with_report(
+            replace(new, status="ok", cause="", recovery="", degraded="", probe_status="healthy", probe_cause="")
+        )
+    if reset:
+        new = replace(new, reset_seen=True)
+        if new.status == "unhealthy" and new.recovery != "reboot":
+            run.event(HEALTH, "recovered", f"gpu-reset-{new.cause}")
+            new = replace(new, status="ok", cause="", recovery="", subsystem="")
+    new = _level1_faults(new, run, xids, ecc_rise)
+    if ctx.checks is not None:
+        new = _level2(new, run, ctx.checks)
+    if ctx.probe is not None:
+        new = _level3(new, run, ctx.probe)
+    return _with_report(new)
+
+
+def _level1_faults(st: HealthState, run: _Run, xids: Sequence[int], ecc_rise: bool) -> HealthState:
+    """New XIDs (classified by the catalog and the lists) and a rise of uncorrected ECC errors."""
+    cfg = run.config.health
+    policy = cfg.xids
+    fatal: tuple[str, str, str] | None = None  # cause, recovery, subsystem
     for xid in xids:
-        if xid in cfg.critical_xids:
-            cause = f"xid{xid}"
+        c = policy.classify(xid)
+        if c.severity == "ignored":
+            continue
+        if c.severity == "fatal":
+            fatal = (f"xid{xid}", c.recovery, c.subsystem)
+        elif c.severity == "warning":
+            if st.degraded != c.reason:
+                run.event(HEALTH, "degraded", c.reason)
+            st = replace(st, degraded=c.reason, subsystem=st.subsystem or c.subsystem, passes=0)
         else:
-            run.event(HEALTH, "xid", f"xid{xid}-not-critical")
-    if not cause and ecc_rise and cfg.ecc_uncorrected:
-        cause = "ecc"
-    if cause:
-        if new.status != "unhealthy" or new.cause != cause:
-            run.event(HEALTH, "unhealthy", cause)
-        return replace(new, status="unhealthy", cause=cause)
-    return new
+            run.event(HEALTH, "xid", c.reason)
+    if fatal is None and ecc_rise and cfg.ecc_uncorrected:
+        fatal = ("ecc", "reset", "memory")
+    if fatal is None:
+        return st
+    cause, recovery, subsystem = fatal
+    if st.status != "unhealthy" or st.cause != cause:
+        run.event(HEALTH, "unhealthy", cause)
+    return replace(
+        st, status="unhealthy", cause=cause, recovery=recovery, subsystem=subsystem, passes=0, reset_seen=False
+    )
+
+
+def _level2(st: HealthState, run: _Run, checks: tuple[CheckResult, ...]) -> HealthState:
+    """The checks replace the previous ones; a check that changes verdict is an event."""
+    before = {c.name: c for c in st.checks}
+    for c in checks:
+        old = before.get(c.name)
+        if old is not None and old.status == c.status and old.reason == c.reason:
+            continue
+        if c.status != "healthy":
+            run.event(HEALTH, f"check-{c.status}", f"level2-{c.name}-{c.reason}")
+        elif old is not None:
+            run.event(HEALTH, "check-ok", f"level2-{c.name}")
+    return replace(st, checks=checks)
+
+
+def _level3(st: HealthState, run: _Run, probe: ProbeResult) -> HealthState:
+    """A probe's verdict, and the ways back that passing probes open."""
+    cfg = run.config.health
+    status = probe.status
+    st = replace(st, last_probe=probe)
+    if status is None:  # skipped: no news
+        return st
+    if status == "unhealthy":
+        cause = f"probe-{probe.outcome}" + (f"-{probe.reason}" if probe.reason else "")
+        if st.probe_status != "unhealthy" or st.probe_cause != cause:
+            run.event(HEALTH, "unhealthy", f"level3-{cause}")
+        return replace(st, probe_status="unhealthy", probe_cause=cause, passes=0, reset_seen=False)
+    passes = st.passes + 1
+    enough = passes >= cfg.recovery_probes
+    if st.probe_status == "unhealthy":
+        if not (enough or st.reset_seen):
+            return replace(st, passes=passes)
+        why = "after-reset" if st.reset_seen and not enough else f"{passes}-passing-probes"
+        run.event(HEALTH, "recovered", f"level3-{why}")
+        st = replace(st, probe_status="healthy", probe_cause="")
+    if status == "degraded":
+        cause = f"probe-slow-{probe.reason}" if probe.reason else "probe-slow"
+        if st.probe_status != "degraded":
+            run.event(HEALTH, "degraded", f"level3-{cause}")
+        st = replace(st, probe_status="degraded", probe_cause=cause)
+    elif st.probe_status == "degraded":
+        st = replace(st, probe_status="healthy", probe_cause="")
+    if enough and st.status == "unhealthy" and st.recovery == "probes":
+        run.event(HEALTH, "recovered", f"{st.cause}-{passes}-passing-probes")
+        st = replace(st, status="ok", cause="", recovery="", subsystem="")
+    if enough and st.degraded:
+        run.event(HEALTH, "recovered", f"{st.degraded}-{passes}-passing-probes")
+        st = replace(st, degraded="")
+    return replace(st, passes=passes)
+
+
+def _health_cause(st: HealthState) -> str:
+    """The cause named in ``policy_state``: level 1's, else the worst level's reason."""
+    return st.cause if st.status == "unhealthy" else st.report.reason
+
+
+def _with_report(st: HealthState) -> HealthState:
+    """``st`` with its ``HealthReport`` (the same object while nothing changed)."""
+    if st.status == "offline":
+        level1: tuple[HealthStatus, str, str] = ("unhealthy", "gpu-lost", "pcie")
+    elif st.status == "unhealthy":
+        level1 = ("unhealthy", st.cause, st.subsystem or "engine")
+    elif st.degraded:
+        level1 = ("degraded", st.degraded, st.subsystem or "engine")
+    else:
+        level1 = ("healthy", "ok", "")
+    level3: tuple[HealthStatus, str] = (st.probe_status, st.probe_cause or "ok")
+    if level1[0] == "healthy" and level3[0] == "healthy" and all(c.status == "healthy" for c in st.checks):
+        report = HEALTHY_REPORT if not st.checks else _healthy_with(st.checks, st.report)
+    else:
+        report = build_report(level1, st.checks, level3)
+    if report == st.report:
+        return st if report is st.report else replace(st, report=st.report)
+    return replace(st, report=report)
+
+
+def _healthy_with(checks: tuple[CheckResult, ...], old: HealthReport) -> HealthReport:
+    if old.status == "healthy" and old.checks == checks:
+        return old
+    return HealthReport(checks=checks)
 
 
 def decide(
@@ -805,12 +1097,12 @@ def _steady(
     ``Decision``), or None where any policy might act, emit or change phase: then the full decision runs.
     Every test here is a sufficient condition for "``_decide_full`` does nothing but keep its books".
     """
-    if ctx.events or ctx.gpu_lost or state.capped:
+    if ctx.events or ctx.gpu_lost or state.capped or ctx.probe is not None or ctx.checks is not None:
         return None
     health = state.health
     thermal = state.thermal
     power = state.power_saving
-    if health.status != "ok" or thermal.phase != "normal" or power.active:
+    if health.status != "ok" or health.report.status != "healthy" or thermal.phase != "normal" or power.active:
         return None
     # Health: a new XID or uncorrected ECC count (or a first reading) goes the full way. Values the full path
     # would convert with a loss (not a plain int, or an int beyond a float's exact range) too.
@@ -883,8 +1175,9 @@ def _decide_full(
         if power.active and power.cap_w is not None and power.cap_w < ceiling:
             limits.append(PolicyLimit(POWER_SAVING, power.cap_w, "idle"))
         floor = _floor_w(ctx)
-        if health.status == "unhealthy" and config.health.action == "min-power" and floor < ceiling:
-            limits.append(PolicyLimit(HEALTH, floor, f"unhealthy-{health.cause}"))
+        unhealthy = health.status != "offline" and health.report.status == "unhealthy"
+        if unhealthy and config.health.action == "min-power" and floor < ceiling:
+            limits.append(PolicyLimit(HEALTH, floor, f"unhealthy-{_health_cause(health)}"))
 
     emitted = () if config.dry_run else tuple(limits)
     tightest = min((lim.power_limit_w for lim in emitted if lim.power_limit_w is not None), default=None)
@@ -894,8 +1187,8 @@ def _decide_full(
     parts: list[str] = []
     if health.status == "offline":
         parts.append("health:offline-gpu-lost")
-    elif health.status == "unhealthy":
-        parts.append(f"health:unhealthy-{health.cause}")
+    elif health.report.status == "unhealthy":
+        parts.append(f"health:unhealthy-{_health_cause(health)}")
     if thermal.phase != "normal":
         parts.append(f"thermal:{thermal.phase}-step{thermal.steps}")
     if power.active:
@@ -909,7 +1202,9 @@ def _decide_full(
     decision = Decision(
         limits=emitted,
         policy_state=policy_state,
-        device_state=health.status,
+        device_state="offline"
+        if health.status == "offline"
+        else ("unhealthy" if health.report.status == "unhealthy" else "ok"),
         events=tuple(run.events),
         dry_run=config.dry_run,
         restore_power_limit_w=restore,
@@ -966,6 +1261,10 @@ class PolicyEngine:
     def state(self, uuid: str) -> PolicyState:
         state = self._states.get(uuid)
         return state if state is not None else PolicyState()
+
+    def health(self, uuid: str) -> HealthReport:
+        """The GPU's three health levels after its last decision (the ``health`` twin and series)."""
+        return self.state(uuid).health.report
 
     def forget(self, uuid: str) -> None:
         """Drop a GPU that left the node (its Device was deleted)."""
