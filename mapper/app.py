@@ -30,6 +30,8 @@ from mapper.doorlimit import InboundLimiter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.eventbus import DELTA_FILTER, membership_topic
 from mapper.gpu.nvml import NvmlBackend
+from mapper.health import HealthTools
+from mapper.healthloop import HealthMonitor
 from mapper.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
 from mapper.model import GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions
@@ -82,6 +84,17 @@ def build_backend(settings: Settings, clock: Clock | None = None, *, one_shot: b
     return NvmlBackend(nvml, clock=clock, one_shot=one_shot)
 
 
+def build_health_tools(settings: Settings, backend: NvmlBackend, data_dir: Path) -> HealthTools:
+    """The CUDA probe, host root and NVIDIA tools of the health loop: the node's own, or the simulator's."""
+    if settings.sim:
+        from mapper.gpu.simnvml import sim_health_tools
+
+        return sim_health_tools(backend.nvml, data_dir / "sim-host")
+    from mapper.gpu.tools import host_health_tools
+
+    return host_health_tools()
+
+
 def read_status(url: str | None = None, data_dir: str | None = None) -> MapperSnapshot:
     """The snapshot of a running mapper (its HTTP /status), or the last one it wrote to its data directory."""
     if data_dir is not None and url is None:
@@ -122,6 +135,7 @@ class MapperApp:
         self.dmi_reporter: DmiReporter | None = None
         self.dmi_server: DmiServer | None = None
         self.metrics: MetricsServer | None = None
+        self.health: HealthMonitor | None = None
         self.exit_code = 0
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -304,6 +318,16 @@ class MapperApp:
                 notify=self.collector.wake.set,
             )
             self.streams.bind(info.uuid, unbound_device(info))
+        self.health = HealthMonitor(
+            self.workers,
+            self.policies,
+            self.backend,
+            build_health_tools(self.settings, self.backend, self.data_dir),
+            clock=self.clock,
+            emit=lambda w, events: self.publisher.publish_step(self._device_key(w), w.uuid, (), events),
+            beat=self._beat,
+            processes=lambda uuid: len(self.backend.processes(uuid).processes),
+        )
         log.info("NVML driver %s: %s", self.driver_version, ", ".join(f"{g.uuid} ({g.name})" for g in self.gpus))
 
     async def run(self, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:
@@ -321,6 +345,8 @@ class MapperApp:
             await self.shutdown()
             return self.exit_code
         self._spawn("collect", self.collector.run())
+        if self.health is not None:
+            self._spawn("health", self.health.run())
         self._spawn("report", self.reporter.run())
         if self.session is not None:
             # Without a broker the batches only accumulate in the buffer, bounded by its caps.
@@ -425,13 +451,17 @@ class MapperApp:
         if worker.device is not None:
             self.publisher.publish_live(worker.device.key, sample)
 
+    @staticmethod
+    def _device_key(worker: GpuWorker) -> str:
+        return worker.device.key if worker.device is not None else unbound_device(worker.info).key
+
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
         if result.sample is not None:
             self.streams.add(worker.uuid, result.sample, self.clock.wall_ms())
         acks = result.reconcile.acks if result.reconcile is not None else ()
         events = result.decision.events if result.decision is not None else ()
         if acks or events:  # (most steps publish neither: the device key is worked out only when one does)
-            device_key = worker.device.key if worker.device is not None else unbound_device(worker.info).key
+            device_key = self._device_key(worker)
             self.publisher.publish_step(device_key, worker.uuid, acks, events)
             if acks:
                 self.bindings.save_desired(worker, device_key)
@@ -495,7 +525,8 @@ class MapperApp:
 
     def snapshot(self) -> MapperSnapshot:
         xids = self.collector.xids
-        gpus = [gpu_snapshot(w, self.node, xids.get(w.uuid, {})) for w in self.workers.values()]
+        probes = self.health.probe_counts if self.health is not None else lambda _uuid: {}
+        gpus = [gpu_snapshot(w, self.node, xids.get(w.uuid, {}), probes(w.uuid)) for w in self.workers.values()]
         totals = worker_totals(self.workers.values())
         dmi_rpcs: dict[tuple[str, str], int] = {}
         for counts in (

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Literal, Protocol
 
 from mapper.model import format_number, twin_safe
 
@@ -28,9 +29,13 @@ __all__ = [
     "STATUSES",
     "SUBSYSTEMS",
     "CheckResult",
+    "GpuProbe",
+    "GpuTools",
     "HealthReport",
     "HealthStatus",
+    "HealthTools",
     "ProbeResult",
+    "SelfCheckResult",
     "worst",
 ]
 
@@ -193,3 +198,42 @@ def build_report(
         subsystems=tuple((name, s, why) for name, (s, why) in sorted(subsystems.items())),
         checks=checks,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# The parts that touch the GPU or the host (adapters implement them; ``mapper.gpu``)
+# --------------------------------------------------------------------------------------------------
+
+
+class GpuProbe(Protocol):
+    """The level-3 probe (``mapper.gpu.cudaprobe.CudaProbe``, ``mapper.gpu.simnvml.SimCudaProbe``): blocking, at
+    most ``timeout_s`` (plus the kill of the probe process); never raises for a GPU problem."""
+
+    def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult: ...
+
+
+@dataclass(frozen=True)
+class SelfCheckResult:
+    """One diagnostic tool's verdict in the recovery's self-check (``nvidia-smi -q``, ``dcgmi diag -r 1``)."""
+
+    tool: str
+    passed: bool
+    reason: str = "ok"
+
+
+class GpuTools(Protocol):
+    """NVIDIA's command-line tools for the recovery flow (``mapper.gpu.tools.NvidiaTools``; the simulator's
+    ``SimTools``). Blocking and bounded by ``timeout_s``; ``reset`` raises ``mapper.errors.MapperError``."""
+
+    def self_check(self, uuid: str, timeout_s: float) -> list[SelfCheckResult]: ...
+    def reset(self, uuid: str, timeout_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class HealthTools:
+    """What the health loop and the recovery flow use: the probe, the host root the driver checks read
+    (``mapper.driverhost``), and the tools."""
+
+    probe: GpuProbe
+    host_root: Path
+    tools: GpuTools

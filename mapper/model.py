@@ -545,6 +545,24 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         collect_cycle_ms=1_000,
         source="mapper",
     ),
+    _p(
+        "health",
+        "STRING",
+        "",
+        "the GPU's health over three levels: healthy, or degraded/unhealthy:level<N>:<reason>",
+        "computed by the health policy (node metrics, driver checks, CUDA probe)",
+        collect_cycle_ms=1_000,
+        source="mapper",
+    ),
+    _p(
+        "health_probe",
+        "STRING",
+        "",
+        "the last CUDA probe: pass, slow, fail, timeout or skipped, with its reason and latency",
+        "a CUDA context, allocation and copy in a short-lived process",
+        collect_cycle_ms=1_000,
+        source="mapper",
+    ),
 )
 
 PROPERTY_BY_NAME: Mapping[str, PropertySpec] = {p.name: p for p in PROPERTIES}

@@ -532,9 +532,7 @@ def test_a_non_critical_xid_is_reported_but_leaves_the_gpu_healthy() -> None:
     gpu = Gpu(config())
     d = gpu.step(0.0, xid_last=13)
     assert (
-        d.device_state == "ok"
-        and [e.action for e in d.events] == ["xid"]
-        and d.events[0].reason == "xid13-application"
+        d.device_state == "ok" and [e.action for e in d.events] == ["xid"] and d.events[0].reason == "xid13-application"
     )
 
 
