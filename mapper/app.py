@@ -84,12 +84,13 @@ def build_backend(settings: Settings, clock: Clock | None = None, *, one_shot: b
     return NvmlBackend(nvml, clock=clock, one_shot=one_shot)
 
 
-def build_health_tools(settings: Settings, backend: NvmlBackend, data_dir: Path) -> HealthTools:
-    """The CUDA probe, host root and NVIDIA tools of the health loop: the node's own, or the simulator's."""
-    if settings.sim:
-        from mapper.gpu.simnvml import sim_health_tools
-
-        return sim_health_tools(backend.nvml, data_dir / "sim-host")
+def build_health_tools(backend: NvmlBackend, data_dir: Path) -> HealthTools:
+    """The CUDA probe, host root and NVIDIA tools of the health loop: the simulator's own where the backend's nvml
+    is the simulator (it offers ``health_tools``), else the node's."""
+    offered = getattr(getattr(backend, "nvml", None), "health_tools", None)
+    if offered is not None:
+        tools: HealthTools = offered(data_dir / "sim-host")
+        return tools
     from mapper.gpu.tools import host_health_tools
 
     return host_health_tools()
@@ -322,7 +323,7 @@ class MapperApp:
             self.workers,
             self.policies,
             self.backend,
-            build_health_tools(self.settings, self.backend, self.data_dir),
+            build_health_tools(self.backend, self.data_dir),
             clock=self.clock,
             emit=lambda w, events: self.publisher.publish_step(self._device_key(w), w.uuid, (), events),
             beat=self._beat,

@@ -332,6 +332,7 @@ class GpuWorker:
                 self.last_probe = probe
         effective = self.desired.effective()
         desired_w = _power_limit_w(effective)
+        desired_mhz = _clock_max_mhz(effective)
         ctx = self._context
         if (
             events
@@ -340,11 +341,13 @@ class GpuWorker:
             or ctx is None
             or ctx.constraints is not self.constraints
             or ctx.desired_power_limit_w != desired_w
+            or ctx.desired_clock_max_mhz != desired_mhz
             or ctx.gpu_lost != self.lost
         ):
             ctx = PolicyContext(
                 constraints=self.constraints,
                 desired_power_limit_w=desired_w,
+                desired_clock_max_mhz=desired_mhz,
                 events=tuple(events),
                 gpu_lost=self.lost,
                 uuid=self.uuid,
@@ -420,6 +423,14 @@ def _power_limit_w(desired: Mapping[str, DesiredValue]) -> float | None:
     if d is None or not d.valid or d.value is None:
         return None
     return float(d.value)
+
+
+def _clock_max_mhz(desired: Mapping[str, DesiredValue]) -> float | None:
+    """The valid desired upper locked GPU clock in MHz (0: unlocked), or None."""
+    d = desired.get("locked_gpu_clock_max")
+    if d is None or not d.valid or d.value is None or isinstance(d.value, str | bool):
+        return None
+    return float(d.value) or None
 
 
 async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:

@@ -640,6 +640,9 @@ class PolicyLimit:
     policy: str  # "thermal", "power-saving", "health"
     power_limit_w: float | None = None
     reason: str = ""
+    #: The clocks actuator: an upper bound on the GPU (SM) clock in MHz, applied through the backend's locked GPU
+    #: clocks (NVML ``nvmlDeviceSetGpuLockedClocks``; a Jetson backend: its devfreq ``max_freq``).
+    clock_max_mhz: int | None = None
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -82,14 +82,20 @@ HEALTH = "health"
 class Amount:
     """A power amount: ``percent`` of a reference cap, absolute ``watts``, or the GPU's ``min`` limit."""
 
-    kind: Literal["percent", "watts", "min"]
+    kind: Literal["percent", "watts", "min", "mhz"]
     value: float = 0.0
 
     def text(self) -> str:
-        """The config spelling: ``10%``, ``25W``, ``min``."""
+        """The config spelling: ``10%``, ``25W``, ``800MHz``, ``min``."""
         if self.kind == "min":
             return "min"
-        return f"{format_number(self.value)}{'%' if self.kind == 'percent' else 'W'}"
+        unit = {"percent": "%", "watts": "W", "mhz": "MHz"}[self.kind]
+        return f"{format_number(self.value)}{unit}"
+
+
+#: What a policy acts through: the power cap, or the GPU (SM) clock's upper lock (``docs/policies.md``).
+Actuator = Literal["power", "clocks"]
+ACTUATORS: tuple[str, ...] = ("power", "clocks")
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,13 @@ class ThermalConfig:
     cool_down_s: float = 300.0
     #: One step down: a percent of the current effective cap, or watts.
     step: Amount = Amount("percent", 10.0)
+    actuator: Actuator = "power"
+    #: One step down with the clocks actuator: a percent of the current clock cap, or MHz.
+    clock_step: Amount = Amount("percent", 10.0)
+    #: Key on the GPU's own slowdown threshold (``temperature_slowdown``) instead: throttle above
+    #: ``slowdown - max_margin_c``, cool down below ``slowdown - release_margin_c``. None: the absolute temps.
+    max_margin_c: float | None = None
+    release_margin_c: float | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,10 @@ class PowerSavingConfig:
     idle_for_s: float = 120.0
     #: The idle cap: ``min`` (the GPU's minimum), watts, or a percent of the GPU's default limit.
     idle_power_limit: Amount = Amount("min")
+    actuator: Actuator = "power"
+    #: The idle clock cap with the clocks actuator: ``min`` (the lowest supported clock), MHz, or a percent of the
+    #: GPU's maximum clock.
+    idle_clock: Amount = Amount("min")
 
 
 @dataclass(frozen=True)
@@ -193,12 +210,18 @@ class PolicyConfig:
                 "releaseTemp": t.release_temp_c,
                 "coolDownPeriod": format_duration(t.cool_down_s),
                 "step": t.step.text(),
+                "actuator": t.actuator,
+                "clockStep": t.clock_step.text(),
+                **({"maxTempMargin": t.max_margin_c} if t.max_margin_c is not None else {}),
+                **({"releaseTempMargin": t.release_margin_c} if t.release_margin_c is not None else {}),
             },
             "powerSaving": {
                 "enabled": p.enabled,
                 "threshold": p.threshold_pct,
                 "idleFor": format_duration(p.idle_for_s),
                 "idlePowerLimit": p.idle_power_limit.text(),
+                "actuator": p.actuator,
+                "idleClock": p.idle_clock.text(),
             },
             "health": {
                 "enabled": h.enabled,
@@ -231,6 +254,35 @@ class PolicyConfig:
 
 
 _AMOUNT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|w|W)")
+_CLOCK_AMOUNT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|MHz|mhz)")
+
+
+def parse_clock_amount(raw: object, path: str, *, allow_min: bool) -> Amount:
+    """``10%`` -> percent, ``800MHz`` -> MHz, ``min`` (where allowed). A bare number is refused (% or MHz?)."""
+    expected = "a percent such as 10% or MHz such as 800MHz" + (" or min" if allow_min else "")
+    if isinstance(raw, bool) or not isinstance(raw, str):
+        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
+    text = raw.strip()
+    if allow_min and text.lower() == "min":
+        return Amount("min")
+    m = _CLOCK_AMOUNT_RE.fullmatch(text)
+    if m is None:
+        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
+    value = float(m.group(1))
+    if m.group(2) == "%":
+        if not 0 < value < 100:
+            raise ConfigError(f"{path}: a percent must lie between 0% and 100% (exclusive), got {raw!r}")
+        return Amount("percent", value)
+    if value <= 0:
+        raise ConfigError(f"{path}: MHz must be above 0, got {raw!r}")
+    return Amount("mhz", value)
+
+
+def _actuator(raw: Mapping[str, Any], path: str) -> Actuator:
+    value = raw.get("actuator", "power")
+    if value not in ACTUATORS:
+        raise ConfigError(f"{path}.actuator: expected one of {', '.join(ACTUATORS)}, got {value!r}")
+    return value
 
 
 def parse_duration(raw: object, path: str) -> float:
@@ -314,7 +366,8 @@ def _duration(raw: Mapping[str, Any], key: str, path: str, default: float) -> fl
 def _parse_thermal(raw: Mapping[str, Any] | None, path: str) -> ThermalConfig:
     if raw is None:
         return ThermalConfig()
-    _check_keys(raw, ("enabled", "maxTemp", "releaseTemp", "coolDownPeriod", "step"), path)
+    keys = ("enabled", "maxTemp", "releaseTemp", "coolDownPeriod", "step", "actuator", "clockStep")
+    _check_keys(raw, (*keys, "maxTempMargin", "releaseTempMargin"), path)
     d = ThermalConfig()
     max_temp = _number(raw, "maxTemp", path, d.max_temp_c, 1, 150, "celsius")
     release = _number(raw, "releaseTemp", path, d.release_temp_c, 0, 150, "celsius")
@@ -323,28 +376,49 @@ def _parse_thermal(raw: Mapping[str, Any] | None, path: str) -> ThermalConfig:
             f"{path}.releaseTemp: must be below maxTemp ({format_number(max_temp)}), got {format_number(release)}"
         )
     step = parse_amount(raw["step"], f"{path}.step", allow_min=False) if "step" in raw else d.step
+    clock_step = d.clock_step
+    if "clockStep" in raw:
+        clock_step = parse_clock_amount(raw["clockStep"], f"{path}.clockStep", allow_min=False)
+    max_margin = release_margin = None
+    if "maxTempMargin" in raw or "releaseTempMargin" in raw:
+        max_margin = _number(raw, "maxTempMargin", path, 5.0, 0, 100, "celsius")
+        release_margin = _number(raw, "releaseTempMargin", path, max_margin + 5.0, 0, 100, "celsius")
+        if release_margin <= max_margin:
+            raise ConfigError(
+                f"{path}.releaseTempMargin: must be above maxTempMargin ({format_number(max_margin)}): the "
+                f"release point lies further below the slowdown threshold, got {format_number(release_margin)}"
+            )
     return ThermalConfig(
         enabled=_bool(raw, "enabled", path, True),
         max_temp_c=max_temp,
         release_temp_c=release,
         cool_down_s=_duration(raw, "coolDownPeriod", path, d.cool_down_s),
         step=step,
+        actuator=_actuator(raw, path),
+        clock_step=clock_step,
+        max_margin_c=max_margin,
+        release_margin_c=release_margin,
     )
 
 
 def _parse_power_saving(raw: Mapping[str, Any] | None, path: str) -> PowerSavingConfig:
     if raw is None:
         return PowerSavingConfig()
-    _check_keys(raw, ("enabled", "threshold", "idleFor", "idlePowerLimit"), path)
+    _check_keys(raw, ("enabled", "threshold", "idleFor", "idlePowerLimit", "actuator", "idleClock"), path)
     d = PowerSavingConfig()
     limit = d.idle_power_limit
     if "idlePowerLimit" in raw:
         limit = parse_amount(raw["idlePowerLimit"], f"{path}.idlePowerLimit", allow_min=True)
+    idle_clock = d.idle_clock
+    if "idleClock" in raw:
+        idle_clock = parse_clock_amount(raw["idleClock"], f"{path}.idleClock", allow_min=True)
     return PowerSavingConfig(
         enabled=_bool(raw, "enabled", path, True),
         threshold_pct=_number(raw, "threshold", path, d.threshold_pct, 0, 100, "percent"),
         idle_for_s=_duration(raw, "idleFor", path, d.idle_for_s),
         idle_power_limit=limit,
+        actuator=_actuator(raw, path),
+        idle_clock=idle_clock,
     )
 
 
@@ -542,6 +616,8 @@ class ThermalState:
     steps: int = 0
     below_since_s: float | None = None
     last_change_s: float | None = None
+    #: The clock cap (MHz) when the clocks actuator acts (``cap_w`` is None then).
+    cap_mhz: float | None = None
 
 
 @dataclass(frozen=True)
@@ -549,6 +625,8 @@ class PowerSavingState:
     idle_since_s: float | None = None
     active: bool = False
     cap_w: float | None = None
+    #: The idle clock cap (MHz) when the clocks actuator acts (``cap_w`` is None then).
+    cap_mhz: float | None = None
 
 
 @dataclass(frozen=True)
@@ -611,6 +689,9 @@ class PolicyContext:
     #: The backend raised GpuLostError for this GPU, or it is no longer enumerated (no sample).
     gpu_lost: bool = False
     uuid: str = ""
+    #: The cloud's desired upper locked GPU clock (MHz); None when the Device sets none (the clocks actuator's
+    #: ceiling, else the GPU's highest supported clock).
+    desired_clock_max_mhz: float | None = None
     #: A level-3 probe that finished since the last decision.
     probe: ProbeResult | None = None
     #: Level-2 checks run since the last decision (all of them: they replace the previous set).
@@ -633,10 +714,17 @@ class PolicyEvent:
     old_cap_w: float | None = None
     new_cap_w: float | None = None
     dry_run: bool = False
+    #: The clock caps (MHz) of a policy acting through the clocks actuator.
+    old_clock_mhz: float | None = None
+    new_clock_mhz: float | None = None
 
     @property
     def changes_cap(self) -> bool:
-        return self.old_cap_w != self.new_cap_w and (self.old_cap_w is not None or self.new_cap_w is not None)
+        power = self.old_cap_w != self.new_cap_w and (self.old_cap_w is not None or self.new_cap_w is not None)
+        clock = self.old_clock_mhz != self.new_clock_mhz and (
+            self.old_clock_mhz is not None or self.new_clock_mhz is not None
+        )
+        return power or clock
 
     def to_payload(self) -> dict[str, Any]:
         """A JSON-ready mapping for the MQTT event (None values omitted)."""
@@ -652,6 +740,8 @@ class PolicyEvent:
             ("utilization", self.utilization_pct),
             ("oldPowerLimit", self.old_cap_w),
             ("newPowerLimit", self.new_cap_w),
+            ("oldClockLimit", self.old_clock_mhz),
+            ("newClockLimit", self.new_clock_mhz),
         ):
             if value is not None:
                 payload[key] = value
@@ -748,6 +838,13 @@ class _Run:
     utilization_pct: float | None
     events: list[PolicyEvent] = field(default_factory=list)
     changed: bool = False
+    #: The thermal thresholds in force (the absolute ones, or keyed on the GPU's slowdown threshold).
+    max_temp_c: float = 85.0
+    release_temp_c: float = 80.0
+    #: What the policy being decided acts through: the caps below are W (``power``) or MHz (``clocks``).
+    clocks: bool = False
+    floor: float = 0.0
+    step: Amount = Amount("percent", 10.0)
 
     def event(self, policy: str, action: str, reason: str, old: float | None = None, new: float | None = None) -> None:
         self.events.append(
@@ -759,9 +856,11 @@ class _Run:
                 ts_s=self.now_s,
                 temperature_c=self.temperature_c,
                 utilization_pct=self.utilization_pct,
-                old_cap_w=old,
-                new_cap_w=new,
+                old_cap_w=None if self.clocks else old,
+                new_cap_w=None if self.clocks else new,
                 dry_run=self.config.dry_run,
+                old_clock_mhz=old if self.clocks else None,
+                new_clock_mhz=new if self.clocks else None,
             )
         )
 
@@ -779,36 +878,97 @@ def _thermal(st: ThermalState, run: _Run, ceiling: float | None, last_change_s: 
     temp = run.temperature_c
     if temp is None or ceiling is None:
         return st
-    if temp <= cfg.max_temp_c and st.phase == "normal":
+    if temp <= run.max_temp_c and st.phase == "normal":
         return st  # the usual case: cool, nothing to do
-    floor = _floor_w(run.ctx)
+    floor = run.floor
     effective = min(ceiling, st.cap_w) if st.cap_w is not None else ceiling
-    max_txt = format_number(cfg.max_temp_c)
-    if temp > cfg.max_temp_c:
+    max_txt = format_number(run.max_temp_c)
+    if temp > run.max_temp_c:
         st = replace(st, below_since_s=None)
         first = st.phase == "normal"
         if (first or run.interval_passed(last_change_s)) and effective > floor:
-            new = _step_down(effective, cfg.step, floor)
+            new = _step_down(effective, run.step, floor)
             run.event(THERMAL, "step-down", f"temperature-{format_number(temp)}-above-{max_txt}", effective, new)
             run.changed = True
             return ThermalState("throttling", new, st.steps + 1, None, run.now_s)
         return replace(st, phase="throttling", cap_w=effective if first else st.cap_w, steps=max(st.steps, 1))
     if st.phase == "normal":
         return st
-    if temp >= cfg.release_temp_c:
+    if temp >= run.release_temp_c:
         return replace(st, phase="holding", below_since_s=None)
     below_since = st.below_since_s if st.below_since_s is not None else run.now_s
     st = replace(st, below_since_s=below_since, phase="cooldown" if st.phase != "releasing" else "releasing")
     if run.now_s - below_since < cfg.cool_down_s or not run.interval_passed(last_change_s):
         return st
-    new = _step_up(effective, cfg.step)
-    reason = f"below-{format_number(cfg.release_temp_c)}-for-{format_duration(cfg.cool_down_s)}"
+    new = _step_up(effective, run.step)
+    reason = f"below-{format_number(run.release_temp_c)}-for-{format_duration(cfg.cool_down_s)}"
     run.changed = True
     if new >= ceiling or st.steps <= 1:
         run.event(THERMAL, "release", reason, effective, None)
         return ThermalState(last_change_s=run.now_s)
     run.event(THERMAL, "step-up", reason, effective, new)
     return ThermalState("releasing", new, st.steps - 1, below_since, run.now_s)
+
+
+def _thermal_thresholds(cfg: ThermalConfig, values: Mapping[str, Value]) -> tuple[float, float]:
+    """(max, release) in °C: keyed on the GPU's own slowdown threshold where configured and known, else the
+    absolute ``maxTemp`` / ``releaseTemp``."""
+    if cfg.max_margin_c is not None and cfg.release_margin_c is not None:
+        slowdown = _num(values, "temperature_slowdown")
+        if slowdown is not None:
+            return slowdown - cfg.max_margin_c, slowdown - cfg.release_margin_c
+    return cfg.max_temp_c, cfg.release_temp_c
+
+
+def _clock_ceiling(ctx: PolicyContext) -> float | None:
+    """The clocks actuator's ceiling (MHz): the cloud's desired upper lock, else the GPU's highest supported
+    clock; None where the backend offers no clock actuator (no supported clocks known, or setting them is not
+    supported): the policy then acts through the power cap."""
+    c = ctx.constraints
+    if not c.graphics_clocks_mhz or "locked_gpu_clocks" in c.unsupported or "locked_gpu_clock_max" in c.unsupported:
+        return None
+    top = float(max(c.graphics_clocks_mhz))
+    desired = ctx.desired_clock_max_mhz
+    return min(top, desired) if desired is not None and desired > 0 else top
+
+
+_S = TypeVar("_S", ThermalState, PowerSavingState)
+
+
+def _acting(run: _Run, clocks: bool, step: Amount, decide_one: Callable[[_S], _S], st: _S) -> _S:
+    """Run one policy's state machine in its actuator's unit. The machines work on ``cap_w`` as "the cap"; with
+    the clocks actuator the cap is MHz, kept in ``cap_mhz`` outside them."""
+    run.clocks = clocks
+    run.step = step
+    if clocks:
+        clocks_ = run.ctx.constraints.graphics_clocks_mhz
+        run.floor = float(min(clocks_)) if clocks_ else 0.0
+        given = replace(st, cap_w=st.cap_mhz, cap_mhz=None) if st.cap_w is not None or st.cap_mhz is not None else st
+        out = decide_one(given)
+        if out is given:
+            out = st
+        elif out.cap_w is not None or out.cap_mhz is not None:
+            out = replace(out, cap_mhz=out.cap_w, cap_w=None)
+    else:
+        run.floor = _floor_w(run.ctx)
+        out = decide_one(replace(st, cap_mhz=None) if st.cap_mhz is not None else st)
+    run.clocks = False
+    return out
+
+
+def _idle_clock(cfg: PowerSavingConfig, ctx: PolicyContext, ceiling: float) -> float:
+    """The idle clock cap (MHz) with the clocks actuator: the lowest supported clock, MHz, or a percent of the
+    GPU's maximum clock; within [lowest, ceiling]."""
+    clocks = ctx.constraints.graphics_clocks_mhz
+    lowest = float(min(clocks)) if clocks else 0.0
+    amount = cfg.idle_clock
+    if amount.kind == "min":
+        cap = lowest
+    elif amount.kind == "mhz":
+        cap = amount.value
+    else:
+        cap = (max(clocks) if clocks else ceiling) * amount.value / 100
+    return min(ceiling, max(lowest, cap))
 
 
 def _idle_cap(cfg: PowerSavingConfig, ctx: PolicyContext, ceiling: float) -> float:
@@ -850,7 +1010,7 @@ def _power_saving(
     if st.active or ceiling is None:
         return st
     if run.now_s - idle_since >= cfg.idle_for_s and run.interval_passed(last_change_s):
-        cap = _idle_cap(cfg, run.ctx, ceiling)
+        cap = _idle_clock(cfg, run.ctx, ceiling) if run.clocks else _idle_cap(cfg, run.ctx, ceiling)
         reason = f"utilization-below-{format_number(cfg.threshold_pct)}-for-{format_duration(cfg.idle_for_s)}"
         run.event(POWER_SAVING, "engage", reason, ceiling, cap)
         run.changed = True
@@ -1116,7 +1276,10 @@ def _steady(
     thermal_cfg = config.thermal
     if thermal_cfg.enabled:
         temp = values.get("temperature")
-        if temp is not None and ((type(temp) is not int and type(temp) is not float) or temp > thermal_cfg.max_temp_c):
+        max_temp = (
+            thermal_cfg.max_temp_c if thermal_cfg.max_margin_c is None else _thermal_thresholds(thermal_cfg, values)[0]
+        )
+        if temp is not None and ((type(temp) is not int and type(temp) is not float) or temp > max_temp):
             return None
     else:
         thermal = _THERMAL_NORMAL
@@ -1158,19 +1321,43 @@ def _decide_full(
 ) -> tuple[PolicyState, Decision]:
     """``decide`` the long way, for every case (``_steady`` covers the usual one); events carry ``uuid``."""
     run = _Run(config, ctx, uuid, now_s, _num(sample_values, "temperature"), _num(sample_values, "utilization_gpu"))
+    run.max_temp_c, run.release_temp_c = _thermal_thresholds(config.thermal, sample_values)
     current_w = _current_limit_w(ctx, sample_values)
     ceiling = _ceiling(state, ctx, current_w)
+    clock_ceiling = _clock_ceiling(ctx)
 
     health = _health(state.health, run, sample_values)
-    thermal = _thermal(state.thermal, run, ceiling, state.last_change_s)
+    thermal_clocks = config.thermal.actuator == "clocks" and clock_ceiling is not None
+    thermal = _acting(
+        run,
+        thermal_clocks,
+        config.thermal.clock_step if thermal_clocks else config.thermal.step,
+        lambda st: _thermal(st, run, clock_ceiling if thermal_clocks else ceiling, state.last_change_s),
+        state.thermal,
+    )
     # One change per interval: a thermal change this decision holds back a power-saving engagement.
-    power = _power_saving(state.power_saving, run, ceiling, now_s if run.changed else state.last_change_s)
+    power_clocks = config.power_saving.actuator == "clocks" and clock_ceiling is not None
+    last_change = now_s if run.changed else state.last_change_s
+    power = _acting(
+        run,
+        power_clocks,
+        run.step,
+        lambda st: _power_saving(st, run, clock_ceiling if power_clocks else ceiling, last_change),
+        state.power_saving,
+    )
     last_change_s = now_s if run.changed else state.last_change_s
 
     limits: list[PolicyLimit] = []
+    max_txt = format_number(run.max_temp_c)
+    if clock_ceiling is not None:
+        if thermal.cap_mhz is not None and thermal.phase != "normal" and thermal.cap_mhz < clock_ceiling:
+            reason = f"step{thermal.steps}-max-temp-{max_txt}"
+            limits.append(PolicyLimit(THERMAL, None, reason, clock_max_mhz=int(thermal.cap_mhz)))
+        if power.active and power.cap_mhz is not None and power.cap_mhz < clock_ceiling:
+            limits.append(PolicyLimit(POWER_SAVING, None, "idle", clock_max_mhz=int(power.cap_mhz)))
     if ceiling is not None:
         if thermal.cap_w is not None and thermal.phase != "normal" and thermal.cap_w < ceiling:
-            reason = f"step{thermal.steps}-max-temp-{format_number(config.thermal.max_temp_c)}"
+            reason = f"step{thermal.steps}-max-temp-{max_txt}"
             limits.append(PolicyLimit(THERMAL, thermal.cap_w, reason))
         if power.active and power.cap_w is not None and power.cap_w < ceiling:
             limits.append(PolicyLimit(POWER_SAVING, power.cap_w, "idle"))

@@ -1417,6 +1417,10 @@ class SimNvml:
     def initialized(self) -> bool:
         return self._init_count > 0
 
+    def health_tools(self, host_root: Path) -> HealthTools:
+        """The simulated node's health parts (``sim_health_tools``): the composition root takes them from here."""
+        return sim_health_tools(self, host_root)
+
 
 class SimCudaProbe:
     """The level-3 probe over simulated GPUs: the interface of ``mapper.gpu.cudaprobe.CudaProbe`` (``probe(uuid,
