@@ -1055,6 +1055,8 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
     if st.status == "offline" and values:
         run.event(HEALTH, "recovered", "gpu-back")
         new = replace(new, status="ok", cause="", recovery="", subsystem="", reset_seen=True)
+        # An XID that needs a reboot (79) delivered with the GPU's return belongs to the episode that ended.
+        xids = [x for x in xids if cfg.xids.classify(x).recovery != "reboot"]
     if not cfg.enabled:
         if new.status == "unhealthy" or new.degraded or new.probe_status != "healthy":
             run.event(HEALTH, "disabled", "policy-disabled")

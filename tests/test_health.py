@@ -299,3 +299,13 @@ def test_the_probe_twin_is_twin_safe(probe: ProbeResult) -> None:
     text = probe.twin_text()
     assert TWIN_VALUE_RE.fullmatch(text), text
     assert text.startswith(probe.outcome)
+
+
+def test_an_xid79_delivered_with_the_gpus_return_belongs_to_the_episode_that_ended() -> None:
+    e = engine()
+    assert step(e, 0.0, gpu_lost=True).device_state == "offline"
+    d = step(e, 1.0, events=(xid(79), GpuEvent(UUID, 0, "driver_reload")))
+    assert d.device_state == "ok" and e.health(UUID).status == "healthy"
+    assert [(ev.action, ev.reason) for ev in d.events] == [("recovered", "gpu-back")]
+    # a fresh XID 79 later is a new fault again
+    assert step(e, 2.0, events=(xid(79),)).device_state == "unhealthy"
