@@ -247,7 +247,8 @@ class HealthMonitor:
             log.warning("GPU %s: the CUDA probe failed: %s", worker.uuid, result.twin_text())
         self._count(gpu, result)
         gpu.last_probe_s = now
-        healthy = result.outcome == "pass" and worker.health.status == "healthy"
+        # (a skipped probe, e.g. no libcuda in the container, waits a whole interval: no verdict either way)
+        healthy = result.outcome in ("pass", "skipped") and worker.health.status == "healthy"
         gpu.next_probe_s = now + (cfg.interval_s if healthy else cfg.retry_interval_s)
         return result
 
@@ -347,7 +348,7 @@ class HealthMonitor:
             self._event(worker, "reboot-required", state.cause)
             return
         needs_reset = (
-            not probe.passed
+            probe.status == "unhealthy"
             or bool(failed_checks)
             or bool(failed_tools)
             or (state.status == "unhealthy" and state.recovery == "reset")
@@ -382,4 +383,8 @@ class HealthMonitor:
         worker.pending_probe = verify
         worker.wake()
         self._event(worker, "verify", f"probe-{verify.outcome}")
-        self._event(worker, "done", "recovered" if verify.passed else "still-failing-after-reset")
+        if verify.status is None:
+            outcome = f"reset-done-probe-skipped-{verify.reason}"
+        else:
+            outcome = "still-failing-after-reset" if verify.status == "unhealthy" else "recovered"
+        self._event(worker, "done", outcome)

@@ -15,6 +15,7 @@ from mapper.collect import GpuWorker, worker_sample
 from mapper.gpu.cudaprobe import CudaProbe, cuda_bus_id
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimHost, SimNvml, sim_health_tools
+from mapper.health import HealthTools, ProbeResult
 from mapper.healthloop import HealthMonitor
 from mapper.metrics import snapshot_metrics
 from mapper.model import DeviceConfig, DeviceProperty, GpuEvent
@@ -398,6 +399,32 @@ def test_a_hung_probe_process_is_killed_at_the_timeout(libcuda: Path) -> None:
     assert result.latency_s is not None and result.latency_s >= 1.5
 
 
-def test_no_libcuda_is_a_failed_probe_with_its_reason(tmp_path: Path) -> None:
+def test_no_libcuda_skips_the_probe_without_a_verdict_on_the_gpu(tmp_path: Path) -> None:
     result = CudaProbe(str(tmp_path / "libcuda.so.1")).probe(UUID, BUS, 60.0)
-    assert (result.outcome, result.reason) == ("fail", "libcuda-not-found")
+    assert (result.outcome, result.reason, result.status) == ("skipped", "libcuda-not-found", None)
+
+
+class _NoCuda:
+    """The probe where the container has no libcuda: skipped, as ``CudaProbe`` answers."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult:
+        self.runs += 1
+        return ProbeResult("skipped", "libcuda-not-found")
+
+
+async def test_without_libcuda_the_probe_is_skipped_on_the_normal_interval_and_no_verdict(rig: Rig) -> None:
+    no_cuda = _NoCuda()
+    rig.monitor.tools = HealthTools(no_cuda, rig.monitor.tools.host_root, rig.monitor.tools.tools)
+    await rig.step()
+    await rig.monitor.run_once()
+    await rig.step()
+    assert rig.twin("health_probe") == "skipped:libcuda-not-found" and rig.twin("health") == "healthy"
+    rig.clock.advance(599.0)
+    await rig.monitor.run_once()
+    assert no_cuda.runs == 1, "not retried every minute"
+    rig.clock.advance(1.0)
+    await rig.monitor.run_once()
+    assert no_cuda.runs == 2

@@ -9,7 +9,8 @@ a hung context creation (a GPU stuck after an XID) cannot hang the mapper, and t
 child held when it dies. Nothing of CUDA is ever loaded into the mapper's own process.
 
 The result is a ``mapper.health.ProbeResult``: ``pass``, ``fail`` with the step and CUDA's error name
-(``cuCtxCreate-CUDA_ERROR_UNKNOWN``), or ``timeout``. (``slow`` is the caller's verdict on the latency.)
+(``cuCtxCreate-CUDA_ERROR_UNKNOWN``), ``timeout``, or ``skipped`` (``libcuda-not-found``: no CUDA driver library
+in this container, which says nothing about the GPU). (``slow`` is the caller's verdict on the latency.)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from mapper.health import ProbeResult
 __all__ = ["DEFAULT_LIBRARY", "CudaProbe", "cuda_bus_id", "run_probe"]
 
 DEFAULT_LIBRARY = "libcuda.so.1"
+#: The child's answer when libcuda cannot be loaded: the probe is ``skipped`` (no verdict), not failed.
+LIBCUDA_NOT_FOUND = "libcuda-not-found"
 _COPY_BYTES = 64 * 1024
 
 
@@ -90,7 +93,11 @@ class CudaProbe:
             return ProbeResult("fail", f"probe-exit-{done.returncode}", took_s)
         if answer.get("ok") is True:
             return ProbeResult("pass", "", took_s)
-        return ProbeResult("fail", str(answer.get("reason", "unknown"))[:200], took_s)
+        reason = str(answer.get("reason", "unknown"))[:200]
+        if reason == LIBCUDA_NOT_FOUND:
+            # No CUDA in this container (NVIDIA_DRIVER_CAPABILITIES without "compute"): no verdict on the GPU.
+            return ProbeResult("skipped", reason, None)
+        return ProbeResult("fail", reason, took_s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,7 +121,7 @@ def run_probe(library: str, pci_bus_id: str, uuid: str = "") -> dict[str, object
     try:
         cuda = ctypes.CDLL(library)
     except OSError:
-        return {"ok": False, "reason": "libcuda-not-found"}
+        return {"ok": False, "reason": LIBCUDA_NOT_FOUND}
 
     def name_of(code: int) -> str:
         text = ctypes.c_char_p()
