@@ -44,6 +44,9 @@ __all__ = ["RECOVERY", "DriverCheckSource", "HealthMonitor"]
 log = logging.getLogger("mapper.health")
 
 RECOVERY = "recovery"
+#: Failing level-2 checks a GPU reset cannot mend, and what does: a kernel module that is not NVML's, or missing
+#: device nodes, need the driver reloaded (or a reboot); a corrupted InfoROM needs NVIDIA's support (an RMA).
+NOT_MENDED_BY_RESET = {"driver-version": "driver-reload", "device-nodes": "driver-reload", "inforom": "support"}
 #: After an XID/ECC event, the probe runs at most this soon after the previous one (an ECC storm is one probe).
 REQUEST_DEBOUNCE_S = 5.0
 #: Extra wait beyond the probe's timeout before the loop gives up on the probe thread.
@@ -315,11 +318,11 @@ class HealthMonitor:
             ts_s=self.clock.monotonic(),
             dry_run=config.dry_run,
         )
-        log.warning(
-            "GPU %s: recovery %s: %s%s", worker.uuid, action, event.reason, " (dry run)" if event.dry_run else ""
-        )
         if self.emit is not None:
-            self.emit(worker, (event,))
+            self.emit(worker, (event,))  # published and logged there
+            return
+        dry = " (dry run)" if event.dry_run else ""
+        log.warning("GPU %s: recovery %s: %s%s", worker.uuid, action, event.reason, dry)
 
     async def _recover(self, worker: GpuWorker) -> None:
         config = self.policies.config_for(worker.uuid)
@@ -347,12 +350,18 @@ class HealthMonitor:
         if state.status == "unhealthy" and state.recovery == "reboot":
             self._event(worker, "reboot-required", state.cause)
             return
+        mendable = [c for c in failed_checks if c.name not in NOT_MENDED_BY_RESET]
         needs_reset = (
             probe.status == "unhealthy"
-            or bool(failed_checks)
+            or bool(mendable)
             or bool(failed_tools)
             or (state.status == "unhealthy" and state.recovery == "reset")
         )
+        unmendable = [c for c in failed_checks if c.name in NOT_MENDED_BY_RESET]
+        if unmendable and not needs_reset:
+            c = unmendable[0]
+            self._event(worker, "done", f"{c.name}-{c.reason}-needs-{NOT_MENDED_BY_RESET[c.name]}")
+            return
         if not needs_reset:
             self._event(worker, "done", "self-check-passed-no-reset-needed")
             return

@@ -428,3 +428,12 @@ async def test_without_libcuda_the_probe_is_skipped_on_the_normal_interval_and_n
     rig.clock.advance(1.0)
     await rig.monitor.run_once()
     assert no_cuda.runs == 2
+
+
+async def test_a_fault_a_reset_cannot_mend_is_not_reset(rig: Rig) -> None:
+    await rig.step()
+    rig.host.set_kernel_module_version("580.95.05")
+    await settle(rig)
+    assert rig.twin("health") == "unhealthy:level2:kernel-580.95.05-nvml-590.48.01"
+    assert rig.recovery()[-1] == ("done", "driver-version-kernel-580.95.05-nvml-590.48.01-needs-driver-reload")
+    assert rig.sim.gpu(rig.uuid).resets == 0
