@@ -67,6 +67,8 @@ class _GpuHealth:
     next_check_s: float = 0.0
     next_probe_s: float = 0.0
     last_probe_s: float | None = None
+    #: A requested probe (after an XID/ECC event) that could not run (busy, lost) waits until then.
+    request_after_s: float = 0.0
     #: The fault the recovery flow last ran for ("" when none, or since the GPU was healthy again).
     recovered_for: str = ""
     probes: dict[str, int] = field(default_factory=dict)
@@ -143,7 +145,8 @@ class HealthMonitor:
 
     @staticmethod
     def _requested_at(gpu: _GpuHealth) -> float:
-        return gpu.last_probe_s + REQUEST_DEBOUNCE_S if gpu.last_probe_s is not None else 0.0
+        debounced = gpu.last_probe_s + REQUEST_DEBOUNCE_S if gpu.last_probe_s is not None else 0.0
+        return max(debounced, gpu.request_after_s)
 
     async def run_once(self) -> None:
         """Everything due now: checks, probes (concurrently across GPUs), recoveries to start."""
@@ -214,12 +217,12 @@ class HealthMonitor:
         now = self.clock.monotonic()
         util = worker.values.get("utilization_gpu")
         if worker.lost:
-            gpu.next_probe_s = now + cfg.retry_interval_s
+            gpu.next_probe_s = gpu.request_after_s = now + cfg.retry_interval_s
             return
         if isinstance(util, int | float) and not isinstance(util, bool) and util > cfg.skip_above_pct:
             result = ProbeResult("skipped", f"busy-{format_number(round(float(util)))}pct", None, now)
             self._count(gpu, result)
-            gpu.next_probe_s = now + cfg.retry_interval_s
+            gpu.next_probe_s = gpu.request_after_s = now + cfg.retry_interval_s
             worker.pending_probe = result
             worker.wake()
             return

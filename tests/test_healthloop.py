@@ -437,3 +437,21 @@ async def test_a_fault_a_reset_cannot_mend_is_not_reset(rig: Rig) -> None:
     assert rig.twin("health") == "unhealthy:level2:kernel-580.95.05-nvml-590.48.01"
     assert rig.recovery()[-1] == ("done", "driver-version-kernel-580.95.05-nvml-590.48.01-needs-driver-reload")
     assert rig.sim.gpu(rig.uuid).resets == 0
+
+
+async def test_a_requested_probe_on_a_busy_gpu_waits_for_the_retry_interval_instead_of_spinning(rig: Rig) -> None:
+    rig.sim.set_utilization(rig.uuid, 90)
+    rig.clock.advance(5.0)
+    await rig.step()
+    rig.worker.pending_events.append(GpuEvent(rig.uuid, 0, "ecc_single"))
+    await rig.step()
+    assert rig.worker.probe_requested
+    await rig.monitor.run_once()
+    assert rig.monitor.probe_counts(rig.uuid) == {"skipped": 1}
+    assert rig.monitor.next_due_s() >= rig.clock.monotonic() + 59.0, "the loop sleeps until the retry"
+    rig.sim.set_utilization(rig.uuid, 0)
+    rig.clock.advance(60.0)
+    await rig.step()
+    await rig.monitor.run_once()
+    assert rig.monitor.probe_counts(rig.uuid) == {"skipped": 1, "pass": 1}
+    assert not rig.worker.probe_requested
