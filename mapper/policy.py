@@ -1060,9 +1060,10 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
     if not cfg.enabled:
         if new.status == "unhealthy" or new.degraded or new.probe_status != "healthy":
             run.event(HEALTH, "disabled", "policy-disabled")
-        return _with_report(
-            replace(new, status="ok", cause="", recovery="", degraded="", probe_status="healthy", probe_cause="")
+        cleared = replace(
+            new, status="ok", cause="", recovery="", degraded="", probe_status="healthy", probe_cause="", checks=()
         )
+        return _with_report(cleared)
     if reset:
         new = replace(new, reset_seen=True)
         if new.status == "unhealthy" and new.recovery != "reboot":
@@ -1176,7 +1177,7 @@ def _with_report(st: HealthState) -> HealthState:
     else:
         report = build_report(level1, st.checks, level3)
     if report == st.report:
-        return st if report is st.report else replace(st, report=st.report)
+        return st
     return replace(st, report=report)
 
 

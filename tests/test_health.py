@@ -259,10 +259,11 @@ def test_a_slow_probe_degrades_and_a_skipped_one_changes_nothing() -> None:
 
 def test_health_disabled_clears_every_level() -> None:
     e = engine()
-    step(e, 0.0, probe=FAIL)
+    step(e, 0.0, probe=FAIL, checks=checks(inforom="unhealthy"))
     e.configure(parse_policies({"health": {"enabled": False}}))
     d = step(e, 1.0)
     assert d.device_state == "ok" and e.health(UUID).status == "healthy"
+    assert step(e, 2.0, checks=checks(inforom="unhealthy")).device_state == "ok"
 
 
 # --------------------------------------------------------------------------------------------------
