@@ -22,8 +22,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from mapper.health import ProbeResult
+if TYPE_CHECKING:  # the child process imports nothing of the mapper but this module: a probe costs less CPU
+    from mapper.health import ProbeResult
 
 __all__ = ["DEFAULT_LIBRARY", "CudaProbe", "cuda_bus_id", "run_probe"]
 
@@ -64,6 +66,7 @@ class CudaProbe:
 
     def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult:
         """Blocks for at most ``timeout_s`` (plus the kill); never raises for a GPU or CUDA problem."""
+        from mapper.health import ProbeResult
         if not pci_bus_id:
             return ProbeResult("fail", "no-pci-bus-id", 0.0)
         env = {**os.environ, **self.env} if self.env else None
