@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import stat
 from pathlib import Path
 
@@ -77,9 +78,10 @@ def test_the_reset_runs_nvidia_smi_r_on_that_gpu_and_says_why_it_failed(tmp_path
     ok.reset(UUID, 10.0)
     assert log.read_text().split() == ["-r", "-i", UUID]
     busy = tools(tmp_path, nvidia_smi=SMI_BUSY)
-    with pytest.raises(PermanentError, match="nvidia-smi -r failed: GPU 00000000:3B:00.0: In use by another client"):
+    refused = re.escape("nvidia-smi -r failed: GPU 00000000:3B:00.0: In use by another client")
+    with pytest.raises(PermanentError, match=refused):
         busy.reset(UUID, 10.0)
     with pytest.raises(PermanentError, match="nvidia-smi is not on PATH"):
         tools(tmp_path).reset(UUID, 10.0)
-    with pytest.raises(TransientError, match="nvidia-smi -r took longer than 0.5s"):
+    with pytest.raises(TransientError, match=re.escape("nvidia-smi -r took longer than 0.5s")):
         tools(tmp_path, nvidia_smi="exec sleep 30\n").reset(UUID, 0.5)
