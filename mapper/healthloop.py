@@ -60,6 +60,7 @@ class DriverCheckSource(Protocol):
 
     def driver_checks(self, uuid: str, deadline_s: float) -> tuple[CheckResult, ...]: ...
     def driver_version(self) -> str: ...
+    def gpu_reset(self, uuid: str) -> None: ...
 
 
 @dataclass
@@ -387,6 +388,10 @@ class HealthMonitor:
             self._event(worker, "done", f"reset-failed-{exc}")
             return
         self._event(worker, "reset", "nvidia-smi-r")
+        try:
+            await call_backend(self.backend, self.backend.gpu_reset, worker.uuid, timeout_s=10.0)
+        except MapperError as exc:  # the backend then finds the reset itself (the energy counter went back)
+            log.warning("GPU %s: telling the NVML backend about the reset failed: %s", worker.uuid, exc)
         # The reset took every setting: the next step re-applies the desired state, and the policy sees a reset.
         worker.pending_events.append(GpuEvent(worker.uuid, self.clock.wall_ms(), "driver_reload", detail="gpu-reset"))
         worker.driver_reloaded()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.collect import GpuWorker, worker_sample
+from mapper.collect import Collector, GpuWorker, worker_sample
 from mapper.gpu.cudaprobe import CudaProbe, cuda_bus_id
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimHost, SimNvml, sim_health_tools
@@ -455,3 +455,58 @@ async def test_a_requested_probe_on_a_busy_gpu_waits_for_the_retry_interval_inst
     await rig.monitor.run_once()
     assert rig.monitor.probe_counts(rig.uuid) == {"skipped": 1, "pass": 1}
     assert not rig.worker.probe_requested
+
+
+async def test_a_reset_of_one_gpu_reapplies_its_settings_and_leaves_the_other_gpus_alone(tmp_path: Path) -> None:
+    clock = FakeClock()
+    sim = SimNvml(2, "H100", seed=0, clock=clock.monotonic, sleep=clock.advance)
+    sim.set_scenario_processes(None, False)
+    backend = NvmlBackend(sim, clock=clock)
+    infos = backend.list_gpus()
+    policies = PolicyEngine(parse_policies({"health": {"recovery": {"allowReset": True}}}))
+    workers = {i.uuid: GpuWorker(i, backend, Reconciler(backend, i.uuid, clock=clock), policies, clock) for i in infos}
+    a, b = (workers[i.uuid] for i in infos)
+    policies.set_override(b.uuid, {"health": {"recovery": {"allowReset": False}}})
+    events: list[PolicyEvent] = []
+    monitor = HealthMonitor(
+        workers,
+        policies,
+        backend,
+        sim_health_tools(sim, tmp_path),
+        clock=clock,
+        emit=lambda _w, evs: events.extend(evs),
+        processes=lambda uuid: len(backend.processes(uuid).processes),
+    )
+    monitor.attach()
+
+    collector = Collector(workers, backend, clock=clock, on_step=lambda _w, _r: None)
+
+    async def step_all() -> None:
+        clock.advance(1.0)
+        for w in (a, b):
+            w._woken = True
+            await w.tick()
+        collector.route_events(backend.poll_events())  # NVML's events to their GPUs, as the collector does
+
+    a.desired.set_many({"locked_gpu_clock_min": 1005, "locked_gpu_clock_max": 1500}, "cloud", 1)
+    await step_all()
+    assert sim.gpu(a.uuid).locked_gpu_clocks == (1005, 1500)
+    b.pending_events.append(GpuEvent(b.uuid, 0, "xid", xid=48))
+    await step_all()
+    assert b.health.reason == "xid48"
+    sim.inject_probe_fault(a.uuid, "context", until_reset=True)
+    await monitor.run_once()
+    await step_all()
+    await monitor.run_once()
+    for uuid in (a.uuid, b.uuid):
+        task = monitor.recovering(uuid)
+        if task is not None:
+            await asyncio.wait_for(task, 30)
+    assert sim.gpu(a.uuid).resets == 1 and sim.gpu(b.uuid).resets == 0
+    assert sim.gpu(a.uuid).locked_gpu_clocks is None, "the reset took the locks"
+    for _ in range(15):  # past the energy counter's cycle: its restart at 0 is this reset, not a driver reload
+        await step_all()
+    assert sim.gpu(a.uuid).locked_gpu_clocks == (1005, 1500), "re-applied after the reset"
+    assert a.health.status == "healthy"
+    assert b.health.reason == "xid48", "another GPU's fault is not cleared by this GPU's reset"
+    backend.shutdown()

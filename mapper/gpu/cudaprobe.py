@@ -67,6 +67,7 @@ class CudaProbe:
     def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult:
         """Blocks for at most ``timeout_s`` (plus the kill); never raises for a GPU or CUDA problem."""
         from mapper.health import ProbeResult
+
         if not pci_bus_id:
             return ProbeResult("fail", "no-pci-bus-id", 0.0)
         env = {**os.environ, **self.env} if self.env else None

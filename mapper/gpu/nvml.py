@@ -399,6 +399,18 @@ class NvmlBackend:
         """XID, ECC, GPU-lost and driver-reload events since the last poll (never blocks on NVML)."""
         return self._call("poll_events", self._poll_events)
 
+    def gpu_reset(self, uuid: str) -> None:
+        """One GPU was reset outside NVML (``nvidia-smi -r``): forget what this backend set on it (its locked
+        clocks), its board values read this session and its energy counter's baseline, so the reconciler sets it
+        again and the counter's restart at 0 is not taken for a driver reload of the whole node."""
+        self._call(f"gpu_reset({uuid})", lambda: self._forget_gpu(uuid), needs_session=None)
+
+    def _forget_gpu(self, uuid: str) -> None:
+        self._locked_gpu.pop(uuid, None)
+        self._locked_memory.pop(uuid, None)
+        self._static.pop(uuid, None)
+        self._energy_j.pop(uuid, None)
+
     def driver_checks(self, uuid: str, deadline_s: float) -> tuple[CheckResult, ...]:
         """The level-2 checks NVML answers for one GPU (``docs/health.md``): ``nvml-responsive`` (its calls here
         answered within ``deadline_s``; the detail carries NVML's driver version) and ``inforom``
