@@ -927,7 +927,7 @@ def _clock_ceiling(ctx: PolicyContext) -> float | None:
     c = ctx.constraints
     if not c.graphics_clocks_mhz or "locked_gpu_clocks" in c.unsupported or "locked_gpu_clock_max" in c.unsupported:
         return None
-    top = float(max(c.graphics_clocks_mhz))
+    top = float(c.graphics_clocks_mhz[0])  # (highest first)
     desired = ctx.desired_clock_max_mhz
     return min(top, desired) if desired is not None and desired > 0 else top
 
@@ -942,7 +942,7 @@ def _acting(run: _Run, clocks: bool, step: Amount, decide_one: Callable[[_S], _S
     run.step = step
     if clocks:
         clocks_ = run.ctx.constraints.graphics_clocks_mhz
-        run.floor = float(min(clocks_)) if clocks_ else 0.0
+        run.floor = float(clocks_[-1]) if clocks_ else 0.0  # (highest first)
         given = replace(st, cap_w=st.cap_mhz, cap_mhz=None) if st.cap_w is not None or st.cap_mhz is not None else st
         out = decide_one(given)
         if out is given:
@@ -1079,6 +1079,8 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
 
 def _level1_faults(st: HealthState, run: _Run, xids: Sequence[int], ecc_rise: bool) -> HealthState:
     """New XIDs (classified by the catalog and the lists) and a rise of uncorrected ECC errors."""
+    if not xids and not ecc_rise:
+        return st
     cfg = run.config.health
     policy = cfg.xids
     fatal: tuple[str, str, str] | None = None  # cause, recovery, subsystem
@@ -1176,7 +1178,7 @@ def _with_report(st: HealthState) -> HealthState:
         report = HEALTHY_REPORT if not st.checks else _healthy_with(st.checks, st.report)
     else:
         report = build_report(level1, st.checks, level3)
-    if report == st.report:
+    if report is st.report or report == st.report:
         return st
     return replace(st, report=report)
 
@@ -1327,7 +1329,8 @@ def _decide_full(
     run.max_temp_c, run.release_temp_c = _thermal_thresholds(config.thermal, sample_values)
     current_w = _current_limit_w(ctx, sample_values)
     ceiling = _ceiling(state, ctx, current_w)
-    clock_ceiling = _clock_ceiling(ctx)
+    clocks_wanted = config.thermal.actuator == "clocks" or config.power_saving.actuator == "clocks"
+    clock_ceiling = _clock_ceiling(ctx) if clocks_wanted else None
 
     health = _health(state.health, run, sample_values)
     thermal_clocks = config.thermal.actuator == "clocks" and clock_ceiling is not None
