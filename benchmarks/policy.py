@@ -11,7 +11,10 @@ Controllers, all in the same process on identical simulators:
 * ``naive`` (the baseline): above maxTemp cap at the GPU's minimum, at or below it restore the default; no
   hysteresis, no cool-down, no change interval;
 * ``policy``: ``mapper.policy.decide`` with the default config (maxTemp 85, releaseTemp 80, coolDownPeriod 5m,
-  step 10 %, minChangeInterval 30 s).
+  step 10 %, minChangeInterval 30 s), acting through the power cap;
+* ``policy_clocks``: the same config with ``thermalThrottling.actuator: clocks``: the same hysteresis, acting
+  through the locked SM clock (``nvmlDeviceSetGpuLockedClocks``, upper lock stepped 10 % down per step, snapped to
+  a supported clock) instead of the power cap.
 
 Figures per controller: reaction time after crossing maxTemp (from the last sample at or below maxTemp to the
 cap change, so 1 s means "in the first cycle that saw the heat"; first crossing, mean and max over the
@@ -36,7 +39,7 @@ from typing import Any
 from mapper.clock import FakeClock
 from mapper.gpu.simnvml import SimNvml
 from mapper.model import Constraints
-from mapper.policy import PolicyConfig, PolicyContext, PolicyState, decide
+from mapper.policy import PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
 
 THERMAL_SLOWDOWN_BITS = 0x20 | 0x40  # SwThermalSlowdown | HwThermalSlowdown
 
@@ -49,8 +52,9 @@ class Reading:
     power_limit_w: float
 
 
-#: A controller: the reading -> the power limit it wants now (watts).
-Controller = Callable[[Reading], float]
+#: A controller: the reading -> the power limit it wants now (watts), or (watts, upper SM clock lock in MHz or
+#: None for unlocked).
+Controller = Callable[[Reading], float | tuple[float, int | None]]
 
 
 def no_controller(default_w: float) -> Controller:
@@ -59,6 +63,21 @@ def no_controller(default_w: float) -> Controller:
 
 def naive_controller(max_temp_c: float, min_w: float, default_w: float) -> Controller:
     return lambda r: min_w if r.temperature_c > max_temp_c else default_w
+
+
+def policy_clock_controller(config: PolicyConfig, constraints: Constraints) -> Controller:
+    """The policy with the clocks actuator: the reconciler's part is the lock at the decision's clock cap."""
+    state = PolicyState()
+
+    def control(r: Reading) -> tuple[float, int | None]:
+        nonlocal state
+        ctx = PolicyContext(constraints=constraints, current_power_limit_w=r.power_limit_w, uuid="bench")
+        values = {"temperature": r.temperature_c, "utilization_gpu": r.utilization_pct, "power_limit": r.power_limit_w}
+        state, decision = decide(state, values, ctx, config, r.now_s)
+        caps = [lim.clock_max_mhz for lim in decision.limits if lim.clock_max_mhz is not None]
+        return r.power_limit_w, min(caps) if caps else None
+
+    return control
 
 
 def policy_controller(config: PolicyConfig, constraints: Constraints) -> Controller:
@@ -88,10 +107,13 @@ def run(make: Callable[[Constraints], Controller], seconds: int, cooling: float,
     sim.set_cooling(None, cooling)
     h = sim.nvmlDeviceGetHandleByIndex(0)
     lo_mw, hi_mw = sim.nvmlDeviceGetPowerManagementLimitConstraints(h)
+    mem_mhz = sim.nvmlDeviceGetSupportedMemoryClocks(h)[0]
+    graphics = tuple(sorted(sim.nvmlDeviceGetSupportedGraphicsClocks(h, mem_mhz), reverse=True))
     constraints = Constraints(
         power_limit_min_w=lo_mw / 1000,
         power_limit_max_w=hi_mw / 1000,
         power_limit_default_w=sim.nvmlDeviceGetPowerManagementDefaultLimit(h) / 1000,
+        graphics_clocks_mhz=graphics,
     )
     controller = make(constraints)
     sm_max = sim.nvmlDeviceGetMaxClockInfo(h, 1)
@@ -104,6 +126,7 @@ def run(make: Callable[[Constraints], Controller], seconds: int, cooling: float,
     cap_at_crossing: list[float] = []
     reactions: list[float] = []
     unanswered = 0
+    lock_mhz: int | None = None
     for _ in range(seconds):
         clock.advance(1.0)
         now = clock.monotonic()
@@ -125,14 +148,28 @@ def run(make: Callable[[Constraints], Controller], seconds: int, cooling: float,
             cap_at_crossing.clear()
         was_above = above
 
-        target_w = round(controller(Reading(now, temp, util, limit_w)))
+        wanted = controller(Reading(now, temp, util, limit_w))
+        target_w, target_mhz = (wanted, lock_mhz) if isinstance(wanted, float | int) else wanted
+        target_w = round(target_w)
+        reacted = False
         if round(target_w * 1000) != round(limit_w * 1000):
             sim.nvmlDeviceSetPowerManagementLimit(h, round(target_w * 1000))
             changes += 1
-            if crossings and target_w < cap_at_crossing[0]:
-                reactions.extend(now - t for t in crossings)
-                crossings.clear()
-                cap_at_crossing.clear()
+            reacted = bool(crossings) and target_w < cap_at_crossing[0]
+        if target_mhz != lock_mhz:
+            if target_mhz is None:
+                sim.nvmlDeviceResetGpuLockedClocks(h)
+            else:
+                # as the reconciler does: the highest supported clock at or below the cap
+                snapped = max((c for c in graphics if c <= target_mhz), default=min(graphics))
+                sim.nvmlDeviceSetGpuLockedClocks(h, min(graphics), snapped)
+            reacted = bool(crossings) and target_mhz is not None and (lock_mhz is None or target_mhz < lock_mhz)
+            lock_mhz = target_mhz
+            changes += 1
+        if reacted:
+            reactions.extend(now - t for t in crossings)
+            crossings.clear()
+            cap_at_crossing.clear()
     energy_j = (sim.nvmlDeviceGetTotalEnergyConsumption(h) - energy0_mj) / 1000
     return {
         "first_reaction_s": reactions[0] if reactions else None,
@@ -154,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cooling", type=float, default=3.0, help="thermal resistance factor (3.0 = poor cooling)")
     args = parser.parse_args(argv)
     config = PolicyConfig()
+    clocks_config = parse_policies({"thermalThrottling": {"actuator": "clocks"}})
     max_temp = config.thermal.max_temp_c
 
     started = time.perf_counter()
@@ -166,16 +204,19 @@ def main(argv: list[str] | None = None) -> int:
             max_temp,
         ),
         "policy": run(lambda c: policy_controller(config, c), args.seconds, args.cooling, max_temp),
+        "policy_clocks": run(lambda c: policy_clock_controller(clocks_config, c), args.seconds, args.cooling, max_temp),
     }
     wall_s = time.perf_counter() - started
     for name, figures in results.items():
-        print(f"{name:>6}: " + ", ".join(f"{k}={v}" for k, v in figures.items()), file=sys.stderr)
+        print(f"{name:>13}: " + ", ".join(f"{k}={v}" for k, v in figures.items()), file=sys.stderr)
 
     naive, policy = results["naive"], results["policy"]
 
-    def ratio(key: str) -> float | None:
-        a, b = policy[key], naive[key]
+    def ratio(key: str, over: dict[str, Any] = naive, of: dict[str, Any] = policy) -> float | None:
+        a, b = of[key], over[key]
         return round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+
+    keys = ("cap_changes", "above_max_temp_s", "thermal_slowdown_s", "energy_j", "work_gpu_s")
 
     print(
         json.dumps(
@@ -186,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu": "H100",
                 "scenario": "oscillating",
                 "results": results,
-                "ratio_policy_over_naive": {
-                    k: ratio(k)
-                    for k in ("cap_changes", "above_max_temp_s", "thermal_slowdown_s", "energy_j", "work_gpu_s")
+                "ratio_policy_over_naive": {k: ratio(k) for k in keys},
+                "ratio_policy_clocks_over_policy": {
+                    k: ratio(k, over=policy, of=results["policy_clocks"]) for k in keys
                 },
                 "wall_s": round(wall_s, 2),
             },

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mapper import __version__
+from mapper.backends import health_monitor
 from mapper.binding import Bindings, unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
@@ -30,6 +31,7 @@ from mapper.errors import ConfigError, MapperError, PermanentError, TransientErr
 from mapper.eventbus import DELTA_FILTER, membership_topic
 from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.nvml import NvmlBackend
+from mapper.healthloop import HealthMonitor
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
 from mapper.model import GpuInfo, Sample
@@ -124,6 +126,7 @@ class MapperApp:
         self.dmi_reporter: DmiReporter | None = None
         self.dmi_server: DmiServer | None = None
         self.metrics: MetricsServer | None = None
+        self.health: HealthMonitor | None = None
         self.exit_code = 0
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -238,27 +241,12 @@ class MapperApp:
                 )
             await self.session.start()
         if self.settings.dmi_enabled:
-            from mapper.dmi.client import DmiClient, DmiReporter
-            from mapper.dmi.server import DmiServer
+            from mapper.dmi.parts import start_dmi
 
-            self.dmi_server = DmiServer(
-                self.registry,
-                self.reporter.twins_of_device,
-                socket_path=self.settings.socket,
-                max_message_bytes=self.settings.dmi_max_message_bytes,
-            )
-            await self.dmi_server.start()
-            self.dmi_client = DmiClient(
-                edgecore_socket=self.settings.edgecore_socket,
-                mapper_socket=self.settings.socket,
-                version=__version__,
-                rate_per_s=self.settings.dmi_rate_per_s,
-                burst=self.settings.dmi_burst,
-                clock=self.clock,
-                on_registered=self.bindings.on_registered,
-            )
-            # A token per GPU kept for prompt reports (one Device per GPU may change at once).
-            self.dmi_reporter = DmiReporter(self.dmi_client, clock=self.clock, devices=len(self.workers))
+            twins, registered = self.reporter.twins_of_device, self.bindings.on_registered
+            n = len(self.workers)
+            dmi = await start_dmi(self.settings, __version__, self.registry, twins, registered, self.clock, devices=n)
+            self.dmi_server, self.dmi_client, self.dmi_reporter = dmi
             self.reporter.dmi = self.dmi_reporter
         made = (self.buffer, self.shipper, self.session, self.dmi_client, self.dmi_server)
         self.status.attach(self.driver_version, *made)
@@ -315,6 +303,11 @@ class MapperApp:
                 notify=self.collector.wake.set,
             )
             self.streams.bind(info.uuid, unbound_device(info))
+        emit = lambda w, events: self.publisher.publish_step(self._device_key(w), w.uuid, (), events)  # noqa: E731
+        self.health = health_monitor(self.backend, self.workers, self.policies, self.data_dir, self.clock, emit)
+        self.status.health = self.health
+        if self.health is not None:
+            self.health.beat = self._beat
         log.info("NVML driver %s: %s", self.driver_version, ", ".join(f"{g.uuid} ({g.name})" for g in self.gpus))
 
     async def run(self, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:
@@ -332,6 +325,8 @@ class MapperApp:
             await self.shutdown()
             return self.exit_code
         self._spawn("collect", self.collector.run())
+        if self.health is not None:
+            self._spawn("health", self.health.run())
         self._spawn("report", self.reporter.run())
         if self.session is not None:
             # Without a broker the batches only accumulate in the buffer, bounded by its caps.
@@ -436,13 +431,17 @@ class MapperApp:
         if worker.device is not None:
             self.publisher.publish_live(worker.device.key, sample)
 
+    @staticmethod
+    def _device_key(worker: GpuWorker) -> str:
+        return worker.device.key if worker.device is not None else unbound_device(worker.info).key
+
     def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
         if result.sample is not None:
             self.streams.add(worker.uuid, result.sample, self.clock.wall_ms())
         acks = result.reconcile.acks if result.reconcile is not None else ()
         events = result.decision.events if result.decision is not None else ()
         if acks or events:  # (most steps publish neither: the device key is worked out only when one does)
-            device_key = worker.device.key if worker.device is not None else unbound_device(worker.info).key
+            device_key = self._device_key(worker)
             self.publisher.publish_step(device_key, worker.uuid, acks, events)
             if acks:
                 self.bindings.save_desired(worker, device_key)

@@ -1,4 +1,5 @@
-"""Choosing the GPU backend family (part of the composition root, next to ``mapper.app.build_backend``).
+"""Choosing the GPU backend family (part of the composition root, next to ``mapper.app.build_backend``), and
+what hangs on the family: the health loop and its tools (NVML only).
 
 ``settings.backend``: ``nvml``; ``jetson``; ``auto`` (the default): NVML where it initialises, else a Jetson's
 sysfs where a Tegra GPU is found under ``jetson.root``, else NVML (whose start-up error says what is missing).
@@ -12,14 +13,20 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mapper.clock import Clock, SystemClock
+from mapper.collect import GpuWorker
 from mapper.config import Settings
 from mapper.errors import ConfigError
 from mapper.gpu.jetson import JetsonBackend, tegra_gpu_present
+from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
+from mapper.health import HealthTools
+from mapper.healthloop import HealthMonitor
+from mapper.policy import PolicyEngine, PolicyEvent
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +111,33 @@ def build_jetson_backend(settings: Settings, clock: Clock | None = None, *, one_
     )
     sim.start()
     return _SimulatedJetsonBackend(sim, remove, nvpmodel=nvpmodel_command(root), **options)
+
+
+def build_health_tools(backend: NvmlBackend, data_dir: Path) -> HealthTools:
+    """The CUDA probe, host root and NVIDIA tools of the health loop: the simulator's own where the backend's nvml
+    is the simulator (it offers ``health_tools``), else the node's."""
+    offered = getattr(getattr(backend, "nvml", None), "health_tools", None)
+    if offered is not None:
+        tools: HealthTools = offered(data_dir / "sim-host")
+        return tools
+    from mapper.gpu.tools import host_health_tools
+
+    return host_health_tools()
+
+
+def health_monitor(
+    backend: object,
+    workers: Mapping[str, GpuWorker],
+    policies: PolicyEngine,
+    data_dir: Path,
+    clock: Clock,
+    emit: Callable[[GpuWorker, Sequence[PolicyEvent]], None],
+) -> HealthMonitor | None:
+    """The health loop over an NVML backend (``emit``: its policy events); None on a Jetson, which has no NVML
+    checks, XIDs or CUDA probe by NVML identity here (docs/jetson.md)."""
+    if not isinstance(backend, NvmlBackend):
+        return None
+    nvml = backend
+    tools = build_health_tools(nvml, data_dir)
+    count = lambda uuid: len(nvml.processes(uuid).processes)  # noqa: E731
+    return HealthMonitor(workers, policies, nvml, tools, clock=clock, emit=emit, processes=count)

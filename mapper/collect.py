@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
+from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, ProbeResult
 from mapper.model import (
     BACKEND_PROPERTIES,
     PROPERTY_BY_NAME,
@@ -118,6 +119,16 @@ class GpuWorker:
     notify: Callable[[], None] | None = None
     #: The policies' context of the last step without events, used again while its inputs are the same.
     _context: PolicyContext | None = None
+    # --- health (levels 2 and 3 come from ``mapper.healthloop``; the policies decide) --------------------------
+    #: A probe result / a run of the driver checks waiting for the next step.
+    pending_probe: ProbeResult | None = None
+    pending_checks: tuple[CheckResult, ...] | None = None
+    #: The three levels after the last step (the ``health`` twin), and the last probe (``health_probe``).
+    health: HealthReport = HEALTHY_REPORT
+    last_probe: ProbeResult | None = None
+    #: An XID or ECC event reached this GPU: the health loop probes it soon. ``on_fault`` wakes that loop.
+    probe_requested: bool = False
+    on_fault: Callable[[], None] | None = None
 
     @property
     def uuid(self) -> str:
@@ -313,27 +324,48 @@ class GpuWorker:
         events = self.pending_events
         if events:
             self.pending_events = []
+            if any(e.kind in ("xid", "ecc_single", "ecc_double") for e in events):
+                self.probe_requested = True
+                if self.on_fault is not None:
+                    self.on_fault()
+        probe, checks = self.pending_probe, self.pending_checks
+        if probe is not None or checks is not None:
+            self.pending_probe = self.pending_checks = None
+            if probe is not None:
+                self.last_probe = probe
         effective = self.desired.effective()
         desired_w = _power_limit_w(effective)
+        desired_mhz = _clock_max_mhz(effective)
         ctx = self._context
         if (
             events
+            or probe is not None
+            or checks is not None
             or ctx is None
             or ctx.constraints is not self.constraints
             or ctx.desired_power_limit_w != desired_w
+            or ctx.desired_clock_max_mhz != desired_mhz
             or ctx.gpu_lost != self.lost
         ):
             ctx = PolicyContext(
                 constraints=self.constraints,
                 desired_power_limit_w=desired_w,
+                desired_clock_max_mhz=desired_mhz,
                 events=tuple(events),
                 gpu_lost=self.lost,
                 uuid=self.uuid,
+                probe=probe,
+                checks=checks,
             )
-            # Kept for the next step unless it carries events (those are for this step only).
-            self._context = None if events else ctx
+            # Kept for the next step unless it carries events or health results (those are for this step only).
+            self._context = None if events or probe is not None or checks is not None else ctx
         decision = self.policies.decide(self.uuid, self.values, ctx, now_s)
         result.decision = decision
+        health = self.policies.health(self.uuid)
+        if health is not self.health:
+            self.health = health
+            if health.status == "unhealthy" and self.on_fault is not None:
+                self.on_fault()  # the health loop starts the recovery flow
         self.policy_state = decision.policy_state
         self.state = "offline" if self.lost else ("unhealthy" if decision.device_state == "unhealthy" else "online")
 
@@ -396,6 +428,14 @@ def _power_limit_w(desired: Mapping[str, DesiredValue]) -> float | None:
     return float(d.value)
 
 
+def _clock_max_mhz(desired: Mapping[str, DesiredValue]) -> float | None:
+    """The valid desired upper locked GPU clock in MHz (0: unlocked), or None."""
+    d = desired.get("locked_gpu_clock_max")
+    if d is None or not d.valid or d.value is None or isinstance(d.value, str | bool):
+        return None
+    return float(d.value) or None
+
+
 async def call_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
     """``fn(*args)`` in the default executor; ``TimeoutError`` after ``timeout_s`` (the call runs on).
 
@@ -418,6 +458,9 @@ def worker_sample(worker: GpuWorker) -> Sample:
     values = dict(worker.values)
     values["desired_status"] = worker.desired_status
     values["policy_state"] = worker.policy_state
+    values["health"] = worker.health.twin_text()
+    if worker.last_probe is not None:
+        values["health_probe"] = worker.last_probe.twin_text()
     return Sample(worker.uuid, worker.values_ts_ms, {k: v for k, v in values.items() if v != ""})
 
 

@@ -56,6 +56,7 @@ from mapper import naming
 from mapper.bridgecore import BridgeStats
 from mapper.bridgecore import Histogram as BridgeHistogram
 from mapper.errors import ConfigError, NotFoundError, TransientError
+from mapper.health import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 from mapper.stats import (
@@ -280,9 +281,45 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
 
     out.extend(per_prop.values())
     out.extend([info, reasons, compute, xids, desired_cap, state, policy_state, sample_ts])
+    out.extend(_health_metrics(snap))
     out.extend(_self_metrics(snap))
     out.extend(workload_metrics(snap))
     return out
+
+
+def _health_metrics(snap: MapperSnapshot) -> list[Metric]:
+    """The three health levels, the subsystems, the level-2 checks, the probe and the InfoROM (``docs/health.md``)."""
+    status, subsystem, check = (
+        _family(f) for f in (naming.HEALTH_STATUS, naming.HEALTH_SUBSYSTEM, naming.HEALTH_CHECK)
+    )
+    latency, success, probes, inforom = (
+        _family(f)
+        for f in (naming.HEALTH_PROBE_LATENCY, naming.HEALTH_PROBE_SUCCESS, naming.HEALTH_PROBES, naming.INFOROM_INFO)
+    )
+    for g in snap.gpus:
+        labels = [g.info.uuid, str(g.info.index), naming.device_label(g.device), g.node or snap.node]
+        h = g.health
+        for level, current in ((0, h.status), *((lv, s) for lv, s, _ in h.levels)):
+            for s in STATUSES:
+                status.add_metric([*labels, str(level), s], 1 if current == s else 0)
+        for name in SUBSYSTEMS:
+            current = h.subsystem_status(name)
+            for s in STATUSES:
+                subsystem.add_metric([*labels, name, s], 1 if current == s else 0)
+        for c in h.checks:
+            for s in STATUSES:
+                check.add_metric([*labels, c.name, s], 1 if c.status == s else 0)
+            if c.name == "inforom":
+                d = dict(c.detail)
+                versions = [d.get(k, "N/A") for k in ("image_version", "oem_version", "ecc_version", "power_version")]
+                inforom.add_metric([*labels, *versions], 1)
+        if g.health_probe is not None and g.health_probe.outcome != "skipped":
+            success.add_metric(labels, 1 if g.health_probe.passed else 0)
+            if g.health_probe.latency_s is not None:
+                latency.add_metric(labels, g.health_probe.latency_s)
+        for outcome, n in sorted(g.probes.items()):
+            probes.add_metric([*labels, outcome], n)
+    return [status, subsystem, check, latency, success, probes, inforom]
 
 
 def _sample_name(fam: Metric) -> str:
@@ -513,6 +550,9 @@ def _FULL_EXAMPLE() -> MapperSnapshot:
         policy_state="normal",
         xid_errors={79: 1},
         desired_power_limit_w=1.0,
+        health=HealthReport(checks=(CheckResult("inforom", "healthy", "ok", "inforom"),)),
+        health_probe=ProbeResult("pass", "", 0.1),
+        probes={"pass": 1},
     )
     pod = PodUse("ns", "pod", "c", 1.0, 1.0, 1, 1, 0.5)
     workloads = GpuWorkloads(

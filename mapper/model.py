@@ -721,6 +721,24 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         collect_cycle_ms=5_000,
         source="mapper",
     ),
+    _p(
+        "health",
+        "STRING",
+        "",
+        "the GPU's health over three levels: healthy, or degraded/unhealthy:level<N>:<reason>",
+        "computed by the health policy (node metrics, driver checks, CUDA probe)",
+        collect_cycle_ms=1_000,
+        source="mapper",
+    ),
+    _p(
+        "health_probe",
+        "STRING",
+        "",
+        "the last CUDA probe: pass, slow, fail, timeout or skipped, with its reason and latency",
+        "a CUDA context, allocation and copy in a short-lived process",
+        collect_cycle_ms=1_000,
+        source="mapper",
+    ),
     *_JETSON,
 )
 
@@ -763,8 +781,13 @@ def family_properties(family: str) -> tuple[PropertySpec, ...]:
 
 
 #: Mapper-computed properties that only some families have (any other serves every family): the process cycle
-#: reads NVML's process lists, which a Jetson does not offer (docs/jetson.md).
-MAPPER_PROPERTY_FAMILIES: Mapping[str, tuple[str, ...]] = {"processes": ("nvml",)}
+#: reads NVML's process lists, and the health loop NVML's checks and a CUDA probe by NVML's identity, which a Jetson
+#: does not offer (docs/jetson.md).
+MAPPER_PROPERTY_FAMILIES: Mapping[str, tuple[str, ...]] = {
+    "processes": ("nvml",),
+    "health": ("nvml",),
+    "health_probe": ("nvml",),
+}
 
 
 #: Writable properties that NVML sets together, as (min, max) pairs.
@@ -847,6 +870,9 @@ class PolicyLimit:
     policy: str  # "thermal", "power-saving", "health"
     power_limit_w: float | None = None
     reason: str = ""
+    #: The clocks actuator: an upper bound on the GPU (SM) clock in MHz, applied through the backend's locked GPU
+    #: clocks (NVML ``nvmlDeviceSetGpuLockedClocks``; a Jetson backend: its devfreq ``max_freq``).
+    clock_max_mhz: int | None = None
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,39 @@ POLICY_STATE = Family(
     ("state",),
 )
 SAMPLE_TIMESTAMP = Family("gpu_mapper_sample_timestamp_seconds", "gauge", "Unix time of the GPU's latest sample")
+HEALTH_STATUS = Family(
+    "gpu_mapper_health_status",
+    "gauge",
+    "1 for the GPU's health (healthy, degraded, unhealthy) per level (0: overall, 1: node, 2: driver, 3: CUDA "
+    "probe), 0 for the others",
+    ("level", "status"),
+)
+HEALTH_SUBSYSTEM = Family(
+    "gpu_mapper_health_subsystem_status",
+    "gauge",
+    "1 for each health subsystem's status (pcie, nvlink, memory, thermal, power, driver, inforom, engine, cuda), "
+    "0 for the others",
+    ("subsystem", "status"),
+)
+HEALTH_CHECK = Family(
+    "gpu_mapper_health_check_status",
+    "gauge",
+    "1 for each level-2 driver check's verdict, 0 for the others",
+    ("check", "status"),
+)
+HEALTH_PROBE_LATENCY = Family(
+    "gpu_mapper_health_probe_latency_seconds", "gauge", "how long the GPU's last CUDA probe took"
+)
+HEALTH_PROBE_SUCCESS = Family(
+    "gpu_mapper_health_probe_success", "gauge", "1 when the GPU's last CUDA probe passed (pass or slow), else 0"
+)
+HEALTH_PROBES = Family("gpu_mapper_health_probes", "counter", "CUDA probes run on the GPU, by outcome", ("outcome",))
+INFOROM_INFO = Family(
+    "gpu_inforom_info",
+    "gauge",
+    "the GPU's InfoROM: always 1, labelled with its image and object versions (N/A where not reported)",
+    ("image_version", "oem_version", "ecc_version", "power_version"),
+)
 
 #: Property values the derived families read (the property names of the catalog).
 CLOCK_EVENT_REASONS_PROPERTY = "clock_event_reasons"

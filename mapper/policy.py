@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 
 from mapper.config import parse_duration_s
 from mapper.errors import ConfigError
+from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
 from mapper.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
+from mapper.xid import DEFAULT_FATAL_XIDS, XidPolicy
 
 __all__ = [
     "DEFAULT_CRITICAL_XIDS",
     "Amount",
+    "ChecksConfig",
     "Decision",
     "HealthConfig",
     "HealthState",
@@ -47,6 +50,8 @@ __all__ = [
     "PolicyState",
     "PowerSavingConfig",
     "PowerSavingState",
+    "ProbeConfig",
+    "RecoveryConfig",
     "ThermalConfig",
     "ThermalState",
     "decide",
@@ -57,8 +62,8 @@ __all__ = [
     "parse_policies",
 ]
 
-#: XIDs after which NVIDIA advises a GPU reset or a reboot (nvml-facts.md section 6).
-DEFAULT_CRITICAL_XIDS: frozenset[int] = frozenset({48, 62, 64, 74, 79, 95, 119, 120})
+#: XIDs after which NVIDIA advises a GPU reset or a reboot: the XID catalog's fatal ones (``mapper.xid``).
+DEFAULT_CRITICAL_XIDS: frozenset[int] = DEFAULT_FATAL_XIDS
 
 HealthAction = Literal["none", "min-power"]
 HEALTH_ACTIONS: tuple[str, ...] = ("none", "min-power")
@@ -77,14 +82,20 @@ HEALTH = "health"
 class Amount:
     """A power amount: ``percent`` of a reference cap, absolute ``watts``, or the GPU's ``min`` limit."""
 
-    kind: Literal["percent", "watts", "min"]
+    kind: Literal["percent", "watts", "min", "mhz"]
     value: float = 0.0
 
     def text(self) -> str:
-        """The config spelling: ``10%``, ``25W``, ``min``."""
+        """The config spelling: ``10%``, ``25W``, ``800MHz``, ``min``."""
         if self.kind == "min":
             return "min"
-        return f"{format_number(self.value)}{'%' if self.kind == 'percent' else 'W'}"
+        unit = {"percent": "%", "watts": "W", "mhz": "MHz"}[self.kind]
+        return f"{format_number(self.value)}{unit}"
+
+
+#: What a policy acts through: the power cap, or the GPU (SM) clock's upper lock (``docs/policies.md``).
+Actuator = Literal["power", "clocks"]
+ACTUATORS: tuple[str, ...] = ("power", "clocks")
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,13 @@ class ThermalConfig:
     cool_down_s: float = 300.0
     #: One step down: a percent of the current effective cap, or watts.
     step: Amount = Amount("percent", 10.0)
+    actuator: Actuator = "power"
+    #: One step down with the clocks actuator: a percent of the current clock cap, or MHz.
+    clock_step: Amount = Amount("percent", 10.0)
+    #: Key on the GPU's own slowdown threshold (``temperature_slowdown``) instead: throttle above
+    #: ``slowdown - max_margin_c``, cool down below ``slowdown - release_margin_c``. None: the absolute temps.
+    max_margin_c: float | None = None
+    release_margin_c: float | None = None
 
 
 @dataclass(frozen=True)
@@ -104,15 +122,70 @@ class PowerSavingConfig:
     idle_for_s: float = 120.0
     #: The idle cap: ``min`` (the GPU's minimum), watts, or a percent of the GPU's default limit.
     idle_power_limit: Amount = Amount("min")
+    actuator: Actuator = "power"
+    #: The idle clock cap with the clocks actuator: ``min`` (the lowest supported clock), MHz, or a percent of the
+    #: GPU's maximum clock.
+    idle_clock: Amount = Amount("min")
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Level 3: the CUDA probe (``docs/health.md``)."""
+
+    enabled: bool = True
+    interval_s: float = 600.0
+    #: The probe process is killed after this long: ``timeout``.
+    timeout_s: float = 30.0
+    #: Not run while the GPU's utilisation is above this (percent): ``skipped:busy-<n>pct``.
+    skip_above_pct: float = 50.0
+    #: A pass slower than this is ``slow`` (degraded).
+    slow_above_s: float = 5.0
+    #: While the GPU is not healthy, probe this often (the way back by passing probes).
+    retry_interval_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ChecksConfig:
+    """Level 2: the driver checks."""
+
+    enabled: bool = True
+    interval_s: float = 60.0
+    #: NVML must answer the checks' calls within this.
+    nvml_deadline_s: float = 2.0
+    #: Persistence is wanted on this node: ``nvidia-persistenced`` must run.
+    persistence: bool = False
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """The recovery flow after a fatal fault (``mapper.recovery``)."""
+
+    enabled: bool = True
+    #: Reset the GPU (``nvidia-smi -r``) when the self-check fails and no process runs on it.
+    allow_reset: bool = False
+    #: Run ``nvidia-smi -q`` / ``dcgmi diag -r 1`` where present as part of the self-check.
+    self_check_tools: bool = True
 
 
 @dataclass(frozen=True)
 class HealthConfig:
     enabled: bool = True
+    #: The XIDs that make the GPU unhealthy (the fatal list; the catalog's fatal XIDs by default).
     critical_xids: frozenset[int] = DEFAULT_CRITICAL_XIDS
+    #: XIDs counted and logged but never acted upon.
+    ignore_xids: frozenset[int] = frozenset()
     ecc_uncorrected: bool = True
     #: ``none``: report only. ``min-power``: also cap the unhealthy GPU at its minimum power limit.
     action: HealthAction = "none"
+    #: Passing probes in a row that bring a GPU back from a fault whose way back is ``probes``.
+    recovery_probes: int = 3
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    @property
+    def xids(self) -> XidPolicy:
+        return XidPolicy(ignore=self.ignore_xids, fatal=self.critical_xids)
 
 
 @dataclass(frozen=True)
@@ -137,23 +210,79 @@ class PolicyConfig:
                 "releaseTemp": t.release_temp_c,
                 "coolDownPeriod": format_duration(t.cool_down_s),
                 "step": t.step.text(),
+                "actuator": t.actuator,
+                "clockStep": t.clock_step.text(),
+                **({"maxTempMargin": t.max_margin_c} if t.max_margin_c is not None else {}),
+                **({"releaseTempMargin": t.release_margin_c} if t.release_margin_c is not None else {}),
             },
             "powerSaving": {
                 "enabled": p.enabled,
                 "threshold": p.threshold_pct,
                 "idleFor": format_duration(p.idle_for_s),
                 "idlePowerLimit": p.idle_power_limit.text(),
+                "actuator": p.actuator,
+                "idleClock": p.idle_clock.text(),
             },
             "health": {
                 "enabled": h.enabled,
                 "criticalXids": sorted(h.critical_xids),
+                "ignoreXids": sorted(h.ignore_xids),
                 "eccUncorrected": h.ecc_uncorrected,
                 "action": h.action,
+                "recoveryProbes": h.recovery_probes,
+                "probe": {
+                    "enabled": h.probe.enabled,
+                    "interval": format_duration(h.probe.interval_s),
+                    "timeout": format_duration(h.probe.timeout_s),
+                    "skipAboveUtilization": h.probe.skip_above_pct,
+                    "slowAbove": format_duration(h.probe.slow_above_s),
+                    "retryInterval": format_duration(h.probe.retry_interval_s),
+                },
+                "checks": {
+                    "enabled": h.checks.enabled,
+                    "interval": format_duration(h.checks.interval_s),
+                    "nvmlDeadline": format_duration(h.checks.nvml_deadline_s),
+                    "persistence": h.checks.persistence,
+                },
+                "recovery": {
+                    "enabled": h.recovery.enabled,
+                    "allowReset": h.recovery.allow_reset,
+                    "selfCheckTools": h.recovery.self_check_tools,
+                },
             },
         }
 
 
 _AMOUNT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|w|W)")
+_CLOCK_AMOUNT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|MHz|mhz)")
+
+
+def parse_clock_amount(raw: object, path: str, *, allow_min: bool) -> Amount:
+    """``10%`` -> percent, ``800MHz`` -> MHz, ``min`` (where allowed). A bare number is refused (% or MHz?)."""
+    expected = "a percent such as 10% or MHz such as 800MHz" + (" or min" if allow_min else "")
+    if isinstance(raw, bool) or not isinstance(raw, str):
+        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
+    text = raw.strip()
+    if allow_min and text.lower() == "min":
+        return Amount("min")
+    m = _CLOCK_AMOUNT_RE.fullmatch(text)
+    if m is None:
+        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
+    value = float(m.group(1))
+    if m.group(2) == "%":
+        if not 0 < value < 100:
+            raise ConfigError(f"{path}: a percent must lie between 0% and 100% (exclusive), got {raw!r}")
+        return Amount("percent", value)
+    if value <= 0:
+        raise ConfigError(f"{path}: MHz must be above 0, got {raw!r}")
+    return Amount("mhz", value)
+
+
+def _actuator(raw: Mapping[str, Any], path: str) -> Actuator:
+    value = raw.get("actuator", "power")
+    if value not in ACTUATORS:
+        raise ConfigError(f"{path}.actuator: expected one of {', '.join(ACTUATORS)}, got {value!r}")
+    return value
 
 
 def parse_duration(raw: object, path: str) -> float:
@@ -237,7 +366,8 @@ def _duration(raw: Mapping[str, Any], key: str, path: str, default: float) -> fl
 def _parse_thermal(raw: Mapping[str, Any] | None, path: str) -> ThermalConfig:
     if raw is None:
         return ThermalConfig()
-    _check_keys(raw, ("enabled", "maxTemp", "releaseTemp", "coolDownPeriod", "step"), path)
+    keys = ("enabled", "maxTemp", "releaseTemp", "coolDownPeriod", "step", "actuator", "clockStep")
+    _check_keys(raw, (*keys, "maxTempMargin", "releaseTempMargin"), path)
     d = ThermalConfig()
     max_temp = _number(raw, "maxTemp", path, d.max_temp_c, 1, 150, "celsius")
     release = _number(raw, "releaseTemp", path, d.release_temp_c, 0, 150, "celsius")
@@ -246,53 +376,158 @@ def _parse_thermal(raw: Mapping[str, Any] | None, path: str) -> ThermalConfig:
             f"{path}.releaseTemp: must be below maxTemp ({format_number(max_temp)}), got {format_number(release)}"
         )
     step = parse_amount(raw["step"], f"{path}.step", allow_min=False) if "step" in raw else d.step
+    clock_step = d.clock_step
+    if "clockStep" in raw:
+        clock_step = parse_clock_amount(raw["clockStep"], f"{path}.clockStep", allow_min=False)
+    max_margin = release_margin = None
+    if "maxTempMargin" in raw or "releaseTempMargin" in raw:
+        max_margin = _number(raw, "maxTempMargin", path, 5.0, 0, 100, "celsius")
+        release_margin = _number(raw, "releaseTempMargin", path, max_margin + 5.0, 0, 100, "celsius")
+        if release_margin <= max_margin:
+            raise ConfigError(
+                f"{path}.releaseTempMargin: must be above maxTempMargin ({format_number(max_margin)}): the "
+                f"release point lies further below the slowdown threshold, got {format_number(release_margin)}"
+            )
     return ThermalConfig(
         enabled=_bool(raw, "enabled", path, True),
         max_temp_c=max_temp,
         release_temp_c=release,
         cool_down_s=_duration(raw, "coolDownPeriod", path, d.cool_down_s),
         step=step,
+        actuator=_actuator(raw, path),
+        clock_step=clock_step,
+        max_margin_c=max_margin,
+        release_margin_c=release_margin,
     )
 
 
 def _parse_power_saving(raw: Mapping[str, Any] | None, path: str) -> PowerSavingConfig:
     if raw is None:
         return PowerSavingConfig()
-    _check_keys(raw, ("enabled", "threshold", "idleFor", "idlePowerLimit"), path)
+    _check_keys(raw, ("enabled", "threshold", "idleFor", "idlePowerLimit", "actuator", "idleClock"), path)
     d = PowerSavingConfig()
     limit = d.idle_power_limit
     if "idlePowerLimit" in raw:
         limit = parse_amount(raw["idlePowerLimit"], f"{path}.idlePowerLimit", allow_min=True)
+    idle_clock = d.idle_clock
+    if "idleClock" in raw:
+        idle_clock = parse_clock_amount(raw["idleClock"], f"{path}.idleClock", allow_min=True)
     return PowerSavingConfig(
         enabled=_bool(raw, "enabled", path, True),
         threshold_pct=_number(raw, "threshold", path, d.threshold_pct, 0, 100, "percent"),
         idle_for_s=_duration(raw, "idleFor", path, d.idle_for_s),
         idle_power_limit=limit,
+        actuator=_actuator(raw, path),
+        idle_clock=idle_clock,
     )
+
+
+def _xid_list(raw: Mapping[str, Any], key: str, path: str, default: frozenset[int]) -> frozenset[int]:
+    if key not in raw:
+        return default
+    items = raw[key]
+    if isinstance(items, str) or not isinstance(items, Sequence):
+        raise ConfigError(f"{path}.{key}: expected a list of XID numbers, got {items!r}")
+    for i, x in enumerate(items):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ConfigError(f"{path}.{key}[{i}]: expected a non-negative integer XID, got {x!r}")
+    return frozenset(items)
+
+
+def _parse_probe(raw: Mapping[str, Any] | None, path: str) -> ProbeConfig:
+    if raw is None:
+        return ProbeConfig()
+    _check_keys(raw, ("enabled", "interval", "timeout", "skipAboveUtilization", "slowAbove", "retryInterval"), path)
+    d = ProbeConfig()
+    timeout = _duration(raw, "timeout", path, d.timeout_s)
+    if timeout <= 0:
+        raise ConfigError(f"{path}.timeout: must be above 0s, got {raw['timeout']!r}")
+    interval = _duration(raw, "interval", path, d.interval_s)
+    if interval < 1:
+        raise ConfigError(f"{path}.interval: must be at least 1s, got {raw['interval']!r}")
+    retry = _duration(raw, "retryInterval", path, d.retry_interval_s)
+    if retry < 1:
+        raise ConfigError(f"{path}.retryInterval: must be at least 1s, got {raw['retryInterval']!r}")
+    return ProbeConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        interval_s=interval,
+        timeout_s=timeout,
+        skip_above_pct=_number(raw, "skipAboveUtilization", path, d.skip_above_pct, 0, 100, "percent"),
+        slow_above_s=_duration(raw, "slowAbove", path, d.slow_above_s),
+        retry_interval_s=retry,
+    )
+
+
+def _parse_checks(raw: Mapping[str, Any] | None, path: str) -> ChecksConfig:
+    if raw is None:
+        return ChecksConfig()
+    _check_keys(raw, ("enabled", "interval", "nvmlDeadline", "persistence"), path)
+    d = ChecksConfig()
+    interval = _duration(raw, "interval", path, d.interval_s)
+    if interval < 1:
+        raise ConfigError(f"{path}.interval: must be at least 1s, got {raw['interval']!r}")
+    deadline = _duration(raw, "nvmlDeadline", path, d.nvml_deadline_s)
+    if deadline <= 0:
+        raise ConfigError(f"{path}.nvmlDeadline: must be above 0s, got {raw['nvmlDeadline']!r}")
+    return ChecksConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        interval_s=interval,
+        nvml_deadline_s=deadline,
+        persistence=_bool(raw, "persistence", path, d.persistence),
+    )
+
+
+def _parse_recovery(raw: Mapping[str, Any] | None, path: str) -> RecoveryConfig:
+    if raw is None:
+        return RecoveryConfig()
+    _check_keys(raw, ("enabled", "allowReset", "selfCheckTools"), path)
+    d = RecoveryConfig()
+    return RecoveryConfig(
+        enabled=_bool(raw, "enabled", path, True),
+        allow_reset=_bool(raw, "allowReset", path, d.allow_reset),
+        self_check_tools=_bool(raw, "selfCheckTools", path, d.self_check_tools),
+    )
+
+
+_HEALTH_KEYS = (
+    "enabled",
+    "criticalXids",
+    "ignoreXids",
+    "eccUncorrected",
+    "action",
+    "recoveryProbes",
+    "probe",
+    "checks",
+    "recovery",
+)
 
 
 def _parse_health(raw: Mapping[str, Any] | None, path: str) -> HealthConfig:
     if raw is None:
         return HealthConfig()
-    _check_keys(raw, ("enabled", "criticalXids", "eccUncorrected", "action"), path)
+    _check_keys(raw, _HEALTH_KEYS, path)
     d = HealthConfig()
-    xids = d.critical_xids
-    if "criticalXids" in raw:
-        items = raw["criticalXids"]
-        if isinstance(items, str) or not isinstance(items, Sequence):
-            raise ConfigError(f"{path}.criticalXids: expected a list of XID numbers, got {items!r}")
-        for i, x in enumerate(items):
-            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-                raise ConfigError(f"{path}.criticalXids[{i}]: expected a non-negative integer XID, got {x!r}")
-        xids = frozenset(items)
+    fatal = _xid_list(raw, "criticalXids", path, d.critical_xids)
+    ignore = _xid_list(raw, "ignoreXids", path, d.ignore_xids)
+    both = sorted(fatal & ignore)
+    if both and "ignoreXids" in raw and "criticalXids" in raw:
+        raise ConfigError(f"{path}.ignoreXids: {both} are also in criticalXids (an XID is ignored or fatal, not both)")
     action = raw.get("action", d.action)
     if action not in HEALTH_ACTIONS:
         raise ConfigError(f"{path}.action: expected one of {', '.join(HEALTH_ACTIONS)}, got {action!r}")
+    probes = raw.get("recoveryProbes", d.recovery_probes)
+    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= 100:
+        raise ConfigError(f"{path}.recoveryProbes: expected a whole number of probes from 1 to 100, got {probes!r}")
     return HealthConfig(
         enabled=_bool(raw, "enabled", path, True),
-        critical_xids=xids,
+        critical_xids=fatal,
+        ignore_xids=ignore,
         ecc_uncorrected=_bool(raw, "eccUncorrected", path, d.ecc_uncorrected),
         action=action,
+        recovery_probes=probes,
+        probe=_parse_probe(_section(raw, "probe", path), f"{path}.probe"),
+        checks=_parse_checks(_section(raw, "checks", path), f"{path}.checks"),
+        recovery=_parse_recovery(_section(raw, "recovery", path), f"{path}.recovery"),
     )
 
 
@@ -381,6 +616,8 @@ class ThermalState:
     steps: int = 0
     below_since_s: float | None = None
     last_change_s: float | None = None
+    #: The clock cap (MHz) when the clocks actuator acts (``cap_w`` is None then).
+    cap_mhz: float | None = None
 
 
 @dataclass(frozen=True)
@@ -388,15 +625,37 @@ class PowerSavingState:
     idle_since_s: float | None = None
     active: bool = False
     cap_w: float | None = None
+    #: The idle clock cap (MHz) when the clocks actuator acts (``cap_w`` is None then).
+    cap_mhz: float | None = None
 
 
 @dataclass(frozen=True)
 class HealthState:
+    """Level 1 (``status``, ``cause``: XIDs, ECC, GPU lost), the level-2 checks and level 3 (the probe), and the
+    way back from each fault (``docs/health.md``)."""
+
     status: Literal["ok", "unhealthy", "offline"] = "ok"
     #: Twin-safe cause: ``xid79``, ``ecc``, ``gpu-lost``.
     cause: str = ""
     last_xid: int = 0
     ecc_uncorrected: int | None = None
+    #: How the level-1 fault clears: ``reset``, ``reboot`` or ``probes`` ("" while ok).
+    recovery: str = ""
+    #: The subsystem of the level-1 fault, or of ``degraded``.
+    subsystem: str = ""
+    #: A level-1 warning (an XID of severity warning): degraded until ``recovery_probes`` passing probes.
+    degraded: str = ""
+    #: Level 3: the probe's verdict and reason.
+    probe_status: HealthStatus = "healthy"
+    probe_cause: str = ""
+    #: Passing probes in a row since the last fault.
+    passes: int = 0
+    #: A reset (driver reload) happened since the last probe failure: one passing probe clears it then.
+    reset_seen: bool = False
+    #: The latest level-2 checks.
+    checks: tuple[CheckResult, ...] = ()
+    last_probe: ProbeResult | None = None
+    report: HealthReport = HEALTHY_REPORT
 
 
 @dataclass(frozen=True)
@@ -430,6 +689,13 @@ class PolicyContext:
     #: The backend raised GpuLostError for this GPU, or it is no longer enumerated (no sample).
     gpu_lost: bool = False
     uuid: str = ""
+    #: The cloud's desired upper locked GPU clock (MHz); None when the Device sets none (the clocks actuator's
+    #: ceiling, else the GPU's highest supported clock).
+    desired_clock_max_mhz: float | None = None
+    #: A level-3 probe that finished since the last decision.
+    probe: ProbeResult | None = None
+    #: Level-2 checks run since the last decision (all of them: they replace the previous set).
+    checks: tuple[CheckResult, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -448,10 +714,17 @@ class PolicyEvent:
     old_cap_w: float | None = None
     new_cap_w: float | None = None
     dry_run: bool = False
+    #: The clock caps (MHz) of a policy acting through the clocks actuator.
+    old_clock_mhz: float | None = None
+    new_clock_mhz: float | None = None
 
     @property
     def changes_cap(self) -> bool:
-        return self.old_cap_w != self.new_cap_w and (self.old_cap_w is not None or self.new_cap_w is not None)
+        power = self.old_cap_w != self.new_cap_w and (self.old_cap_w is not None or self.new_cap_w is not None)
+        clock = self.old_clock_mhz != self.new_clock_mhz and (
+            self.old_clock_mhz is not None or self.new_clock_mhz is not None
+        )
+        return power or clock
 
     def to_payload(self) -> dict[str, Any]:
         """A JSON-ready mapping for the MQTT event (None values omitted)."""
@@ -467,6 +740,8 @@ class PolicyEvent:
             ("utilization", self.utilization_pct),
             ("oldPowerLimit", self.old_cap_w),
             ("newPowerLimit", self.new_cap_w),
+            ("oldClockLimit", self.old_clock_mhz),
+            ("newClockLimit", self.new_clock_mhz),
         ):
             if value is not None:
                 payload[key] = value
@@ -563,6 +838,13 @@ class _Run:
     utilization_pct: float | None
     events: list[PolicyEvent] = field(default_factory=list)
     changed: bool = False
+    #: The thermal thresholds in force (the absolute ones, or keyed on the GPU's slowdown threshold).
+    max_temp_c: float = 85.0
+    release_temp_c: float = 80.0
+    #: What the policy being decided acts through: the caps below are W (``power``) or MHz (``clocks``).
+    clocks: bool = False
+    floor: float = 0.0
+    step: Amount = Amount("percent", 10.0)
 
     def event(self, policy: str, action: str, reason: str, old: float | None = None, new: float | None = None) -> None:
         self.events.append(
@@ -574,9 +856,11 @@ class _Run:
                 ts_s=self.now_s,
                 temperature_c=self.temperature_c,
                 utilization_pct=self.utilization_pct,
-                old_cap_w=old,
-                new_cap_w=new,
+                old_cap_w=None if self.clocks else old,
+                new_cap_w=None if self.clocks else new,
                 dry_run=self.config.dry_run,
+                old_clock_mhz=old if self.clocks else None,
+                new_clock_mhz=new if self.clocks else None,
             )
         )
 
@@ -594,36 +878,97 @@ def _thermal(st: ThermalState, run: _Run, ceiling: float | None, last_change_s: 
     temp = run.temperature_c
     if temp is None or ceiling is None:
         return st
-    if temp <= cfg.max_temp_c and st.phase == "normal":
+    if temp <= run.max_temp_c and st.phase == "normal":
         return st  # the usual case: cool, nothing to do
-    floor = _floor_w(run.ctx)
+    floor = run.floor
     effective = min(ceiling, st.cap_w) if st.cap_w is not None else ceiling
-    max_txt = format_number(cfg.max_temp_c)
-    if temp > cfg.max_temp_c:
+    max_txt = format_number(run.max_temp_c)
+    if temp > run.max_temp_c:
         st = replace(st, below_since_s=None)
         first = st.phase == "normal"
         if (first or run.interval_passed(last_change_s)) and effective > floor:
-            new = _step_down(effective, cfg.step, floor)
+            new = _step_down(effective, run.step, floor)
             run.event(THERMAL, "step-down", f"temperature-{format_number(temp)}-above-{max_txt}", effective, new)
             run.changed = True
             return ThermalState("throttling", new, st.steps + 1, None, run.now_s)
         return replace(st, phase="throttling", cap_w=effective if first else st.cap_w, steps=max(st.steps, 1))
     if st.phase == "normal":
         return st
-    if temp >= cfg.release_temp_c:
+    if temp >= run.release_temp_c:
         return replace(st, phase="holding", below_since_s=None)
     below_since = st.below_since_s if st.below_since_s is not None else run.now_s
     st = replace(st, below_since_s=below_since, phase="cooldown" if st.phase != "releasing" else "releasing")
     if run.now_s - below_since < cfg.cool_down_s or not run.interval_passed(last_change_s):
         return st
-    new = _step_up(effective, cfg.step)
-    reason = f"below-{format_number(cfg.release_temp_c)}-for-{format_duration(cfg.cool_down_s)}"
+    new = _step_up(effective, run.step)
+    reason = f"below-{format_number(run.release_temp_c)}-for-{format_duration(cfg.cool_down_s)}"
     run.changed = True
     if new >= ceiling or st.steps <= 1:
         run.event(THERMAL, "release", reason, effective, None)
         return ThermalState(last_change_s=run.now_s)
     run.event(THERMAL, "step-up", reason, effective, new)
     return ThermalState("releasing", new, st.steps - 1, below_since, run.now_s)
+
+
+def _thermal_thresholds(cfg: ThermalConfig, values: Mapping[str, Value]) -> tuple[float, float]:
+    """(max, release) in °C: keyed on the GPU's own slowdown threshold where configured and known, else the
+    absolute ``maxTemp`` / ``releaseTemp``."""
+    if cfg.max_margin_c is not None and cfg.release_margin_c is not None:
+        slowdown = _num(values, "temperature_slowdown")
+        if slowdown is not None:
+            return slowdown - cfg.max_margin_c, slowdown - cfg.release_margin_c
+    return cfg.max_temp_c, cfg.release_temp_c
+
+
+def _clock_ceiling(ctx: PolicyContext) -> float | None:
+    """The clocks actuator's ceiling (MHz): the cloud's desired upper lock, else the GPU's highest supported
+    clock; None where the backend offers no clock actuator (no supported clocks known, or setting them is not
+    supported): the policy then acts through the power cap."""
+    c = ctx.constraints
+    if not c.graphics_clocks_mhz or "locked_gpu_clocks" in c.unsupported or "locked_gpu_clock_max" in c.unsupported:
+        return None
+    top = float(c.graphics_clocks_mhz[0])  # (highest first)
+    desired = ctx.desired_clock_max_mhz
+    return min(top, desired) if desired is not None and desired > 0 else top
+
+
+_S = TypeVar("_S", ThermalState, PowerSavingState)
+
+
+def _acting(run: _Run, clocks: bool, step: Amount, decide_one: Callable[[_S], _S], st: _S) -> _S:
+    """Run one policy's state machine in its actuator's unit. The machines work on ``cap_w`` as "the cap"; with
+    the clocks actuator the cap is MHz, kept in ``cap_mhz`` outside them."""
+    run.clocks = clocks
+    run.step = step
+    if clocks:
+        clocks_ = run.ctx.constraints.graphics_clocks_mhz
+        run.floor = float(clocks_[-1]) if clocks_ else 0.0  # (highest first)
+        given = replace(st, cap_w=st.cap_mhz, cap_mhz=None) if st.cap_w is not None or st.cap_mhz is not None else st
+        out = decide_one(given)
+        if out is given:
+            out = st
+        elif out.cap_w is not None or out.cap_mhz is not None:
+            out = replace(out, cap_mhz=out.cap_w, cap_w=None)
+    else:
+        run.floor = _floor_w(run.ctx)
+        out = decide_one(replace(st, cap_mhz=None) if st.cap_mhz is not None else st)
+    run.clocks = False
+    return out
+
+
+def _idle_clock(cfg: PowerSavingConfig, ctx: PolicyContext, ceiling: float) -> float:
+    """The idle clock cap (MHz) with the clocks actuator: the lowest supported clock, MHz, or a percent of the
+    GPU's maximum clock; within [lowest, ceiling]."""
+    clocks = ctx.constraints.graphics_clocks_mhz
+    lowest = float(min(clocks)) if clocks else 0.0
+    amount = cfg.idle_clock
+    if amount.kind == "min":
+        cap = lowest
+    elif amount.kind == "mhz":
+        cap = amount.value
+    else:
+        cap = (max(clocks) if clocks else ceiling) * amount.value / 100
+    return min(ceiling, max(lowest, cap))
 
 
 def _idle_cap(cfg: PowerSavingConfig, ctx: PolicyContext, ceiling: float) -> float:
@@ -665,7 +1010,7 @@ def _power_saving(
     if st.active or ceiling is None:
         return st
     if run.now_s - idle_since >= cfg.idle_for_s and run.interval_passed(last_change_s):
-        cap = _idle_cap(cfg, run.ctx, ceiling)
+        cap = _idle_clock(cfg, run.ctx, ceiling) if run.clocks else _idle_cap(cfg, run.ctx, ceiling)
         reason = f"utilization-below-{format_number(cfg.threshold_pct)}-for-{format_duration(cfg.idle_for_s)}"
         run.event(POWER_SAVING, "engage", reason, ceiling, cap)
         run.changed = True
@@ -689,7 +1034,7 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
     last_xid = st.last_xid
     if xid_now is not None and int(xid_now) != st.last_xid:
         last_xid = int(xid_now)
-        if last_xid != 0:
+        if last_xid != 0 and last_xid not in xids:
             xids.append(last_xid)
     ecc_now = _num(values, "ecc_errors_uncorrected")
     ecc_rise = any(e.kind == "ecc_double" for e in ctx.events)
@@ -705,31 +1050,143 @@ def _health(st: HealthState, run: _Run, values: Mapping[str, Value]) -> HealthSt
     if lost:
         if st.status != "offline":
             run.event(HEALTH, "offline", "gpu-lost")
-        return replace(new, status="offline", cause="gpu-lost")
+        new = replace(new, status="offline", cause="gpu-lost", recovery="reboot", subsystem="pcie")
+        return _with_report(new)
     if st.status == "offline" and values:
         run.event(HEALTH, "recovered", "gpu-back")
-        new = replace(new, status="ok", cause="")
+        new = replace(new, status="ok", cause="", recovery="", subsystem="", reset_seen=True)
+        # An XID that needs a reboot (79) delivered with the GPU's return belongs to the episode that ended.
+        xids = [x for x in xids if cfg.xids.classify(x).recovery != "reboot"]
     if not cfg.enabled:
-        if new.status == "unhealthy":
+        if new.status == "unhealthy" or new.degraded or new.probe_status != "healthy":
             run.event(HEALTH, "disabled", "policy-disabled")
-            new = replace(new, status="ok", cause="")
-        return new
-    if reset and new.status == "unhealthy":
-        run.event(HEALTH, "recovered", "gpu-reset")
-        new = replace(new, status="ok", cause="")
-    cause = ""
+        cleared = replace(
+            new, status="ok", cause="", recovery="", degraded="", probe_status="healthy", probe_cause="", checks=()
+        )
+        return _with_report(cleared)
+    if reset:
+        new = replace(new, reset_seen=True)
+        if new.status == "unhealthy" and new.recovery != "reboot":
+            run.event(HEALTH, "recovered", f"gpu-reset-{new.cause}")
+            new = replace(new, status="ok", cause="", recovery="", subsystem="")
+    new = _level1_faults(new, run, xids, ecc_rise)
+    if ctx.checks is not None:
+        new = _level2(new, run, ctx.checks)
+    if ctx.probe is not None:
+        new = _level3(new, run, ctx.probe)
+    return _with_report(new)
+
+
+def _level1_faults(st: HealthState, run: _Run, xids: Sequence[int], ecc_rise: bool) -> HealthState:
+    """New XIDs (classified by the catalog and the lists) and a rise of uncorrected ECC errors."""
+    if not xids and not ecc_rise:
+        return st
+    cfg = run.config.health
+    policy = cfg.xids
+    fatal: tuple[str, str, str] | None = None  # cause, recovery, subsystem
     for xid in xids:
-        if xid in cfg.critical_xids:
-            cause = f"xid{xid}"
+        c = policy.classify(xid)
+        if c.severity == "ignored":
+            continue
+        if c.severity == "fatal":
+            fatal = (f"xid{xid}", c.recovery, c.subsystem)
+        elif c.severity == "warning":
+            if st.degraded != c.reason:
+                run.event(HEALTH, "degraded", c.reason)
+            st = replace(st, degraded=c.reason, subsystem=st.subsystem or c.subsystem, passes=0)
         else:
-            run.event(HEALTH, "xid", f"xid{xid}-not-critical")
-    if not cause and ecc_rise and cfg.ecc_uncorrected:
-        cause = "ecc"
-    if cause:
-        if new.status != "unhealthy" or new.cause != cause:
-            run.event(HEALTH, "unhealthy", cause)
-        return replace(new, status="unhealthy", cause=cause)
-    return new
+            run.event(HEALTH, "xid", c.reason)
+    if fatal is None and ecc_rise and cfg.ecc_uncorrected:
+        fatal = ("ecc", "reset", "memory")
+    if fatal is None:
+        return st
+    cause, recovery, subsystem = fatal
+    if st.status != "unhealthy" or st.cause != cause:
+        run.event(HEALTH, "unhealthy", cause)
+    return replace(
+        st, status="unhealthy", cause=cause, recovery=recovery, subsystem=subsystem, passes=0, reset_seen=False
+    )
+
+
+def _level2(st: HealthState, run: _Run, checks: tuple[CheckResult, ...]) -> HealthState:
+    """The checks replace the previous ones; a check that changes verdict is an event."""
+    before = {c.name: c for c in st.checks}
+    for c in checks:
+        old = before.get(c.name)
+        if old is not None and old.status == c.status and old.reason == c.reason:
+            continue
+        if c.status != "healthy":
+            run.event(HEALTH, f"check-{c.status}", f"level2-{c.name}-{c.reason}")
+        elif old is not None:
+            run.event(HEALTH, "check-ok", f"level2-{c.name}")
+    return replace(st, checks=checks)
+
+
+def _level3(st: HealthState, run: _Run, probe: ProbeResult) -> HealthState:
+    """A probe's verdict, and the ways back that passing probes open."""
+    cfg = run.config.health
+    status = probe.status
+    st = replace(st, last_probe=probe)
+    if status is None:  # skipped: no news
+        return st
+    if status == "unhealthy":
+        cause = f"probe-{probe.outcome}" + (f"-{probe.reason}" if probe.reason else "")
+        if st.probe_status != "unhealthy" or st.probe_cause != cause:
+            run.event(HEALTH, "unhealthy", f"level3-{cause}")
+        return replace(st, probe_status="unhealthy", probe_cause=cause, passes=0, reset_seen=False)
+    passes = st.passes + 1
+    enough = passes >= cfg.recovery_probes
+    if st.probe_status == "unhealthy":
+        if not (enough or st.reset_seen):
+            return replace(st, passes=passes)
+        why = "after-reset" if st.reset_seen and not enough else f"{passes}-passing-probes"
+        run.event(HEALTH, "recovered", f"level3-{why}")
+        st = replace(st, probe_status="healthy", probe_cause="")
+    if status == "degraded":
+        cause = f"probe-slow-{probe.reason}" if probe.reason else "probe-slow"
+        if st.probe_status != "degraded":
+            run.event(HEALTH, "degraded", f"level3-{cause}")
+        st = replace(st, probe_status="degraded", probe_cause=cause)
+    elif st.probe_status == "degraded":
+        st = replace(st, probe_status="healthy", probe_cause="")
+    if enough and st.status == "unhealthy" and st.recovery == "probes":
+        run.event(HEALTH, "recovered", f"{st.cause}-{passes}-passing-probes")
+        st = replace(st, status="ok", cause="", recovery="", subsystem="")
+    if enough and st.degraded:
+        run.event(HEALTH, "recovered", f"{st.degraded}-{passes}-passing-probes")
+        st = replace(st, degraded="")
+    return replace(st, passes=passes)
+
+
+def _health_cause(st: HealthState) -> str:
+    """The cause named in ``policy_state``: level 1's, else the worst level's reason."""
+    return st.cause if st.status == "unhealthy" else st.report.reason
+
+
+def _with_report(st: HealthState) -> HealthState:
+    """``st`` with its ``HealthReport`` (the same object while nothing changed)."""
+    if st.status == "offline":
+        level1: tuple[HealthStatus, str, str] = ("unhealthy", "gpu-lost", "pcie")
+    elif st.status == "unhealthy":
+        level1 = ("unhealthy", st.cause, st.subsystem or "engine")
+    elif st.degraded:
+        level1 = ("degraded", st.degraded, st.subsystem or "engine")
+    else:
+        level1 = ("healthy", "ok", "")
+    level3: tuple[HealthStatus, str] = (st.probe_status, st.probe_cause or "ok")
+    if level1[0] == "healthy" and level3[0] == "healthy" and all(c.status == "healthy" for c in st.checks):
+        report = HEALTHY_REPORT if not st.checks else _healthy_with(st.checks, st.report)
+    else:
+        report = build_report(level1, st.checks, level3)
+    if report is st.report or report == st.report:
+        return st
+    return replace(st, report=report)
+
+
+def _healthy_with(checks: tuple[CheckResult, ...], old: HealthReport) -> HealthReport:
+    if old.status == "healthy" and old.checks == checks:
+        return old
+    return HealthReport(checks=checks)
 
 
 def decide(
@@ -805,12 +1262,12 @@ def _steady(
     ``Decision``), or None where any policy might act, emit or change phase: then the full decision runs.
     Every test here is a sufficient condition for "``_decide_full`` does nothing but keep its books".
     """
-    if ctx.events or ctx.gpu_lost or state.capped:
+    if ctx.events or ctx.gpu_lost or state.capped or ctx.probe is not None or ctx.checks is not None:
         return None
     health = state.health
     thermal = state.thermal
     power = state.power_saving
-    if health.status != "ok" or thermal.phase != "normal" or power.active:
+    if health.status != "ok" or health.report.status != "healthy" or thermal.phase != "normal" or power.active:
         return None
     # Health: a new XID or uncorrected ECC count (or a first reading) goes the full way. Values the full path
     # would convert with a loss (not a plain int, or an int beyond a float's exact range) too.
@@ -824,7 +1281,10 @@ def _steady(
     thermal_cfg = config.thermal
     if thermal_cfg.enabled:
         temp = values.get("temperature")
-        if temp is not None and ((type(temp) is not int and type(temp) is not float) or temp > thermal_cfg.max_temp_c):
+        max_temp = (
+            thermal_cfg.max_temp_c if thermal_cfg.max_margin_c is None else _thermal_thresholds(thermal_cfg, values)[0]
+        )
+        if temp is not None and ((type(temp) is not int and type(temp) is not float) or temp > max_temp):
             return None
     else:
         thermal = _THERMAL_NORMAL
@@ -866,25 +1326,51 @@ def _decide_full(
 ) -> tuple[PolicyState, Decision]:
     """``decide`` the long way, for every case (``_steady`` covers the usual one); events carry ``uuid``."""
     run = _Run(config, ctx, uuid, now_s, _num(sample_values, "temperature"), _num(sample_values, "utilization_gpu"))
+    run.max_temp_c, run.release_temp_c = _thermal_thresholds(config.thermal, sample_values)
     current_w = _current_limit_w(ctx, sample_values)
     ceiling = _ceiling(state, ctx, current_w)
+    clocks_wanted = config.thermal.actuator == "clocks" or config.power_saving.actuator == "clocks"
+    clock_ceiling = _clock_ceiling(ctx) if clocks_wanted else None
 
     health = _health(state.health, run, sample_values)
-    thermal = _thermal(state.thermal, run, ceiling, state.last_change_s)
+    thermal_clocks = config.thermal.actuator == "clocks" and clock_ceiling is not None
+    thermal = _acting(
+        run,
+        thermal_clocks,
+        config.thermal.clock_step if thermal_clocks else config.thermal.step,
+        lambda st: _thermal(st, run, clock_ceiling if thermal_clocks else ceiling, state.last_change_s),
+        state.thermal,
+    )
     # One change per interval: a thermal change this decision holds back a power-saving engagement.
-    power = _power_saving(state.power_saving, run, ceiling, now_s if run.changed else state.last_change_s)
+    power_clocks = config.power_saving.actuator == "clocks" and clock_ceiling is not None
+    last_change = now_s if run.changed else state.last_change_s
+    power = _acting(
+        run,
+        power_clocks,
+        run.step,
+        lambda st: _power_saving(st, run, clock_ceiling if power_clocks else ceiling, last_change),
+        state.power_saving,
+    )
     last_change_s = now_s if run.changed else state.last_change_s
 
     limits: list[PolicyLimit] = []
+    max_txt = format_number(run.max_temp_c)
+    if clock_ceiling is not None:
+        if thermal.cap_mhz is not None and thermal.phase != "normal" and thermal.cap_mhz < clock_ceiling:
+            reason = f"step{thermal.steps}-max-temp-{max_txt}"
+            limits.append(PolicyLimit(THERMAL, None, reason, clock_max_mhz=int(thermal.cap_mhz)))
+        if power.active and power.cap_mhz is not None and power.cap_mhz < clock_ceiling:
+            limits.append(PolicyLimit(POWER_SAVING, None, "idle", clock_max_mhz=int(power.cap_mhz)))
     if ceiling is not None:
         if thermal.cap_w is not None and thermal.phase != "normal" and thermal.cap_w < ceiling:
-            reason = f"step{thermal.steps}-max-temp-{format_number(config.thermal.max_temp_c)}"
+            reason = f"step{thermal.steps}-max-temp-{max_txt}"
             limits.append(PolicyLimit(THERMAL, thermal.cap_w, reason))
         if power.active and power.cap_w is not None and power.cap_w < ceiling:
             limits.append(PolicyLimit(POWER_SAVING, power.cap_w, "idle"))
         floor = _floor_w(ctx)
-        if health.status == "unhealthy" and config.health.action == "min-power" and floor < ceiling:
-            limits.append(PolicyLimit(HEALTH, floor, f"unhealthy-{health.cause}"))
+        unhealthy = health.status != "offline" and health.report.status == "unhealthy"
+        if unhealthy and config.health.action == "min-power" and floor < ceiling:
+            limits.append(PolicyLimit(HEALTH, floor, f"unhealthy-{_health_cause(health)}"))
 
     emitted = () if config.dry_run else tuple(limits)
     tightest = min((lim.power_limit_w for lim in emitted if lim.power_limit_w is not None), default=None)
@@ -894,8 +1380,8 @@ def _decide_full(
     parts: list[str] = []
     if health.status == "offline":
         parts.append("health:offline-gpu-lost")
-    elif health.status == "unhealthy":
-        parts.append(f"health:unhealthy-{health.cause}")
+    elif health.report.status == "unhealthy":
+        parts.append(f"health:unhealthy-{_health_cause(health)}")
     if thermal.phase != "normal":
         parts.append(f"thermal:{thermal.phase}-step{thermal.steps}")
     if power.active:
@@ -909,7 +1395,9 @@ def _decide_full(
     decision = Decision(
         limits=emitted,
         policy_state=policy_state,
-        device_state=health.status,
+        device_state="offline"
+        if health.status == "offline"
+        else ("unhealthy" if health.report.status == "unhealthy" else "ok"),
         events=tuple(run.events),
         dry_run=config.dry_run,
         restore_power_limit_w=restore,
@@ -966,6 +1454,10 @@ class PolicyEngine:
     def state(self, uuid: str) -> PolicyState:
         state = self._states.get(uuid)
         return state if state is not None else PolicyState()
+
+    def health(self, uuid: str) -> HealthReport:
+        """The GPU's three health levels after its last decision (the ``health`` twin and series)."""
+        return self.state(uuid).health.report
 
     def forget(self, uuid: str) -> None:
         """Drop a GPU that left the node (its Device was deleted)."""

@@ -256,12 +256,17 @@ def plan(
         return _same(target.group, _observed(target.group, observed), target.value)
 
     # --- power limit ---------------------------------------------------------------------------------
-    _plan_power(desired, observed, constraints, list(limits), clamp, restore_set, statuses, add_target, restored)
+    limits = list(limits)
+    _plan_power(desired, observed, constraints, limits, clamp, restore_set, statuses, add_target, restored)
 
     # --- locked clock pairs --------------------------------------------------------------------------
     for group in CLOCK_GROUPS:
         min_prop, max_prop = GROUPS[group]
         d_min, d_max = desired.get(min_prop), desired.get(max_prop)
+        if group == "locked_gpu_clocks" and _plan_clock_cap(
+            d_min, d_max, constraints, limits, clamp, statuses, add_target
+        ):
+            continue
         if d_min is None and d_max is None:
             asked = restore_set & {min_prop, max_prop}
             if asked:
@@ -521,6 +526,44 @@ def _plan_power(
         else:
             in_force = _same(prop, (observed.get(prop),), target.value)
             statuses[prop] = Status("applied" if in_force else "pending", "clamped" if clamped else "")
+
+
+def _plan_clock_cap(
+    d_min: DesiredValue | None,
+    d_max: DesiredValue | None,
+    constraints: Constraints,
+    limits: list[PolicyLimit],
+    clamp: bool,
+    statuses: dict[str, Status],
+    add_target: Callable[[Target], None],
+) -> bool:
+    """A policy's SM clock cap (``PolicyLimit.clock_max_mhz``, the clocks actuator) on the locked GPU clocks: the
+    upper lock is the cap (the highest supported clock at or below it), below what the cloud asked for or, with
+    nothing asked, below the GPU's maximum; the lower lock stays (at most the cap). True when the cap binds."""
+    caps = sorted((lim.clock_max_mhz, lim.policy) for lim in limits if lim.clock_max_mhz)
+    allowed = constraints.graphics_clocks_mhz
+    if not caps or not allowed or group_unsupported(constraints, "locked_gpu_clocks"):
+        return False
+    cap_mhz, policy = caps[0]
+    hi_cap = max((c for c in allowed if c <= cap_mhz), default=min(allowed))
+    base: Target | None = None
+    if d_min is not None or d_max is not None:
+        checked = _check_clocks("locked_gpu_clocks", d_min, d_max, allowed, constraints, clamp)
+        if isinstance(checked, Target):
+            base = checked
+        else:
+            statuses.update(checked)
+    lo, hi = (int(base.value[0]), int(base.value[1])) if base is not None and base.value != (0, 0) else (0, 0)
+    if hi == 0:
+        lo, hi = min(allowed), max(allowed)
+    if hi_cap >= hi:
+        return False
+    add_target(Target("locked_gpu_clocks", (min(lo, hi_cap), hi_cap), "policy", policy=policy))
+    if base is not None:
+        for d in (d_min, d_max):
+            if d is not None:
+                statuses[d.prop] = Status("overridden", _tag(policy))
+    return True
 
 
 def _finite(value: float | None) -> bool:

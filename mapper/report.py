@@ -47,7 +47,7 @@ from mapper.telemetry import state_payload
 log = logging.getLogger("mapper.report")
 
 #: Twins the mapper computes itself; reported for every bound Device.
-STATUS_TWINS = ("desired_status", "policy_state")
+STATUS_TWINS = ("desired_status", "policy_state", "health", "health_probe")
 #: The longest the report loop sleeps with nothing due (a wake makes it look sooner).
 IDLE_WAIT_S = 5.0
 #: The least time between two prompt DMI reports of one Device: the changes of one second go in one report.
@@ -88,6 +88,12 @@ def device_twins(worker: GpuWorker, names: Iterable[str] | None = None) -> list[
             reported = worker.desired_status
         elif name == "policy_state":
             reported = worker.policy_state
+        elif name == "health":
+            reported = worker.health.twin_text()
+        elif name == "health_probe":
+            if worker.last_probe is None:
+                continue
+            reported = worker.last_probe.twin_text()
         else:
             value = worker.values.get(name)
             if value is None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from mapper import telemetry
 from mapper.collect import GpuWorker, worker_sample
+from mapper.health import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
 from mapper.model import DEVICE_STATES, GpuInfo, Sample, Value
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 
@@ -111,6 +112,10 @@ class GpuSnapshot:
     xid_errors: Mapping[int, int] = field(default_factory=dict)
     #: The power cap the cloud (or the edge) asked for, before any policy override; None when unset.
     desired_power_limit_w: float | None = None
+    #: The three health levels (the ``health`` twin), the last CUDA probe and the probes run, by outcome.
+    health: HealthReport = HEALTHY_REPORT
+    health_probe: ProbeResult | None = None
+    probes: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state not in DEVICE_STATES:
@@ -340,7 +345,71 @@ def _gpu_to_dict(g: GpuSnapshot) -> dict[str, Any]:
         "desired_power_limit_w": g.desired_power_limit_w,
         "xid_errors": {str(k): v for k, v in sorted(g.xid_errors.items())},
         "sample": sample,
+        "health": _health_to_dict(g.health),
+        "health_probe": None
+        if g.health_probe is None
+        else {
+            "outcome": g.health_probe.outcome,
+            "reason": g.health_probe.reason,
+            "latency_s": g.health_probe.latency_s,
+        },
+        "probes": dict(sorted(g.probes.items())),
     }
+
+
+def _probe_to_dict(p: ProbeResult | None) -> dict[str, Any] | None:
+    return None if p is None else {"outcome": p.outcome, "reason": p.reason, "latency_s": p.latency_s}
+
+
+def _health_to_dict(h: HealthReport) -> dict[str, Any]:
+    return {
+        "status": h.status,
+        "level": h.level,
+        "reason": h.reason,
+        "levels": [list(lv) for lv in h.levels],
+        "subsystems": [list(s) for s in h.subsystems],
+        "checks": [
+            {"name": c.name, "status": c.status, "reason": c.reason, "subsystem": c.subsystem, "detail": dict(c.detail)}
+            for c in h.checks
+        ],
+    }
+
+
+def _health_from(raw: Any, path: str) -> HealthReport:
+    """The ``health`` part of a snapshot (absent in a snapshot of an older mapper: healthy)."""
+    if raw is None:
+        return HEALTHY_REPORT
+    try:
+        checks = tuple(
+            CheckResult(
+                str(c["name"]),
+                c["status"],
+                str(c["reason"]),
+                str(c["subsystem"]),
+                tuple((str(k), str(v)) for k, v in dict(c.get("detail", {})).items()),
+            )
+            for c in raw.get("checks", [])
+        )
+        return HealthReport(
+            status=raw["status"] if raw["status"] in STATUSES else "unhealthy",
+            level=int(raw["level"]),
+            reason=str(raw["reason"]),
+            levels=tuple((int(a), b, str(c)) for a, b, c in raw["levels"] if b in STATUSES),
+            subsystems=tuple((str(a), b, str(c)) for a, b, c in raw.get("subsystems", []) if b in STATUSES),
+            checks=checks,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SnapshotFormatError(f"{path}.health: not a health report ({exc!r})") from None
+
+
+def _probe_from(raw: Any, path: str) -> ProbeResult | None:
+    if raw is None:
+        return None
+    try:
+        latency = raw.get("latency_s")
+        return ProbeResult(raw["outcome"], str(raw["reason"]), None if latency is None else float(latency))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SnapshotFormatError(f"{path}.health_probe: not a probe result ({exc!r})") from None
 
 
 def _json_value(v: Value) -> Value | None:
@@ -399,6 +468,9 @@ def _gpu_from_reader(r: _Reader) -> GpuSnapshot:
         state=state,
         xid_errors=xids,
         desired_power_limit_w=r.opt_number("desired_power_limit_w"),
+        health=_health_from(r.get("health"), r.path),
+        health_probe=_probe_from(r.get("health_probe"), r.path),
+        probes={str(k): int(v) for k, v in dict(r.get("probes") or {}).items()},
     )
 
 
@@ -652,8 +724,11 @@ class Readiness:
         return not self.problems()
 
 
-def gpu_snapshot(worker: GpuWorker, node: str, xids: Mapping[int, int]) -> GpuSnapshot:
-    """One GPU's part of the snapshot, from its worker (``xids``: the XIDs seen on it, by number)."""
+def gpu_snapshot(
+    worker: GpuWorker, node: str, xids: Mapping[int, int], probes: Mapping[str, int] | None = None
+) -> GpuSnapshot:
+    """One GPU's part of the snapshot, from its worker (``xids``: the XIDs seen on it, by number; ``probes``: the
+    CUDA probes run on it, by outcome)."""
     state = worker.state if worker.state in ("online", "offline", "unhealthy") else "unknown"
     desired_pl = worker.desired.effective().get("power_limit")
     return GpuSnapshot(
@@ -668,6 +743,9 @@ def gpu_snapshot(worker: GpuWorker, node: str, xids: Mapping[int, int]) -> GpuSn
         desired_power_limit_w=float(desired_pl.value)
         if desired_pl is not None and desired_pl.valid and desired_pl.value is not None
         else None,
+        health=worker.health,
+        health_probe=worker.last_probe,
+        probes=dict(probes or {}),
     )
 
 

@@ -75,6 +75,12 @@ class WorkloadSource(Protocol):
     def workloads(self) -> tuple[GpuWorkloads, ...]: ...
 
 
+class ProbeCounting(Protocol):
+    """What the snapshot reads of the health loop (``mapper.healthloop.HealthMonitor``): probes by outcome."""
+
+    def probe_counts(self, uuid: str) -> Mapping[str, int]: ...
+
+
 class StatusSource:
     """The snapshot of one mapper, from its parts (``settings``: its node name, mode and buffer cap). The
     parts made at start-up (``buffer``, ``shipper``, ``session``, ``dmi_client``, ``dmi_server``) and the
@@ -94,6 +100,8 @@ class StatusSource:
     ) -> None:
         self.node = settings.node_name
         self.processes = processes
+        #: The health loop, once NVML's GPUs are known (None: none runs, e.g. on a Jetson).
+        self.health: ProbeCounting | None = None
         self.version = version
         self.workers = workers
         self.collector = collector
@@ -140,12 +148,17 @@ class StatusSource:
 
     def state_message(self, device_key: str, worker: GpuWorker) -> bytes:
         """A device's retained state message: its latest values and its GPU's status (``device_state_payload``)."""
-        g = gpu_snapshot(worker, self.node, self.collector.xids.get(worker.uuid, {}))
+        probes = self.health.probe_counts(worker.uuid) if self.health is not None else None
+        g = gpu_snapshot(worker, self.node, self.collector.xids.get(worker.uuid, {}), probes)
         return device_state_payload(device_key, g, driver_version=self.driver_version, at_ms=self.clock.wall_ms())
 
     def snapshot(self) -> MapperSnapshot:
         xids = self.collector.xids
-        gpus = [gpu_snapshot(w, self.node, xids.get(w.uuid, {})) for w in self.workers.values()]
+        health = self.health
+        gpus = [
+            gpu_snapshot(w, self.node, xids.get(w.uuid, {}), health.probe_counts(w.uuid) if health else None)
+            for w in self.workers.values()
+        ]
         totals = worker_totals(self.workers.values())
         counted = [part.rpc_counts for part in (self.dmi_client, self.dmi_server) if part is not None]
         dmi_rpcs = summed_rpc_counts(counted)

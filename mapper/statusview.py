@@ -15,7 +15,19 @@ from mapper.collect import GpuWorker
 from mapper.model import Value
 from mapper.stats import GpuSnapshot, MapperSnapshot
 
-_COLUMNS = ("DEVICE", "UUID", "POWER / CAP", "TEMP", "UTIL", "MEM", "SM CLOCK", "STATE", "DESIRED", "POLICY")
+_COLUMNS = (
+    "DEVICE",
+    "UUID",
+    "POWER / CAP",
+    "TEMP",
+    "UTIL",
+    "MEM",
+    "SM CLOCK",
+    "STATE",
+    "HEALTH L1/L2/L3",
+    "DESIRED",
+    "POLICY",
+)
 _POD_COLUMNS = ("POD (namespace/pod/container)", "GPU", "POWER", "ENERGY", "GPU MEM", "SM", "PROCS")
 #: Pods ``gpu-mapper status`` lists, the top ones by power over the node.
 TOP_PODS = 10
@@ -75,6 +87,7 @@ def _gpu_row(g: GpuSnapshot) -> list[str]:
         mem,
         sm,
         state,
+        _health(g),
         g.desired_status or "-",
         g.policy_state or "-",
     ]
@@ -123,6 +136,16 @@ def _energy(joules: float) -> str:
     if joules >= 1000:
         return f"{joules / 1000:.1f} kJ"
     return f"{joules:.0f} J"
+
+
+def _health(g: GpuSnapshot) -> str:
+    """``healthy ok/ok/ok``, ``unhealthy ok/ok/unhealthy (probe-timeout-after-30s)``: the overall status, each
+    level's, the worst finding's reason."""
+    h = g.health
+    short = {"healthy": "ok", "degraded": "degraded", "unhealthy": "unhealthy"}
+    levels = "/".join(short[h.level_status(level)] for level in (1, 2, 3))
+    text = f"{h.status} {levels}"
+    return text if h.status == "healthy" else f"{text} ({h.reason})"
 
 
 def _backlog(s: MapperSnapshot) -> list[str]:

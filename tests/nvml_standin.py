@@ -109,6 +109,9 @@ NVML_SIGNATURES: dict[str, tuple[str, ...]] = {
     "nvmlDeviceGetRemappedRows": ("dev", "ptr", "ptr", "ptr", "ptr"),
     "nvmlDeviceGetPersistenceMode": ("dev", "ptr"),
     "nvmlDeviceGetComputeMode": ("dev", "ptr"),
+    "nvmlDeviceValidateInforom": ("dev",),
+    "nvmlDeviceGetInforomImageVersion": ("dev", "ptr", "u32"),
+    "nvmlDeviceGetInforomVersion": ("dev", "u32", "ptr", "u32"),
     "nvmlDeviceGetFieldValues": ("dev", "i32", "ptr"),
     "nvmlDeviceGetComputeRunningProcesses_v3": ("dev", "ptr", "ptr"),
     "nvmlDeviceGetComputeRunningProcesses_v2": ("dev", "ptr", "ptr"),
@@ -664,6 +667,15 @@ class StandIn:
 
     def _nvmlDeviceGetComputeMode(self, dev: int, out: int) -> None:
         _u32(out, self.sim.nvmlDeviceGetComputeMode(self._object(dev)))
+
+    def _nvmlDeviceValidateInforom(self, dev: int) -> None:
+        self.sim.nvmlDeviceValidateInforom(self._object(dev))
+
+    def _nvmlDeviceGetInforomImageVersion(self, dev: int, buf: int, length: int) -> None:
+        _text(buf, length, self.sim.nvmlDeviceGetInforomImageVersion(self._object(dev)))
+
+    def _nvmlDeviceGetInforomVersion(self, dev: int, obj: int, buf: int, length: int) -> None:
+        _text(buf, length, self.sim.nvmlDeviceGetInforomVersion(self._object(dev), obj))
 
     def _nvmlDeviceGetFieldValues(self, dev: int, count: int, out: int) -> None:
         targets = (FieldValue * count).from_address(out)

@@ -138,7 +138,7 @@ def test_nvml_comes_through_the_nvidia_runtime_class_without_privileged_mode() -
     assert pod["runtimeClassName"] == "nvidia"
     env = {e["name"]: e for e in container()["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
-    assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "compute,utility"
     assert container()["securityContext"]["privileged"] is False
 
 

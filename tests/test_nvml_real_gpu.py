@@ -194,3 +194,44 @@ def test_polling_real_events_returns_without_blocking(backend: NvmlBackend) -> N
     events = backend.poll_events()
     assert isinstance(events, list)
     assert all(e.kind in ("xid", "ecc_single", "ecc_double", "gpu_lost", "driver_reload") for e in events)
+
+
+@pytest.mark.gpu
+def test_the_driver_checks_answer_with_nvmls_version_and_the_inforom_versions(backend: NvmlBackend) -> None:
+    driver = backend.driver_version()
+    for gpu in backend.list_gpus():
+        checks = {c.name: c for c in backend.driver_checks(gpu.uuid, 5.0)}
+        assert set(checks) == {"nvml-responsive", "inforom"}
+        assert checks["nvml-responsive"].status in ("healthy", "degraded"), checks["nvml-responsive"]
+        assert dict(checks["nvml-responsive"].detail)["driver_version"] == driver
+        inforom = checks["inforom"]
+        assert inforom.status == "healthy", inforom
+        versions = dict(inforom.detail)
+        assert set(versions) == {"image_version", "oem_version", "ecc_version", "power_version"}
+        assert all(v and TWIN_VALUE_RE.fullmatch(v.replace(" ", "_")) for v in versions.values()), versions
+
+
+@pytest.mark.gpu
+def test_the_cuda_probe_passes_on_each_real_gpu() -> None:
+    import ctypes
+
+    from mapper.gpu.cudaprobe import CudaProbe
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        pytest.skip(f"no libcuda here: {exc}")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        pytest.skip(f"no usable NVIDIA GPU here: nvmlInit failed with {exc!r}")
+    backend = NvmlBackend(ReadOnlyNvml(pynvml), call_timeout_s=30.0)
+    try:
+        gpus = backend.list_gpus()
+    finally:
+        backend.shutdown()
+        pynvml.nvmlShutdown()
+    for gpu in gpus:
+        result = CudaProbe().probe(gpu.uuid, gpu.pci_bus_id, 60.0)
+        assert result.outcome == "pass", (gpu.uuid, result)
+        assert result.latency_s is not None and 0 < result.latency_s < 60

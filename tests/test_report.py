@@ -145,7 +145,7 @@ async def test_twins_go_out_once_per_report_cycle_at_phases_of_their_own_and_sta
     assert twin_updates[0]["twin"]["power_limit"]["actual"]["value"] == "700"
     assert {t["metadata"]["type"] for t in twin_updates[0]["twin"].values()} == {"string"}
     _, _, twins = rig.sink.statuses[0]
-    assert set(twins) == {"temperature", "power_usage", "power_limit", "desired_status", "policy_state"}
+    assert set(twins) == {"temperature", "power_usage", "power_limit", "desired_status", "policy_state", "health"}
 
 
 async def test_nothing_is_reported_before_the_first_sample(rig: Rig) -> None:
@@ -273,7 +273,7 @@ async def test_device_twins_carry_observed_desired_for_writable_properties_and_h
     worker.desired.set("power_limit", "400", "cloud", 1)
     await worker.tick()
     twins = {t.name: t for t in device_twins(worker)}
-    assert set(twins) == {"power_limit", "clock_event_reasons", "desired_status", "policy_state"}
+    assert set(twins) == {"power_limit", "clock_event_reasons", "desired_status", "policy_state", "health"}
     assert twins["power_limit"].observed_desired == "400" and twins["power_limit"].reported == "400"
     assert twins["clock_event_reasons"].reported.startswith("0x")
     assert twins["clock_event_reasons"].observed_desired == ""
@@ -303,7 +303,7 @@ async def test_a_desired_value_applied_is_reported_at_once_on_both_paths_and_the
     prompt = [(t, twins) for t, k, twins in rig.sink.statuses if k == "default/gpu0" and t >= changed_at]
     assert len(prompt) == 1 and prompt[0][0] - changed_at < 0.02
     twins = prompt[0][1]
-    assert set(twins) == {"power_limit", "desired_status", "policy_state"}, "the affected twins only"
+    assert set(twins) == {"power_limit", "desired_status", "policy_state", "health"}, "the affected twins only"
     assert twins["power_limit"] == ("400", "400"), "observedDesired and reported"
     assert "power_limit:applied" in twins["desired_status"][1]
     updates = [d for t, topic, d in rig.published if topic.endswith("gpu0/twin/update") and t >= changed_at]

@@ -49,6 +49,7 @@ from mapper.errors import (
     TransientError,
     UnsupportedError,
 )
+from mapper.health import CheckResult
 from mapper.model import (
     COMPUTE_MODE_NAMES,
     COMPUTE_MODES,
@@ -96,6 +97,7 @@ _DRIVER_NOT_LOADED = 9
 _TIMEOUT = 10
 _LIBRARY_NOT_FOUND = 12
 _FUNCTION_NOT_FOUND = 13
+_CORRUPTED_INFOROM = 14
 _GPU_IS_LOST = 15
 _LIB_RM_VERSION_MISMATCH = 18
 _FREQ_NOT_SUPPORTED = 24
@@ -103,6 +105,11 @@ _ARGUMENT_VERSION_MISMATCH = 25
 _DEPRECATED = 26
 _GPU_NOT_FOUND = 28
 _UNKNOWN = 999
+
+#: nvmlInforomObject_t (pynvml.NVML_INFOROM_*).
+_INFOROM_OEM = 0
+_INFOROM_ECC = 1
+_INFOROM_POWER = 2
 
 #: What ``nvmlDeviceGetMemoryInfo(h, version=nvmlMemory_v2)`` answers where there is no v2: read v1 instead.
 _MEMORY_V2_ABSENT = frozenset({_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH, _NOT_SUPPORTED})
@@ -392,6 +399,25 @@ class NvmlBackend:
         """XID, ECC, GPU-lost and driver-reload events since the last poll (never blocks on NVML)."""
         return self._call("poll_events", self._poll_events)
 
+    def gpu_reset(self, uuid: str) -> None:
+        """One GPU was reset outside NVML (``nvidia-smi -r``): forget what this backend set on it (its locked
+        clocks), its board values read this session and its energy counter's baseline, so the reconciler sets it
+        again and the counter's restart at 0 is not taken for a driver reload of the whole node."""
+        self._call(f"gpu_reset({uuid})", lambda: self._forget_gpu(uuid), needs_session=None)
+
+    def _forget_gpu(self, uuid: str) -> None:
+        self._locked_gpu.pop(uuid, None)
+        self._locked_memory.pop(uuid, None)
+        self._static.pop(uuid, None)
+        self._energy_j.pop(uuid, None)
+
+    def driver_checks(self, uuid: str, deadline_s: float) -> tuple[CheckResult, ...]:
+        """The level-2 checks NVML answers for one GPU (``docs/health.md``): ``nvml-responsive`` (its calls here
+        answered within ``deadline_s``; the detail carries NVML's driver version) and ``inforom``
+        (``nvmlDeviceValidateInforom``, with the image and object versions). A call that does not answer within
+        the backend's own timeout raises TransientError, as every call does."""
+        return self._call(f"driver checks of GPU {uuid}", lambda: self._driver_checks(uuid, deadline_s))
+
     def _wanted_set(self, properties: Iterable[str] | None) -> frozenset[str]:
         """``_wanted(properties)``, remembered for a tuple, list, set, frozenset or string of names."""
         if properties is None:
@@ -424,6 +450,11 @@ class NvmlBackend:
 
     def is_lost(self, uuid: str) -> bool:
         return uuid in self._lost
+
+    @property
+    def nvml(self) -> Any:
+        """The nvml module this backend calls (``pynvml`` or a ``SimNvml``), for the composition root."""
+        return self._nvml
 
     # ==============================================================================================
     # Async entry, worker thread, timeouts, init
@@ -779,6 +810,50 @@ class NvmlBackend:
         if first:
             self._needs_reinit = True  # once for the session; later probes do not re-init again
             self._pending.append(GpuEvent(uuid=uuid, ts_ms=self._clock.wall_ms(), kind="gpu_lost", detail=why))
+
+    # ==============================================================================================
+    # Level-2 health checks
+    # ==============================================================================================
+    def _driver_checks(self, uuid: str, deadline_s: float) -> tuple[CheckResult, ...]:
+        started = time.perf_counter()
+        handle = self._handle(uuid)
+        driver = _text(self._nv("nvmlSystemGetDriverVersion"))
+        inforom = self._inforom(handle, uuid)
+        took_s = time.perf_counter() - started
+        detail = (("driver_version", driver), ("took_ms", f"{took_s * 1000:.0f}"))
+        if took_s > deadline_s:
+            responsive = CheckResult(
+                "nvml-responsive", "degraded", f"nvml-slow-{took_s * 1000:.0f}ms", "driver", detail
+            )
+        else:
+            responsive = CheckResult("nvml-responsive", "healthy", "ok", "driver", detail)
+        return responsive, inforom
+
+    def _inforom(self, handle: Any, uuid: str) -> CheckResult:
+        versions: list[tuple[str, str]] = []
+        for key, call, args in (
+            ("image_version", "nvmlDeviceGetInforomImageVersion", ()),
+            ("oem_version", "nvmlDeviceGetInforomVersion", (_INFOROM_OEM,)),
+            ("ecc_version", "nvmlDeviceGetInforomVersion", (_INFOROM_ECC,)),
+            ("power_version", "nvmlDeviceGetInforomVersion", (_INFOROM_POWER,)),
+        ):
+            try:
+                versions.append((key, _text(self._nv(call, handle, *args, uuid=uuid))))
+            except UnsupportedError:
+                versions.append((key, "N/A"))
+        fn = getattr(self._nvml, "nvmlDeviceValidateInforom", None)
+        if fn is None:
+            return CheckResult("inforom", "healthy", "not-checked-no-binding", "inforom", tuple(versions))
+        try:
+            fn(handle)
+        except self._nvml_error as exc:
+            code = int(getattr(exc, "value", _UNKNOWN))
+            if code == _CORRUPTED_INFOROM:
+                return CheckResult("inforom", "unhealthy", "inforom-corrupted", "inforom", tuple(versions))
+            if code in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED):
+                return CheckResult("inforom", "healthy", "not-supported", "inforom", tuple(versions))
+            raise self._translate(exc, "nvmlDeviceValidateInforom", uuid, None, "") from exc
+        return CheckResult("inforom", "healthy", "ok", "inforom", tuple(versions))
 
     # ==============================================================================================
     # Handles, enumeration, events

@@ -33,13 +33,17 @@ import time
 import uuid as uuidlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import pynvml
 
+from mapper.errors import PermanentError
 from mapper.gpu.profiles import GpuProfile
 from mapper.gpu.profiles import profile as lookup_profile
+from mapper.health import HealthTools, ProbeResult, SelfCheckResult
+from mapper.model import format_number
 
 #: Workload scenarios that drive utilisation. "heat" is a full load with poor cooling: under the default power
 #: limit it heats the GPU up to its max-operating temperature (H100: 87 C), so a thermal policy has something
@@ -302,6 +306,10 @@ class SimEventSet:
 # --------------------------------------------------------------------------------------------------
 
 
+#: The probe faults ``SimNvml.inject_probe_fault`` knows.
+PROBE_FAULTS = ("hang", "context", "alloc", "copy", "slow")
+
+
 class SimGpu:
     """One simulated GPU. Read its attributes in tests; change it through ``SimNvml``'s control methods."""
 
@@ -332,6 +340,14 @@ class SimGpu:
         self.ecc_aggregate_corrected = 0
         self.ecc_aggregate_uncorrected = 0
         self.remapped_rows = (0, 0, 0, 0)
+        #: The InfoROM: its image version, object versions (OEM, ECC, power; assumed values) and whether its
+        #: checksum validates (``SimNvml.inject_inforom_corrupt``).
+        self.inforom_image = "G520.0200.00.05"
+        self.inforom_objects = {0: "2.1", 1: "7.16", 2: "N/A"}
+        self.inforom_corrupt = False
+        #: Injected probe faults (``SimNvml.inject_probe_fault``): [kind, remaining, until_reset, seconds].
+        self.probe_faults: list[list[Any]] = []
+        self.resets = 0
         self.reset_settings()
         self.energy_mj = 0.0
         self._reset_physics(now_s)
@@ -909,6 +925,24 @@ class SimNvml:
     def nvmlDeviceGetComputeMode(self, handle: SimHandle) -> int:
         return self._device(handle, "nvmlDeviceGetComputeMode").compute_mode
 
+    # --- InfoROM ---------------------------------------------------------------------------------
+    def nvmlDeviceValidateInforom(self, handle: SimHandle) -> None:
+        gpu = self._device(handle, "nvmlDeviceValidateInforom")
+        if gpu.inforom_corrupt:
+            raise _error(pynvml.NVML_ERROR_CORRUPTED_INFOROM)
+
+    def nvmlDeviceGetInforomImageVersion(self, handle: SimHandle) -> str:
+        return self._device(handle, "nvmlDeviceGetInforomImageVersion").inforom_image
+
+    def nvmlDeviceGetInforomVersion(self, handle: SimHandle, infoRomObject: int) -> str:
+        gpu = self._device(handle, "nvmlDeviceGetInforomVersion")
+        if infoRomObject not in gpu.inforom_objects:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        version = gpu.inforom_objects[infoRomObject]
+        if version == "N/A":
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return version
+
     # --- processes -------------------------------------------------------------------------------
     def _process_list(self, handle: SimHandle, fname: str, kind: str) -> list[SimProcessInfo]:
         gpu = self._device(handle, fname)
@@ -1276,6 +1310,7 @@ class SimNvml:
                 gpu.ecc_aggregate_corrected += gpu.ecc_corrected
                 gpu.ecc_aggregate_uncorrected += gpu.ecc_uncorrected
                 gpu.ecc_corrected = gpu.ecc_uncorrected = 0
+                gpu.probe_faults = [f for f in gpu.probe_faults if not f[2]]
                 if recover_lost and gpu.lost:
                     gpu.lost = False
                     gpu._reset_physics(now)
@@ -1292,6 +1327,53 @@ class SimNvml:
         gpu = self.gpu(uuid)
         with self._lock:
             self._fall_off(gpu)
+
+    def reset_gpu(self, uuid: str) -> None:
+        """A GPU reset (``nvidia-smi -r``) of one GPU: its settings back to default, its energy and volatile ECC
+        counters to 0, probe faults injected ``until_reset`` cleared, a driver-reload-like restart of its state.
+        NVML stays initialised (other GPUs are untouched). A GPU that fell off the bus stays lost (XID 79 needs a
+        reboot: ``driver_reload(recover_lost=True)``)."""
+        gpu = self.gpu(uuid)
+        with self._lock:
+            if gpu.lost:
+                raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            gpu.reset_settings()
+            gpu.energy_mj = 0.0
+            gpu.ecc_aggregate_corrected += gpu.ecc_corrected
+            gpu.ecc_aggregate_uncorrected += gpu.ecc_uncorrected
+            gpu.ecc_corrected = gpu.ecc_uncorrected = 0
+            gpu.probe_faults = [f for f in gpu.probe_faults if not f[2]]
+            gpu.resets += 1
+
+    def inject_inforom_corrupt(self, uuid: str, corrupt: bool = True) -> None:
+        """``nvmlDeviceValidateInforom`` raises CorruptedInforom on this GPU (False: validates again)."""
+        self.gpu(uuid).inforom_corrupt = corrupt
+
+    def inject_probe_fault(
+        self, uuid: str, kind: str, *, count: int | None = None, until_reset: bool = False, seconds: float = 0.0
+    ) -> None:
+        """The next ``count`` probes (None: every one) of ``SimCudaProbe`` on this GPU fail as ``kind``: ``hang``
+        (the probe never answers; its runner kills it at the timeout), ``context`` (cuCtxCreate fails), ``alloc``
+        (cuMemAlloc fails), ``copy`` (the copy reads back wrong bytes) or ``slow`` (it passes after ``seconds``).
+        ``until_reset``: the fault lasts until ``reset_gpu`` or a driver reload."""
+        if kind not in PROBE_FAULTS:
+            raise ValueError(f"unknown probe fault {kind!r}; known: {', '.join(PROBE_FAULTS)}")
+        if count is not None and count < 1:
+            raise ValueError(f"count must be >= 1 or None, got {count}")
+        with self._lock:
+            self.gpu(uuid).probe_faults.append([kind, count, until_reset, seconds])
+
+    def take_probe_fault(self, uuid: str) -> tuple[str, float] | None:
+        """The probe fault the next probe of ``uuid`` meets (kind, seconds), counted down; None for none."""
+        gpu = self.gpu(uuid)
+        with self._lock:
+            for fault in gpu.probe_faults:
+                kind, remaining, _, seconds = fault
+                if remaining is None or remaining > 0:
+                    if remaining is not None:
+                        fault[1] = remaining - 1
+                    return kind, seconds
+        return None
 
     def inject_xid(self, uuid: str, xid: int) -> None:
         """Queue an XID critical-error event for the GPU (seen by event sets registered for XIDs)."""
@@ -1312,7 +1394,7 @@ class SimNvml:
     def inject_errors(self, function_name: str, code: int, count: int = 1, *, uuid: str | None = None) -> None:
         """The next ``count`` calls of ``function_name`` (a pynvml name, or ``*`` for any) raise NVMLError(code);
         with ``uuid`` only calls on that GPU do."""
-        if function_name != "*" and not hasattr(self, function_name):
+        if function_name not in ("*", "reset_gpu") and not hasattr(self, function_name):
             raise ValueError(f"{function_name!r} is not a function of the simulated NVML")
         pynvml.nvmlExceptionClass(code)  # a clear KeyError for an unknown code, now rather than later
         with self._lock:
@@ -1334,6 +1416,131 @@ class SimNvml:
     @property
     def initialized(self) -> bool:
         return self._init_count > 0
+
+    def health_tools(self, host_root: Path) -> HealthTools:
+        """The simulated node's health parts (``sim_health_tools``): the composition root takes them from here."""
+        return sim_health_tools(self, host_root)
+
+
+class SimCudaProbe:
+    """The level-3 probe over simulated GPUs: the interface of ``mapper.gpu.cudaprobe.CudaProbe`` (``probe(uuid,
+    pci_bus_id, timeout_s)``), answered by the simulator with its injected faults. A ``hang`` waits out the
+    timeout (a real wait through the simulator's ``sleep``, as the real probe's runner waits before it kills the
+    process); a lost GPU fails at ``cuInit`` as libcuda does (CUDA_ERROR_NO_DEVICE)."""
+
+    #: What a pass takes (s); the real probe's process start and context creation take far longer (assumed).
+    PASS_LATENCY_S = 0.08
+
+    def __init__(self, sim: SimNvml) -> None:
+        self._sim = sim
+        #: Probes run, by UUID.
+        self.runs: Counter[str] = Counter()
+
+    def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult:
+        sim = self._sim
+        self.runs[uuid] += 1
+        try:
+            gpu = sim.gpu(uuid)
+        except KeyError:
+            return ProbeResult("fail", "cuDeviceGetByPCIBusId-CUDA_ERROR_INVALID_DEVICE", 0.0)
+        if pci_bus_id and pci_bus_id.upper() not in (gpu.pci.busId.upper(), gpu.pci.busIdLegacy.upper()):
+            return ProbeResult("fail", "cuDeviceGetByPCIBusId-CUDA_ERROR_INVALID_DEVICE", 0.0)
+        if gpu.lost:
+            return ProbeResult("fail", "cuInit-CUDA_ERROR_NO_DEVICE", 0.01)
+        fault = sim.take_probe_fault(uuid)
+        if fault is None:
+            return ProbeResult("pass", "", self.PASS_LATENCY_S)
+        kind, seconds = fault
+        if kind == "hang":
+            sim._sleep(timeout_s)
+            return ProbeResult("timeout", f"after-{format_number(timeout_s)}s", timeout_s)
+        if kind == "slow":
+            if seconds >= timeout_s:
+                sim._sleep(timeout_s)
+                return ProbeResult("timeout", f"after-{format_number(timeout_s)}s", timeout_s)
+            sim._sleep(seconds)
+            return ProbeResult("pass", "", seconds)
+        reason = {
+            "context": "cuCtxCreate-CUDA_ERROR_UNKNOWN",
+            "alloc": "cuMemAlloc-CUDA_ERROR_OUT_OF_MEMORY",
+            "copy": "cuMemcpyDtoH-data-mismatch",
+        }[kind]
+        return ProbeResult("fail", reason, 0.05)
+
+
+class SimHost:
+    """The driver's traces on a simulated host, as files under ``root``: the device nodes (``dev/nvidiactl``,
+    ``dev/nvidia-uvm``, ``dev/nvidia<N>``), the kernel module's version (``proc/driver/nvidia/version``, the
+    driver's own format) and ``nvidia-persistenced``'s socket. ``mapper.driverhost`` reads them as it reads ``/``.
+    The fault methods change the files."""
+
+    def __init__(self, sim: SimNvml, root: Path) -> None:
+        self.sim = sim
+        self.root = root
+
+    def populate(self, *, persistenced: bool = True) -> Path:
+        """Write the tree (again); the root."""
+        dev = self.root / "dev"
+        dev.mkdir(parents=True, exist_ok=True)
+        for name in ("nvidiactl", "nvidia-uvm", *(f"nvidia{g.index}" for g in self.sim.gpus)):
+            (dev / name).touch()
+        self.set_kernel_module_version(self.sim._driver_version)
+        if persistenced:
+            self.start_persistenced()
+        return self.root
+
+    def set_kernel_module_version(self, version: str) -> None:
+        """The loaded kernel module's version (a driver upgraded without a reload leaves NVML's library newer)."""
+        folder = self.root / "proc" / "driver" / "nvidia"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "version").write_text(
+            f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build  "
+            "(dvs-builder@U22-I3-AF03-09-1)  Sun Nov 30 00:00:00 UTC 2025\n"
+            "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n"
+        )
+
+    def remove_device_node(self, name: str) -> None:
+        (self.root / "dev" / name).unlink(missing_ok=True)
+
+    def start_persistenced(self) -> None:
+        folder = self.root / "var" / "run" / "nvidia-persistenced"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "socket").touch()
+
+    def stop_persistenced(self) -> None:
+        (self.root / "var" / "run" / "nvidia-persistenced" / "socket").unlink(missing_ok=True)
+
+
+class SimTools:
+    """``nvidia-smi -q`` / ``-r`` over the simulator: the self-check fails for a lost GPU, the reset is
+    ``SimNvml.reset_gpu`` (an injected NVML error on ``reset_gpu`` refuses it, as a busy GPU does)."""
+
+    def __init__(self, sim: SimNvml) -> None:
+        self._sim = sim
+        self.resets: list[str] = []
+
+    def self_check(self, uuid: str, timeout_s: float) -> list[SelfCheckResult]:
+        try:
+            gpu = self._sim.gpu(uuid)
+        except KeyError:
+            return [SelfCheckResult("nvidia-smi-q", False, "no-such-gpu")]
+        if gpu.lost:
+            return [SelfCheckResult("nvidia-smi-q", False, "gpu-is-lost")]
+        return [SelfCheckResult("nvidia-smi-q", True)]
+
+    def reset(self, uuid: str, timeout_s: float) -> None:
+        try:
+            self._sim._fault("reset_gpu", uuid)
+            self._sim.reset_gpu(uuid)
+        except pynvml.NVMLError as exc:
+            raise PermanentError(f"GPU {uuid}: nvidia-smi -r failed: {exc}") from None
+        self.resets.append(uuid)
+
+
+def sim_health_tools(sim: SimNvml, host_root: Path) -> HealthTools:
+    """The simulated node's health parts: ``SimCudaProbe``, a ``SimHost`` tree written under ``host_root``,
+    ``SimTools``."""
+    return HealthTools(probe=SimCudaProbe(sim), host_root=SimHost(sim, host_root).populate(), tools=SimTools(sim))
 
 
 class _NotInBinding:

@@ -1,0 +1,38 @@
+"""The DMI side of one mapper, made from its settings: the mapper's own DMI server (started on its socket), the
+client that registers with EdgeCore, and the rate-limited reporter over that client."""
+
+from __future__ import annotations
+
+from mapper.clock import Clock
+from mapper.config import Settings
+from mapper.dmi.client import DmiClient, DmiReporter, OnRegistered
+from mapper.dmi.server import DmiServer, TwinsOf
+from mapper.registry import Registry
+
+
+async def start_dmi(
+    settings: Settings,
+    version: str,
+    registry: Registry,
+    twins_of: TwinsOf,
+    on_registered: OnRegistered,
+    clock: Clock,
+    *,
+    devices: int,
+) -> tuple[DmiServer, DmiClient, DmiReporter]:
+    """The server (listening once this returns), the client and the reporter (``devices``: the node's GPUs, one
+    token each kept for prompt reports: one Device per GPU may change at once)."""
+    server = DmiServer(
+        registry, twins_of, socket_path=settings.socket, max_message_bytes=settings.dmi_max_message_bytes
+    )
+    await server.start()
+    client = DmiClient(
+        edgecore_socket=settings.edgecore_socket,
+        mapper_socket=settings.socket,
+        version=version,
+        rate_per_s=settings.dmi_rate_per_s,
+        burst=settings.dmi_burst,
+        clock=clock,
+        on_registered=on_registered,
+    )
+    return server, client, DmiReporter(client, clock=clock, devices=devices)
