@@ -118,7 +118,10 @@ def build_health_tools(backend: NvmlBackend, data_dir: Path) -> HealthTools:
     is the simulator (it offers ``health_tools``), else the node's."""
     offered = getattr(getattr(backend, "nvml", None), "health_tools", None)
     if offered is not None:
-        tools: HealthTools = offered(data_dir / "sim-host")
+        host = data_dir / "sim-host"  # in the data dir, so private like every file there (docs/security.md)
+        host.mkdir(mode=0o700, exist_ok=True)
+        host.chmod(0o700)
+        tools: HealthTools = offered(host)
         return tools
     from mapper.gpu.tools import host_health_tools
 
