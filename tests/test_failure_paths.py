@@ -208,6 +208,45 @@ async def test_a_data_dir_that_is_a_file_exits_1_naming_it(tmp_path, caplog) -> 
     assert code == 1 and "data dir" in errors, errors
 
 
+@pytest.mark.timeout(90)
+def test_a_data_dir_the_mapper_cannot_write_exits_1_naming_what_it_could_not_create(tmp_path) -> None:
+    """An existing data dir this user may not write (root-owned 0755: as root the mapper runs as nobody; as any
+    other user the directory is made 0555). Root ignores modes, hence the other user."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.brokers import free_port
+
+    base = Path(tempfile.mkdtemp(prefix="gpu-mapper-rodata-"))  # (pytest's tmp_path is 0700: nobody cannot reach it)
+    try:
+        base.chmod(0o755)
+        (base / "devices").mkdir(mode=0o755)
+        data = base / "data"
+        data.mkdir()
+        data.chmod(0o755 if os.geteuid() == 0 else 0o555)
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        argv = ["run", "--sim", "1", "--node-name", "edge-1", "--devices", str(base / "devices")]
+        argv += ["--data-dir", str(data), "--metrics-addr", f"127.0.0.1:{free_port()}"]
+        out = subprocess.run(
+            [*prefix, sys.executable, "-m", "mapper.cli", *argv],
+            cwd=Path(__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert f"{data}/telemetry.db: cannot create it 0600 (Permission denied)" in out.stderr, out.stderr[-3000:]
+        assert f"cannot start: buffer {data}/telemetry.db: cannot open" in out.stderr, out.stderr[-3000:]
+        assert "Traceback" not in out.stderr, "a clear error, not a traceback"
+        assert list(data.iterdir()) == [], "nothing was written"
+    finally:
+        (base / "data").chmod(0o755)
+        subprocess.run(["rm", "-rf", str(base)], check=False, timeout=30)
+
+
 @pytest.mark.timeout(60)
 async def test_a_buffer_that_cannot_be_opened_exits_1_naming_it(tmp_path, caplog) -> None:
     from tests.apphelpers import fast_settings
@@ -278,7 +317,7 @@ async def test_a_dmi_socket_path_that_is_a_directory_exits_2_naming_it(tmp_path,
 
     os.mkdir(f"{sock_dir}/gpu.sock")
     code, errors = await _exit_code_of(fast_settings(str(tmp_path), socket=f"{sock_dir}/gpu.sock"), caplog)
-    assert code in (1, 2) and "gpu.sock" in errors, errors
+    assert code == 2 and "gpu.sock" in errors, errors
 
 
 # --- the DMI client: a permanent refusal, and the retry after it -----------------------------------------------
