@@ -15,7 +15,7 @@ At the end the mapper is stopped with SIGTERM; the batches still in its buffer c
 that is neither is lost. Prints batches and samples produced / delivered / lost, duplicate deliveries (the same
 (device, boot id, seq) more than once: allowed, a consumer drops them), whether the desired power limit is on
 every GPU at the end, and the mapper's RSS and open file descriptors after a 30 s warm-up (the baseline) and at
-the end.
+the end (RSS also about ten times along the way).
 
 Run: ``.venv/bin/python benchmarks/soak.py [--minutes 10] [--seed 1]``. Prints one JSON line last.
 """
@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -93,6 +95,23 @@ class CountingConsumer(Consumer):
                 self.arrivals.setdefault(part.device, []).append((part.boot_id, part.seq))
 
 
+def buffered_samples(data_dir: Path) -> dict[tuple[str, str, int], int]:
+    """The samples of each telemetry batch still in a stopped mapper's buffer, by (device, boot id, seq)."""
+    path = data_dir / "telemetry.db"
+    out: dict[tuple[str, str, int], int] = {}
+    if not path.exists():
+        return out
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        for (payload,) in db.execute("SELECT payload FROM batches"):
+            try:
+                batch = decode_batch(payload)
+            except ValueError:
+                continue  # an ack or an event kept for replay (JSON, not a batch)
+            for part in batch.split() if batch.merged else (batch,):
+                out[(part.device, part.boot_id, part.seq)] = len(part.samples)
+    return out
+
+
 def unaccounted(consumer: CountingConsumer, left: dict[str, set[tuple[str, int]]]) -> int:
     """Batches neither delivered nor still buffered: per (device, boot id), the seqs missing from 0 to the last."""
     with consumer.lock:
@@ -134,8 +153,15 @@ def main() -> None:
         log(f"warm; mapper {start_usage}")
         end_at = time.monotonic() + args.minutes * 60
         next_fault = time.monotonic() + rng.uniform(15, 45)
+        # RSS along the way too (about ten readings), so that a bound being approached shows apart from a leak.
+        rss_every_s = max(30.0, args.minutes * 6)
+        rss_along = [start_usage["rss_kb"]]
+        next_rss = time.monotonic() + rss_every_s
         while time.monotonic() < end_at:
             time.sleep(0.5)
+            if time.monotonic() >= next_rss:
+                rss_along.append(proc_usage(mapper.proc.pid)["rss_kb"])
+                next_rss += rss_every_s
             if lost_gpu is not None and time.monotonic() >= lost_gpu[1]:
                 mapper.control(op="reload", recover=True)
                 log(f"gpu{lost_gpu[0]} found again")
@@ -189,10 +215,12 @@ def main() -> None:
     broker.stop()
     edge.call(edge.edge.stop())
     with consumer.lock:
-        delivered_batches = len(consumer.samples)
-        delivered_samples = sum(consumer.samples.values())
-        duplicates = consumer.deliveries - delivered_batches
-    left_batches = sum(len(v) for v in left.values())
+        delivered = dict(consumer.samples)
+        duplicates = consumer.deliveries - len(delivered)
+    # A batch can be both at the consumer and still in the buffer (published, its PUBACK not yet handled when
+    # the mapper stopped): it counts once as produced.
+    in_buffer = buffered_samples(mapper.data_dir)
+    produced = {**in_buffer, **delivered}
     print(
         json.dumps(
             {
@@ -201,11 +229,16 @@ def main() -> None:
                 "seed": args.seed,
                 "gpus": GPUS,
                 "faults": faults,
-                "batches_produced": delivered_batches + left_batches + lost,
-                "batches_delivered": delivered_batches,
-                "batches_left_in_buffer": left_batches,
+                "batches_produced": len(produced) + lost,
+                "batches_delivered": len(delivered),
+                "batches_left_in_buffer": len(in_buffer),
+                "batches_delivered_and_left_in_buffer": len(in_buffer.keys() & delivered.keys()),
                 "batches_lost": lost,
-                "samples_delivered": delivered_samples,
+                # A lost batch's samples were never seen: with batches_lost 0, samples_lost is 0; else unknown.
+                "samples_produced": sum(produced.values()) if lost == 0 else None,
+                "samples_delivered": sum(delivered.values()),
+                "samples_left_in_buffer": sum(n for key, n in in_buffer.items() if key not in delivered),
+                "samples_lost": 0 if lost == 0 else None,
                 "duplicate_deliveries": duplicates,
                 "desired_limits_on_gpus_at_end": limits_ok,
                 "edgecore_registrations": edge.registers(),
@@ -213,6 +246,8 @@ def main() -> None:
                 "exit_s": round(exit_s, 2),
                 "rss_kb_start": start_usage["rss_kb"],
                 "rss_kb_end": end_usage["rss_kb"],
+                "rss_kb_along": rss_along,
+                "rss_every_s": rss_every_s,
                 "open_fds_start": start_usage["open_fds"],
                 "open_fds_end": end_usage["open_fds"],
             }

@@ -435,15 +435,24 @@ async def test_an_idle_reporter_sleeps_long_and_an_offer_wakes_it_at_once(edge: 
     client = make_client(edge, sock_dir)
     reporter = DmiReporter(client, idle_wait_s=30.0)
     assert reporter.next_wait_s() == reporter.idle_poll_s, "not registered yet: look again soon"
+    # What the run loop decided to sleep, each time: it calls this just before it goes to sleep.
+    waits: list[float] = []
+    next_wait_s = reporter.next_wait_s
+
+    def recorded() -> float:
+        waits.append(next_wait_s())
+        return waits[-1]
+
+    reporter.next_wait_s = recorded  # type: ignore[method-assign]
     tasks = [asyncio.create_task(client.run()), asyncio.create_task(reporter.run())]
     try:
         await wait_until(lambda: client.registered, 5)
-        assert reporter.next_wait_s() == 30.0, "registered, nothing pending: no polling"
-        await asyncio.sleep(0.3)  # the loop is asleep now, with 30 s to go
-        started = time.monotonic()
+        assert next_wait_s() == 30.0, "registered, nothing pending: no polling"
+        # The loop is asleep now, with 30 s to go: it chose that wait (and sleeps in the same step, so by the time
+        # this task runs again it is asleep). No head start by the clock: that could end inside a short poll wait.
+        await wait_until(lambda: 30.0 in waits, 10)
         reporter.offer_state("default", "gpu1", "online")
-        await wait_until(lambda: len(edge.rec.states) == 1, 5)
-        assert time.monotonic() - started < 2.0
+        await wait_until(lambda: len(edge.rec.states) == 1, 10)  # well before the 30 s: the offer woke it
     finally:
         reporter.stop()
         await client.close()

@@ -229,8 +229,11 @@ async def test_a_blocked_event_loop_fails_healthz() -> None:
         result: dict[str, tuple[int, str, str]] = {}
         t = threading.Thread(target=lambda: result.setdefault("r", get(srv.url + "/healthz")))
         t.start()
-        time.sleep(0.6)  # noqa: ASYNC251 - blocks this event loop on purpose: the probe must not wait for it
-        t.join(5)
+        # The test holds this event loop blocked until the probe has its answer (no fixed sleep: on a loaded
+        # machine the probe's thread may need longer than any guess to send its request). The probe must answer
+        # on its own, after ``snapshot_timeout_s``, instead of waiting for the loop.
+        t.join(30)  # blocks this event loop on purpose
+        assert not t.is_alive(), "/healthz waited for the blocked event loop"
     status, _, body = result["r"]
     assert status == 503
     assert "event loop did not answer" in body
@@ -262,8 +265,18 @@ def test_an_idle_server_does_not_wake_up_between_scrapes_and_stops_at_once() -> 
         assert get(srv.url + "/healthz")[0] == 200
         thread = next(t for t in threading.enumerate() if t.name == "metrics-http")
         assert thread.native_id is not None
-        time.sleep(0.2)  # the request's own wake-ups are over
+        # The request's own wake-ups are over once the thread's counter stands still for 0.2 s (a condition with a
+        # deadline: a loaded machine may take longer than a fixed pause to finish the request).
+        deadline = time.monotonic() + 10
         before = _context_switches(thread.native_id)
+        while True:
+            time.sleep(0.2)
+            now = _context_switches(thread.native_id)
+            if now == before:
+                break
+            assert time.monotonic() < deadline, "the server thread never went idle after a request"
+            before = now
+        # The idle second itself is what is measured (not a sleep-then-assert: nothing is expected to happen).
         time.sleep(1.0)
         assert _context_switches(thread.native_id) - before <= 1  # a polling server wakes every 0.2-0.5 s
         assert get(srv.url + "/healthz")[0] == 200  # still answers after the idle second

@@ -118,10 +118,11 @@ def test_dmi_mapper_loads_grpc_when_it_starts(tmp_path: Path) -> None:
 
 
 #: ``gpu-mapper run`` (``mapper.cli.main``) in a fresh interpreter, standalone; a thread records the threads once
-#: the mapper has written its status file, then sends SIGTERM. argv: tmp dir, metrics port, broker port.
+#: the mapper has written its status file and run three more collect rounds (read from its /status), then sends
+#: SIGTERM. argv: tmp dir, metrics port, broker port.
 CLI_CHILD = textwrap.dedent(
     """
-    import json, os, signal, sys, threading, time
+    import json, os, signal, sys, threading, time, urllib.request
     from pathlib import Path
 
     from mapper.cli import main
@@ -130,11 +131,26 @@ CLI_CHILD = textwrap.dedent(
     (tmp / "devices").mkdir()
     seen = {}
 
+    def rounds():
+        url = "http://127.0.0.1:" + metrics_port + "/status"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return sum(json.load(resp)["collect"]["duration"]["counts"])
+        except OSError:
+            return -1
+
     def watch():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (tmp / "data" / "status.json").exists():
             time.sleep(0.05)
-        time.sleep(0.5)
+        # Running, not just started: three more collect rounds (each a worker job) before the threads are listed.
+        first, ran = -1, False
+        while not ran and time.monotonic() < deadline:
+            now = rounds()
+            first = now if first < 0 else first
+            ran = first >= 0 and now >= first + 3
+            time.sleep(0.05)
+        seen["ran"] = ran
         seen["threads"] = sorted(t.name for t in threading.enumerate())
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -145,7 +161,7 @@ CLI_CHILD = textwrap.dedent(
         "--mqtt", "mqtt://127.0.0.1:" + broker_port, "--log-level", "DEBUG",
     ])
     after = sorted(t.name for t in threading.enumerate() if t.name != "test-watch")
-    print(json.dumps({"exit_code": code, "threads": seen.get("threads"), "after": after,
+    print(json.dumps({"exit_code": code, "threads": seen.get("threads"), "ran": seen.get("ran"), "after": after,
                       "grpc": "grpc" in sys.modules}))
     """
 )
@@ -155,6 +171,7 @@ def test_gpu_mapper_run_uses_a_small_named_default_executor_and_shuts_it_down(tm
     result = run_child(CLI_CHILD, [str(tmp_path), str(free_port()), str(free_port())], tmp_path)
     threads = result["threads"]
     assert threads is not None, "the mapper never wrote its status file"
+    assert result["ran"], "the mapper did not run three collect rounds within 30 s"
     assert not [t for t in threads if t.startswith("asyncio_")], f"the default executor was not replaced: {threads}"
     io_threads = [t for t in threads if t.startswith("mapper-io")]
     # Start-up (NVML init) and the status file went through it, so it has at least one thread; never more than 2.

@@ -131,9 +131,11 @@ async def test_eight_devices_changed_in_the_same_second_all_arrive_within_2_s_an
             assert app.dmi_reporter.scheduler.reserve == 8
             since = len(edge.rec.statuses)
             registered = edge.rec.registers[0]
-            sent = time.monotonic()
-            for doc in docs:
-                async with edge.mapper(registered.mapper.address) as stub:
+            # One channel for the 8 calls (a channel each cost a connect each: on a loaded machine the 8 could
+            # take longer than the second this test is about).
+            async with edge.mapper(registered.mapper.address) as stub:
+                sent = time.monotonic()
+                for doc in docs:
                     device = pb_from_doc(with_desired(doc, "power_limit", "400"))
                     await stub.UpdateDevice(pb.UpdateDeviceRequest(device=device), timeout=10)
             assert time.monotonic() - sent < 1.0, "the 8 changes were sent within a second"

@@ -96,11 +96,12 @@ def test_the_broker_stopped_under_load_then_back_loses_no_batch_keeps_order_and_
 
 
 def _kill_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
-    """Each trial starts the mapper on the same data dir and SIGKILLs it after a random 1-4 s. Every third trial
-    has a broker and a consumer, so the kill can land while replaying; in the trials before those the backlog is
-    compacted as soon as it is a second old (merged per stream into 2 s slots: the compactor merges what the
-    earlier trials left a few seconds in), so the kill can land while compacting. After each trial,
-    nothing that was stored before it may be missing: it is still buffered (merged or not) or at the consumer."""
+    """Each trial starts the mapper on the same data dir and SIGKILLs it after a random 1-4 s (a trial before a
+    compacting one first stores three batches of each GPU, so that the compactor has something to merge). Every
+    third trial has a broker and a consumer, so the kill can land while replaying; in the trials before those the
+    backlog is compacted as soon as it is a second old (merged per stream into 2 s slots: the compactor merges what
+    the earlier trials left a few seconds in), so the kill can land while compacting. After each trial, nothing
+    that was stored before it may be missing: it is still buffered (merged or not) or at the consumer."""
     rng = random.Random(seed)
     broker = PersistentBroker(tmp_path)
     broker.start()
@@ -123,6 +124,11 @@ def _kill_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
             mapper = MapperProcess(tmp_path, 2, *args, name=f"trial{trial}", config=config)
             try:
                 mapper.wait_started()
+                if trial % 3 == 0:
+                    # The next trial compacts what this one leaves: three batches of a GPU (1 s windows) always
+                    # put two in one 2 s slot. On a loaded machine a 1-4 s run can leave fewer, and then nothing
+                    # merges by chance, not by a fault of the compactor.
+                    _wait_for_more_batches(mapper, 6)
                 # The seeded random moment (later in a compacting trial: its merges begin a few seconds in).
                 time.sleep(rng.uniform(2.0, 5.0) if compacting else rng.uniform(1.0, 4.0))
             finally:
@@ -150,6 +156,17 @@ def _kill_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
         consumer.close()
         broker.stop()
     return counts
+
+
+def _wait_for_more_batches(mapper: MapperProcess, n: int) -> None:
+    """Until the running mapper's buffer holds ``n`` more batches than now (without a broker or compaction the
+    count only grows)."""
+
+    def held() -> int:
+        return int((mapper.status() or {}).get("buffer", {}).get("batches", 0))
+
+    before = held()
+    wait(lambda: held() >= before + n, 30, f"{n} more batches stored")
 
 
 def test_sigkill_at_random_moments_loses_nothing_stored_short_form(tmp_path: Path) -> None:
