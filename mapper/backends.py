@@ -119,8 +119,12 @@ def build_health_tools(backend: NvmlBackend, data_dir: Path) -> HealthTools:
     offered = getattr(getattr(backend, "nvml", None), "health_tools", None)
     if offered is not None:
         host = data_dir / "sim-host"  # in the data dir, so private like every file there (docs/security.md)
-        host.mkdir(mode=0o700, exist_ok=True)
-        host.chmod(0o700)
+        try:
+            host.mkdir(mode=0o700, exist_ok=True)
+            host.chmod(0o700)
+        except OSError as exc:  # (start-up then says what is wrong with the data dir itself)
+            log.warning("cannot use %s for the simulated host (%s): a temporary directory instead", host, exc)
+            host = Path(tempfile.mkdtemp(prefix="gpu-mapper-sim-host-"))
         tools: HealthTools = offered(host)
         return tools
     from mapper.gpu.tools import host_health_tools
