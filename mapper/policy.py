@@ -951,10 +951,14 @@ def _clock_ceiling(ctx: PolicyContext) -> float | None:
     if not steps:
         return None
     top = steps[0]
-    if not c.graphics_clocks_mhz and c.gpu_freq_default_mhz is not None:
-        top = min(top, float(c.gpu_freq_default_mhz[1]))
     desired = ctx.desired_clock_max_mhz
-    return min(top, desired) if desired is not None and desired > 0 else top
+    if c.graphics_clocks_mhz:
+        return min(top, desired) if desired is not None and desired > 0 else top
+    # A Jetson: the maximum in force is the desired one snapped down to a step (as the reconciler writes it), else
+    # the power mode's.
+    if desired is None or desired <= 0:
+        desired = float(c.gpu_freq_default_mhz[1]) if c.gpu_freq_default_mhz is not None else top
+    return next((f for f in steps if f <= desired + 1e-3), steps[-1])
 
 
 _S = TypeVar("_S", ThermalState, PowerSavingState)

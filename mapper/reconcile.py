@@ -10,7 +10,8 @@ is re-applied within one cycle and counted.
 Action groups: the power limit, the two locked-clock *pairs* (min and max are one NVML call) and the two modes;
 on a Jetson the devfreq range (``gpu_min_freq`` / ``gpu_max_freq``, one ``set_gpu_freq_range`` call: values snap
 to the frequencies the GPU offers, the maximum down and the minimum up) and the nvpmodel ``power_mode``, set
-through the backend's ``FrequencyActuator`` methods. Counters and the ``desired_status`` twin use the group names;
+through the backend's ``FrequencyActuator`` methods; a policy's clock cap (``PolicyLimit.clock_max_mhz``) binds
+there as the devfreq maximum. Counters and the ``desired_status`` twin use the group names;
 statuses and acks are per property.
 
 No I/O here: the backend is the ``mapper.model.GpuBackend`` Protocol and time comes from an injected ``Clock``.

@@ -214,3 +214,16 @@ def test_dry_run_on_a_jetson_decides_but_leaves_the_maximum(tmp_path: Path) -> N
     orin = make_orin(tmp_path, "idle", {"dryRun": True, "powerSaving": {"idleFor": "30s"}})
     c = orin.run_until(lambda c: c.decision.policy_state == "dry-run:power-saving:active", 60)
     assert c.max_freq_mhz == 1300.5 and not c.decision.limits
+
+
+def test_the_ceiling_is_the_clouds_maximum_as_written_even_above_the_power_modes(tmp_path: Path) -> None:
+    orin = make_orin(tmp_path, "heat")
+    orin.backend.set_power_mode(orin.uuid, 2)  # MODE_30W: its own maximum is 816 MHz
+    orin.reconciler.invalidate()
+    orin.desired.set("gpu_max_freq", "1100", "cloud", 1_000)  # written as 1020, the step below
+    assert orin.cycle().max_freq_mhz == 1020.0
+    orin.sim.temp_c = 95.0
+    hot = orin.run_until(lambda c: c.decision.policy_state.startswith("thermal:throttling"), 2 * int(SIM_STEP_S))
+    (event,) = orin.events(len(orin.history) - 1)
+    assert (event["oldClockLimit"], event["newClockLimit"]) == (1020.0, 918.0), "one step below what is in force"
+    assert hot.max_freq_mhz == 918.0
