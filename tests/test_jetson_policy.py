@@ -8,19 +8,19 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.desired import DesiredState
+from mapper.desired import DesiredState, make_desired
 from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.simjetson import SimJetson, nvpmodel_command
-from mapper.model import Value
-from mapper.policy import Decision, PolicyContext, PolicyEngine, parse_policies
-from mapper.reconcile import Reconciler, ReconcileResult
+from mapper.model import Constraints, PolicyLimit, Value
+from mapper.policy import POWER_SAVING, THERMAL, Decision, PolicyContext, PolicyEngine, parse_policies
+from mapper.reconcile import Reconciler, ReconcileResult, plan
 
 #: Orin's devfreq steps (MHz), as the simulated board lists them.
 ORIN_MHZ = (306.0, 408.0, 510.0, 612.0, 714.0, 816.0, 918.0, 1020.0, 1122.0, 1224.0, 1300.5)
@@ -227,3 +227,50 @@ def test_the_ceiling_is_the_clouds_maximum_as_written_even_above_the_power_modes
     (event,) = orin.events(len(orin.history) - 1)
     assert (event["oldClockLimit"], event["newClockLimit"]) == (1020.0, 918.0), "one step below what is in force"
     assert hot.max_freq_mhz == 918.0
+
+
+# --- the plan alone: a policy's clock cap on the devfreq range ---------------------------------------------------
+
+ORIN_30W = Constraints(
+    unsupported=frozenset({"power_limit", "locked_gpu_clocks", "locked_memory_clocks"}),
+    gpu_freqs_mhz=ORIN_MHZ,
+    gpu_freq_default_mhz=(306.0, 816.0),
+)
+
+
+def test_plan_a_cap_with_nothing_desired_lowers_the_power_modes_maximum_and_keeps_its_minimum() -> None:
+    p = plan({}, {"gpu_min_freq": 306.0, "gpu_max_freq": 816.0}, ORIN_30W, [PolicyLimit(THERMAL, None, "x", 700)])
+    assert p.targets["gpu_freq_range"].value == (306.0, 612.0) and p.targets["gpu_freq_range"].policy == THERMAL
+    assert [a.value for a in p.actions] == [(306.0, 612.0)] and not p.statuses
+    # a cap at or above what is in force does nothing; the lower of two caps binds
+    assert not plan({}, {}, ORIN_30W, [PolicyLimit(THERMAL, None, "x", 900)]).targets
+    two = [PolicyLimit(THERMAL, None, "x", 700), PolicyLimit(POWER_SAVING, None, "idle", 400)]
+    assert plan({}, {}, ORIN_30W, two).targets["gpu_freq_range"].value == (306.0, 306.0)
+
+
+def test_plan_a_cap_below_a_desired_minimum_lowers_both_ends_and_overrides_both() -> None:
+    desired = {
+        "gpu_min_freq": make_desired("gpu_min_freq", "714", "cloud", 1),
+        "gpu_max_freq": make_desired("gpu_max_freq", "1020", "cloud", 1),
+    }
+    p = plan(desired, {}, ORIN_30W, [PolicyLimit(POWER_SAVING, None, "idle", 510)])
+    assert p.targets["gpu_freq_range"].value == (510.0, 510.0)
+    assert {k: s.text for k, s in p.statuses.items()} == {
+        "gpu_min_freq": "overridden-power_saving",
+        "gpu_max_freq": "overridden-power_saving",
+    }
+
+
+def test_plan_a_rejected_desired_value_keeps_its_reason_and_the_cap_still_binds() -> None:
+    desired = {"gpu_max_freq": make_desired("gpu_max_freq", "100", "cloud", 1)}  # below the lowest step
+    p = plan(desired, {}, ORIN_30W, [PolicyLimit(THERMAL, None, "x", 700)])
+    assert p.statuses["gpu_max_freq"].text == "rejected-out-of-range"
+    assert p.targets["gpu_freq_range"].value == (306.0, 612.0)
+
+
+def test_plan_a_power_mode_switch_writes_the_policy_range_again_after_it() -> None:
+    desired = {"power_mode": make_desired("power_mode", "3", "cloud", 1)}
+    observed = {"power_mode": 2, "gpu_min_freq": 306.0, "gpu_max_freq": 612.0}
+    cons = replace(ORIN_30W, power_modes=((0, "MAXN"), (2, "MODE_30W"), (3, "MODE_50W")))
+    p = plan(desired, observed, cons, [PolicyLimit(THERMAL, None, "x", 700)])
+    assert [(a.group, a.value) for a in p.actions] == [("power_mode", (3,)), ("gpu_freq_range", (306.0, 612.0))]
