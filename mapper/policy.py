@@ -955,8 +955,8 @@ def _clock_ceiling(ctx: PolicyContext) -> float | None:
     if c.graphics_clocks_mhz:
         return min(top, desired) if desired is not None and desired > 0 else top
     # A Jetson: the maximum in force is the desired one snapped down to a step (as the reconciler writes it), else
-    # the power mode's.
-    if desired is None or desired <= 0:
+    # the power mode's (also while a desired value below the lowest step is rejected).
+    if desired is None or desired < steps[-1] - 1e-3:
         desired = float(c.gpu_freq_default_mhz[1]) if c.gpu_freq_default_mhz is not None else top
     return next((f for f in steps if f <= desired + 1e-3), steps[-1])
 

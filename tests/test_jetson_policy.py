@@ -274,3 +274,15 @@ def test_plan_a_power_mode_switch_writes_the_policy_range_again_after_it() -> No
     cons = replace(ORIN_30W, power_modes=((0, "MAXN"), (2, "MODE_30W"), (3, "MODE_50W")))
     p = plan(desired, observed, cons, [PolicyLimit(THERMAL, None, "x", 700)])
     assert [(a.group, a.value) for a in p.actions] == [("power_mode", (3,)), ("gpu_freq_range", (306.0, 612.0))]
+
+
+def test_a_desired_maximum_below_every_step_is_rejected_and_the_policy_acts_below_the_power_modes(
+    tmp_path: Path,
+) -> None:
+    orin = make_orin(tmp_path, "heat")
+    orin.desired.set("gpu_max_freq", "100", "cloud", 1_000)
+    assert orin.cycle().result.desired_status == "gpu_freq_range:rejected-out-of-range"
+    orin.sim.temp_c = 95.0
+    hot = orin.run_until(lambda c: c.decision.policy_state.startswith("thermal:throttling"), 2 * int(SIM_STEP_S))
+    assert hot.max_freq_mhz == 1122.0, "10% below MAXN's 1300.5 MHz, snapped down"
+    assert hot.result.desired_status == "gpu_freq_range:rejected-out-of-range"
