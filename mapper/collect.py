@@ -429,8 +429,10 @@ def _power_limit_w(desired: Mapping[str, DesiredValue]) -> float | None:
 
 
 def _clock_max_mhz(desired: Mapping[str, DesiredValue]) -> float | None:
-    """The valid desired upper locked GPU clock in MHz (0: unlocked), or None."""
-    d = desired.get("locked_gpu_clock_max")
+    """The valid desired upper locked GPU clock (a Jetson: ``gpu_max_freq``) in MHz (0: unlocked), or None."""
+    d = desired.get("gpu_max_freq")
+    if d is None:
+        d = desired.get("locked_gpu_clock_max")
     if d is None or not d.valid or d.value is None or isinstance(d.value, str | bool):
         return None
     return float(d.value) or None

@@ -22,6 +22,7 @@ cool-down runs below ``releaseTemp`` (``T < releaseTemp``).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -35,6 +36,8 @@ from mapper.errors import ConfigError
 from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
 from mapper.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
 from mapper.xid import DEFAULT_FATAL_XIDS, XidPolicy
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_CRITICAL_XIDS",
@@ -920,16 +923,42 @@ def _thermal_thresholds(cfg: ThermalConfig, values: Mapping[str, Value]) -> tupl
     return cfg.max_temp_c, cfg.release_temp_c
 
 
+def _clock_steps(c: Constraints) -> tuple[float, ...]:
+    """The clocks the clocks actuator can cap at (MHz, highest first): NVML's supported SM clocks where locked
+    clocks can be set, else a Jetson's devfreq ``available_frequencies`` where ``max_freq`` can be set; () when
+    the backend offers no clock actuator."""
+    u = c.unsupported
+    if c.graphics_clocks_mhz and "locked_gpu_clocks" not in u and "locked_gpu_clock_max" not in u:
+        return tuple(float(f) for f in c.graphics_clocks_mhz)
+    if c.gpu_freqs_mhz and "gpu_freq_range" not in u and "gpu_max_freq" not in u:
+        return tuple(sorted(c.gpu_freqs_mhz, reverse=True))
+    return ()
+
+
+def _clocks_instead_of_power(c: Constraints) -> bool:
+    """True where a ``power`` actuator acts through the clocks: the GPU has no power cap but a clock actuator (a
+    Jetson: its devfreq maximum)."""
+    return "power_limit" in c.unsupported and bool(_clock_steps(c))
+
+
 def _clock_ceiling(ctx: PolicyContext) -> float | None:
-    """The clocks actuator's ceiling (MHz): the cloud's desired upper lock, else the GPU's highest supported
-    clock; None where the backend offers no clock actuator (no supported clocks known, or setting them is not
-    supported): the policy then acts through the power cap."""
+    """The clocks actuator's ceiling (MHz): the cloud's desired upper clock (NVML's upper lock, a Jetson's
+    ``gpu_max_freq``), else the GPU's highest clock (a Jetson: the power mode's maximum); None where the backend
+    offers no clock actuator (no clocks known, or setting them is not supported): the policy then acts through
+    the power cap."""
     c = ctx.constraints
-    if not c.graphics_clocks_mhz or "locked_gpu_clocks" in c.unsupported or "locked_gpu_clock_max" in c.unsupported:
+    steps = _clock_steps(c)
+    if not steps:
         return None
-    top = float(c.graphics_clocks_mhz[0])  # (highest first)
+    top = steps[0]
     desired = ctx.desired_clock_max_mhz
-    return min(top, desired) if desired is not None and desired > 0 else top
+    if c.graphics_clocks_mhz:
+        return min(top, desired) if desired is not None and desired > 0 else top
+    # A Jetson: the maximum in force is the desired one snapped down to a step (as the reconciler writes it), else
+    # the power mode's (also while a desired value below the lowest step is rejected).
+    if desired is None or desired < steps[-1] - 1e-3:
+        desired = float(c.gpu_freq_default_mhz[1]) if c.gpu_freq_default_mhz is not None else top
+    return next((f for f in steps if f <= desired + 1e-3), steps[-1])
 
 
 _S = TypeVar("_S", ThermalState, PowerSavingState)
@@ -941,8 +970,8 @@ def _acting(run: _Run, clocks: bool, step: Amount, decide_one: Callable[[_S], _S
     run.clocks = clocks
     run.step = step
     if clocks:
-        clocks_ = run.ctx.constraints.graphics_clocks_mhz
-        run.floor = float(clocks_[-1]) if clocks_ else 0.0  # (highest first)
+        clocks_ = _clock_steps(run.ctx.constraints)
+        run.floor = clocks_[-1] if clocks_ else 0.0  # (highest first)
         given = replace(st, cap_w=st.cap_mhz, cap_mhz=None) if st.cap_w is not None or st.cap_mhz is not None else st
         out = decide_one(given)
         if out is given:
@@ -959,8 +988,8 @@ def _acting(run: _Run, clocks: bool, step: Amount, decide_one: Callable[[_S], _S
 def _idle_clock(cfg: PowerSavingConfig, ctx: PolicyContext, ceiling: float) -> float:
     """The idle clock cap (MHz) with the clocks actuator: the lowest supported clock, MHz, or a percent of the
     GPU's maximum clock; within [lowest, ceiling]."""
-    clocks = ctx.constraints.graphics_clocks_mhz
-    lowest = float(min(clocks)) if clocks else 0.0
+    clocks = _clock_steps(ctx.constraints)
+    lowest = min(clocks) if clocks else 0.0
     amount = cfg.idle_clock
     if amount.kind == "min":
         cap = lowest
@@ -1329,11 +1358,13 @@ def _decide_full(
     run.max_temp_c, run.release_temp_c = _thermal_thresholds(config.thermal, sample_values)
     current_w = _current_limit_w(ctx, sample_values)
     ceiling = _ceiling(state, ctx, current_w)
-    clocks_wanted = config.thermal.actuator == "clocks" or config.power_saving.actuator == "clocks"
+    # No power cap to act on (a Jetson): the power actuator acts through the clocks where the backend has them.
+    no_cap = "power_limit" in ctx.constraints.unsupported
+    clocks_wanted = no_cap or config.thermal.actuator == "clocks" or config.power_saving.actuator == "clocks"
     clock_ceiling = _clock_ceiling(ctx) if clocks_wanted else None
 
     health = _health(state.health, run, sample_values)
-    thermal_clocks = config.thermal.actuator == "clocks" and clock_ceiling is not None
+    thermal_clocks = (no_cap or config.thermal.actuator == "clocks") and clock_ceiling is not None
     thermal = _acting(
         run,
         thermal_clocks,
@@ -1342,7 +1373,7 @@ def _decide_full(
         state.thermal,
     )
     # One change per interval: a thermal change this decision holds back a power-saving engagement.
-    power_clocks = config.power_saving.actuator == "clocks" and clock_ceiling is not None
+    power_clocks = (no_cap or config.power_saving.actuator == "clocks") and clock_ceiling is not None
     last_change = now_s if run.changed else state.last_change_s
     power = _acting(
         run,
@@ -1422,6 +1453,8 @@ class PolicyEngine:
         self._override_raw: dict[str, str | Mapping[str, Any]] = {}
         self._overrides: dict[str, PolicyConfig] = {}
         self._states: dict[str, PolicyState] = {}
+        #: GPUs whose actuator was looked at once their constraints were known (the fallback is logged once).
+        self._actuator_noted: set[str] = set()
 
     @property
     def config(self) -> PolicyConfig:
@@ -1462,12 +1495,38 @@ class PolicyEngine:
     def forget(self, uuid: str) -> None:
         """Drop a GPU that left the node (its Device was deleted)."""
         self._states.pop(uuid, None)
+        self._actuator_noted.discard(uuid)
         self._override_raw.pop(uuid, None)
         self._overrides.pop(uuid, None)
 
     def decide(self, uuid: str, sample_values: Mapping[str, Value], ctx: PolicyContext, now_s: float) -> Decision:
         """``decide`` for one GPU with its own config and state (events carry ``uuid`` when ``ctx`` names no
         GPU); the new state is kept."""
+        if uuid not in self._actuator_noted:
+            self._note_actuator(uuid, ctx.constraints)
         state, decision = _decide(self.state(uuid), sample_values, ctx, self.config_for(uuid), now_s, ctx.uuid or uuid)
         self._states[uuid] = state
         return decision
+
+    def _note_actuator(self, uuid: str, c: Constraints) -> None:
+        """Log once per GPU, when its constraints are known, that a power actuator acts through the clocks."""
+        if not (c.unsupported or c.graphics_clocks_mhz or c.gpu_freqs_mhz):
+            return  # not known yet
+        self._actuator_noted.add(uuid)
+        cfg = self.config_for(uuid)
+        power_actuated = [
+            name
+            for name, on, actuator in (
+                ("thermal throttling", cfg.thermal.enabled, cfg.thermal.actuator),
+                ("power saving", cfg.power_saving.enabled, cfg.power_saving.actuator),
+            )
+            if on and actuator == "power"
+        ]
+        if power_actuated and _clocks_instead_of_power(c):
+            what = "the devfreq max_freq" if c.gpu_freqs_mhz and not c.graphics_clocks_mhz else "the locked SM clock"
+            log.info(
+                "GPU %s has no power cap: %s (actuator power) acts through the GPU clock instead (%s)",
+                uuid,
+                " and ".join(power_actuated),
+                what,
+            )

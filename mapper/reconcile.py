@@ -10,7 +10,8 @@ is re-applied within one cycle and counted.
 Action groups: the power limit, the two locked-clock *pairs* (min and max are one NVML call) and the two modes;
 on a Jetson the devfreq range (``gpu_min_freq`` / ``gpu_max_freq``, one ``set_gpu_freq_range`` call: values snap
 to the frequencies the GPU offers, the maximum down and the minimum up) and the nvpmodel ``power_mode``, set
-through the backend's ``FrequencyActuator`` methods. Counters and the ``desired_status`` twin use the group names;
+through the backend's ``FrequencyActuator`` methods; a policy's clock cap (``PolicyLimit.clock_max_mhz``) binds
+there as the devfreq maximum. Counters and the ``desired_status`` twin use the group names;
 statuses and acks are per property.
 
 No I/O here: the backend is the ``mapper.model.GpuBackend`` Protocol and time comes from an injected ``Clock``.
@@ -323,7 +324,7 @@ def plan(
 
     # --- Jetson: the power mode first (nvpmodel resets the devfreq range), then the range -------------
     _plan_power_mode(desired, constraints, restore_set, restore_modes, statuses, add_target, in_force, restored)
-    _plan_freq_range(desired, constraints, clamp, restore_set, statuses, add_target, in_force, restored)
+    _plan_freq_range(desired, constraints, limits, clamp, restore_set, statuses, add_target, in_force, restored)
     range_target = targets.get("gpu_freq_range")
     groups_acting = {a.group for a in actions}
     if range_target is not None and "power_mode" in groups_acting and "gpu_freq_range" not in groups_acting:
@@ -384,6 +385,7 @@ def _snap(value: float, allowed: tuple[float, ...], down: bool) -> float | None:
 def _plan_freq_range(
     desired: Mapping[str, DesiredValue],
     constraints: Constraints,
+    limits: list[PolicyLimit],
     clamp: bool,
     restore: set[str],
     statuses: dict[str, Status],
@@ -396,7 +398,23 @@ def _plan_freq_range(
     d_min, d_max = desired.get(min_prop), desired.get(max_prop)
     allowed = tuple(sorted(constraints.gpu_freqs_mhz))
     default = constraints.gpu_freq_default_mhz or ((allowed[0], allowed[-1]) if allowed else None)
+    # A policy's clock cap (the clocks actuator on a Jetson) snapped down to a frequency the GPU offers; it binds
+    # only below the maximum in force without it (the cloud's, else the default): policies only tighten.
+    caps = sorted((lim.clock_max_mhz, lim.policy) for lim in limits if lim.clock_max_mhz)
+    cap = None
+    if caps and allowed and not group_unsupported(constraints, group):
+        cap = (_snap(caps[0][0], allowed, down=True) or allowed[0], caps[0][1])
+
+    def capped(lo: float, hi: float) -> Target | None:
+        if cap is None or cap[0] >= hi - FREQ_TOLERANCE_MHZ:
+            return None
+        target = Target(group, (min(lo, cap[0]), cap[0]), "policy", policy=cap[1])
+        add_target(target)
+        return target
+
     if d_min is None and d_max is None:
+        if default is not None and capped(float(default[0]), float(default[1])) is not None:
+            return
         asked = restore & {min_prop, max_prop}
         if asked:
             if default is None or group_unsupported(constraints, group):
@@ -409,15 +427,15 @@ def _plan_freq_range(
         return
     present = {d.prop: d for d in (d_min, d_max) if d is not None}
 
-    def reject(reason: str) -> None:
+    def reject(reason: str, reasons: Mapping[str, str] | None = None) -> None:
         for prop in present:
-            statuses[prop] = Status("rejected", reason)
+            statuses[prop] = Status("rejected", (reasons or {}).get(prop, reason))
+        if default is not None:  # a rejected value leaves the default in force: a policy cap still binds below it
+            capped(float(default[0]), float(default[1]))
 
     bad = {prop: d.reason or "wrong-type" for prop, d in present.items() if not d.valid}
     if bad:  # a bad side carries its own reason; the other cannot apply alone and shows the same
-        first = next(iter(bad.values()))
-        for prop in present:
-            statuses[prop] = Status("rejected", bad.get(prop, first))
+        reject(next(iter(bad.values())), bad)
         return
     if not allowed or default is None or group_unsupported(constraints, group):
         reject("not-supported")
@@ -436,6 +454,11 @@ def _plan_freq_range(
         clamped = True
     if lo > hi:
         reject("out-of-range")
+        return
+    policy = capped(lo, hi)
+    if policy is not None:
+        for prop in present:
+            statuses[prop] = Status("overridden", _tag(policy.policy))
         return
     target = Target(group, (lo, hi), "desired", clamped=clamped)
     add_target(target)

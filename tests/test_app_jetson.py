@@ -152,3 +152,57 @@ def test_the_backend_choice_follows_the_flags_and_refuses_a_mismatch(tmp_path: P
         wants_jetson(replace(base, sim=1, sim_profile="orin-agx", backend="nvml"))
     with pytest.raises(ConfigError, match="a Jetson has one GPU"):
         build_backend(replace(base, sim=2, sim_profile="orin-nano"))
+
+
+@pytest.mark.timeout(90)
+async def test_on_a_simulated_orin_power_saving_lowers_the_maximum_frequency_and_the_twins_show_the_override(
+    mosquitto, tmp_path: Path
+):
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    settings = fast_settings(
+        str(tmp_path / "data"),
+        devices_dir=str(devices),
+        mqtt=MqttSettings(url=mosquitto.url),
+        sim=1,
+        sim_profile="orin-agx",
+        sim_scenario="idle",
+        policies={"powerSaving": {"idleFor": "1s", "idleClock": "510MHz"}},
+    )
+    backend = build_backend(settings)
+    (gpu,) = backend.list_gpus()
+    (devices / "orin0.yaml").write_text(DEVICE.format(uuid=gpu.uuid))
+    max_freq = tmp_path / "data/sim-jetson/sys/class/devfreq/17000000.gpu/max_freq"
+    listener = Listener(mosquitto.port, "$hw/events/device/default/orin0/#", "gpu-mapper/#")
+    app = MapperApp(settings, backend)
+    stop = asyncio.Event()
+    task = asyncio.create_task(app.run(stop))
+    try:
+        await wait_for(lambda: app.metrics is not None or task.done(), what="the mapper to start")
+        assert not task.done(), f"the mapper exited early with {task.result()}"
+        # An idle board: power saving lowers the devfreq maximum below the cloud's 612 MHz (no power cap to act on).
+        await wait_for(lambda: max_freq.read_text().strip() == "510000000", what="510 MHz in max_freq")
+        updates = await wait_for(
+            lambda: [
+                u
+                for u in matching(listener, "/twin/update")
+                if twin_value(u, "policy_state") == "power-saving:active"
+                and "overridden-power_saving" in str(twin_value(u, "desired_status"))
+            ],
+            what="power saving and its override in the twins",
+        )
+        assert twin_value(updates[-1], "desired_status") == "gpu_freq_range:overridden-power_saving"
+        engaged = await wait_for(
+            lambda: [e for e in matching(listener, "/orin0/events") if e.get("action") == "engage"],
+            what="the engage event",
+        )
+        assert (engaged[0]["policy"], engaged[0]["oldClockLimit"], engaged[0]["newClockLimit"]) == (
+            "power-saving",
+            612.0,
+            510.0,
+        )
+    finally:
+        listener.close()
+        stop.set()
+        code = await asyncio.wait_for(task, 15)
+        assert code == 0, f"the mapper exited with {code}"
