@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,15 @@ async def test_the_loop_writes_the_status_file_each_round_and_logs_a_failure_wit
         return MapperSnapshot(node="edge-1", taken_at_ms=rounds)
 
     data = tmp_path / "data"
+    swapping = threading.Lock()  # held while the test swaps the data dir: no write (on its thread) in between
+
+    def write(snap: MapperSnapshot) -> None:
+        with swapping:
+            write_status_file(data, snap)
+
     hk = Housekeeping(
         snapshot,
-        lambda snap: write_status_file(data, snap),
+        write,
         None,
         PolicyEngine(),
         lambda: {},
@@ -104,10 +111,11 @@ async def test_the_loop_writes_the_status_file_each_round_and_logs_a_failure_wit
         await wait_for(lambda: rounds >= 3, what="three rounds")
         assert read_status_file(data).taken_at_ms >= 2
         # The data dir becomes a file: the write fails, is logged, and the loop goes on.
-        for entry in data.iterdir():
-            entry.unlink()
-        data.rmdir()
-        data.write_text("not a directory")
+        with swapping:
+            for entry in data.iterdir():
+                entry.unlink()
+            data.rmdir()
+            data.write_text("not a directory")
         seen = rounds
         with caplog.at_level(logging.WARNING, logger="mapper.app"):
             await wait_for(lambda: rounds >= seen + 2, what="two more rounds")
