@@ -35,7 +35,7 @@ from mapper.healthloop import HealthMonitor
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
 from mapper.model import GpuInfo, Sample
-from mapper.mqtt import MqttSession, MqttSessions
+from mapper.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.processloop import process_loop
 from mapper.publish import Publisher
@@ -199,7 +199,9 @@ class MapperApp:
         self.bindings.store = self.store
         self.bindings.restore_desired()
         if self.settings.mqtt.url:
-            self.session = self._make_session(self.settings.mqtt.url)
+            self.session = mapper_session(
+                self.settings.mqtt.url, self.settings.mqtt, self.node, self.publisher.status_topic
+            )
             self.sessions.add(self.session)
             self.publisher.session = self.session
             if self.settings.eventbus_enabled:
@@ -450,21 +452,6 @@ class MapperApp:
     # ==============================================================================================
     # MQTT
     # ==============================================================================================
-    def _make_session(self, url: str) -> MqttSession:
-        """The default broker's session: the last will marks this mapper offline."""
-        m = self.settings.mqtt
-        return MqttSession(
-            url,
-            m.client_id or f"gpu-mapper-{self.node}",
-            will_topic=self.publisher.status_topic,
-            will_payload=b"offline",
-            username=m.username,
-            password=m.password,
-            ca_file=m.ca_file,
-            cert_file=m.cert_file,
-            key_file=m.key_file,
-        )
-
     async def _publisher_for(self, address: str) -> Callable[..., Awaitable[None]]:
         """A property's ``pushMethod.mqtt.address``: its own long-lived session, made once."""
         new = address not in self.sessions

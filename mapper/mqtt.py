@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import paho.mqtt.client as paho
 
 from mapper.clock import next_on_grid, sleep_or_wake
+from mapper.config import MqttSettings
 from mapper.errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
@@ -792,3 +793,19 @@ class MqttSessions:
     async def close(self, timeout_s: float = 5.0) -> None:
         sessions, self._sessions = list(self._sessions.values()), {}
         await asyncio.gather(*(s.stop(timeout_s) for s in sessions), return_exceptions=True)
+
+
+def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str) -> MqttSession:
+    """The default broker's session of the mapper on ``node`` (``mqtt:`` settings: credentials, TLS, client id,
+    by default ``gpu-mapper-<node>``): its last will marks the mapper offline on ``will_topic``."""
+    return MqttSession(
+        url,
+        settings.client_id or f"gpu-mapper-{node}",
+        will_topic=will_topic,
+        will_payload=b"offline",
+        username=settings.username,
+        password=settings.password,
+        ca_file=settings.ca_file,
+        cert_file=settings.cert_file,
+        key_file=settings.key_file,
+    )
