@@ -33,7 +33,14 @@ from typing import Protocol
 
 from mapper.clock import Clock
 from mapper.errors import MapperError
-from mapper.telemetry import BatchCodec, BatchFormatError, decode_batch, merge_batches
+from mapper.telemetry import (
+    MERGED_FORMAT_VERSION,
+    MERGED_FORMAT_VERSION_3,
+    BatchCodec,
+    BatchFormatError,
+    decode_batch,
+    merge_batches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,8 @@ class CompactionRowLike(Protocol):
     def size(self) -> int: ...
     @property
     def merged(self) -> bool: ...
+    @property
+    def cold(self) -> bool: ...
 
 
 class CompactableBuffer(Protocol):
@@ -171,10 +180,13 @@ class Compactor:
                 if not group:
                     continue
                 closed = (group[0].ts_last_ms // slot_ms + 1) * slot_ms + min_age_ms <= now
-                if closed and len(group) == 1:
+                # One row of a slot that is over is finished, unless it is an open slot's merge (format 3): that is
+                # put in its cold form (one row re-encoded).
+                recode = closed and len(group) == 1 and group[0].merged and not group[0].cold
+                if closed and len(group) == 1 and not recode:
                     continue  # finished: nothing more will join it
                 unfinished.append(group[0].id)
-                if len(group) < 2 or any(r.id in busy for r in group):
+                if (len(group) < 2 and not recode) or any(r.id in busy for r in group):
                     continue
                 if closed or sum(1 for r in group if not r.merged) >= st.partial_after:
                     due.append(group)
@@ -187,8 +199,16 @@ class Compactor:
 
     # ------------------------------------------------------------------------------------------ merging
 
-    def _merge(self, originals: dict[int, bytes]) -> _Merged:
-        """Decode and merge (pure CPU; runs in a worker thread from ``run``)."""
+    def closed(self, group: Sequence[CompactionRowLike]) -> bool:
+        """Whether nothing more will join the group: its slot is over and every batch of it is a candidate."""
+        st = self.settings
+        slot_ms = max(1, round(st.slot_s * 1000))
+        return (group[0].ts_last_ms // slot_ms + 1) * slot_ms + round(st.min_age_s * 1000) <= self.clock.wall_ms()
+
+    def _merge(self, originals: dict[int, bytes], final: bool = True) -> _Merged:
+        """Decode and merge (pure CPU; runs in a worker thread from ``run``). ``final``: the group's slot is over,
+        so the merged batch is the slot's cold form: format 4, its columns planned in segments (several times the
+        CPU of format 3); an open slot's merge, which a later one replaces, is format 3."""
         t0 = time.thread_time()
         decoded = []
         bad: dict[int, str] = {}
@@ -200,7 +220,9 @@ class Compactor:
         if bad:
             return _Merged(originals, None, 0, time.thread_time() - t0, "; ".join(bad.values()), frozenset(bad))
         try:
-            merged = merge_batches(decoded, self._codec)
+            merged = merge_batches(
+                decoded, self._codec, version=MERGED_FORMAT_VERSION if final else MERGED_FORMAT_VERSION_3
+            )
         except ValueError as exc:
             return _Merged(originals, None, 0, time.thread_time() - t0, str(exc), frozenset(originals))
         return _Merged(originals, merged.payload, merged.ts_last_ms, time.thread_time() - t0)
@@ -229,6 +251,8 @@ class Compactor:
         before = sum(len(p) for p in m.originals.values())
         if len(m.payload) >= before:
             st.merges_skipped += 1
+            if len(m.originals) == 1:  # a cold form no smaller: the row stays as it is, and is not tried again
+                self._failed.update(m.originals)
             return False
         if not self.buffer.replace(m.originals, m.payload, m.ts_last_ms):
             st.merges_skipped += 1
@@ -253,7 +277,7 @@ class Compactor:
                 if max_merges is not None and done >= max_merges:
                     break
                 originals = self._originals(group)
-                if originals and self._store(self._merge(originals)):
+                if originals and self._store(self._merge(originals, self.closed(group))):
                     progressed = True
                 done += 1
             if not progressed:
@@ -279,7 +303,7 @@ class Compactor:
                     if not originals:
                         continue
                     started = time.monotonic()
-                    merged = await asyncio.to_thread(self._merge, originals)
+                    merged = await asyncio.to_thread(self._merge, originals, self.closed(group))
                     if any(i in set(self._busy()) for i in originals):
                         self.stats.merges_skipped += 1
                         continue

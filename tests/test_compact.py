@@ -302,3 +302,50 @@ def _row_of(b: EncodedBatch) -> dict[str, object]:
         "topic": default_topic(NODE, b.device),
         "payload": b.payload,
     }
+
+
+def test_an_open_slot_is_merged_in_format_3_and_put_in_its_cold_form_format_4_once_it_is_over(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    settings = CompactionSettings(min_age_s=30, slot_s=600, partial_after=6)
+    batches = _batches(clock, "default/gpu0", 599)  # the whole slot [0, 600 s): 60 batches
+    _store(buf, batches)
+    before = _all_samples(buf)
+    clock.advance(10)  # the slot is over, but its last batches are younger than min_age_s: not closed yet
+    compactor = Compactor(buf, clock, settings)
+    compactor.compact_all()
+    versions = [r.payload[1] for r in buf.pending(10**6)]
+    assert 3 in versions and 4 not in versions, versions
+    clock.advance(60)  # now closed: what is left merges, and one merged row of format 3 is re-encoded alone
+    compactor.compact_all()
+    rows = buf.pending(10**6)
+    assert [r.payload[1] for r in rows] == [4]
+    assert _all_samples(buf) == before
+    assert [s for part in _parts(buf) for s in part] == [b.seq for b in batches]
+    # Finished: nothing more to do, and a fresh compactor (a restarted mapper) finds nothing either.
+    merges = compactor.stats.merges
+    assert compactor.compact_all().merges == merges
+    assert Compactor(buf, clock, settings).compact_all().merges == 0
+
+
+def test_a_merged_row_of_a_closed_slot_is_put_in_its_cold_form_alone(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    settings = CompactionSettings(min_age_s=0, slot_s=600, partial_after=60)
+    batches = _batches(clock, "default/gpu0", 599)
+    _store(buf, batches)
+    before = _all_samples(buf)
+    # Every batch of the slot merged while it was open (format 3): one row.
+    open_slot = Compactor(buf, FakeClock(start_wall_ms=ALIGNED + 599_500), settings)
+    open_slot.compact_all()
+    rows = buf.pending(10**6)
+    assert [r.payload[1] for r in rows] == [3]
+    size_v3 = len(rows[0].payload)
+    clock.advance(30)
+    stats = Compactor(buf, clock, settings).compact_all()
+    rows = buf.pending(10**6)
+    assert (stats.merges, stats.rows_removed, [r.payload[1] for r in rows]) == (1, 0, [4])
+    assert len(rows[0].payload) < size_v3
+    assert _all_samples(buf) == before

@@ -150,7 +150,7 @@ def _merged_golden() -> tuple[list[DecodedBatch], bytes]:
         decode_batch(encode_batch(r, seq=seq, uuid_in_header=k == 0, **COMMON).payload)
         for k, (seq, r) in enumerate(zip((10, 12, 13), rows, strict=True))
     ]
-    return originals, merge_batches(originals, BatchCodec(dictionary_id=0)).payload
+    return originals, merge_batches(originals, BatchCodec(dictionary_id=0), version=3).payload
 
 
 #: Format 3 as it was first written (2026-12): the merged batch of ``_merged_golden``, kept raw (flags 0: zstd
@@ -182,8 +182,63 @@ def test_every_binary_version_the_decoder_reads_has_a_golden_batch_that_decodes(
     assert [dict(s.values) for s in v2.samples] == want
     assert GOLDEN_V2_DICT2[2] >> 4 == 2
     assert decode_batch(GOLDEN_MERGED).version == 3
-    with pytest.raises(BatchFormatError, match="version 4 is not supported"):
-        decode_batch(b"G\x04\x00" + GOLDEN_MERGED[3:])
+    assert decode_batch(GOLDEN_MERGED_V4).version == 4
+    with pytest.raises(BatchFormatError, match="version 5 is not supported"):
+        decode_batch(b"G\x05\x00" + GOLDEN_MERGED[3:])
+
+
+def _golden_v4_rows() -> list[list[Sample]]:
+    """Four batches of 12 rows: a level that steps (a quiet stretch, a busy one, a quiet one), a slow counter, a
+    temperature that steps twice; what format 4 cuts into segments."""
+    rows: list[list[Sample]] = []
+    for k in range(4):
+        part = []
+        for i in range(12):
+            t = k * 12 + i
+            level = 65_000 + (t * 7919) % 2001 if 12 <= t < 30 else 600_000 + (t * 104_729) % 175_001
+            v: dict[str, Value] = {"power_usage": level, "temperature": 60 + t // 20, "memory_used": 2**30 * (t // 30)}
+            part.append(Sample("", T0 + 1000 * t, v))
+        rows.append(part)
+    return rows
+
+
+def _golden_v4_body() -> bytes:
+    from mapper import telemetry
+
+    samples = [s for part in _golden_v4_rows() for s in part]
+    parts = [BatchPart(20 + k, 12, "") for k in range(4)]
+    meta, _, _, out = telemetry._body(samples, "edge-1", "default/gpu0", "", "0badf00d", 20, False, parts, 4)
+    return bytes(meta) + bytes(out.data) + out.bits.bytes()
+
+
+#: Format 4 as it was first written (2026-12): the segmented body of ``_golden_v4_rows`` (seqs 20-23), kept raw.
+GOLDEN_MERGED_V4 = b"G\x04\x00" + bytes.fromhex(
+    "3098ef020006656467652d310c64656661756c742f67707530030c09070905898080808004000c0badf00d1480909282e73304180018"
+    "0018001813030c1212e6017fe30192018f820188010578000400c0c7548a850c5b1e5169c68e9d279c757bdb3d5fd4898c80a9a5f566"
+    "1e4fb8184114b42a4001195345600f79cc002ce00c4d6e85336e2e692b8ca76c23a7756daa678ed6102c9c04e0908588fa8ea30ed425"
+    "7793ae0a79a77004000004004000000000f0ff3f"
+)
+
+
+def test_a_merged_batch_of_format_4_is_frozen_and_decodes_and_is_smaller_than_format_3() -> None:
+    assert _golden_v4_body() == GOLDEN_MERGED_V4[3:], "the encoder still writes format 4 as it was defined"
+    decoded = decode_batch(GOLDEN_MERGED_V4)
+    assert (decoded.version, decoded.seqs, decoded.uuid) == (4, (20, 21, 22, 23), "")
+    _same_samples(decoded.samples, [s for part in _golden_v4_rows() for s in part])
+    originals = [
+        decode_batch(encode_batch(r, seq=20 + k, uuid_in_header=False, **{**COMMON, "uuid": ""}).payload)
+        for k, r in enumerate(_golden_v4_rows())
+    ]
+    plain = BatchCodec(dictionary_id=0)
+    v3, v4 = (decode_batch(merge_batches(originals, plain, version=v).payload) for v in (3, 4))
+    _same_samples(v4.samples, list(decoded.samples))
+    _same_samples(v3.samples, list(decoded.samples))
+    from mapper import telemetry
+
+    samples = [s for part in _golden_v4_rows() for s in part]
+    parts = [BatchPart(20 + k, 12, "") for k in range(4)]
+    meta3, _, _, out3 = telemetry._body(samples, "edge-1", "default/gpu0", "", "0badf00d", 20, False, parts, 3)
+    assert len(GOLDEN_MERGED_V4) - 3 < len(meta3) + len(out3.data) + len(out3.bits.bytes())
 
 
 @pytest.mark.parametrize(
