@@ -21,7 +21,9 @@ The full layout, with the series meta and data, is in docs/telemetry.md.
 
 Version 3 is a merged batch (backlog compaction, ``merge_batches``): a version 2 body over the rows of several
 batches of one stream, with a parts table (each part's seq, rows, whether its header carried the uuid) after the
-first timestamp. ``decode_batch`` reads both; ``DecodedBatch.split`` gives back the batches a merged one holds.
+first timestamp. Version 4 is a merged batch in its cold form (a slot that is over): version 3 with int columns
+that may come in segments, each segment's fields one mixed-radix number (``_Sections.segment_plan``).
+``decode_batch`` reads all three; ``DecodedBatch.split`` gives back the batches a merged one holds.
 
 A batch decodes on its own: the only outside data is the static, versioned dictionary shipped in the package.
 A property whose values change type between rows (never the case for the NVML backend) becomes one series per
@@ -37,6 +39,7 @@ import operator
 import re
 import struct
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, NamedTuple, cast
@@ -695,6 +698,7 @@ class _BitReader:
 SEGMENT_STEP = 8
 SEGMENT_REACH = 32
 _SEGMENTED = 4
+_SPARSE = 6
 #: A radix code below this is the radix less one (exact, lower bound unrounded); from it on, ``_radix_of``.
 _RADIX_EXACT = 32
 _MAX_RADIX_EXP = 4096
@@ -827,11 +831,62 @@ def _segment_plan(ints: Sequence[int], flat: _IntPlan | _BlockedPlan) -> _SegPla
     return best
 
 
-def _merged_plan(ints: Sequence[int]) -> _IntPlan | _BlockedPlan | _SegPlan:
-    """Format 4's planner: the smallest of ``_blocked_plan`` and the segmented plans."""
+class _SparsePlan(NamedTuple):
+    """Format 4 only: the values (order 0) or differences (order 1) are one value, the mode, but at a few
+    positions (a counter that rarely steps, a level that rarely moves): the mode, then the exceptions as two
+    small int columns of their own, the gaps between them and their values (each a flat plan)."""
+
+    order: int
+    seeds: list[int]
+    mode: int
+    n_exceptions: int
+    gaps: _PlanFields
+    values: _PlanFields
+    cost: int
+    #: No gcd in the meta part (the values' plan has its own).
+    gcd: int = 1
+
+
+def _sparse_plan(ints: Sequence[int], flat: _IntPlan | _BlockedPlan) -> _SparsePlan | None:
+    """The cheaper sparse plan of orders 0 and 1 (order 1 only when ``flat`` found differences cheaper), or None
+    when no order has at least two exceptions and at most one field in four an exception."""
+    best: _SparsePlan | None = None
+    seq: Sequence[int] = ints
+    seeds: list[int] = []
+    for order in range(2 if flat.order else 1):
+        if order:
+            seeds = [seq[0]]
+            seq = list(map(operator.sub, seq[1:], seq))
+        mode, count = Counter(seq).most_common(1)[0]
+        n_exc = len(seq) - count
+        if n_exc < 2 or n_exc * 4 > len(seq):
+            continue
+        where = [i for i, x in enumerate(seq) if x != mode]
+        gaps = _plan_fields([b - a - 1 for a, b in zip([-1, *where], where, strict=False)])
+        values = _plan_fields([seq[i] for i in where])
+        cost = (
+            sum(_zz_len(x) for x in seeds) + 1 + _zz_len(mode) + _uv_len(n_exc) + _flat_cost(gaps) + _flat_cost(values)
+        )
+        if best is None or cost < best.cost:
+            best = _SparsePlan(order, list(seeds), mode, n_exc, gaps, values, cost)
+    return best
+
+
+def _flat_cost(plan: _PlanFields) -> int:
+    """The bytes of a flat plan written whole into the data part (``_put_flat``): its cost, with the gcd and the
+    base's residue as varints of their own."""
+    g = plan[3]
+    return plan[6] + (_uv_len(g) + _uv_len(plan[2] % g) if g > 1 else 1)
+
+
+def _merged_plan(ints: Sequence[int]) -> _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan:
+    """Format 4's planner: the smallest of ``_blocked_plan``, the segmented and the sparse plans."""
     flat = _blocked_plan(ints)
-    seg = _segment_plan(ints, flat)
-    return seg if seg is not None and seg.cost < flat.cost else flat
+    best: _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan = flat
+    for other in (_segment_plan(ints, flat), _sparse_plan(ints, flat)):
+        if other is not None and other.cost < best.cost:
+            best = other
+    return best
 
 
 def _put_mixed_radix(bits: _BitWriter, fields: Sequence[int], radix: int) -> None:
@@ -921,7 +976,34 @@ class _Sections:
             prev_lo = lo
             pos += rows
 
-    def plan(self, plan: _IntPlan | _PlanFields | _BlockedPlan | _SegPlan) -> None:
+    def sparse_plan(self, plan: _SparsePlan) -> None:
+        """Format 4: data: (6 + order) << 2 | 3, seeds, zz(mode), the number of exceptions, then the gaps and
+        the values of the exceptions, each a flat plan written whole here (``_put_flat``)."""
+        order, seeds, mode, count, gaps, values, _, _ = plan
+        data = self.data
+        _put_uvarint(data, (_SPARSE + order) << 2 | _BLOCKED)
+        for x in seeds:
+            _put_uvarint(data, _zz(x))
+        _put_uvarint(data, _zz(mode))
+        _put_uvarint(data, count)
+        self._put_flat(gaps)
+        self._put_flat(values)
+
+    def _put_flat(self, plan: _PlanFields) -> None:
+        """A flat plan in the data part only: width << 2 | order, seeds, gcd (1: none), residue when the gcd is
+        above 1, zz(base div gcd); its fields in the bit stream."""
+        order, seeds, base, g, width, seq, _ = plan
+        data = self.data
+        _put_uvarint(data, width << 2 | order)
+        for x in seeds:
+            _put_uvarint(data, _zz(x))
+        _put_uvarint(data, g)
+        if g > 1:
+            _put_uvarint(data, base % g)
+        _put_uvarint(data, _zz(base // g))
+        self.bits.put_offsets(seq, base, g, width)
+
+    def plan(self, plan: _IntPlan | _PlanFields | _BlockedPlan | _SegPlan | _SparsePlan) -> None:
         """Meta: [gcd, base mod gcd]; data: width << 2 | order, seeds, base (div gcd); bits: fields. (Zigzag is
         written out here: this runs for every changing column of every batch.)"""
         if type(plan) is _BlockedPlan:
@@ -929,6 +1011,9 @@ class _Sections:
             return
         if type(plan) is _SegPlan:
             self.segment_plan(plan)
+            return
+        if type(plan) is _SparsePlan:
+            self.sparse_plan(plan)
             return
         order, seeds, base, g, width, seq, _ = cast("_PlanFields", plan)
         data = self.data
@@ -1025,7 +1110,7 @@ def _encode_series(
     vtype: int,
     n_rows: int,
     header_uuid: str,
-    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan | _SegPlan] = _int_plan,
+    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan] = _int_plan,
 ) -> None:
     meta, data = out.meta, out.data
     code = _KNOWN_CODE.get(name, 0)
@@ -1309,6 +1394,8 @@ def _read_plan_data(r: _Reader, n: int, g: int, residue: int, version: int) -> C
     head = r.uvarint()
     width, order = head >> 2, head & 3
     blocked = version >= MERGED_FORMAT_VERSION_3
+    if order == _BLOCKED and version >= MERGED_FORMAT_VERSION and width >= _SPARSE:
+        return _read_sparse_data(r, n, g, residue, width - _SPARSE)
     if order == _BLOCKED and version >= MERGED_FORMAT_VERSION and width >= _SEGMENTED:
         return _read_segment_data(r, n, g, residue, width - _SEGMENTED)
     widths: list[int] | None = None
@@ -1347,6 +1434,67 @@ def _read_plan_data(r: _Reader, n: int, g: int, residue: int, version: int) -> C
                 out.append(acc)
             seq = out
         return seq
+
+    return ints
+
+
+def _integrate(seq: list[int], seeds: Sequence[int]) -> list[int]:
+    """Undo ``len(seeds)`` orders of differencing: the last seed first."""
+    for seed in reversed(seeds):
+        acc = seed
+        out = [acc]
+        for d in seq:
+            acc += d
+            out.append(acc)
+        seq = out
+    return seq
+
+
+def _read_flat(r: _Reader, n: int) -> Callable[[_BitReader], list[int]]:
+    """A flat plan of ``n`` values written whole into the data part (``_Sections._put_flat``)."""
+    head = r.uvarint()
+    width, order = head >> 2, head & 3
+    if order > 2 or (order >= n and n):
+        raise BatchFormatError(f"int column of {n} values cannot have difference order {order}")
+    if width > _MAX_WIDTH:
+        raise BatchFormatError(f"bit width {width} is beyond {_MAX_WIDTH}")
+    seeds = [_unzz(r.uvarint()) for _ in range(order)]
+    g = r.uvarint()
+    if g == 0:
+        raise BatchFormatError("an int column has gcd 0")
+    residue = r.uvarint() if g > 1 else 0
+    base = _unzz(r.uvarint()) * g + residue
+
+    def ints(bits: _BitReader) -> list[int]:
+        return _integrate([base + g * f for f in bits.take(n - order, width)], seeds)
+
+    return ints
+
+
+def _read_sparse_data(r: _Reader, n: int, g: int, residue: int, order: int) -> Callable[[_BitReader], list[int]]:
+    """A sparse int column's data (format 4, see ``_Sections.sparse_plan``) and the function that takes its
+    fields from the bit stream."""
+    if order > 1 or order >= n:
+        raise BatchFormatError(f"sparse int column of {n} values cannot have difference order {order}")
+    seeds = [_unzz(r.uvarint()) for _ in range(order)]
+    mode = _unzz(r.uvarint())
+    count = r.uvarint()
+    if count < 2 or count > n - order:
+        raise BatchFormatError(f"int column of {n - order} fields claims {count} exceptions")
+    gaps = _read_flat(r, count)
+    values = _read_flat(r, count)
+
+    def ints(bits: _BitReader) -> list[int]:
+        seq = [mode] * (n - order)
+        pos = -1
+        for gap, value in zip(gaps(bits), values(bits), strict=True):
+            pos += gap + 1
+            if gap < 0 or pos >= len(seq):
+                raise BatchFormatError(f"an exception of an int column falls outside its {n - order} fields")
+            seq[pos] = value
+        if g > 1:
+            seq = [residue + g * y for y in seq]
+        return _integrate(seq, seeds)
 
     return ints
 
@@ -1509,7 +1657,7 @@ def _body(
     meta = out.meta
     _put_uvarint(meta, n_rows)
     _put_uvarint(meta, span)
-    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan | _SegPlan] = (
+    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan] = (
         _int_plan if parts is None else _merged_plan if version >= MERGED_FORMAT_VERSION else _blocked_plan
     )
     if ts[0] == ts_first and (n_rows == 1 or (span % (n_rows - 1) == 0 and _evenly(ts, span // (n_rows - 1)))):
