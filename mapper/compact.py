@@ -74,8 +74,12 @@ class CompactableBuffer(Protocol):
 class CompactionSettings:
     #: A batch is a candidate once its last sample is this old.
     min_age_s: float = 30.0
-    #: The slot (and so the longest span) of a merged batch.
+    #: The slot of a merged batch while its slot is open: what a merge of waiting batches spans at most.
     slot_s: float = 600.0
+    #: The cold slot: once it is over, the merged batches of its slots are merged again into one (format 4), so
+    #: a merged batch spans at most this long (at least ``slot_s``). Fewer, longer rows: less of the SQLite file
+    #: goes to row overhead and part-filled pages, and the columns' plans span more rows.
+    cold_slot_s: float = 3600.0
     #: Merge a slot before it is over once it holds this many batches not merged yet.
     partial_after: int = 6
     #: At most this fraction of one core, averaged over each merge and the pause after it (``run``).
@@ -83,11 +87,18 @@ class CompactionSettings:
     #: How often ``run`` looks for work when there was none.
     interval_s: float = 30.0
 
+    @property
+    def cold_slot_ms(self) -> float:
+        """The cold slot in ms: ``cold_slot_s``, or ``slot_s`` when that is longer."""
+        return max(self.cold_slot_s, self.slot_s) * 1000
+
     def __post_init__(self) -> None:
         if not self.min_age_s >= 0:
             raise ValueError(f"compaction min_age_s must be >= 0, got {self.min_age_s}")
         if not self.slot_s > 0:
             raise ValueError(f"compaction slot_s must be > 0, got {self.slot_s}")
+        if not self.cold_slot_s > 0:
+            raise ValueError(f"compaction cold_slot_s must be > 0, got {self.cold_slot_s}")
         if self.partial_after < 2:
             raise ValueError(f"compaction partial_after must be >= 2, got {self.partial_after}")
         if not 0 < self.cpu_fraction <= 1:
@@ -151,40 +162,61 @@ class Compactor:
 
     # ------------------------------------------------------------------------------------------ planning
 
+    def _slot_of(self, ts_last_ms: int, now_ms: int) -> tuple[int, int]:
+        """The slot a row's last sample puts it in: (1, its cold slot) once that cold slot is over (with
+        ``min_age_s`` more), else (0, its slot)."""
+        st = self.settings
+        min_age_ms = round(st.min_age_s * 1000)
+        cold_ms = max(1, round(st.cold_slot_ms))
+        if (ts_last_ms // cold_ms + 1) * cold_ms + min_age_ms <= now_ms:
+            return 1, ts_last_ms // cold_ms
+        return 0, ts_last_ms // max(1, round(st.slot_s * 1000))
+
+    def closed(self, group: Sequence[CompactionRowLike]) -> bool:
+        """Whether nothing more will join the group before its merge: its slot (or its cold slot) is over and every
+        batch of it is a candidate."""
+        st = self.settings
+        now = self.clock.wall_ms()
+        level, slot = self._slot_of(group[0].ts_last_ms, now)
+        if level:
+            return True
+        slot_ms = max(1, round(st.slot_s * 1000))
+        return (slot + 1) * slot_ms + round(st.min_age_s * 1000) <= now
+
     def due_groups(self) -> list[list[CompactionRowLike]]:
-        """The groups to merge now, oldest first (each at least two consecutive rows of one stream and slot)."""
+        """The groups to merge now, oldest first (each at least two consecutive rows of one stream and slot, or one
+        merged row of an open slot's form (format 3) whose slot is over, to be put in its cold form)."""
         st = self.settings
         now = self.clock.wall_ms()
         min_age_ms = round(st.min_age_s * 1000)
-        slot_ms = max(1, round(st.slot_s * 1000))
         rows = self.buffer.compaction_rows(before_ms=now - min_age_ms, after_id=self._done_through)
-        runs: dict[int, list[list[CompactionRowLike]]] = {}
+        runs: dict[int, list[tuple[tuple[int, int], list[CompactionRowLike]]]] = {}
         for row in rows:
             stream_runs = runs.setdefault(row.stream, [])
             if row.id in self._failed:  # a row that did not merge: left as it is, and it parts its neighbours
-                stream_runs.append([])
+                stream_runs.append(((-1, 0), []))
                 continue
-            if (
-                stream_runs
-                and stream_runs[-1]
-                and stream_runs[-1][-1].ts_last_ms // slot_ms == row.ts_last_ms // slot_ms
-            ):
-                stream_runs[-1].append(row)
+            slot = self._slot_of(row.ts_last_ms, now)
+            if stream_runs and stream_runs[-1][1] and stream_runs[-1][0] == slot:
+                stream_runs[-1][1].append(row)
             else:
-                stream_runs.append([row])
+                stream_runs.append((slot, [row]))
         busy = set(self._busy())
         due: list[list[CompactionRowLike]] = []
         unfinished: list[int] = []
         for stream_runs in runs.values():
-            for group in stream_runs:
+            for (level, _), group in stream_runs:
                 if not group:
                     continue
-                closed = (group[0].ts_last_ms // slot_ms + 1) * slot_ms + min_age_ms <= now
-                # One row of a slot that is over is finished, unless it is an open slot's merge (format 3): that is
-                # put in its cold form (one row re-encoded).
+                closed = self.closed(group)
+                # One row of a slot that is over is done with, unless it is an open slot's merge (format 3): that is
+                # put in its cold form (one row re-encoded). A cold row of a cold slot not over yet waits for the
+                # other slots of its cold slot.
                 recode = closed and len(group) == 1 and group[0].merged and not group[0].cold
                 if closed and len(group) == 1 and not recode:
-                    continue  # finished: nothing more will join it
+                    if not level and st.cold_slot_ms > st.slot_s * 1000:
+                        unfinished.append(group[0].id)
+                    continue
                 unfinished.append(group[0].id)
                 if (len(group) < 2 and not recode) or any(r.id in busy for r in group):
                     continue
@@ -198,12 +230,6 @@ class Compactor:
         return due
 
     # ------------------------------------------------------------------------------------------ merging
-
-    def closed(self, group: Sequence[CompactionRowLike]) -> bool:
-        """Whether nothing more will join the group: its slot is over and every batch of it is a candidate."""
-        st = self.settings
-        slot_ms = max(1, round(st.slot_s * 1000))
-        return (group[0].ts_last_ms // slot_ms + 1) * slot_ms + round(st.min_age_s * 1000) <= self.clock.wall_ms()
 
     def _merge(self, originals: dict[int, bytes], final: bool = True) -> _Merged:
         """Decode and merge (pure CPU; runs in a worker thread from ``run``). ``final``: the group's slot is over,
