@@ -8,9 +8,13 @@ sees SQLite. Live telemetry is not touched: a batch becomes a candidate only onc
   to the epoch) that holds a batch's last sample, and only consecutive rows of the stream (in id order) form a
   group. A group is merged once its slot is over (with ``min_age_s`` more, so every batch of it is a
   candidate), or earlier when it holds ``partial_after`` batches that were not merged yet (a merged batch may
-  be merged again with the batches after it). So a 10-minute slot costs about five merges, whatever the backlog.
-* A merge decodes the group, makes one merged batch (``mapper.telemetry.merge_batches``, format version 3:
-  the concatenation of the originals, keeping each one's seq as a part) and hands it to
+  be merged again with the batches after it). So a 10-minute slot costs about ten merges, whatever the backlog.
+* Once the **cold slot** (``cold_slot_s``, an hour by default) that holds a row's last sample is over, the rows
+  of its slots form one group again and merge into one batch: a day offline ends as 24 rows per stream.
+* A merge decodes the group, makes one merged batch (``mapper.telemetry.merge_batches``: the concatenation of
+  the originals, keeping each one's seq as a part; format version 3 while the slot is open, since a later merge
+  replaces it, and format 4, the cold form, planned column by column at several times the CPU, once the slot
+  is over; a lone format 3 row of a slot that is over is re-encoded so) and hands it to
   ``CompactableBuffer.replace``: ONE transaction in which the last row takes the merged payload and the others
   are deleted, refused when any of them changed meanwhile (acked, dropped). A merge that would not save bytes
   is not stored, so compaction never grows the buffer.
