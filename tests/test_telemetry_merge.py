@@ -360,3 +360,56 @@ def test_the_cold_form_plans_a_switching_noisy_column_in_segments_and_a_rare_ste
     decoded = decode_batch(v4.payload)
     assert [s.values["pcie_tx"] for s in decoded.samples] == switching
     assert [s.values["energy_consumption"] for s in decoded.samples] == counter
+
+
+def _raw_v4_batches() -> list[bytes]:
+    """Merged batches of format 4 with their bodies left uncompressed, so that damage reaches the parser."""
+    from mapper import telemetry
+
+    rnd = __import__("random").Random(9)
+    rows = [
+        Sample(
+            "",
+            T0 + 1000 * i + (rnd.randrange(5) if i % 7 == 0 else 0),
+            {
+                "pcie_tx": (900_000 if (i // 30) % 2 else 2_000) + rnd.randrange(50_000),
+                "memory_used": 2**30 * (i // 90),
+                "xid_last": 79 if i in (17, 120) else 0,
+                "temperature": 40 + i // 25,
+                "power_usage": (65_000 + rnd.randrange(2001)) / 1000,
+            },
+        )
+        for i in range(200)
+    ]
+    parts = [BatchPart(k, 20, "") for k in range(10)]
+    meta, _, _, out = telemetry._body(rows, "edge-1", "default/gpu0", "", "0badf00d", 0, False, parts, 4)
+    return [GOLDEN_MERGED_V4, b"G\x04\x00" + bytes(meta) + bytes(out.data) + out.bits.bytes()]
+
+
+RAW_V4 = _raw_v4_batches()
+
+
+def test_the_raw_format_4_batches_of_the_damage_test_decode() -> None:
+    for raw in RAW_V4:
+        assert decode_batch(raw).version == 4
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(RAW_V4), st.sampled_from(["flip", "truncate", "insert"]), st.data())
+def test_a_damaged_batch_of_format_4_decodes_or_is_refused_with_a_batch_format_error(
+    raw: bytes, how: str, data: st.DataObject
+) -> None:
+    damaged = bytearray(raw)
+    if how == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(3, len(damaged) - 1))
+            damaged[i] ^= 1 << data.draw(st.integers(0, 7))
+    elif how == "truncate":
+        damaged = damaged[: data.draw(st.integers(3, len(damaged) - 1))]
+    else:
+        i = data.draw(st.integers(3, len(damaged)))
+        damaged[i:i] = data.draw(st.binary(min_size=1, max_size=12))
+    try:
+        decode_batch(bytes(damaged))
+    except BatchFormatError:
+        pass
