@@ -162,6 +162,9 @@ class Compactor:
         self._done_through = 0
         #: Rows whose merge failed (they do not decode, or do not merge): never grouped again.
         self._failed: set[int] = set()
+        #: Groups whose merge was not smaller (e.g. the slots of a cold slot whose decimal columns need more
+        #: decimals together than apart): not merged again while they stay the same rows.
+        self._no_gain: set[frozenset[int]] = set()
         self.stats = CompactionStats()
 
     # ------------------------------------------------------------------------------------------ planning
@@ -213,6 +216,10 @@ class Compactor:
                 if not group:
                     continue
                 closed = self.closed(group)
+                if frozenset(r.id for r in group) in self._no_gain:
+                    if not closed:
+                        unfinished.append(group[0].id)
+                    continue
                 # One row of a slot that is over is done with, unless it is an open slot's merge (format 3): that is
                 # put in its cold form (one row re-encoded). A cold row of a cold slot not over yet waits for the
                 # other slots of its cold slot.
@@ -281,8 +288,7 @@ class Compactor:
         before = sum(len(p) for p in m.originals.values())
         if len(m.payload) >= before:
             st.merges_skipped += 1
-            if len(m.originals) == 1:  # a cold form no smaller: the row stays as it is, and is not tried again
-                self._failed.update(m.originals)
+            self._no_gain.add(frozenset(m.originals))  # the rows stay as they are, and are not tried again so
             return False
         if not self.buffer.replace(m.originals, m.payload, m.ts_last_ms):
             st.merges_skipped += 1

@@ -729,18 +729,18 @@ def _radix_of(code: int) -> tuple[int, int]:
     return (16 + m) << (e + 1), e + 1
 
 
-def _radix_code(lo: int, hi: int) -> tuple[int, int, int]:
-    """The smallest radix code whose (rounded) range covers ``lo .. hi``: (code, R, lo rounded down to 2**e)."""
+def _radix_code(lo: int, hi: int) -> tuple[int, int, int, int]:
+    """The smallest radix code whose (rounded) range covers ``lo .. hi``: (code, R, lo rounded down to 2**e, e)."""
     span = hi - lo + 1
     if span <= _RADIX_EXACT:
-        return span - 1, span, lo
+        return span - 1, span, lo, 0
     e = max(1, (span - 1).bit_length() - 5)
     while True:
         low = lo >> e << e
         k = -(-(hi - low + 1) >> e)  # units of 2**e needed
         if k <= 31:
             m = max(0, k - 16)
-            return _RADIX_EXACT + 16 * (e - 1) + m, (16 + m) << e, low
+            return _RADIX_EXACT + 16 * (e - 1) + m, (16 + m) << e, low, e
         e += 1
 
 
@@ -783,11 +783,13 @@ def _segments(ys: Sequence[int]) -> tuple[list[tuple[int, int, int]], float]:
             if span <= _RADIX_EXACT:
                 code, radix, low, e = span - 1, span, lo, 0
             else:
-                code, radix, low = _radix_code(lo, hi)
-                e = _radix_of(code)[1]
+                code, radix, low, e = _radix_code(lo, hi)
             d = (low >> e) - (prev_lo >> e)
-            head = 8 * (_uv_len(rows) + _uv_len(code) + _uv_len(d << 1 if d >= 0 else (-d << 1) - 1))
-            cost = here + head + (rows * log2(radix) if radix > 1 else 0.0)
+            d = d << 1 if d >= 0 else (-d << 1) - 1
+            # The three varints' bytes (written out for the usual one-byte case: this is the planner's inner loop).
+            head = (1 if rows < 0x80 else _uv_len(rows)) + (1 if code < 0x80 else _uv_len(code))
+            head += 1 if d < 0x80 else _uv_len(d)
+            cost = here + 8 * head + (rows * log2(radix) if radix > 1 else 0.0)
             if cost < best[b]:
                 best[b] = cost
                 back[b] = a

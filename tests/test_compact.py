@@ -382,3 +382,29 @@ def test_the_slots_of_a_cold_slot_that_is_over_merge_again_into_one_batch_in_ord
     assert second_hour > 300 and [len(s) for s in seqs][:2] == [360, second_hour]
     assert [s for part in seqs for s in part] == [b.seq for b in batches + more]
     assert Compactor(buf, clock, settings).compact_all().merges == 0
+
+
+def test_a_group_whose_merge_is_not_smaller_is_left_as_it_is_and_not_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mapper.compact as compact_module
+
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    _store(buf, _batches(clock, "default/gpu0", 599))
+    before = [r.payload for r in buf.pending(10**6)]
+    clock.advance(120)
+    calls = []
+    real = compact_module.merge_batches
+
+    def bigger(*args: object, **kwargs: object) -> EncodedBatch:
+        calls.append(1)
+        merged = real(*args, **kwargs)  # type: ignore[arg-type]
+        return EncodedBatch(**{**merged.__dict__, "payload": merged.payload + bytes(10**5)})
+
+    monkeypatch.setattr(compact_module, "merge_batches", bigger)
+    compactor = Compactor(buf, clock, CompactionSettings(cold_slot_s=600))
+    for _ in range(3):
+        compactor.compact_all()
+    assert len(calls) == 1 and compactor.stats.merges == 0 and compactor.stats.merges_skipped == 1
+    assert [r.payload for r in buf.pending(10**6)] == before
