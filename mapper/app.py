@@ -221,7 +221,9 @@ class MapperApp:
         if self.settings.buffer_compact_after_s > 0:
             try:
                 compaction = CompactionSettings(
-                    min_age_s=self.settings.buffer_compact_after_s, slot_s=self.settings.buffer_compact_slot_s
+                    min_age_s=self.settings.buffer_compact_after_s,
+                    slot_s=self.settings.buffer_compact_slot_s,
+                    cold_slot_s=self.settings.buffer_compact_cold_slot_s,
                 )
             except ValueError as exc:
                 raise ConfigError(f"buffer: {exc}") from None

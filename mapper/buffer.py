@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.sqlitefiles import move_aside
-from mapper.telemetry import MERGED_FORMAT_VERSION, BatchFormatError, decode_batch
+from mapper.telemetry import MERGED_FORMAT_VERSION, MERGED_VERSIONS, BatchFormatError, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,10 @@ def _peek(payload: bytes, ts_last_ms: int) -> tuple[int, int]:
     return decoded.seq, decoded.ts_first_ms
 
 
-#: The version byte of a merged batch (mapper.telemetry.MERGED_FORMAT_VERSION).
-MERGED_VERSION = bytes((MERGED_FORMAT_VERSION,))
+#: The version bytes of a merged batch (mapper.telemetry.MERGED_VERSIONS: formats 3 and 4).
+MERGED_VERSION_BYTES = frozenset(bytes((v,)) for v in MERGED_VERSIONS)
+#: The version byte of a merged batch in its cold form (mapper.telemetry.MERGED_FORMAT_VERSION).
+COLD_VERSION = bytes((MERGED_FORMAT_VERSION,))
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,10 @@ class CompactionRow:
     stream: int
     ts_last_ms: int
     size: int
-    #: A merged batch already (format version 3).
+    #: A merged batch already (format version 3 or 4).
     merged: bool
+    #: In its cold form already: a merged batch of the format compaction writes when a slot is over (version 4).
+    cold: bool = False
 
 
 @dataclass(frozen=True)
@@ -720,7 +724,14 @@ class Buffer:
             ).fetchall()
             epoch = self._epoch_ms
             return [
-                CompactionRow(int(r[0]), int(r[1]), int(r[2]) + epoch, int(r[3]), bytes(r[4])[1:2] == MERGED_VERSION)
+                CompactionRow(
+                    int(r[0]),
+                    int(r[1]),
+                    int(r[2]) + epoch,
+                    int(r[3]),
+                    bytes(r[4])[1:2] in MERGED_VERSION_BYTES,
+                    bytes(r[4])[1:2] == COLD_VERSION,
+                )
                 for r in rows
                 if bytes(r[4])[:1] == b"G"
             ]
@@ -738,16 +749,17 @@ class Buffer:
         return self._run(select) if ids else {}
 
     def replace(self, originals: Mapping[int, bytes], payload: bytes, ts_last_ms: int) -> bool:
-        """Compaction's one transaction: the rows ``originals`` (id -> the payload that was merged; at least two,
-        one stream) become ONE row, the LAST id, holding ``payload`` (the merged batch) with ``ts_last_ms``; the
-        others are deleted. (The last id: the rows before it, with the other streams' rows merged in the same
-        pass, leave whole pages free for new rows; the first id would leave holes in half-empty pages.) Nothing
-        changes and False is returned when any of them is gone or holds another payload by now (acked, dropped,
-        replaced) or they are not of one stream. A crash at any point leaves
-        either every original or the merged row (SQLite commits the transaction whole)."""
+        """Compaction's one transaction: the rows ``originals`` (id -> the payload that was merged; one stream)
+        become ONE row, the LAST id, holding ``payload`` (the merged batch) with ``ts_last_ms``; the others are
+        deleted (one row: its payload is re-encoded in place, a merged batch put in its cold form). (The last id:
+        the rows before it, with the other streams' rows merged in the same pass, leave whole pages free for new
+        rows; the first id would leave holes in half-empty pages.) Nothing changes and False is returned when any
+        of them is gone or holds another payload by now (acked, dropped, replaced) or they are not of one stream.
+        A crash at any point leaves either every original or the merged row (SQLite commits the transaction
+        whole)."""
         ids = sorted(originals)
-        if len(ids) < 2:
-            raise ValueError("replace needs at least two rows")
+        if not ids:
+            raise ValueError("replace needs at least one row")
 
         def write(conn: sqlite3.Connection) -> tuple[bool, int]:
             conn.execute("BEGIN IMMEDIATE")
@@ -765,7 +777,8 @@ class Buffer:
                     return False, 0
                 # Delete first: the pages the old rows free are then reused for the merged payload in this very
                 # transaction, instead of the file growing by it and keeping the freed pages for later.
-                conn.execute(f"DELETE FROM batches WHERE id IN ({','.join('?' * (len(ids) - 1))})", tuple(ids[:-1]))
+                if len(ids) > 1:
+                    conn.execute(f"DELETE FROM batches WHERE id IN ({','.join('?' * (len(ids) - 1))})", tuple(ids[:-1]))
                 conn.execute(
                     "UPDATE batches SET payload = ?, ts_last_rel_ms = ? WHERE id = ?",
                     (payload, ts_last_ms - self._epoch_ms, ids[-1]),

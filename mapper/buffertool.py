@@ -361,7 +361,9 @@ def _openmetrics(batches: Iterator[DecodedBatch], out: IO[str]) -> None:
     out.write("# EOF\n")
 
 
-def compact(path: Path, out: IO[str], err: IO[str], *, min_age_s: float, slot_s: float) -> int:
+def compact(
+    path: Path, out: IO[str], err: IO[str], *, min_age_s: float, slot_s: float, cold_slot_s: float = 3600.0
+) -> int:
     """Merge every batch due (as the mapper's compaction would, now) and report what it did."""
     _say_in_use(path, err, writing=True)
     if not path.exists():
@@ -370,7 +372,8 @@ def compact(path: Path, out: IO[str], err: IO[str], *, min_age_s: float, slot_s:
     buf = Buffer(path, max_bytes=2**62, max_age_s=1e15, check_on_open=True)
     try:
         before = buf.stats()
-        st = Compactor(buf, SystemClock(), CompactionSettings(min_age_s=min_age_s, slot_s=slot_s)).compact_all()
+        settings = CompactionSettings(min_age_s=min_age_s, slot_s=slot_s, cold_slot_s=cold_slot_s)
+        st = Compactor(buf, SystemClock(), settings).compact_all()
         after = buf.stats()
     finally:
         buf.close()
@@ -423,6 +426,9 @@ def add_parser(sub: Any) -> None:
         if name == "compact":
             a.add_argument("--min-age", type=float, default=30.0, help="merge batches this many seconds old")
             a.add_argument("--slot", type=float, default=600.0, help="the slot of a merged batch, seconds")
+            a.add_argument(
+                "--cold-slot", type=float, default=3600.0, help="the cold slot: its slots merged into one, seconds"
+            )
 
 
 def main(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
@@ -438,7 +444,7 @@ def main(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | No
                 return export(path, args.format, fh, err, device=args.device, progress=args.progress)
         return export(path, args.format, out, err, device=args.device, progress=args.progress)
     if cmd == "compact":
-        return compact(path, out, err, min_age_s=args.min_age, slot_s=args.slot)
+        return compact(path, out, err, min_age_s=args.min_age, slot_s=args.slot, cold_slot_s=args.cold_slot)
     if cmd == "vacuum":
         return vacuum(path, out, err)
     raise BufferToolError(f"unknown buffer command {cmd!r}")

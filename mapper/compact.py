@@ -8,9 +8,13 @@ sees SQLite. Live telemetry is not touched: a batch becomes a candidate only onc
   to the epoch) that holds a batch's last sample, and only consecutive rows of the stream (in id order) form a
   group. A group is merged once its slot is over (with ``min_age_s`` more, so every batch of it is a
   candidate), or earlier when it holds ``partial_after`` batches that were not merged yet (a merged batch may
-  be merged again with the batches after it). So a 10-minute slot costs about five merges, whatever the backlog.
-* A merge decodes the group, makes one merged batch (``mapper.telemetry.merge_batches``, format version 3:
-  the concatenation of the originals, keeping each one's seq as a part) and hands it to
+  be merged again with the batches after it). So a 10-minute slot costs about ten merges, whatever the backlog.
+* Once the **cold slot** (``cold_slot_s``, an hour by default) that holds a row's last sample is over, the rows
+  of its slots form one group again and merge into one batch: a day offline ends as 24 rows per stream.
+* A merge decodes the group, makes one merged batch (``mapper.telemetry.merge_batches``: the concatenation of
+  the originals, keeping each one's seq as a part; format version 3 while the slot is open, since a later merge
+  replaces it, and format 4, the cold form, planned column by column at several times the CPU, once the slot
+  is over; a lone format 3 row of a slot that is over is re-encoded so) and hands it to
   ``CompactableBuffer.replace``: ONE transaction in which the last row takes the merged payload and the others
   are deleted, refused when any of them changed meanwhile (acked, dropped). A merge that would not save bytes
   is not stored, so compaction never grows the buffer.
@@ -33,7 +37,14 @@ from typing import Protocol
 
 from mapper.clock import Clock
 from mapper.errors import MapperError
-from mapper.telemetry import BatchCodec, BatchFormatError, decode_batch, merge_batches
+from mapper.telemetry import (
+    MERGED_FORMAT_VERSION,
+    MERGED_FORMAT_VERSION_3,
+    BatchCodec,
+    BatchFormatError,
+    decode_batch,
+    merge_batches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +60,8 @@ class CompactionRowLike(Protocol):
     def size(self) -> int: ...
     @property
     def merged(self) -> bool: ...
+    @property
+    def cold(self) -> bool: ...
 
 
 class CompactableBuffer(Protocol):
@@ -65,8 +78,12 @@ class CompactableBuffer(Protocol):
 class CompactionSettings:
     #: A batch is a candidate once its last sample is this old.
     min_age_s: float = 30.0
-    #: The slot (and so the longest span) of a merged batch.
+    #: The slot of a merged batch while its slot is open: what a merge of waiting batches spans at most.
     slot_s: float = 600.0
+    #: The cold slot: once it is over, the merged batches of its slots are merged again into one (format 4), so
+    #: a merged batch spans at most this long (at least ``slot_s``). Fewer, longer rows: less of the SQLite file
+    #: goes to row overhead and part-filled pages, and the columns' plans span more rows.
+    cold_slot_s: float = 3600.0
     #: Merge a slot before it is over once it holds this many batches not merged yet.
     partial_after: int = 6
     #: At most this fraction of one core, averaged over each merge and the pause after it (``run``).
@@ -74,11 +91,18 @@ class CompactionSettings:
     #: How often ``run`` looks for work when there was none.
     interval_s: float = 30.0
 
+    @property
+    def cold_slot_ms(self) -> float:
+        """The cold slot in ms: ``cold_slot_s``, or ``slot_s`` when that is longer."""
+        return max(self.cold_slot_s, self.slot_s) * 1000
+
     def __post_init__(self) -> None:
         if not self.min_age_s >= 0:
             raise ValueError(f"compaction min_age_s must be >= 0, got {self.min_age_s}")
         if not self.slot_s > 0:
             raise ValueError(f"compaction slot_s must be > 0, got {self.slot_s}")
+        if not self.cold_slot_s > 0:
+            raise ValueError(f"compaction cold_slot_s must be > 0, got {self.cold_slot_s}")
         if self.partial_after < 2:
             raise ValueError(f"compaction partial_after must be >= 2, got {self.partial_after}")
         if not 0 < self.cpu_fraction <= 1:
@@ -138,43 +162,74 @@ class Compactor:
         self._done_through = 0
         #: Rows whose merge failed (they do not decode, or do not merge): never grouped again.
         self._failed: set[int] = set()
+        #: Groups whose merge was not smaller (e.g. the slots of a cold slot whose decimal columns need more
+        #: decimals together than apart): not merged again while they stay the same rows.
+        self._no_gain: set[frozenset[int]] = set()
         self.stats = CompactionStats()
 
     # ------------------------------------------------------------------------------------------ planning
 
+    def _slot_of(self, ts_last_ms: int, now_ms: int) -> tuple[int, int]:
+        """The slot a row's last sample puts it in: (1, its cold slot) once that cold slot is over (with
+        ``min_age_s`` more), else (0, its slot)."""
+        st = self.settings
+        min_age_ms = round(st.min_age_s * 1000)
+        cold_ms = max(1, round(st.cold_slot_ms))
+        if (ts_last_ms // cold_ms + 1) * cold_ms + min_age_ms <= now_ms:
+            return 1, ts_last_ms // cold_ms
+        return 0, ts_last_ms // max(1, round(st.slot_s * 1000))
+
+    def closed(self, group: Sequence[CompactionRowLike]) -> bool:
+        """Whether nothing more will join the group before its merge: its slot (or its cold slot) is over and every
+        batch of it is a candidate."""
+        st = self.settings
+        now = self.clock.wall_ms()
+        level, slot = self._slot_of(group[0].ts_last_ms, now)
+        if level:
+            return True
+        slot_ms = max(1, round(st.slot_s * 1000))
+        return (slot + 1) * slot_ms + round(st.min_age_s * 1000) <= now
+
     def due_groups(self) -> list[list[CompactionRowLike]]:
-        """The groups to merge now, oldest first (each at least two consecutive rows of one stream and slot)."""
+        """The groups to merge now, oldest first (each at least two consecutive rows of one stream and slot, or one
+        merged row of an open slot's form (format 3) whose slot is over, to be put in its cold form)."""
         st = self.settings
         now = self.clock.wall_ms()
         min_age_ms = round(st.min_age_s * 1000)
-        slot_ms = max(1, round(st.slot_s * 1000))
         rows = self.buffer.compaction_rows(before_ms=now - min_age_ms, after_id=self._done_through)
-        runs: dict[int, list[list[CompactionRowLike]]] = {}
+        runs: dict[int, list[tuple[tuple[int, int], list[CompactionRowLike]]]] = {}
         for row in rows:
             stream_runs = runs.setdefault(row.stream, [])
             if row.id in self._failed:  # a row that did not merge: left as it is, and it parts its neighbours
-                stream_runs.append([])
+                stream_runs.append(((-1, 0), []))
                 continue
-            if (
-                stream_runs
-                and stream_runs[-1]
-                and stream_runs[-1][-1].ts_last_ms // slot_ms == row.ts_last_ms // slot_ms
-            ):
-                stream_runs[-1].append(row)
+            slot = self._slot_of(row.ts_last_ms, now)
+            if stream_runs and stream_runs[-1][1] and stream_runs[-1][0] == slot:
+                stream_runs[-1][1].append(row)
             else:
-                stream_runs.append([row])
+                stream_runs.append((slot, [row]))
         busy = set(self._busy())
         due: list[list[CompactionRowLike]] = []
         unfinished: list[int] = []
         for stream_runs in runs.values():
-            for group in stream_runs:
+            for (level, _), group in stream_runs:
                 if not group:
                     continue
-                closed = (group[0].ts_last_ms // slot_ms + 1) * slot_ms + min_age_ms <= now
-                if closed and len(group) == 1:
-                    continue  # finished: nothing more will join it
+                closed = self.closed(group)
+                if frozenset(r.id for r in group) in self._no_gain:
+                    if not closed:
+                        unfinished.append(group[0].id)
+                    continue
+                # One row of a slot that is over is done with, unless it is an open slot's merge (format 3): that is
+                # put in its cold form (one row re-encoded). A cold row of a cold slot not over yet waits for the
+                # other slots of its cold slot.
+                recode = closed and len(group) == 1 and group[0].merged and not group[0].cold
+                if closed and len(group) == 1 and not recode:
+                    if not level and st.cold_slot_ms > st.slot_s * 1000:
+                        unfinished.append(group[0].id)
+                    continue
                 unfinished.append(group[0].id)
-                if len(group) < 2 or any(r.id in busy for r in group):
+                if (len(group) < 2 and not recode) or any(r.id in busy for r in group):
                     continue
                 if closed or sum(1 for r in group if not r.merged) >= st.partial_after:
                     due.append(group)
@@ -187,8 +242,10 @@ class Compactor:
 
     # ------------------------------------------------------------------------------------------ merging
 
-    def _merge(self, originals: dict[int, bytes]) -> _Merged:
-        """Decode and merge (pure CPU; runs in a worker thread from ``run``)."""
+    def _merge(self, originals: dict[int, bytes], final: bool = True) -> _Merged:
+        """Decode and merge (pure CPU; runs in a worker thread from ``run``). ``final``: the group's slot is over,
+        so the merged batch is the slot's cold form: format 4, its columns planned in segments (several times the
+        CPU of format 3); an open slot's merge, which a later one replaces, is format 3."""
         t0 = time.thread_time()
         decoded = []
         bad: dict[int, str] = {}
@@ -200,7 +257,9 @@ class Compactor:
         if bad:
             return _Merged(originals, None, 0, time.thread_time() - t0, "; ".join(bad.values()), frozenset(bad))
         try:
-            merged = merge_batches(decoded, self._codec)
+            merged = merge_batches(
+                decoded, self._codec, version=MERGED_FORMAT_VERSION if final else MERGED_FORMAT_VERSION_3
+            )
         except ValueError as exc:
             return _Merged(originals, None, 0, time.thread_time() - t0, str(exc), frozenset(originals))
         return _Merged(originals, merged.payload, merged.ts_last_ms, time.thread_time() - t0)
@@ -229,6 +288,7 @@ class Compactor:
         before = sum(len(p) for p in m.originals.values())
         if len(m.payload) >= before:
             st.merges_skipped += 1
+            self._no_gain.add(frozenset(m.originals))  # the rows stay as they are, and are not tried again so
             return False
         if not self.buffer.replace(m.originals, m.payload, m.ts_last_ms):
             st.merges_skipped += 1
@@ -253,7 +313,7 @@ class Compactor:
                 if max_merges is not None and done >= max_merges:
                     break
                 originals = self._originals(group)
-                if originals and self._store(self._merge(originals)):
+                if originals and self._store(self._merge(originals, self.closed(group))):
                     progressed = True
                 done += 1
             if not progressed:
@@ -279,7 +339,7 @@ class Compactor:
                     if not originals:
                         continue
                     started = time.monotonic()
-                    merged = await asyncio.to_thread(self._merge, originals)
+                    merged = await asyncio.to_thread(self._merge, originals, self.closed(group))
                     if any(i in set(self._busy()) for i in originals):
                         self.stats.merges_skipped += 1
                         continue

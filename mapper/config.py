@@ -138,9 +138,11 @@ class Settings:
     buffer_max_age_s: float = 7 * 86400.0
     replay_rate_bytes_per_s: int | None = None
     #: Backlog compaction (mapper.compact): waiting batches merged per stream into ``buffer_compact_slot_s``
-    #: batches once ``buffer_compact_after_s`` old; 0 = off.
+    #: batches once ``buffer_compact_after_s`` old (0 = off), and those again into one per
+    #: ``buffer_compact_cold_slot_s`` once that is over.
     buffer_compact_after_s: float = 30.0
     buffer_compact_slot_s: float = 600.0
+    buffer_compact_cold_slot_s: float = 3600.0
     #: DMI rate budget shared by every report of this mapper (EdgeCore allows 1/s, burst 100, node-wide).
     dmi_rate_per_s: float = 0.8
     dmi_burst: int = 10
@@ -230,6 +232,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "replay_rate_bytes_per_s": ("buffer.replayRateLimit", "size"),
     "buffer_compact_after_s": ("buffer.compactAfter", "duration"),
     "buffer_compact_slot_s": ("buffer.compactSlot", "duration"),
+    "buffer_compact_cold_slot_s": ("buffer.compactColdSlot", "duration"),
     "dmi_rate_per_s": ("dmi.ratePerSecond", "float"),
     "dmi_burst": ("dmi.burst", "int"),
     "dmi_max_message_bytes": ("dmi.maxMessageBytes", "size"),

@@ -21,7 +21,9 @@ The full layout, with the series meta and data, is in docs/telemetry.md.
 
 Version 3 is a merged batch (backlog compaction, ``merge_batches``): a version 2 body over the rows of several
 batches of one stream, with a parts table (each part's seq, rows, whether its header carried the uuid) after the
-first timestamp. ``decode_batch`` reads both; ``DecodedBatch.split`` gives back the batches a merged one holds.
+first timestamp. Version 4 is a merged batch in its cold form (a slot that is over): version 3 with int columns
+that may come in segments, each segment's fields one mixed-radix number (``_Sections.segment_plan``).
+``decode_batch`` reads all three; ``DecodedBatch.split`` gives back the batches a merged one holds.
 
 A batch decodes on its own: the only outside data is the static, versioned dictionary shipped in the package.
 A property whose values change type between rows (never the case for the NVML backend) becomes one series per
@@ -37,6 +39,7 @@ import operator
 import re
 import struct
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, NamedTuple, cast
@@ -54,10 +57,15 @@ MAGIC = b"G"
 HEADER_BYTES = 3
 #: The version of the batches the live path writes (one per window).
 FORMAT_VERSION = 2
-#: The version of a merged batch (``merge_batches``): a version 2 body over every row, then its parts.
-MERGED_FORMAT_VERSION = 3
+#: The version of a merged batch as ``merge_batches`` writes it: version 3 with segmented int columns.
+MERGED_FORMAT_VERSION = 4
+#: The first version of a merged batch: a version 2 body over every row (int columns may come in blocks of
+#: ``BLOCK_FIELDS``), then its parts; ``merge_batches(..., version=3)`` still writes it.
+MERGED_FORMAT_VERSION_3 = 3
+#: The versions of merged batches (each has a parts table).
+MERGED_VERSIONS = (3, 4)
 #: The binary versions ``decode_batch`` reads.
-READABLE_VERSIONS = (2, 3)
+READABLE_VERSIONS = (2, 3, 4)
 #: The JSON format did not change with binary version 2; its documents say version 1.
 JSON_FORMAT_VERSION = 1
 JSON_FORMAT_NAME = "gpu-mapper-telemetry"
@@ -197,7 +205,7 @@ class DecodedBatch:
         """The batches this one holds, each as it decoded before it was merged (version 2, its own seq, uuid,
         samples and time range). A consumer that drops duplicates by ``(device, boot_id, seq)`` does it per part:
         a merged batch may repeat batches it already has, or be repeated by them."""
-        if not self.parts or (len(self.parts) == 1 and (self.fmt, self.version) != ("binary", MERGED_FORMAT_VERSION)):
+        if not self.parts or (len(self.parts) == 1 and (self.fmt != "binary" or self.version not in MERGED_VERSIONS)):
             return (self,)
         out = []
         start = 0
@@ -684,6 +692,236 @@ class _BitReader:
         return out
 
 
+#: Format 4 only: the rows a segment boundary may fall on in a busy column (every changing column's segments start
+#: at a multiple of this, or where its value changes when it changes rarely), and how many such steps one segment
+#: may span at most while planning.
+SEGMENT_STEP = 8
+SEGMENT_REACH = 32
+_SEGMENTED = 4
+_SPARSE = 6
+#: A radix code below this is the radix less one (exact, lower bound unrounded); from it on, ``_radix_of``.
+_RADIX_EXACT = 32
+_MAX_RADIX_EXP = 4096
+
+
+class _SegPlan(NamedTuple):
+    """Format 4 only: the values (order 0) or differences (order 1, 2) as ``residue + gcd * y``, the ys cut into
+    segments, each coded as ``lo + f`` with every f below the segment's radix R, the fields of a segment written
+    as ONE number in base R (mixed radix: ``log2(R)`` bits a field, not a whole bit more). A quiet stretch costs
+    nothing (R = 1), a busy one what its own range needs; where the segments fall is planned per column."""
+
+    order: int
+    seeds: list[int]
+    gcd: int
+    residue: int
+    #: (rows, radix code, lo) per segment.
+    segments: list[tuple[int, int, int]]
+    ys: Sequence[int]
+    cost: int
+
+
+def _radix_of(code: int) -> tuple[int, int]:
+    """The radix R of a radix code and the exponent e of its lower bound's unit (the lower bound is a multiple of
+    2**e): codes below 32 are R = code + 1, e = 0; then R = (16 + m) << e, code = 32 + 16 * (e - 1) + m."""
+    if code < _RADIX_EXACT:
+        return code + 1, 0
+    e, m = divmod(code - _RADIX_EXACT, 16)
+    return (16 + m) << (e + 1), e + 1
+
+
+def _radix_code(lo: int, hi: int) -> tuple[int, int, int, int]:
+    """The smallest radix code whose (rounded) range covers ``lo .. hi``: (code, R, lo rounded down to 2**e, e)."""
+    span = hi - lo + 1
+    if span <= _RADIX_EXACT:
+        return span - 1, span, lo, 0
+    e = max(1, (span - 1).bit_length() - 5)
+    while True:
+        low = lo >> e << e
+        k = -(-(hi - low + 1) >> e)  # units of 2**e needed
+        if k <= 31:
+            m = max(0, k - 16)
+            return _RADIX_EXACT + 16 * (e - 1) + m, (16 + m) << e, low, e
+        e += 1
+
+
+def _uv_len(n: int) -> int:
+    return (n.bit_length() + 6) // 7 or 1
+
+
+def _segments(ys: Sequence[int]) -> tuple[list[tuple[int, int, int]], float]:
+    """The cheapest cut of ``ys`` into segments (dynamic programming over the candidate boundaries) and its cost
+    in bits: per segment its rows, radix code and lower bound (each a varint) and ``rows * log2(R)`` bits."""
+    n = len(ys)
+    changes = [i for i in range(1, n) if ys[i] != ys[i - 1]]
+    if len(changes) * SEGMENT_STEP < n:  # a quiet column: boundaries where it changes
+        cands = [0, *changes, n]
+    else:  # a busy one: every SEGMENT_STEP rows, and where it jumps most (a step up or down of its level)
+        jumps = sorted(range(1, n), key=lambda i: abs(ys[i] - ys[i - 1]), reverse=True)[: n // SEGMENT_STEP]
+        cands = sorted({*range(0, n, 2 * SEGMENT_STEP), *jumps, n})
+    m = len(cands)
+    pieces = [ys[cands[k] : cands[k + 1]] for k in range(m - 1)]
+    pmin = [min(p) for p in pieces]
+    pmax = [max(p) for p in pieces]
+    inf = float("inf")
+    best = [inf] * m
+    best[0] = 0.0
+    back = [0] * m
+    seg_at: list[tuple[int, int, int]] = [(0, 0, 0)] * m
+    log2 = math.log2
+    for a in range(m - 1):
+        here = best[a]
+        prev_lo = seg_at[a][2]
+        start = cands[a]
+        lo, hi = pmin[a], pmax[a]
+        for b in range(a + 1, min(m, a + 1 + SEGMENT_REACH)):
+            if pmin[b - 1] < lo:
+                lo = pmin[b - 1]
+            if pmax[b - 1] > hi:
+                hi = pmax[b - 1]
+            rows = cands[b] - start
+            span = hi - lo + 1
+            if span <= _RADIX_EXACT:
+                code, radix, low, e = span - 1, span, lo, 0
+            else:
+                code, radix, low, e = _radix_code(lo, hi)
+            d = (low >> e) - (prev_lo >> e)
+            d = d << 1 if d >= 0 else (-d << 1) - 1
+            # The three varints' bytes (written out for the usual one-byte case: this is the planner's inner loop).
+            head = (1 if rows < 0x80 else _uv_len(rows)) + (1 if code < 0x80 else _uv_len(code))
+            head += 1 if d < 0x80 else _uv_len(d)
+            cost = here + 8 * head + (rows * log2(radix) if radix > 1 else 0.0)
+            if cost < best[b]:
+                best[b] = cost
+                back[b] = a
+                seg_at[b] = (rows, code, low)
+    out = []
+    b = m - 1
+    while b:
+        out.append(seg_at[b])
+        b = back[b]
+    out.reverse()
+    return out, best[m - 1]
+
+
+def _segment_plan(ints: Sequence[int], flat: _IntPlan | _BlockedPlan) -> _SegPlan | None:
+    """The cheaper segmented plan of orders 0 and 1 (None for a column too short to be worth planning). Order 1
+    is planned only when the flat plan (``flat``) found differences cheaper than values: a column whose values are
+    cheaper whole is noise about a level, which differencing only widens."""
+    if len(ints) < 2 * SEGMENT_STEP:
+        return None
+    best: _SegPlan | None = None
+    seq: Sequence[int] = ints
+    seeds: list[int] = []
+    for order in range(2 if flat.order else 1):
+        if order:
+            seeds = [seq[0]]
+            seq = list(map(operator.sub, seq[1:], seq))
+        s0 = seq[0]
+        g = math.gcd(*(x - s0 for x in seq)) or 1
+        residue = s0 % g
+        ys = [(x - residue) // g for x in seq] if g > 1 else seq
+        segments, bits = _segments(ys)
+        cost = (
+            sum(_zz_len(x) for x in seeds)
+            + (_uv_len(g) + _uv_len(residue) if g > 1 else 0)
+            + 1
+            + _uv_len(len(segments))
+            + math.ceil(bits / 8)
+        )
+        if best is None or cost < best.cost:
+            best = _SegPlan(order, list(seeds), g, residue, segments, ys, cost)
+    return best
+
+
+class _SparsePlan(NamedTuple):
+    """Format 4 only: the values (order 0) or differences (order 1) are one value, the mode, but at a few
+    positions (a counter that rarely steps, a level that rarely moves): the mode, then the exceptions as two
+    small int columns of their own, the gaps between them and their values (each a flat plan)."""
+
+    order: int
+    seeds: list[int]
+    mode: int
+    n_exceptions: int
+    gaps: _PlanFields
+    values: _PlanFields
+    cost: int
+    #: No gcd in the meta part (the values' plan has its own).
+    gcd: int = 1
+
+
+def _sparse_plan(ints: Sequence[int], flat: _IntPlan | _BlockedPlan) -> _SparsePlan | None:
+    """The cheaper sparse plan of orders 0 and 1 (order 1 only when ``flat`` found differences cheaper), or None
+    when no order has at least two exceptions and at most one field in four an exception."""
+    best: _SparsePlan | None = None
+    seq: Sequence[int] = ints
+    seeds: list[int] = []
+    for order in range(2 if flat.order else 1):
+        if order:
+            seeds = [seq[0]]
+            seq = list(map(operator.sub, seq[1:], seq))
+        mode, count = Counter(seq).most_common(1)[0]
+        n_exc = len(seq) - count
+        if n_exc < 2 or n_exc * 4 > len(seq):
+            continue
+        where = [i for i, x in enumerate(seq) if x != mode]
+        gaps = _plan_fields([b - a - 1 for a, b in zip([-1, *where], where, strict=False)])
+        values = _plan_fields([seq[i] for i in where])
+        cost = (
+            sum(_zz_len(x) for x in seeds) + 1 + _zz_len(mode) + _uv_len(n_exc) + _flat_cost(gaps) + _flat_cost(values)
+        )
+        if best is None or cost < best.cost:
+            best = _SparsePlan(order, list(seeds), mode, n_exc, gaps, values, cost)
+    return best
+
+
+def _flat_cost(plan: _PlanFields) -> int:
+    """The bytes of a flat plan written whole into the data part (``_put_flat``): its cost, with the gcd and the
+    base's residue as varints of their own."""
+    g = plan[3]
+    return plan[6] + (_uv_len(g) + _uv_len(plan[2] % g) if g > 1 else 1)
+
+
+def _merged_plan(ints: Sequence[int]) -> _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan:
+    """Format 4's planner: the smallest of ``_blocked_plan``, the segmented and the sparse plans."""
+    flat = _blocked_plan(ints)
+    best: _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan = flat
+    for other in (_segment_plan(ints, flat), _sparse_plan(ints, flat)):
+        if other is not None and other.cost < best.cost:
+            best = other
+    return best
+
+
+def _put_mixed_radix(bits: _BitWriter, fields: Sequence[int], radix: int) -> None:
+    """``fields`` (each below ``radix``) as one number in base ``radix``, first field least significant, in
+    ``(radix ** len(fields) - 1).bit_length()`` bits; a power of two is plain bit packing (the same bits)."""
+    if radix == 1:
+        return
+    if radix & (radix - 1) == 0:
+        bits.put(fields, radix.bit_length() - 1)
+        return
+    number = 0
+    for f in reversed(fields):
+        number = number * radix + f
+    bits.put((number,), (radix ** len(fields) - 1).bit_length())
+
+
+def _take_mixed_radix(bits: _BitReader, count: int, radix: int) -> list[int]:
+    if radix == 1:
+        return [0] * count
+    if radix & (radix - 1) == 0:
+        return bits.take(count, radix.bit_length() - 1)
+    if count * (radix.bit_length() - 1) > bits.left:
+        raise BatchFormatError("batch truncated inside its bit stream")
+    number = bits.take(1, (radix**count - 1).bit_length())[0]
+    out = []
+    for _ in range(count):
+        number, f = divmod(number, radix)
+        out.append(f)
+    if number:
+        raise BatchFormatError(f"a segment of {count} fields in base {radix} holds a larger number")
+    return out
+
+
 class _Sections:
     """A body is written in three parts: ``meta`` (what stays the same from batch to batch: names, kinds,
     constants, string dictionaries), ``data`` (per-batch varints: seeds, bases, widths, bitmaps) and one bit
@@ -712,11 +950,72 @@ class _Sections:
             _put_uvarint(data, width)
             self.bits.put_offsets(seq[i * BLOCK_FIELDS : (i + 1) * BLOCK_FIELDS], base, g, width)
 
-    def plan(self, plan: _IntPlan | _PlanFields | _BlockedPlan) -> None:
+    def segment_plan(self, plan: _SegPlan) -> None:
+        """Format 4: meta: [gcd, residue]; data: (4 + order) << 2 | 3, seeds, the number of segments, then per
+        segment its rows, radix code and lower bound (zigzag, in units of its 2**e, less the previous segment's
+        lower bound in those units); bits: each segment's fields as one mixed-radix number."""
+        order, seeds, g, residue, segments, ys, _ = plan
+        if g > 1:
+            _put_uvarint(self.meta, g)
+            _put_uvarint(self.meta, residue)
+        data = self.data
+        _put_uvarint(data, (_SEGMENTED + order) << 2 | _BLOCKED)
+        for x in seeds:
+            _put_uvarint(data, _zz(x))
+        _put_uvarint(data, len(segments))
+        # Each list on its own (the rows of every segment, then the codes, then the bounds): columns that change
+        # level together have the same rows, which zstd then finds as one repeat.
+        for rows, _, _ in segments:
+            _put_uvarint(data, rows)
+        for _, code, _ in segments:
+            _put_uvarint(data, code)
+        prev_lo = 0
+        pos = 0
+        for rows, code, lo in segments:
+            radix, e = _radix_of(code)
+            _put_uvarint(data, _zz((lo >> e) - (prev_lo >> e)))
+            _put_mixed_radix(self.bits, [y - lo for y in ys[pos : pos + rows]], radix)
+            prev_lo = lo
+            pos += rows
+
+    def sparse_plan(self, plan: _SparsePlan) -> None:
+        """Format 4: data: (6 + order) << 2 | 3, seeds, zz(mode), the number of exceptions, then the gaps and
+        the values of the exceptions, each a flat plan written whole here (``_put_flat``)."""
+        order, seeds, mode, count, gaps, values, _, _ = plan
+        data = self.data
+        _put_uvarint(data, (_SPARSE + order) << 2 | _BLOCKED)
+        for x in seeds:
+            _put_uvarint(data, _zz(x))
+        _put_uvarint(data, _zz(mode))
+        _put_uvarint(data, count)
+        self._put_flat(gaps)
+        self._put_flat(values)
+
+    def _put_flat(self, plan: _PlanFields) -> None:
+        """A flat plan in the data part only: width << 2 | order, seeds, gcd (1: none), residue when the gcd is
+        above 1, zz(base div gcd); its fields in the bit stream."""
+        order, seeds, base, g, width, seq, _ = plan
+        data = self.data
+        _put_uvarint(data, width << 2 | order)
+        for x in seeds:
+            _put_uvarint(data, _zz(x))
+        _put_uvarint(data, g)
+        if g > 1:
+            _put_uvarint(data, base % g)
+        _put_uvarint(data, _zz(base // g))
+        self.bits.put_offsets(seq, base, g, width)
+
+    def plan(self, plan: _IntPlan | _PlanFields | _BlockedPlan | _SegPlan | _SparsePlan) -> None:
         """Meta: [gcd, base mod gcd]; data: width << 2 | order, seeds, base (div gcd); bits: fields. (Zigzag is
         written out here: this runs for every changing column of every batch.)"""
         if type(plan) is _BlockedPlan:
             self.blocked_plan(plan)
+            return
+        if type(plan) is _SegPlan:
+            self.segment_plan(plan)
+            return
+        if type(plan) is _SparsePlan:
+            self.sparse_plan(plan)
             return
         order, seeds, base, g, width, seq, _ = cast("_PlanFields", plan)
         data = self.data
@@ -813,7 +1112,7 @@ def _encode_series(
     vtype: int,
     n_rows: int,
     header_uuid: str,
-    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan] = _int_plan,
+    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan] = _int_plan,
 ) -> None:
     meta, data = out.meta, out.data
     code = _KNOWN_CODE.get(name, 0)
@@ -1050,10 +1349,10 @@ class _Column:
         return _from_bits(n)
 
     def read_data(
-        self, r: _Reader, n_rows: int, blocked: bool = False
+        self, r: _Reader, n_rows: int, version: int = FORMAT_VERSION
     ) -> tuple[list[int], Callable[[_BitReader], list[Value]]]:
-        """The rows this series has and a function that takes its values from the bit stream (``blocked``: format
-        3, whose int plans may come in blocks)."""
+        """The rows this series has and a function that takes its values from the bit stream (format 3 on: int
+        plans may come in blocks, format 4 on: in segments)."""
         if self.kind & _K_DENSE:
             rows = list(range(n_rows))
         else:
@@ -1067,7 +1366,7 @@ class _Column:
                 raise BatchFormatError(f"series {self.name!r}: no values")
             return rows, lambda _bits: [value] * n
         if vtype in (_T_INT, _T_DEC):
-            ints = _read_plan_data(r, n, self.gcd, self.residue, blocked)
+            ints = _read_plan_data(r, n, self.gcd, self.residue, version)
             return rows, lambda bits: [self._num(i) for i in ints(bits)]
         if vtype == _T_XOR:
             values: list[Value] = []
@@ -1091,11 +1390,16 @@ class _Column:
         return rows, lambda bits: [bool(b) for b in bits.take(n, 1)]
 
 
-def _read_plan_data(r: _Reader, n: int, g: int, residue: int, blocked: bool) -> Callable[[_BitReader], list[int]]:
-    """An int column's data (``blocked``: format 3, whose plans may come in blocks) and the function that takes
-    its fields from the bit stream."""
+def _read_plan_data(r: _Reader, n: int, g: int, residue: int, version: int) -> Callable[[_BitReader], list[int]]:
+    """An int column's data (format 3 on: plans may come in blocks; format 4 on: in segments) and the function that
+    takes its fields from the bit stream."""
     head = r.uvarint()
     width, order = head >> 2, head & 3
+    blocked = version >= MERGED_FORMAT_VERSION_3
+    if order == _BLOCKED and version >= MERGED_FORMAT_VERSION and width >= _SPARSE:
+        return _read_sparse_data(r, n, g, residue, width - _SPARSE)
+    if order == _BLOCKED and version >= MERGED_FORMAT_VERSION and width >= _SEGMENTED:
+        return _read_segment_data(r, n, g, residue, width - _SEGMENTED)
     widths: list[int] | None = None
     if order == _BLOCKED and blocked:
         order, width = width, 0
@@ -1125,6 +1429,111 @@ def _read_plan_data(r: _Reader, n: int, g: int, residue: int, blocked: bool) -> 
     def ints(bits: _BitReader) -> list[int]:
         seq = [base + g * f for f in fields(bits)]
         for seed in reversed(seeds):
+            acc = seed
+            out = [acc]
+            for d in seq:
+                acc += d
+                out.append(acc)
+            seq = out
+        return seq
+
+    return ints
+
+
+def _integrate(seq: list[int], seeds: Sequence[int]) -> list[int]:
+    """Undo ``len(seeds)`` orders of differencing: the last seed first."""
+    for seed in reversed(seeds):
+        acc = seed
+        out = [acc]
+        for d in seq:
+            acc += d
+            out.append(acc)
+        seq = out
+    return seq
+
+
+def _read_flat(r: _Reader, n: int) -> Callable[[_BitReader], list[int]]:
+    """A flat plan of ``n`` values written whole into the data part (``_Sections._put_flat``)."""
+    head = r.uvarint()
+    width, order = head >> 2, head & 3
+    if order > 2 or (order >= n and n):
+        raise BatchFormatError(f"int column of {n} values cannot have difference order {order}")
+    if width > _MAX_WIDTH:
+        raise BatchFormatError(f"bit width {width} is beyond {_MAX_WIDTH}")
+    seeds = [_unzz(r.uvarint()) for _ in range(order)]
+    g = r.uvarint()
+    if g == 0:
+        raise BatchFormatError("an int column has gcd 0")
+    residue = r.uvarint() if g > 1 else 0
+    base = _unzz(r.uvarint()) * g + residue
+
+    def ints(bits: _BitReader) -> list[int]:
+        return _integrate([base + g * f for f in bits.take(n - order, width)], seeds)
+
+    return ints
+
+
+def _read_sparse_data(r: _Reader, n: int, g: int, residue: int, order: int) -> Callable[[_BitReader], list[int]]:
+    """A sparse int column's data (format 4, see ``_Sections.sparse_plan``) and the function that takes its
+    fields from the bit stream."""
+    if order > 1 or order >= n:
+        raise BatchFormatError(f"sparse int column of {n} values cannot have difference order {order}")
+    seeds = [_unzz(r.uvarint()) for _ in range(order)]
+    mode = _unzz(r.uvarint())
+    count = r.uvarint()
+    if count < 2 or count > n - order:
+        raise BatchFormatError(f"int column of {n - order} fields claims {count} exceptions")
+    gaps = _read_flat(r, count)
+    values = _read_flat(r, count)
+
+    def ints(bits: _BitReader) -> list[int]:
+        seq = [mode] * (n - order)
+        pos = -1
+        for gap, value in zip(gaps(bits), values(bits), strict=True):
+            pos += gap + 1
+            if gap < 0 or pos >= len(seq):
+                raise BatchFormatError(f"an exception of an int column falls outside its {n - order} fields")
+            seq[pos] = value
+        if g > 1:
+            seq = [residue + g * y for y in seq]
+        return _integrate(seq, seeds)
+
+    return ints
+
+
+def _read_segment_data(r: _Reader, n: int, g: int, residue: int, order: int) -> Callable[[_BitReader], list[int]]:
+    """A segmented int column's data (format 4, see ``_Sections.segment_plan``) and the function that takes its
+    fields from the bit stream."""
+    if order > 1 or order >= n:
+        raise BatchFormatError(f"segmented int column of {n} values cannot have difference order {order}")
+    seeds = [_unzz(r.uvarint()) for _ in range(order)]
+    n_segments = r.uvarint()
+    if n_segments == 0 or n_segments > n - order:
+        raise BatchFormatError(f"int column of {n - order} fields claims {n_segments} segments")
+    sizes = [r.uvarint() for _ in range(n_segments)]
+    codes = [r.uvarint() for _ in range(n_segments)]
+    if min(sizes) == 0:
+        raise BatchFormatError("a segment of an int column has no rows")
+    if max(codes) >= _RADIX_EXACT + 16 * _MAX_RADIX_EXP:
+        raise BatchFormatError(f"radix code {max(codes)} is beyond 2**{_MAX_RADIX_EXP}")
+    segments = []
+    prev_lo = 0
+    for rows, code in zip(sizes, codes, strict=True):
+        radix, e = _radix_of(code)
+        lo = ((prev_lo >> e) + _unzz(r.uvarint())) << e
+        segments.append((rows, radix, lo))
+        prev_lo = lo
+    total = sum(sizes)
+    if total != n - order:
+        raise BatchFormatError(f"the segments of an int column hold {total} fields, the column {n - order}")
+
+    def ints(bits: _BitReader) -> list[int]:
+        seq: list[int] = []
+        for rows, radix, lo in segments:
+            seq += [lo + f for f in _take_mixed_radix(bits, rows, radix)]
+        if g > 1:
+            seq = [residue + g * y for y in seq]
+        for seed in seeds:
             acc = seed
             out = [acc]
             for d in seq:
@@ -1237,6 +1646,7 @@ def _body(
     seq: int,
     uuid_in_header: bool,
     parts: Sequence[BatchPart] | None = None,
+    version: int = FORMAT_VERSION,
 ) -> tuple[bytearray, int, int, _Sections]:
     """The body's sections: the meta part (head, series and ids one after the other) with where the head and the
     series end in it, the data part and the bit stream. ``parts`` (a merged batch, version 3): the parts table
@@ -1249,7 +1659,9 @@ def _body(
     meta = out.meta
     _put_uvarint(meta, n_rows)
     _put_uvarint(meta, span)
-    planner = _int_plan if parts is None else _blocked_plan
+    planner: Callable[[Sequence[int]], _IntPlan | _BlockedPlan | _SegPlan | _SparsePlan] = (
+        _int_plan if parts is None else _merged_plan if version >= MERGED_FORMAT_VERSION else _blocked_plan
+    )
     if ts[0] == ts_first and (n_rows == 1 or (span % (n_rows - 1) == 0 and _evenly(ts, span // (n_rows - 1)))):
         meta.append(_TS_EVEN)
     else:
@@ -1303,14 +1715,19 @@ def _put_parts(out: bytearray, parts: Sequence[BatchPart], n_rows: int) -> None:
         prev = p.seq
 
 
-def merge_batches(batches: Sequence[DecodedBatch], codec: BatchCodec | None = None) -> EncodedBatch:
-    """One merged batch (format version 3) holding ``batches`` (decoded binary batches of one stream, merged ones
-    among them), in order: its samples are their samples one after the other, exactly, and its parts are their
-    parts (``DecodedBatch.split`` gives each back). The node, device and boot id must be the same and the seqs
-    increase; the GPU uuid (when any part carried it) too. The body is compressed with and without the
-    dictionary, the smaller kept. ``EncodedBatch.seq`` is the first part's."""
+def merge_batches(
+    batches: Sequence[DecodedBatch], codec: BatchCodec | None = None, *, version: int = MERGED_FORMAT_VERSION
+) -> EncodedBatch:
+    """One merged batch holding ``batches`` (decoded binary batches of one stream, merged ones among them), in
+    order: its samples are their samples one after the other, exactly, and its parts are their parts
+    (``DecodedBatch.split`` gives each back). The node, device and boot id must be the same and the seqs increase;
+    the GPU uuid (when any part carried it) too. ``version`` 4 (the default, the cold form) plans each int column
+    in segments (``_merged_plan``), several times the CPU of version 3, which codes it flat or in blocks. The body
+    is compressed with and without the dictionary, the smaller kept. ``EncodedBatch.seq`` is the first part's."""
     if not batches:
         raise ValueError("merge_batches needs at least one batch")
+    if version not in MERGED_VERSIONS:
+        raise ValueError(f"merged batches are written in format {MERGED_VERSIONS}, not {version}")
     first = batches[0]
     parts: list[BatchPart] = []
     samples: list[Sample] = []
@@ -1333,10 +1750,10 @@ def merge_batches(batches: Sequence[DecodedBatch], codec: BatchCodec | None = No
     if len(uuids) > 1:
         raise ValueError(f"batches of different GPUs do not merge: {sorted(uuids)}")
     uuid = uuids.pop() if uuids else ""
-    meta, _, _, out = _body(samples, first.node, first.device, uuid, first.boot_id, parts[0].seq, bool(uuid), parts)
-    payload = (codec or BatchCodec()).pack(
-        b"".join((meta, out.data, out.bits.bytes())), MERGED_FORMAT_VERSION, try_plain=True
+    meta, _, _, out = _body(
+        samples, first.node, first.device, uuid, first.boot_id, parts[0].seq, bool(uuid), parts, version
     )
+    payload = (codec or BatchCodec()).pack(b"".join((meta, out.data, out.bits.bytes())), version, try_plain=True)
     ts = [s.ts_ms for s in samples]
     n_values = sum(len(s.values) for s in samples)
     return EncodedBatch(
@@ -1461,10 +1878,9 @@ def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
         c.resolve_uuid(uuid)
     seq = r.uvarint()
     ts_first = r.uvarint()
-    parts = _read_parts(r, seq, uuid, n_rows) if version == MERGED_FORMAT_VERSION else (BatchPart(seq, n_rows, uuid),)
-    blocked = version == MERGED_FORMAT_VERSION
-    ts_offsets = _read_plan_data(r, n_rows, ts_gcd, ts_residue, blocked) if ts_kind == _TS_LIST else None
-    readers = [(c.name, *c.read_data(r, n_rows, blocked)) for c in columns]
+    parts = _read_parts(r, seq, uuid, n_rows) if version in MERGED_VERSIONS else (BatchPart(seq, n_rows, uuid),)
+    ts_offsets = _read_plan_data(r, n_rows, ts_gcd, ts_residue, version) if ts_kind == _TS_LIST else None
+    readers = [(c.name, *c.read_data(r, n_rows, version)) for c in columns]
     bits = _BitReader(body[r.pos :])
     if ts_offsets is not None:
         ts = [ts_first + off for off in ts_offsets(bits)]

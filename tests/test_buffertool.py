@@ -22,7 +22,7 @@ from mapper import buffertool
 from mapper.buffer import Buffer
 from mapper.cli import main
 from mapper.clock import FakeClock
-from mapper.compact import Compactor
+from mapper.compact import CompactionSettings, Compactor
 from mapper.model import Sample, Value
 from mapper.telemetry import BatchEncoder, default_topic
 
@@ -73,7 +73,7 @@ def _fill(path: Path, seconds: int = 1500, gpus: int = 2) -> list[tuple[int, str
         payload=b'{"event":"cap"}',
     )
     clock.advance(700)
-    Compactor(buf, clock).compact_all(max_merges=3)  # some merged, some not
+    Compactor(buf, clock, CompactionSettings(cold_slot_s=600)).compact_all(max_merges=3)  # some merged, some not
     buf.close()
     return stored
 

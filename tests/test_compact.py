@@ -82,7 +82,7 @@ def test_closed_slots_merge_into_one_batch_each_in_order_and_nothing_changes(tmp
     before = _all_samples(buf)
     bytes_before = buf.stats().bytes
     clock.advance(120)
-    stats = Compactor(buf, clock).compact_all()
+    stats = Compactor(buf, clock, CompactionSettings(cold_slot_s=600)).compact_all()
     rows = buf.pending(10**6)
     # Slots: [0, 600) holds 40 batches (200 s .. 600 s), then 60, 60 and 21 (the last 10 s in the next slot):
     # every slot but the current one (its batches younger than 60 s are no candidates) is one row now.
@@ -94,7 +94,7 @@ def test_closed_slots_merge_into_one_batch_each_in_order_and_nothing_changes(tmp
     assert buf.stats().batches == len(rows) and buf.stats().bytes < bytes_before / 2
     assert all(decode_batch(r.payload).ts_last_ms == r.ts_last_ms for r in rows)
     # Nothing left to do: a second pass merges nothing.
-    assert Compactor(buf, clock).compact_all().merges == 0
+    assert Compactor(buf, clock, CompactionSettings(cold_slot_s=600)).compact_all().merges == 0
 
 
 def test_a_slot_that_is_not_over_merges_only_once_it_holds_enough_batches(tmp_path: Path) -> None:
@@ -207,7 +207,7 @@ def test_the_background_loop_keeps_to_its_cpu_budget_and_stops(tmp_path: Path) -
             comp.stop()
         await asyncio.sleep(0)
 
-    comp = Compactor(buf, clock, CompactionSettings(cpu_fraction=0.02), sleep=sleep)
+    comp = Compactor(buf, clock, CompactionSettings(cpu_fraction=0.02, cold_slot_s=600), sleep=sleep)
 
     async def main() -> None:
         await asyncio.wait_for(comp.run(), timeout=60)
@@ -218,7 +218,9 @@ def test_the_background_loop_keeps_to_its_cpu_budget_and_stops(tmp_path: Path) -
     assert sum(pauses) >= comp.stats.cpu_s * 30
 
 
-@pytest.mark.parametrize("bad", [{"min_age_s": -1}, {"slot_s": 0}, {"partial_after": 1}, {"cpu_fraction": 0}])
+@pytest.mark.parametrize(
+    "bad", [{"min_age_s": -1}, {"slot_s": 0}, {"cold_slot_s": 0}, {"partial_after": 1}, {"cpu_fraction": 0}]
+)
 def test_bad_settings_are_refused_by_name(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         CompactionSettings(**bad)  # type: ignore[arg-type]
@@ -302,3 +304,107 @@ def _row_of(b: EncodedBatch) -> dict[str, object]:
         "topic": default_topic(NODE, b.device),
         "payload": b.payload,
     }
+
+
+def test_an_open_slot_is_merged_in_format_3_and_put_in_its_cold_form_format_4_once_it_is_over(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    settings = CompactionSettings(min_age_s=30, slot_s=600, partial_after=6)
+    batches = _batches(clock, "default/gpu0", 599)  # the whole slot [0, 600 s): 60 batches
+    _store(buf, batches)
+    before = _all_samples(buf)
+    clock.advance(10)  # the slot is over, but its last batches are younger than min_age_s: not closed yet
+    compactor = Compactor(buf, clock, settings)
+    compactor.compact_all()
+    versions = [r.payload[1] for r in buf.pending(10**6)]
+    assert 3 in versions and 4 not in versions, versions
+    clock.advance(60)  # now closed: what is left merges, and one merged row of format 3 is re-encoded alone
+    compactor.compact_all()
+    rows = buf.pending(10**6)
+    assert [r.payload[1] for r in rows] == [4]
+    assert _all_samples(buf) == before
+    assert [s for part in _parts(buf) for s in part] == [b.seq for b in batches]
+    # Finished: nothing more to do, and a fresh compactor (a restarted mapper) finds nothing either.
+    merges = compactor.stats.merges
+    assert compactor.compact_all().merges == merges
+    assert Compactor(buf, clock, settings).compact_all().merges == 0
+
+
+def test_a_merged_row_of_a_closed_slot_is_put_in_its_cold_form_alone(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    settings = CompactionSettings(min_age_s=0, slot_s=600, partial_after=60)
+    batches = _batches(clock, "default/gpu0", 599)
+    _store(buf, batches)
+    before = _all_samples(buf)
+    # Every batch of the slot merged while it was open (format 3): one row.
+    open_slot = Compactor(buf, FakeClock(start_wall_ms=ALIGNED + 599_500), settings)
+    open_slot.compact_all()
+    rows = buf.pending(10**6)
+    assert [r.payload[1] for r in rows] == [3]
+    size_v3 = len(rows[0].payload)
+    clock.advance(30)
+    stats = Compactor(buf, clock, settings).compact_all()
+    rows = buf.pending(10**6)
+    assert (stats.merges, stats.rows_removed, [r.payload[1] for r in rows]) == (1, 0, [4])
+    assert len(rows[0].payload) < size_v3
+    assert _all_samples(buf) == before
+
+
+def test_the_slots_of_a_cold_slot_that_is_over_merge_again_into_one_batch_in_order(tmp_path: Path) -> None:
+    hour = 3_600_000
+    start = (ALIGNED // hour + 1) * hour  # an hour boundary
+    clock = FakeClock(start_wall_ms=start)
+    buf = _open(tmp_path, clock)
+    settings = CompactionSettings(min_age_s=30, slot_s=600, cold_slot_s=3600)
+    batches = _batches(clock, "default/gpu0", 3600 + 1200)  # the hour [0, 3600 s), then 20 min of the next
+    _store(buf, batches)
+    before = _all_samples(buf)
+    compactor = Compactor(buf, clock, settings)
+    clock.advance(60)
+    compactor.compact_all()
+    rows = buf.pending(10**6)
+    seqs = _parts(buf)
+    # The first hour is one row (360 batches) in its cold form; the next hour's closed slots are a row each.
+    assert len(seqs[0]) == 360 and rows[0].payload[1] == 4
+    assert [len(s) for s in seqs[1:3]] == [60, 60] and [r.payload[1] for r in rows[1:3]] == [4, 4]
+    assert [s for part in seqs for s in part] == [b.seq for b in batches], "every batch once, in order"
+    assert _all_samples(buf) == before
+    # Once that hour is over too, its slots merge into one row.
+    more = _batches(clock, "default/gpu0", 2400, start_seq=len(batches))
+    _store(buf, more)
+    clock.advance(60)
+    compactor.compact_all()
+    seqs = _parts(buf)
+    second_hour = sum(1 for b in batches + more if b.ts_last_ms // hour == start // hour + 1)
+    assert second_hour > 300 and [len(s) for s in seqs][:2] == [360, second_hour]
+    assert [s for part in seqs for s in part] == [b.seq for b in batches + more]
+    assert Compactor(buf, clock, settings).compact_all().merges == 0
+
+
+def test_a_group_whose_merge_is_not_smaller_is_left_as_it_is_and_not_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mapper.compact as compact_module
+
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    _store(buf, _batches(clock, "default/gpu0", 599))
+    before = [r.payload for r in buf.pending(10**6)]
+    clock.advance(120)
+    calls = []
+    real = compact_module.merge_batches
+
+    def bigger(*args: object, **kwargs: object) -> EncodedBatch:
+        calls.append(1)
+        merged = real(*args, **kwargs)  # type: ignore[arg-type]
+        return EncodedBatch(**{**merged.__dict__, "payload": merged.payload + bytes(10**5)})
+
+    monkeypatch.setattr(compact_module, "merge_batches", bigger)
+    compactor = Compactor(buf, clock, CompactionSettings(cold_slot_s=600))
+    for _ in range(3):
+        compactor.compact_all()
+    assert len(calls) == 1 and compactor.stats.merges == 0 and compactor.stats.merges_skipped == 1
+    assert [r.payload for r in buf.pending(10**6)] == before

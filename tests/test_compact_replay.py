@@ -90,7 +90,7 @@ async def test_a_compacted_backlog_replays_in_order_within_the_rate_cap_with_pro
     compactor = Compactor(
         buf,
         clock,
-        CompactionSettings(cpu_fraction=1.0, interval_s=0.05),
+        CompactionSettings(cpu_fraction=1.0, interval_s=0.05, cold_slot_s=600),
         busy=shipper.busy_ids,
         on_compacted=shipper.note_compacted,
     )

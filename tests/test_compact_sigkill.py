@@ -69,6 +69,7 @@ def test_a_sigkill_at_any_point_of_storing_or_compacting_loses_nothing_and_dupli
     rng = random.Random(20261201)
     reported: set[int] = set()
     merged_rows_seen = 0
+    cold_rows_seen = 0  # merged rows in the cold form (format 4: a slot, or a cold slot, that is over)
     for trial in range(TRIALS):
         proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(db)], cwd=REPO, stdout=subprocess.PIPE, env={**os.environ}
@@ -93,6 +94,7 @@ def test_a_sigkill_at_any_point_of_storing_or_compacting_loses_nothing_and_dupli
             for row in buf.pending(10**6):
                 batch = decode_batch(row.payload)
                 merged_rows_seen += batch.merged
+                cold_rows_seen += batch.version == 4
                 for part in batch.split():
                     seqs.append(part.seq)
                     want = samples_of(part.seq)
@@ -107,4 +109,8 @@ def test_a_sigkill_at_any_point_of_storing_or_compacting_loses_nothing_and_dupli
             assert buf.stats().batches == len(buf.pending(10**6))
         finally:
             buf.close()
-    assert len(reported) > 50 and merged_rows_seen > 0, (len(reported), merged_rows_seen)
+    assert len(reported) > 50 and merged_rows_seen > 0 and cold_rows_seen > 0, (
+        len(reported),
+        merged_rows_seen,
+        cold_rows_seen,
+    )

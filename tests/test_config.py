@@ -102,7 +102,7 @@ def test_compaction_is_on_by_default_and_set_or_turned_off_in_the_buffer_section
         30.0,
         600.0,
     )
-    s = load_settings(write(tmp_path, "buffer: {compactAfter: 5m, compactSlot: 30m}\n"), env={})
-    assert (s.buffer_compact_after_s, s.buffer_compact_slot_s) == (300.0, 1800.0)
+    s = load_settings(write(tmp_path, "buffer: {compactAfter: 5m, compactSlot: 30m, compactColdSlot: 2h}\n"), env={})
+    assert (s.buffer_compact_after_s, s.buffer_compact_slot_s, s.buffer_compact_cold_slot_s) == (300.0, 1800.0, 7200.0)
     off = load_settings(None, env={"GPU_MAPPER_BUFFER_COMPACT_AFTER_S": "0s"})
     assert off.buffer_compact_after_s == 0

@@ -150,7 +150,7 @@ def _merged_golden() -> tuple[list[DecodedBatch], bytes]:
         decode_batch(encode_batch(r, seq=seq, uuid_in_header=k == 0, **COMMON).payload)
         for k, (seq, r) in enumerate(zip((10, 12, 13), rows, strict=True))
     ]
-    return originals, merge_batches(originals, BatchCodec(dictionary_id=0)).payload
+    return originals, merge_batches(originals, BatchCodec(dictionary_id=0), version=3).payload
 
 
 #: Format 3 as it was first written (2026-12): the merged batch of ``_merged_golden``, kept raw (flags 0: zstd
@@ -182,8 +182,64 @@ def test_every_binary_version_the_decoder_reads_has_a_golden_batch_that_decodes(
     assert [dict(s.values) for s in v2.samples] == want
     assert GOLDEN_V2_DICT2[2] >> 4 == 2
     assert decode_batch(GOLDEN_MERGED).version == 3
-    with pytest.raises(BatchFormatError, match="version 4 is not supported"):
-        decode_batch(b"G\x04\x00" + GOLDEN_MERGED[3:])
+    assert decode_batch(GOLDEN_MERGED_V4).version == 4
+    with pytest.raises(BatchFormatError, match="version 5 is not supported"):
+        decode_batch(b"G\x05\x00" + GOLDEN_MERGED[3:])
+
+
+def _golden_v4_rows() -> list[list[Sample]]:
+    """Four batches of 12 rows: a level that steps (a quiet stretch, a busy one, a quiet one), a slow counter, a
+    temperature that steps twice, a rare value: what format 4 cuts into segments or codes sparsely."""
+    rows: list[list[Sample]] = []
+    for k in range(4):
+        part = []
+        for i in range(12):
+            t = k * 12 + i
+            level = 65_000 + (t * 7919) % 2001 if 12 <= t < 30 else 600_000 + (t * 104_729) % 175_001
+            v: dict[str, Value] = {"power_usage": level, "temperature": 60 + t // 20, "memory_used": 2**30 * (t // 30)}
+            v["xid_last"] = 4_000_000_000 + t if t in (5, 17, 40) else 0
+            part.append(Sample("", T0 + 1000 * t, v))
+        rows.append(part)
+    return rows
+
+
+def _golden_v4_body() -> bytes:
+    from mapper import telemetry
+
+    samples = [s for part in _golden_v4_rows() for s in part]
+    parts = [BatchPart(20 + k, 12, "") for k in range(4)]
+    meta, _, _, out = telemetry._body(samples, "edge-1", "default/gpu0", "", "0badf00d", 20, False, parts, 4)
+    return bytes(meta) + bytes(out.data) + out.bits.bytes()
+
+
+#: Format 4 as it was first written (2026-12): the segmented body of ``_golden_v4_rows`` (seqs 20-23), kept raw.
+GOLDEN_MERGED_V4 = b"G\x04\x00" + bytes.fromhex(
+    "3098ef020006656467652d310c64656661756c742f67707530040c09070905898080808004001e090c0badf00d1480909282e7330418"
+    "00180018001813030c1212e6017fe30192018f8201880105780004001b000314010a18018aa0d9e61dc0c7548a850c5b1e5169c68e9d"
+    "279c757bdb3d5fd4898c80a9a5f5661e4fb8184114b42a4001195345600f79cc002ce00c4d6e85336e2e692b8ca76c23a7756daa678e"
+    "d6102c9c04e0908588fa8ea30ed4257793ae0a79a77004000004004000000000f0ff3f30116046"
+)
+
+
+def test_a_merged_batch_of_format_4_is_frozen_and_decodes_and_is_smaller_than_format_3() -> None:
+    assert _golden_v4_body() == GOLDEN_MERGED_V4[3:], "the encoder still writes format 4 as it was defined"
+    decoded = decode_batch(GOLDEN_MERGED_V4)
+    assert (decoded.version, decoded.seqs, decoded.uuid) == (4, (20, 21, 22, 23), "")
+    _same_samples(decoded.samples, [s for part in _golden_v4_rows() for s in part])
+    originals = [
+        decode_batch(encode_batch(r, seq=20 + k, uuid_in_header=False, **{**COMMON, "uuid": ""}).payload)
+        for k, r in enumerate(_golden_v4_rows())
+    ]
+    plain = BatchCodec(dictionary_id=0)
+    v3, v4 = (decode_batch(merge_batches(originals, plain, version=v).payload) for v in (3, 4))
+    _same_samples(v4.samples, list(decoded.samples))
+    _same_samples(v3.samples, list(decoded.samples))
+    from mapper import telemetry
+
+    samples = [s for part in _golden_v4_rows() for s in part]
+    parts = [BatchPart(20 + k, 12, "") for k in range(4)]
+    meta3, _, _, out3 = telemetry._body(samples, "edge-1", "default/gpu0", "", "0badf00d", 20, False, parts, 3)
+    assert len(GOLDEN_MERGED_V4) - 3 < len(meta3) + len(out3.data) + len(out3.bits.bytes())
 
 
 @pytest.mark.parametrize(
@@ -241,3 +297,119 @@ def test_a_long_column_that_is_quiet_then_busy_is_coded_in_blocks_and_is_smaller
     ]
     decoded = decode_batch(merge_batches(originals).payload)
     assert [s.values["pcie_rx"] for s in decoded.samples] == quiet_then_busy
+
+
+@st.composite
+def runs(draw: st.DrawFn) -> list[int]:
+    """A column of runs: each a level (small, huge or negative) held, stepping, or with noise about it."""
+    out: list[int] = []
+    for _ in range(draw(st.integers(1, 12))):
+        level = draw(st.one_of(st.integers(-5, 5), st.integers(-(2**66), 2**66), st.integers(60_000, 700_000)))
+        length = draw(st.integers(1, 80))
+        kind = draw(st.sampled_from(["held", "noise", "ramp", "spikes"]))
+        noise = draw(st.integers(1, 2**20))
+        rnd = draw(st.randoms(use_true_random=False))
+        for i in range(length):
+            if kind == "held":
+                out.append(level)
+            elif kind == "noise":
+                out.append(level + rnd.randrange(noise))
+            elif kind == "ramp":
+                out.append(level + i * (noise % 7))
+            else:
+                out.append(level + (noise if rnd.random() < 0.05 else 0))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(runs(), st.integers(5, 60))
+def test_columns_of_runs_noise_and_rare_steps_come_back_exactly_from_format_4(ints: list[int], per_batch: int) -> None:
+    samples = [Sample("", T0 + 1000 * i, {"memory_used": v, "power_usage": v / 1000}) for i, v in enumerate(ints)]
+    originals = [
+        decode_batch(encode_batch(samples[i : i + per_batch], seq=i, uuid_in_header=False, **COMMON).payload)
+        for i in range(0, len(samples), per_batch)
+    ]
+    merged = merge_batches(originals)
+    decoded = decode_batch(merged.payload)
+    assert decoded.version == 4
+    _same_samples(decoded.samples, [s for o in originals for s in o.samples])
+
+
+def test_the_cold_form_plans_a_switching_noisy_column_in_segments_and_a_rare_step_sparsely() -> None:
+    from mapper import telemetry
+
+    rnd = __import__("random").Random(5)
+    switching = [
+        (600_000 if (i // 25) % 2 else 64_000) + rnd.randrange(2001 if (i // 25) % 2 == 0 else 175_001)
+        for i in range(600)
+    ]
+    counter = [10**9 + 1000 * (i // 40) + (3 if i % 97 == 0 else 0) for i in range(600)]
+    seg, sparse = telemetry._merged_plan(switching), telemetry._merged_plan(counter)
+    assert type(seg) is telemetry._SegPlan and seg.cost < telemetry._blocked_plan(switching).cost * 0.9
+    assert type(sparse) is telemetry._SparsePlan and sparse.cost < telemetry._blocked_plan(counter).cost * 0.5
+    samples = [
+        Sample("", T0 + 1000 * i, {"pcie_tx": a, "energy_consumption": b})
+        for i, (a, b) in enumerate(zip(switching, counter, strict=True))
+    ]
+    originals = [
+        decode_batch(encode_batch(samples[i : i + 10], seq=i, uuid_in_header=False, **COMMON).payload)
+        for i in range(0, 600, 10)
+    ]
+    v3, v4 = (merge_batches(originals, version=v) for v in (3, 4))
+    assert len(v4.payload) < len(v3.payload)
+    decoded = decode_batch(v4.payload)
+    assert [s.values["pcie_tx"] for s in decoded.samples] == switching
+    assert [s.values["energy_consumption"] for s in decoded.samples] == counter
+
+
+def _raw_v4_batches() -> list[bytes]:
+    """Merged batches of format 4 with their bodies left uncompressed, so that damage reaches the parser."""
+    from mapper import telemetry
+
+    rnd = __import__("random").Random(9)
+    rows = [
+        Sample(
+            "",
+            T0 + 1000 * i + (rnd.randrange(5) if i % 7 == 0 else 0),
+            {
+                "pcie_tx": (900_000 if (i // 30) % 2 else 2_000) + rnd.randrange(50_000),
+                "memory_used": 2**30 * (i // 90),
+                "xid_last": 79 if i in (17, 120) else 0,
+                "temperature": 40 + i // 25,
+                "power_usage": (65_000 + rnd.randrange(2001)) / 1000,
+            },
+        )
+        for i in range(200)
+    ]
+    parts = [BatchPart(k, 20, "") for k in range(10)]
+    meta, _, _, out = telemetry._body(rows, "edge-1", "default/gpu0", "", "0badf00d", 0, False, parts, 4)
+    return [GOLDEN_MERGED_V4, b"G\x04\x00" + bytes(meta) + bytes(out.data) + out.bits.bytes()]
+
+
+RAW_V4 = _raw_v4_batches()
+
+
+def test_the_raw_format_4_batches_of_the_damage_test_decode() -> None:
+    for raw in RAW_V4:
+        assert decode_batch(raw).version == 4
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(RAW_V4), st.sampled_from(["flip", "truncate", "insert"]), st.data())
+def test_a_damaged_batch_of_format_4_decodes_or_is_refused_with_a_batch_format_error(
+    raw: bytes, how: str, data: st.DataObject
+) -> None:
+    damaged = bytearray(raw)
+    if how == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(3, len(damaged) - 1))
+            damaged[i] ^= 1 << data.draw(st.integers(0, 7))
+    elif how == "truncate":
+        damaged = damaged[: data.draw(st.integers(3, len(damaged) - 1))]
+    else:
+        i = data.draw(st.integers(3, len(damaged)))
+        damaged[i:i] = data.draw(st.binary(min_size=1, max_size=12))
+    try:
+        decode_batch(bytes(damaged))
+    except BatchFormatError:
+        pass
