@@ -22,7 +22,7 @@ from mapper.binding import Bindings, unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
 from mapper.collect import Collector, GpuWorker, TickResult
-from mapper.compact import CompactionSettings, Compactor
+from mapper.compact import Compactor, compaction_settings
 from mapper.config import Settings
 from mapper.datadir import require_data_dir
 from mapper.devicefiles import watch_folder
@@ -218,22 +218,13 @@ class MapperApp:
         self.streams.shipper = self.shipper
         self.reporter.device_state = self.shipper.update_state
         self.reporter.state_snapshot = self.status.state_message
-        if self.settings.buffer_compact_after_s > 0:
-            try:
-                compaction = CompactionSettings(
-                    min_age_s=self.settings.buffer_compact_after_s,
-                    slot_s=self.settings.buffer_compact_slot_s,
-                    cold_slot_s=self.settings.buffer_compact_cold_slot_s,
-                )
-            except ValueError as exc:
-                raise ConfigError(f"buffer: {exc}") from None
-            self.compactor = Compactor(
-                self.buffer,
-                self.clock,
-                compaction,
-                busy=self.shipper.busy_ids,
-                on_compacted=self.shipper.note_compacted,
-            )
+        s = self.settings
+        compaction = compaction_settings(
+            s.buffer_compact_after_s, s.buffer_compact_slot_s, s.buffer_compact_cold_slot_s
+        )
+        if compaction is not None:
+            busy, compacted = self.shipper.busy_ids, self.shipper.note_compacted
+            self.compactor = Compactor(self.buffer, self.clock, compaction, busy=busy, on_compacted=compacted)
         if self.session is not None:
             self.session.add_on_connect(self._on_mqtt_connect)
             if self.settings.eventbus_enabled:

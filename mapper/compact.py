@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mapper.clock import Clock
-from mapper.errors import MapperError
+from mapper.errors import ConfigError, MapperError
 from mapper.telemetry import (
     MERGED_FORMAT_VERSION,
     MERGED_FORMAT_VERSION_3,
@@ -134,6 +134,17 @@ class _Merged:
     error: str = ""
     #: The rows to leave out of every later group (those that do not decode; the whole group if they do not merge).
     failed: frozenset[int] = frozenset()
+
+
+def compaction_settings(min_age_s: float, slot_s: float, cold_slot_s: float) -> CompactionSettings | None:
+    """The ``buffer.compact*`` settings as ``CompactionSettings``; None when compaction is off (``min_age_s`` 0).
+    A value it refuses is a ``ConfigError`` naming it."""
+    if min_age_s <= 0:
+        return None
+    try:
+        return CompactionSettings(min_age_s=min_age_s, slot_s=slot_s, cold_slot_s=cold_slot_s)
+    except ValueError as exc:
+        raise ConfigError(f"buffer: {exc}") from None
 
 
 class Compactor:
