@@ -262,23 +262,7 @@ _CLOCK_AMOUNT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|MHz|mhz)")
 
 def parse_clock_amount(raw: object, path: str, *, allow_min: bool) -> Amount:
     """``10%`` -> percent, ``800MHz`` -> MHz, ``min`` (where allowed). A bare number is refused (% or MHz?)."""
-    expected = "a percent such as 10% or MHz such as 800MHz" + (" or min" if allow_min else "")
-    if isinstance(raw, bool) or not isinstance(raw, str):
-        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
-    text = raw.strip()
-    if allow_min and text.lower() == "min":
-        return Amount("min")
-    m = _CLOCK_AMOUNT_RE.fullmatch(text)
-    if m is None:
-        raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
-    value = float(m.group(1))
-    if m.group(2) == "%":
-        if not 0 < value < 100:
-            raise ConfigError(f"{path}: a percent must lie between 0% and 100% (exclusive), got {raw!r}")
-        return Amount("percent", value)
-    if value <= 0:
-        raise ConfigError(f"{path}: MHz must be above 0, got {raw!r}")
-    return Amount("mhz", value)
+    return _parse_amount(raw, path, allow_min, _CLOCK_AMOUNT_RE, "mhz", "MHz such as 800MHz", "MHz")
 
 
 def _actuator(raw: Mapping[str, Any], path: str) -> Actuator:
@@ -306,13 +290,26 @@ def format_duration(seconds: float) -> str:
 
 def parse_amount(raw: object, path: str, *, allow_min: bool) -> Amount:
     """``10%`` -> percent, ``25W`` -> watts, ``min`` (where allowed). A bare number is refused (% or W?)."""
-    expected = "a percent such as 10%, watts such as 25W" + (" or min" if allow_min else "")
+    return _parse_amount(raw, path, allow_min, _AMOUNT_RE, "watts", "watts such as 25W", "watts")
+
+
+def _parse_amount(
+    raw: object,
+    path: str,
+    allow_min: bool,
+    pattern: re.Pattern[str],
+    kind: Literal["watts", "mhz"],
+    example: str,
+    unit: str,
+) -> Amount:
+    """A percent, an absolute amount of ``kind`` (``pattern``'s second group not ``%``), or ``min``."""
+    expected = f"a percent such as 10%, {example}" + (" or min" if allow_min else "")
     if isinstance(raw, bool) or not isinstance(raw, str):
         raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
     text = raw.strip()
     if allow_min and text.lower() == "min":
         return Amount("min")
-    m = _AMOUNT_RE.fullmatch(text)
+    m = pattern.fullmatch(text)
     if m is None:
         raise ConfigError(f"{path}: expected {expected}, got {raw!r}")
     value = float(m.group(1))
@@ -321,8 +318,8 @@ def parse_amount(raw: object, path: str, *, allow_min: bool) -> Amount:
             raise ConfigError(f"{path}: a percent must lie between 0% and 100% (exclusive), got {raw!r}")
         return Amount("percent", value)
     if value <= 0:
-        raise ConfigError(f"{path}: watts must be above 0, got {raw!r}")
-    return Amount("watts", value)
+        raise ConfigError(f"{path}: {unit} must be above 0, got {raw!r}")
+    return Amount(kind, value)
 
 
 def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any] | None:
