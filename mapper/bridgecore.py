@@ -287,16 +287,7 @@ class Converter:
                     added += 1
                     continue
                 for extra, x in self._derived(kind, v):
-                    sid = (name, extra)
-                    buf = bufs.get(sid)
-                    if buf is None:
-                        buf = self._buf(base, sid, bufs)
-                    if ts <= buf.last_ts:
-                        buf.unsorted = True
-                    else:
-                        buf.last_ts = ts
-                    buf.stamps.append(ts)
-                    buf.parts.append(head + pack(x) + tail)
+                    self._append(base, (name, extra), bufs, ts, head + pack(x) + tail)
                     added += 1
         req.samples += added
         return added
@@ -321,17 +312,22 @@ class Converter:
         ts = status.at_ms
         head, tail = sample_affixes(ts)
         for sid, x in values:
-            buf = bufs.get(sid)
-            if buf is None:
-                buf = self._buf(base, sid, bufs)
-            if ts <= buf.last_ts:
-                buf.unsorted = True
-            else:
-                buf.last_ts = ts
-            buf.stamps.append(ts)
-            buf.parts.append(head + _PACK_DOUBLE(x) + tail)
+            self._append(base, sid, bufs, ts, head + _PACK_DOUBLE(x) + tail)
         req.samples += len(values)
         return len(values)
+
+    def _append(self, base: _Base, sid: Any, bufs: dict[Any, SeriesBuf], ts: int, part: bytes) -> None:
+        """One encoded sample at ``ts`` onto series ``sid``'s buffer (made on first use). ``add``'s plain values
+        do the same inline: that loop runs once per sample."""
+        buf = bufs.get(sid)
+        if buf is None:
+            buf = self._buf(base, sid, bufs)
+        if ts <= buf.last_ts:
+            buf.unsorted = True
+        else:
+            buf.last_ts = ts
+        buf.stamps.append(ts)
+        buf.parts.append(part)
 
     def _pod(self, name: str) -> tuple[int, Any, str, MetricType, str, dict[str, str]] | None:
         """The handler of a workload series (``naming.pod_series``: ``gpu_pod_*{namespace,pod,container}``; or
