@@ -1140,10 +1140,7 @@ def _encode_series(
     gcd_flag = _K_GCD if plan is not None and plan.gcd > 1 else 0
     meta.append(kind | (_K_DENSE if dense else 0) | (_K_CONST if const else 0) | gcd_flag)
     if not dense:
-        bitmap = bytearray((n_rows + 7) // 8)
-        for r in rows:
-            bitmap[r >> 3] |= 1 << (r & 7)
-        data += bitmap
+        data += _row_bitmap(rows, n_rows)
     if kind in (_T_INT, _T_DEC):
         if kind == _T_DEC:
             assert scale is not None
@@ -1175,6 +1172,14 @@ def _encode_series(
         out.bits.put([1 if v else 0 for v in values], 1)
 
 
+def _row_bitmap(rows: Iterable[int], n_rows: int) -> bytearray:
+    """Which of a batch's ``n_rows`` rows a series has a value in: bit ``r & 7`` of byte ``r >> 3`` for row r."""
+    bitmap = bytearray((n_rows + 7) // 8)
+    for r in rows:
+        bitmap[r >> 3] |= 1 << (r & 7)
+    return bitmap
+
+
 def _uvarint_bytes(n: int) -> bytes:
     out = bytearray()
     _put_uvarint(out, n)
@@ -1186,78 +1191,112 @@ _SERIES_CODE_BYTES: dict[str, bytes] = {name: _uvarint_bytes(code) for name, cod
 
 
 def _encode_dense_columns(
-    out: _Sections, names: Sequence[str], codes: Sequence[int], cols: Sequence[Sequence[Any]], header_uuid: str
+    out: _Sections,
+    names: Sequence[str],
+    codes: Sequence[int],
+    cols: Sequence[Sequence[Any]],
+    header_uuid: str,
+    col_rows: Sequence[Sequence[int] | None] | None = None,
+    n_rows: int = 0,
 ) -> None:
     """``_encode_series`` of every column of a ``_dense_columns`` batch: the very same bytes, with the usual series
     (a known name, a constant, an int, decimal or string column) written here without the general case's tests.
+    ``col_rows`` (a ``_grouped_columns`` batch of ``n_rows`` rows): each column's rows, None where it has a value
+    in every row; a column with fewer rows is written as ``_encode_series`` writes it, its kind without the dense
+    flag and its row bitmap first in the data part.
 
     This runs for each of the ~36 columns of every batch, so the loop body is kept short: the kind bytes are
     precomputed (``_KIND_*``) and zigzag is written out rather than called."""
-    meta = out.meta
+    meta, data = out.meta, out.data
     put_uvarint = _put_uvarint
     code_bytes = _SERIES_CODE_BYTES
-    n = len(cols[0]) if cols else 0  # every column has a value in every row
-    for name, vtype, values in zip(names, codes, cols, strict=True):
+    bitmap_rows: Sequence[int] | None = None
+    bitmap = b""
+    for i, (name, vtype, values) in enumerate(zip(names, codes, cols, strict=True)):
+        n = len(values)
+        rows = col_rows[i] if col_rows is not None else None
+        if rows is None:
+            rows, undense, n_all = range(n), 0, n
+        else:  # the kind bytes below carry the dense flag: XOR takes it off again
+            undense, n_all = _K_DENSE, n_rows
+            if rows is not bitmap_rows:  # the columns of one kind of row share their rows and bitmap
+                bitmap_rows, bitmap = rows, bytes(_row_bitmap(rows, n_rows))
         prefix = code_bytes.get(name)
         if prefix is None:
-            _encode_series(out, name, range(n), values, vtype, n, header_uuid)
-            continue
+            # A name of no code (a pod's series, say): code 0, then the name, as _encode_series writes it.
+            named = bytearray(b"\x00")
+            _put_str(named, name)
+            prefix = bytes(named)
         v0 = values[0]
         # Same test as ``_encode_series``: equal to the first value, or the very same object (a NaN).
         if values.count(v0) == n:
             if vtype == _T_INT:
                 meta += prefix
-                meta.append(_KIND_CONST_INT)
+                meta.append(_KIND_CONST_INT ^ undense)
+                if undense:
+                    data += bitmap
                 if 0 <= v0 < 0x40:
                     meta.append(v0 << 1)
                 else:
                     put_uvarint(meta, v0 << 1 if v0 >= 0 else (-v0 << 1) - 1)
             elif vtype == _T_DEC:
                 if v0 == 0.0:  # 0.0 and -0.0 are equal but differ in bits and coding: the general case
-                    _encode_series(out, name, range(n), values, vtype, n, header_uuid)
+                    _encode_series(out, name, rows, values, vtype, n_all, header_uuid)
                     continue
                 # Values equal to a float other than zero, or the same NaN object, have its very bits.
                 dec = _decimal(v0)
                 meta += prefix
+                if undense:
+                    data += bitmap
                 if dec is None:
-                    meta.append(_KIND_CONST_XOR)
+                    meta.append(_KIND_CONST_XOR ^ undense)
                     put_uvarint(meta, _bits(v0))
                 else:
-                    scale, i = dec
-                    meta.append(_KIND_CONST_DEC)
+                    scale, d = dec
+                    meta.append(_KIND_CONST_DEC ^ undense)
                     meta.append(scale)  # at most _MAX_DECIMALS: one byte
-                    put_uvarint(meta, i << 1 if i >= 0 else (-i << 1) - 1)
+                    put_uvarint(meta, d << 1 if d >= 0 else (-d << 1) - 1)
             elif vtype == _T_STR:
                 meta += prefix
-                meta.append(_KIND_CONST_STR)
+                meta.append(_KIND_CONST_STR ^ undense)
+                if undense:
+                    data += bitmap
                 meta.append(1)  # a dictionary of one string
                 _put_word(meta, v0, header_uuid)
             else:  # bool
                 meta += prefix
-                meta.append(_KIND_CONST_BOOL)
+                meta.append(_KIND_CONST_BOOL ^ undense)
+                if undense:
+                    data += bitmap
                 meta.append(1 if v0 else 0)
         elif vtype == _T_INT:
             plan = _plan_fields(values)
             meta += prefix
-            meta.append(_KIND_INT_GCD if plan[3] > 1 else _KIND_INT)
+            meta.append((_KIND_INT_GCD if plan[3] > 1 else _KIND_INT) ^ undense)
+            if undense:
+                data += bitmap
             out.plan(plan)
         elif vtype == _T_DEC and (decimals := _decimals(values)) is not None:
             plan = _plan_fields(decimals[1])
             meta += prefix
-            meta.append(_KIND_DEC_GCD if plan[3] > 1 else _KIND_DEC)
+            meta.append((_KIND_DEC_GCD if plan[3] > 1 else _KIND_DEC) ^ undense)
+            if undense:
+                data += bitmap
             meta.append(decimals[0])
             out.plan(plan)
         elif vtype == _T_STR:
             words = dict.fromkeys(values, 0)  # each string once, in first-seen order; then its index
             meta += prefix
-            meta.append(_KIND_STR)
+            meta.append(_KIND_STR ^ undense)
+            if undense:
+                data += bitmap
             put_uvarint(meta, len(words))
-            for i, text in enumerate(words):
+            for w, text in enumerate(words):
                 _put_word(meta, text, header_uuid)
-                words[text] = i
+                words[text] = w
             out.bits.put(list(map(words.__getitem__, values)), (len(words) - 1).bit_length())
         else:  # XOR floats, changing bools
-            _encode_series(out, name, range(n), values, vtype, n, header_uuid)
+            _encode_series(out, name, rows, values, vtype, n_all, header_uuid)
 
 
 #: The kind bytes of the dense series ``_encode_dense_columns`` writes itself (module constants: Python does not
@@ -1680,6 +1719,13 @@ def _body(
         carried = uuid if uuid_in_header else ""
         _put_uvarint(meta, len(names))
         _encode_dense_columns(out, names, codes, cols, carried)
+    elif parts is None and (grouped := _grouped_columns(samples)) is not None:  # collect and process rows
+        g_names, g_codes, g_cols, g_rows = grouped
+        if uuid and not uuid_in_header:
+            uuid_in_header = any(uuid in col for code, col in zip(g_codes, g_cols, strict=True) if code == _T_STR)
+        carried = uuid if uuid_in_header else ""
+        _put_uvarint(meta, len(g_names))
+        _encode_dense_columns(out, g_names, g_codes, g_cols, carried, g_rows, n_rows)
     else:
         columns = _columns(samples)
         if uuid and not uuid_in_header:
@@ -1784,6 +1830,45 @@ def _dense_columns(samples: Sequence[Sample]) -> tuple[tuple[str, ...], list[int
     if None in codes:
         return None
     return names, cast("list[int]", codes), list(zip(*rows, strict=True))
+
+
+def _grouped_columns(
+    samples: Sequence[Sample],
+) -> tuple[list[str], list[int], list[tuple[Value, ...]], list[Sequence[int] | None]] | None:
+    """A batch of a few kinds of rows, each kind the same properties in the same order and types (the collect
+    cycle's rows and, every few of them, the process cycle's): (names, type codes, values, rows) as ``_columns``
+    gives them, each column's rows None where it is in every row; None for a batch of a single kind (see
+    ``_dense_columns``), more than 4, a property in more than one kind, or a column of mixed types."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for row, s in enumerate(samples):
+        key = tuple(s.values)
+        rows = groups.get(key)
+        if rows is None:
+            if len(groups) == 4:
+                return None
+            rows = groups[key] = []
+        rows.append(row)
+    if len(groups) < 2 or sum(map(len, groups)) != len(set().union(*groups)):
+        return None
+    names: list[str] = []
+    codes: list[int] = []
+    cols: list[tuple[Value, ...]] = []
+    col_rows: list[Sequence[int] | None] = []
+    for key, rows in groups.items():  # in the order of each kind's first row: the order _columns gives
+        if not key:
+            continue
+        values = [samples[r].values.values() for r in rows]
+        types = list(map(type, samples[rows[0]].values.values()))
+        if list(map(type, itertools.chain.from_iterable(values))) != types * len(rows):
+            return None
+        kinds = list(map(_TYPE_CODES.get, types))
+        if None in kinds:
+            return None
+        names += key
+        codes += cast("list[int]", kinds)
+        cols += zip(*values, strict=True)
+        col_rows += [rows] * len(key)
+    return names, codes, cols, col_rows
 
 
 def _columns(samples: Sequence[Sample]) -> list[_ColumnValues]:

@@ -159,6 +159,79 @@ def test_the_usual_batch_takes_a_short_path_that_writes_what_the_general_path_wr
     _assert_same(samples, _encode(samples, uuid_in_header=bool(header_uuid)))
 
 
+@st.composite
+def grouped_sample_lists(draw: st.DrawFn) -> list[Sample]:
+    """Batches of two or three kinds of rows, each kind dense on properties of its own (the collect cycle's rows
+    every second and the process cycle's every few), the kinds interleaved in time."""
+    kinds = draw(st.integers(2, 3))
+    pool = [*telemetry.KNOWN_SERIES[:24], "pod:energy:ns/pod/c", "processes_count", "x.custom"]
+    props = draw(st.lists(st.sampled_from(pool), unique=True, min_size=kinds, max_size=12))
+    cut = sorted(draw(st.lists(st.integers(1, len(props) - 1), min_size=kinds - 1, max_size=kinds - 1, unique=True)))
+    if len(cut) < kinds - 1:
+        cut = list(range(1, kinds))
+    parts = [props[a:b] for a, b in zip([0, *cut], [*cut, len(props)], strict=True)]
+    rows: list[Sample] = []
+    for k, names_k in enumerate(parts):
+        n = draw(st.integers(1, 8))
+        group = draw(dense_sample_lists_of(names_k, n))
+        rows += [Sample(UUID, T0 + k * 137 + i * 1000, values) for i, values in enumerate(group)]
+    return sorted(rows, key=lambda s: s.ts_ms)
+
+
+def dense_sample_lists_of(props: list[str], n: int) -> st.SearchStrategy[list[dict[str, Value]]]:
+    @st.composite
+    def make(draw: st.DrawFn) -> list[dict[str, Value]]:
+        columns: dict[str, list[Value]] = {}
+        for name in props:
+            elements: st.SearchStrategy[Any] = draw(
+                st.sampled_from(
+                    [
+                        st.one_of(st.integers(-3, 3), st.integers(-(2**70), 2**70)),
+                        st.one_of(nvml_floats, st.sampled_from([0.0, -0.0, 700.0, float("nan")])),
+                        st.sampled_from(["default", "ωμέγα", UUID, ""]),
+                        st.booleans(),
+                    ]
+                )
+            )
+            if draw(st.booleans()):
+                columns[name] = [draw(elements)] * n
+            else:
+                columns[name] = draw(st.lists(elements, min_size=n, max_size=n))
+        return [{name: col[i] for name, col in columns.items()} for i in range(n)]
+
+    return make()
+
+
+@settings(max_examples=300, deadline=None)
+@given(grouped_sample_lists(), st.sampled_from(["", UUID]))
+def test_a_batch_of_collect_and_process_rows_takes_a_short_path_that_writes_what_the_general_path_writes(
+    samples: list[Sample], header_uuid: str
+) -> None:
+    assert telemetry._dense_columns(samples) is None
+    grouped = telemetry._grouped_columns(samples)
+    assert grouped is not None
+    short = telemetry._Sections()
+    telemetry._encode_dense_columns(short, *grouped[:3], header_uuid, grouped[3], len(samples))
+    general = telemetry._Sections()
+    for name, vtype, rows, values in telemetry._columns(samples):
+        telemetry._encode_series(general, name, rows, values, vtype, len(samples), header_uuid)
+    assert (short.meta, short.data, short.bits.bytes()) == (general.meta, general.data, general.bits.bytes())
+    _assert_same(samples, _encode(samples, uuid_in_header=bool(header_uuid)))
+
+
+def test_rows_of_kinds_that_share_a_property_or_change_its_type_take_the_general_path_and_come_back() -> None:
+    shared = [Sample(UUID, T0, {"temperature": 60}), Sample(UUID, T0 + 1, {"temperature": 61, "processes_count": 2})]
+    retyped = [
+        Sample(UUID, T0, {"temperature": 60}),
+        Sample(UUID, T0 + 1, {"processes_count": 2}),
+        Sample(UUID, T0 + 2, {"temperature": 60.5}),
+    ]
+    many = [Sample(UUID, T0 + i, {f"x.p{i}": i}) for i in range(5)]
+    for samples in (shared, retyped, many):
+        assert telemetry._grouped_columns(samples) is None
+        _assert_same(samples, _encode(samples))
+
+
 def test_a_batch_whose_properties_change_order_or_type_takes_the_general_path_and_comes_back() -> None:
     reordered = [
         Sample(UUID, T0, {"temperature": 60, "power_usage": 1.5}),
