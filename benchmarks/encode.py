@@ -9,13 +9,16 @@ Figures, all CPU microseconds (process time) and the best of ``--repeats`` timed
 * ``pack_us_per_batch``: ``BatchCodec.pack`` of the prepared bodies alone (the zstd baseline);
 * ``us_per_add``: ``DeviceTelemetry.add`` of one sample (a Device with every sampled property, one route).
 
+``--processes``: the process cycle's rows too (``mapper.processloop.telemetry_values`` of each GPU every 5 s,
+half a second after a collect sample, as its own timer stamps them): 10 collect rows and 2 process rows a batch.
+
 Ratios: ``encode_pack_ratio`` = us_per_batch / pack, ``body_pack_ratio`` = body / pack.
 
 ``--baseline FILE`` loads another copy of ``mapper/telemetry.py`` (e.g. ``git show REV:mapper/telemetry.py >
 /tmp/telemetry_old.py``), checks that it writes the very same bytes, and times it in the same process:
 the ``baseline`` object holds its figures and ``speedup`` = baseline us / our us (the two take turns at
 each timed pass). Prints one JSON line last.
-Run: ``.venv/bin/python benchmarks/encode.py [--batches-per-gpu N] [--repeats R] [--baseline FILE]``.
+Run: ``.venv/bin/python benchmarks/encode.py [--batches-per-gpu N] [--repeats R] [--baseline FILE] [--processes]``.
 """
 
 from __future__ import annotations
@@ -43,18 +46,28 @@ NODE = "edge-node-1"
 BOOT_ID = "0f3a9c21"
 
 
-def simulated_batches(batches_per_gpu: int) -> list[tuple[str, str, list[Sample]]]:
-    """(device, uuid, samples) per batch: every GPU sampled once a second, 10 samples per batch."""
+def simulated_batches(batches_per_gpu: int, processes: bool = False) -> list[tuple[str, str, list[Sample]]]:
+    """(device, uuid, samples) per batch: every GPU sampled once a second, 10 samples per batch; with
+    ``processes``, each GPU's process cycle row every 5 s as well."""
+    from mapper.processes import ProcessMonitor
+    from mapper.processloop import telemetry_values
+
     clock = FakeClock()
     sim = SimNvml(GPUS, "H100", seed=0, clock=clock.monotonic, scenario="inference")
     backend = NvmlBackend(sim, clock=clock)
+    monitor = ProcessMonitor()
     try:
         gpus = backend.list_gpus()
         out: list[tuple[str, str, list[Sample]]] = []
         for _ in range(batches_per_gpu):
             window: dict[str, list[Sample]] = {g.uuid: [] for g in gpus}
-            for _ in range(SAMPLES_PER_BATCH):
-                clock.advance(1.0)
+            for second in range(SAMPLES_PER_BATCH):
+                clock.advance(0.5)
+                if processes and second % 5 == 0:
+                    for g in gpus:
+                        report, _ = monitor.observe(backend.processes(g.uuid), {}, clock.monotonic())
+                        window[g.uuid].append(Sample(g.uuid, clock.wall_ms(), telemetry_values(report)))
+                clock.advance(0.5)
                 for g in gpus:
                     window[g.uuid].append(backend.sample(g.uuid))
             out += [(f"default/{NODE}-gpu{g.index}", g.uuid, window[g.uuid]) for g in gpus]
@@ -107,7 +120,13 @@ def workload(mod: Any, batches: list[tuple[str, str, list[Sample]]]) -> tuple[Wo
             codec.pack(body)
 
     devices = [
-        DeviceConfig("default", device.split("/")[1], "gpu", uuid, tuple(DeviceProperty(n) for n in samples[0].values))
+        DeviceConfig(
+            "default",
+            device.split("/")[1],
+            "gpu",
+            uuid,
+            tuple(DeviceProperty(n) for n in max(samples, key=lambda s: len(s.values)).values),
+        )
         for device, uuid, samples in batches[:GPUS]
     ]
     samples_flat = [(i % GPUS, s) for i, (_, _, samples) in enumerate(batches) for s in samples]
@@ -152,15 +171,17 @@ def main() -> None:
     parser.add_argument("--batches-per-gpu", type=int, default=6, help="10 s windows per GPU (default 6)")
     parser.add_argument("--repeats", type=int, default=9, help="timed passes, the best counts (default 9)")
     parser.add_argument("--baseline", type=Path, help="another mapper/telemetry.py to compare against")
+    parser.add_argument("--processes", action="store_true", help="the process cycle's rows too (every 5 s)")
     args = parser.parse_args()
 
-    batches = simulated_batches(args.batches_per_gpu)
+    batches = simulated_batches(args.batches_per_gpu, args.processes)
     baseline = load_module(args.baseline) if args.baseline else None
     result: dict[str, Any] = {
         "benchmark": "encode",
         "gpus": GPUS,
         "batches": len(batches),
-        "samples_per_batch": SAMPLES_PER_BATCH,
+        "samples_per_batch": round(sum(len(ss) for _, _, ss in batches) / len(batches), 1),
+        "processes": args.processes,
         "values_per_batch": round(sum(len(s.values) for _, _, ss in batches for s in ss) / len(batches), 1),
     }
     ours, our_bytes = workload(telemetry, batches)
