@@ -87,6 +87,34 @@ def sched_seconds(pid: int) -> tuple[float, frozenset[str]]:
     return total_ns / 1e9, frozenset(tids)
 
 
+def thread_seconds(pid: int) -> dict[str, tuple[str, float]]:
+    """On-CPU seconds of each live thread (schedstat), by thread id, with the thread's name (``comm``)."""
+    out: dict[str, tuple[str, float]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                out[tid] = (name, int(fh.read().split()[0]) / 1e9)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def per_thread_pct(
+    pid: int, before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]], wall: float
+) -> dict[str, float]:
+    """% of a core of each thread over the window: ``main`` (the event loop) and the others as ``t1``, ``t2``, ...
+    in the order they were made (Python's thread names do not reach ``comm``). A thread made in the window counts
+    from zero; one that ended in it is missing."""
+    pct: dict[str, float] = {}
+    others = sorted(int(t) for t in after if int(t) != pid)
+    names = {str(pid): "main"} | {str(t): f"t{i}" for i, t in enumerate(others, 1)}
+    for tid, (_name, seconds) in after.items():
+        pct[names[tid]] = round((seconds - before.get(tid, ("", 0.0))[1]) / wall * 100, 3)
+    return pct
+
+
 def status_kb(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
@@ -333,6 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         broker_pids = {"mapper": broker_m.proc.pid, "naive": broker_n.proc.pid}  # type: ignore[union-attr]
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         sched0 = {k: sched_seconds(p) for k, p in pids.items()}
+        threads0 = thread_seconds(mapper.pid)
         bcpu0 = {k: cpu_seconds(p) for k, p in broker_pids.items()}
         t0 = time.monotonic()
         scrapes = 0
@@ -347,6 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wall = time.monotonic() - t0
         cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
         sched1 = {k: sched_seconds(p) for k, p in pids.items()}
+        threads1 = thread_seconds(mapper.pid)
         bcpu1 = {k: cpu_seconds(p) for k, p in broker_pids.items()}
         status_after = fetch(base + "/status")
         delivered = {"mapper": counter_m.stop_counting(), "naive": counter_n.stop_counting()}
@@ -408,6 +438,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_source": source,
         "stat_cpu_pct_of_core": {k: round(v * 100, 3) for k, v in stat_cpu.items()},
         "schedstat_cpu_pct_of_core": {k: round(v * 100, 3) for k, v in sched.items()},
+        "mapper_threads_pct_of_core": per_thread_pct(mapper.pid, threads0, threads1, wall),
         "mapper_peak_rss_mb": round(hwm["mapper"], 1),
         "naive_peak_rss_mb": round(hwm["naive"], 1),
         "mapper_rss_end_mb": round(rss["mapper"], 1),
