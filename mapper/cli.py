@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mqtt-cert-file", help=f"client certificate for mqtts:// (env {_env('mqtt_cert_file')})")
     run.add_argument("--mqtt-key-file", help=f"client key for mqtts:// (env {_env('mqtt_key_file')})")
     run.add_argument(
+        "--mqtt-key-password-file",
+        metavar="FILE",
+        help=f"read the passphrase of an encrypted --mqtt-key-file from FILE (env {_env('mqtt_key_password_file')})",
+    )
+    run.add_argument(
         "--mqtt-eventbus",
         choices=["auto", "true", "false"],
         help="publish KubeEdge EventBus twin/state updates; auto = only without DMI (standalone mode)",
