@@ -33,6 +33,17 @@ NOBODY = 65534
 KEEP_USER = "user root\n" if os.geteuid() == 0 else ""
 
 
+def setpriv_as(uid: int) -> list[str]:
+    """The command prefix that runs a program as ``uid`` (from root). Where that user cannot reach this checkout
+    or its interpreter (a clone under root's 0700 home), it keeps only CAP_DAC_READ_SEARCH, to read them: not
+    root for the mapper (its euid decides, as NVML's does), and no right to write or chmod what is not its own."""
+    base = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    probe = [*base, sys.executable, "-c", "import mapper.cli"]
+    if subprocess.run(probe, cwd=REPO, capture_output=True, timeout=60).returncode == 0:
+        return base
+    return [*base, "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+
+
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
@@ -89,7 +100,7 @@ def test_a_directory_the_mapper_cannot_tighten_is_reported_with_the_reason(tmp_p
                 "sys.exit(0 if problems else 1)"
             )
             out = subprocess.run(
-                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", code],
+                [*setpriv_as(NOBODY), sys.executable, "-c", code],
                 cwd=REPO,
                 capture_output=True,
                 text=True,
@@ -218,15 +229,15 @@ class MapperProcess:
         argv: list[str],
         log_path: Path,
         *,
-        as_user: int | None = None,
+        run_as: int | None = None,
         env: dict[str, str] | None = None,
         command: str = "run",
     ):
         self.port = free_port()
         self.log_path = log_path
         prefix = []
-        if as_user is not None:
-            prefix = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups"]
+        if run_as is not None:
+            prefix = setpriv_as(run_as)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_MAPPER_")}
         full_env.update(env or {})
         self._log = log_path.open("wb")
@@ -495,7 +506,7 @@ def _run_with_desired_state(tmp_path: Path, as_user: int | None) -> MapperSnapsh
     if as_user is not None:
         os.chown(data, as_user, as_user)
     argv = ["--sim", "1", "--devices", str(devices), "--data-dir", str(data), "--node-name", "edge-1"]
-    mapper = MapperProcess(argv, tmp_path / f"mapper-{as_user}.log", as_user=as_user)
+    mapper = MapperProcess(argv, tmp_path / f"mapper-{as_user}.log", run_as=as_user)
     try:
 
         def settled() -> MapperSnapshot | None:
