@@ -331,6 +331,7 @@ class Bridge:
             ca_file=settings.mqtt_ca_file,
             cert_file=settings.mqtt_cert_file,
             key_file=settings.mqtt_key_file,
+            key_password=settings.mqtt_key_password,
             mqtt5=True,
             session_expiry_s=round(settings.mqtt_session_expiry_s),
             receive_maximum=settings.mqtt_receive_maximum,

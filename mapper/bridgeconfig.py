@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from mapper.config import _convert, _lookup, read_file
+from mapper.config import _convert, _lookup, read_file, read_secret_file
 from mapper.errors import ConfigError
 
 DEFAULT_TOPIC = "gpu-mapper/+/+/+/telemetry"
@@ -24,10 +24,13 @@ class BridgeSettings:
     #: The cloud-side broker (mqtt:// or mqtts://).
     mqtt_url: str | None = None
     mqtt_username: str | None = None
-    mqtt_password: str | None = None
+    #: Secrets are never shown by repr; each can come from a file (``...passwordFile``, ``mqtt.keyPasswordFile``).
+    mqtt_password: str | None = field(default=None, repr=False)
     mqtt_ca_file: str | None = None
     mqtt_cert_file: str | None = None
     mqtt_key_file: str | None = None
+    #: The passphrase of an encrypted ``mqtt_key_file`` (from ``mqtt.keyPasswordFile`` only).
+    mqtt_key_password: str | None = field(default=None, repr=False)
     #: Stable per replica: the broker keeps the session (and its share of the stream) under this id.
     mqtt_client_id: str = ""
     mqtt_session_expiry_s: float = 3600.0
@@ -40,7 +43,7 @@ class BridgeSettings:
     remote_write: str | None = None
     remote_write_version: int = 1
     remote_write_username: str | None = None
-    remote_write_password: str | None = None
+    remote_write_password: str | None = field(default=None, repr=False)
     remote_write_bearer_token_file: str | None = None
     remote_write_ca_file: str | None = None
     remote_write_timeout_s: float = 30.0
@@ -74,9 +77,11 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
     "mqtt_url": ("mqtt.url", "str"),
     "mqtt_username": ("mqtt.username", "str"),
     "mqtt_password": ("mqtt.password", "str"),
+    "mqtt_password_file": ("mqtt.passwordFile", "str"),
     "mqtt_ca_file": ("mqtt.caFile", "str"),
     "mqtt_cert_file": ("mqtt.certFile", "str"),
     "mqtt_key_file": ("mqtt.keyFile", "str"),
+    "mqtt_key_password_file": ("mqtt.keyPasswordFile", "str"),
     "mqtt_client_id": ("mqtt.clientId", "str"),
     "mqtt_session_expiry_s": ("mqtt.sessionExpiry", "duration"),
     "mqtt_receive_maximum": ("mqtt.receiveMaximum", "int"),
@@ -88,6 +93,7 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
     "remote_write_version": ("remoteWrite.version", "int"),
     "remote_write_username": ("remoteWrite.username", "str"),
     "remote_write_password": ("remoteWrite.password", "str"),
+    "remote_write_password_file": ("remoteWrite.passwordFile", "str"),
     "remote_write_bearer_token_file": ("remoteWrite.bearerTokenFile", "str"),
     "remote_write_ca_file": ("remoteWrite.caFile", "str"),
     "remote_write_timeout_s": ("remoteWrite.timeout", "duration"),
@@ -106,6 +112,31 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
 #: Environment variables read (each overrides the file and is overridden by its flag).
 BRIDGE_ENV_KEYS: dict[str, str] = {name: "GPU_MAPPER_BRIDGE_" + name.upper() for name in BRIDGE_KEYS}
 CONFIG_ENV = "GPU_MAPPER_BRIDGE_CONFIG"
+
+#: Secrets that may be given as values, by flag name -> the name of the flag that reads the same from a file.
+#: On the command line a value is visible to every local user in the process list: ``gpu-mapper bridge`` warns.
+BRIDGE_SECRET_FLAGS: dict[str, str] = {
+    "mqtt_password": "mqtt_password_file",
+    "remote_write_password": "remote_write_password_file",
+}
+
+
+def _secrets_from_files(values: dict[str, Any]) -> None:
+    """Replace each ``..._password_file`` of ``values`` by the secret it holds (in place)."""
+    for name, file_name in BRIDGE_SECRET_FLAGS.items():
+        path = values.pop(file_name, None)
+        if path is None:
+            continue
+        key = "bridge." + BRIDGE_KEYS[file_name][0]
+        if values.get(name) is not None:
+            both = f"bridge.{BRIDGE_KEYS[name][0]} and {key}"
+            raise ConfigError(f"{both} are both set (file, environment or flags): keep one")
+        values[name] = read_secret_file(path, key)
+    key_password_file = values.pop("mqtt_key_password_file", None)
+    if key_password_file is not None:
+        if values.get("mqtt_key_file") is None:
+            raise ConfigError("bridge.mqtt.keyPasswordFile: set, but there is no bridge.mqtt.keyFile for it to unlock")
+        values["mqtt_key_password"] = read_secret_file(key_password_file, "bridge.mqtt.keyPasswordFile")
 
 
 def _known_paths(node: Any, prefix: str = "") -> list[str]:
@@ -147,6 +178,7 @@ def load_bridge_settings(
             values[name] = _convert(kind, env[env_name], env_name)
         if flags.get(name) is not None:
             values[name] = _convert(kind, flags[name], "--" + name.replace("_", "-"))
+    _secrets_from_files(values)
     known = {f.name for f in fields(BridgeSettings)}
     settings = replace(BridgeSettings(), config_file=file_path, **{k: v for k, v in values.items() if k in known})
     validate_bridge(settings)

@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mqtt-cert-file", help=f"client certificate for mqtts:// (env {_env('mqtt_cert_file')})")
     run.add_argument("--mqtt-key-file", help=f"client key for mqtts:// (env {_env('mqtt_key_file')})")
     run.add_argument(
+        "--mqtt-key-password-file",
+        metavar="FILE",
+        help=f"read the passphrase of an encrypted --mqtt-key-file from FILE (env {_env('mqtt_key_password_file')})",
+    )
+    run.add_argument(
         "--mqtt-eventbus",
         choices=["auto", "true", "false"],
         help="publish KubeEdge EventBus twin/state updates; auto = only without DMI (standalone mode)",
@@ -167,10 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
 _BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--mqtt", "mqtt_url", "URL", "the cloud-side broker, mqtt://host:port or mqtts://host:port"),
     ("--mqtt-username", "mqtt_username", "NAME", "MQTT user name"),
-    ("--mqtt-password", "mqtt_password", "PASSWORD", "MQTT password"),
+    ("--mqtt-password", "mqtt_password", "PASSWORD", "MQTT password; prefer --mqtt-password-file"),
+    ("--mqtt-password-file", "mqtt_password_file", "FILE", "read the MQTT password from FILE (a mounted Secret)"),
     ("--mqtt-ca-file", "mqtt_ca_file", "FILE", "CA bundle for mqtts://"),
     ("--mqtt-cert-file", "mqtt_cert_file", "FILE", "client certificate for mqtts://"),
     ("--mqtt-key-file", "mqtt_key_file", "FILE", "client key for mqtts://"),
+    ("--mqtt-key-password-file", "mqtt_key_password_file", "FILE", "passphrase of an encrypted --mqtt-key-file"),
     ("--mqtt-client-id", "mqtt_client_id", "ID", "MQTT client id, stable per replica (default <group>-<hostname>)"),
     ("--mqtt-session-expiry", "mqtt_session_expiry_s", "DURATION", "how long the broker keeps the session (1h)"),
     ("--mqtt-receive-maximum", "mqtt_receive_maximum", "N", "unacknowledged messages the broker may send (1000)"),
@@ -181,7 +188,8 @@ _BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--remote-write", "remote_write", "URL", "remote-write endpoint, e.g. http://prometheus:9090/api/v1/write"),
     ("--remote-write-version", "remote_write_version", "1|2", "remote write 1.0 (default) or 2.0 with fallback"),
     ("--remote-write-username", "remote_write_username", "NAME", "basic auth user for the receiver"),
-    ("--remote-write-password", "remote_write_password", "PASSWORD", "basic auth password for the receiver"),
+    ("--remote-write-password", "remote_write_password", "PASSWORD", "basic auth password; prefer ...-password-file"),
+    ("--remote-write-password-file", "remote_write_password_file", "FILE", "read the basic auth password from FILE"),
     ("--remote-write-bearer-token-file", "remote_write_bearer_token_file", "FILE", "bearer token for the receiver"),
     ("--remote-write-ca-file", "remote_write_ca_file", "FILE", "CA bundle for an https:// receiver"),
     ("--remote-write-timeout", "remote_write_timeout_s", "DURATION", "timeout of one request (30s)"),
@@ -365,7 +373,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _bridge(args: argparse.Namespace) -> int:
-    from mapper.bridgeconfig import load_bridge_settings
+    from mapper.bridgeconfig import BRIDGE_SECRET_FLAGS, load_bridge_settings
 
     flags = {k[len("bridge_") :]: v for k, v in vars(args).items() if k.startswith("bridge_")}
     if args.action == "export":
@@ -386,6 +394,14 @@ def _bridge(args: argparse.Namespace) -> int:
         return 0
     settings = load_bridge_settings(args.config, flags=flags)
     setup_logging(settings.log_format, settings.log_level)
+    for name, file_name in BRIDGE_SECRET_FLAGS.items():
+        if flags.get(name) is not None:
+            log.warning(
+                "%s on the command line is visible to every local user in the process list; use %s "
+                "(or its environment variable) instead",
+                "--" + name.replace("_", "-"),
+                "--" + file_name.replace("_", "-"),
+            )
     from mapper.bridge import Bridge
 
     async def main_task() -> int:

@@ -90,6 +90,8 @@ class MqttSettings:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    #: The passphrase of an encrypted ``key_file``, read from ``mqtt.keyPasswordFile`` (never a plain value).
+    key_password: str | None = field(default=None, repr=False)
     client_id: str = ""
     #: Publish KubeEdge EventBus twin/state updates. "auto": only when DMI is off (standalone mode).
     eventbus: str = "auto"
@@ -212,6 +214,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "mqtt_ca_file": ("mqtt.caFile", "str"),
     "mqtt_cert_file": ("mqtt.certFile", "str"),
     "mqtt_key_file": ("mqtt.keyFile", "str"),
+    "mqtt_key_password_file": ("mqtt.keyPasswordFile", "str"),
     "mqtt_client_id": ("mqtt.clientId", "str"),
     "mqtt_eventbus": ("mqtt.eventbus", "str"),
     "mqtt_qos": ("mqtt.qos", "int"),
@@ -392,6 +395,12 @@ def load_settings(
         # was not created) means no credentials at all. With a user name the file must be there.
         if values.get("mqtt_username") is not None or Path(password_file).exists():
             password = read_secret_file(password_file, "mqtt.passwordFile")
+    key_password_file = values.pop("mqtt_key_password_file", None)
+    key_password = None
+    if key_password_file is not None:
+        if values.get("mqtt_key_file") is None:
+            raise ConfigError("mqtt.keyPasswordFile: set, but there is no mqtt.keyFile for it to unlock")
+        key_password = read_secret_file(key_password_file, "mqtt.keyPasswordFile")
     mqtt = MqttSettings(
         url=values.pop("mqtt_url", None),
         username=values.pop("mqtt_username", None),
@@ -399,6 +408,7 @@ def load_settings(
         ca_file=values.pop("mqtt_ca_file", None),
         cert_file=values.pop("mqtt_cert_file", None),
         key_file=values.pop("mqtt_key_file", None),
+        key_password=key_password,
         client_id=values.pop("mqtt_client_id", None) or "",
         eventbus=(values.pop("mqtt_eventbus", None) or "auto").lower(),
         qos=values.pop("mqtt_qos", None) if values.get("mqtt_qos") is not None else 1,

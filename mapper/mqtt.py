@@ -23,7 +23,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import paho.mqtt.client as paho
@@ -96,6 +96,11 @@ def topic_matches(topic_filter: str, topic: str) -> bool:
     return bool(paho.topic_matches_sub(topic_filter, topic))
 
 
+def _no_key_passphrase() -> str:
+    """``load_cert_chain``'s password callback where none is configured: it is called only for an encrypted key."""
+    raise ValueError("the client key is encrypted and no passphrase is configured (mqtt.keyPasswordFile)")
+
+
 class MqttSession:
     """A long-lived connection to one broker, with reconnect, re-subscribe, PUBACK-confirmed publish and LWT."""
 
@@ -112,6 +117,7 @@ class MqttSession:
         ca_file: str | None = None,
         cert_file: str | None = None,
         key_file: str | None = None,
+        key_password: str | None = None,
         tls_insecure: bool = False,
         keepalive_s: int = 30,
         reconnect_min_s: float = 0.5,
@@ -224,6 +230,8 @@ class MqttSession:
                     ca_certs=ca_file,
                     certfile=cert_file,
                     keyfile=key_file,
+                    # Without a passphrase, an encrypted key must fail rather than make OpenSSL prompt on a terminal.
+                    keyfile_password=cast(str, key_password if key_password is not None else _no_key_passphrase),
                     cert_reqs=ssl.CERT_NONE if tls_insecure else ssl.CERT_REQUIRED,
                     tls_version=ssl.PROTOCOL_TLS_CLIENT,
                 )
@@ -808,4 +816,5 @@ def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str)
         ca_file=settings.ca_file,
         cert_file=settings.cert_file,
         key_file=settings.key_file,
+        key_password=settings.key_password,
     )

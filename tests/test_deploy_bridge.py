@@ -73,17 +73,28 @@ def test_two_replicas_of_one_group_with_a_stable_client_id_each_and_off_the_edge
 def test_the_broker_credentials_come_from_the_secret_not_the_configmap() -> None:
     secret = one("Secret")
     env = {e["name"]: e for e in container()["env"]}
-    for var, key in (("GPU_MAPPER_BRIDGE_MQTT_USERNAME", "username"), ("GPU_MAPPER_BRIDGE_MQTT_PASSWORD", "password")):
-        ref = env[var]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": secret["metadata"]["name"], "key": key}
-        assert key in secret["stringData"]
+    ref = env["GPU_MAPPER_BRIDGE_MQTT_USERNAME"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": secret["metadata"]["name"], "key": "username"}
+    assert "username" in secret["stringData"] and "password" in secret["stringData"]
+    # The password is a file of the Secret's volume (GPU_MAPPER_BRIDGE_MQTT_PASSWORD_FILE), never a variable.
+    assert "GPU_MAPPER_BRIDGE_MQTT_PASSWORD" not in env
+    path = Path(env["GPU_MAPPER_BRIDGE_MQTT_PASSWORD_FILE"]["value"])
+    volumes = {v["name"]: v for v in one("Deployment")["spec"]["template"]["spec"]["volumes"]}
+    [mount] = [m for m in container()["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    assert mount["readOnly"] is True
+    volume = volumes[mount["name"]]["secret"]
+    assert volume["secretName"] == secret["metadata"]["name"]
+    assert volume["items"] == [{"key": "password", "path": path.name}]
+    assert volume["defaultMode"] & 0o007 == 0, "the password file must not be readable by others"
     text = one("ConfigMap")["data"]["config.yaml"]
     assert "password" not in text and "username" not in text
 
 
-def test_the_configmap_loads_as_the_bridge_settings_and_the_probes_hit_its_port() -> None:
-    env = {"GPU_MAPPER_BRIDGE_MQTT_USERNAME": "u", "GPU_MAPPER_BRIDGE_MQTT_PASSWORD": "p"}
+def test_the_configmap_loads_as_the_bridge_settings_and_the_probes_hit_its_port(tmp_path: Path) -> None:
+    (tmp_path / "password").write_text("p\n")
+    env = {"GPU_MAPPER_BRIDGE_MQTT_USERNAME": "u", "GPU_MAPPER_BRIDGE_MQTT_PASSWORD_FILE": str(tmp_path / "password")}
     settings = load_bridge_settings(str(BRIDGE / "configmap.yaml"), env=env, flags={})
+    assert settings.mqtt_password == "p"
     assert settings.group == "gpu-mapper-bridge" and settings.remote_write_version == 1
     assert settings.shared_filter == "$share/gpu-mapper-bridge/gpu-mapper/+/+/+/telemetry"
     _, port = parse_metrics_addr(settings.metrics_addr)

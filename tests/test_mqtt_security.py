@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import trustme
 
-from mapper.config import MqttSettings
+from mapper.config import MqttSettings, load_settings
+from mapper.errors import ConfigError
 from mapper.gpu.simnvml import SimNvml
-from mapper.mqtt import MqttSession
+from mapper.mqtt import MqttSession, mapper_session
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.brokers import Mosquitto
 
@@ -398,3 +399,71 @@ async def test_a_mapper_the_broker_refuses_keeps_buffering_and_says_why(
     # connection, whichever the TLS race gave.
     warned = [r.getMessage() for r in caplog.records if r.name == "mapper.mqtt" and r.levelno == logging.WARNING]
     assert any("client certificate" in w for w in warned), warned
+
+
+# --------------------------------------------------------------------------------------------------
+# An encrypted client key, its passphrase from a file
+# --------------------------------------------------------------------------------------------------
+
+
+def _encrypted_key(pki: Pki, passphrase: str) -> Path:
+    """The mapper's client key as an encrypted PEM (as ``openssl pkey -aes256`` writes it)."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pki.client_key.read_bytes(), password=None)
+    path = pki.client_key.with_name("client_key.encrypted.pem")
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(passphrase.encode()),
+        )
+    )
+    assert b"ENCRYPTED PRIVATE KEY" in path.read_bytes()
+    return path
+
+
+async def test_an_encrypted_client_key_is_unlocked_by_the_passphrase_from_its_file(
+    tls_broker: Mosquitto, pki: Pki, tmp_path: Path
+) -> None:
+    passphrase = "key-pass-5e2d17"
+    key = _encrypted_key(pki, passphrase)
+    pass_file = tmp_path / "key-password"
+    pass_file.write_text(passphrase + "\n")
+    env = {
+        "GPU_MAPPER_NODE_NAME": "edge-1",
+        "GPU_MAPPER_MQTT_URL": _url(tls_broker),
+        "GPU_MAPPER_MQTT_CA_FILE": str(pki.ca),
+        "GPU_MAPPER_MQTT_CERT_FILE": str(pki.client_cert),
+        "GPU_MAPPER_MQTT_KEY_FILE": str(key),
+        "GPU_MAPPER_MQTT_KEY_PASSWORD_FILE": str(pass_file),
+    }
+    settings = load_settings(env=env)
+    assert settings.mqtt.key_password == passphrase and passphrase not in repr(settings)
+    assert settings.mqtt.url is not None
+    sess = mapper_session(settings.mqtt.url, settings.mqtt, "edge-1", "gpu-mapper/edge-1/status")
+    try:
+        await sess.start()
+        # require_certificate: the broker let the session in, so the unlocked key signed the handshake.
+        assert await sess.wait_connected(5), sess.last_failure
+        await sess.publish("gpu-mapper/edge-1/x", b"1", timeout_s=5)
+    finally:
+        await sess.stop(2)
+
+
+def test_an_encrypted_key_without_its_passphrase_or_with_a_wrong_one_is_refused_by_name(
+    tls_broker: Mosquitto, pki: Pki, tmp_path: Path
+) -> None:
+    key = _encrypted_key(pki, "right-pass-91c3")
+    tls = {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(key)}
+    # No passphrase configured: an error naming the key to set, not OpenSSL prompting on a terminal.
+    with pytest.raises(ConfigError, match=r"encrypted and no passphrase is configured \(mqtt.keyPasswordFile\)"):
+        _session(_url(tls_broker), "no-pass", **tls)
+    with pytest.raises(ConfigError, match="TLS files unusable") as err:
+        _session(_url(tls_broker), "wrong-pass", key_password="wrong-pass-0a7b", **tls)
+    assert "wrong-pass-0a7b" not in str(err.value) and "right-pass-91c3" not in str(err.value)
+    # A passphrase file with no key to unlock is a mistake, said at once.
+    pass_file = tmp_path / "key-password"
+    pass_file.write_text("x")
+    with pytest.raises(ConfigError, match=r"mqtt\.keyPasswordFile: set, but there is no mqtt\.keyFile"):
+        load_settings(env={"GPU_MAPPER_NODE_NAME": "e", "GPU_MAPPER_MQTT_KEY_PASSWORD_FILE": str(pass_file)})

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from mapper.bridgeconfig import load_bridge_settings
 from mapper.config import load_settings
 from mapper.datadir import prepare_data_dir
 from mapper.errors import ConfigError
@@ -30,6 +31,17 @@ from tests.brokers import Mosquitto, free_port
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
 KEEP_USER = "user root\n" if os.geteuid() == 0 else ""
+
+
+def setpriv_as(uid: int) -> list[str]:
+    """The command prefix that runs a program as ``uid`` (from root). Where that user cannot reach this checkout
+    or its interpreter (a clone under root's 0700 home), it keeps only CAP_DAC_READ_SEARCH, to read them: not
+    root for the mapper (its euid decides, as NVML's does), and no right to write or chmod what is not its own."""
+    base = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    probe = [*base, sys.executable, "-c", "import mapper.cli"]
+    if subprocess.run(probe, cwd=REPO, capture_output=True, timeout=60).returncode == 0:
+        return base
+    return [*base, "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
 
 
 def mode(path: Path) -> int:
@@ -88,7 +100,7 @@ def test_a_directory_the_mapper_cannot_tighten_is_reported_with_the_reason(tmp_p
                 "sys.exit(0 if problems else 1)"
             )
             out = subprocess.run(
-                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", code],
+                [*setpriv_as(NOBODY), sys.executable, "-c", code],
                 cwd=REPO,
                 capture_output=True,
                 text=True,
@@ -168,6 +180,42 @@ def test_a_password_file_that_is_missing_empty_or_given_with_a_password_is_refus
     assert settings.mqtt.password is None
 
 
+def test_every_secret_of_the_bridge_comes_from_a_file_too(tmp_path: Path) -> None:
+    mqtt_pw, rw_pw, key_pw = tmp_path / "mqtt-pw", tmp_path / "rw-pw", tmp_path / "key-pw"
+    mqtt_pw.write_text("mqtt secret\n")
+    rw_pw.write_text("rw-secret\n")
+    key_pw.write_text("key-secret\n")
+    base = {"GPU_MAPPER_BRIDGE_MQTT_URL": "mqtts://broker:8883", "GPU_MAPPER_BRIDGE_REMOTE_WRITE": "http://p/w"}
+    env = {
+        **base,
+        "GPU_MAPPER_BRIDGE_MQTT_PASSWORD_FILE": str(mqtt_pw),
+        "GPU_MAPPER_BRIDGE_REMOTE_WRITE_USERNAME": "rw",
+        "GPU_MAPPER_BRIDGE_REMOTE_WRITE_PASSWORD_FILE": str(rw_pw),
+        "GPU_MAPPER_BRIDGE_MQTT_CERT_FILE": "/tls/tls.crt",
+        "GPU_MAPPER_BRIDGE_MQTT_KEY_FILE": "/tls/tls.key",
+        "GPU_MAPPER_BRIDGE_MQTT_KEY_PASSWORD_FILE": str(key_pw),
+    }
+    s = load_bridge_settings(env=env)
+    assert (s.mqtt_password, s.remote_write_password, s.mqtt_key_password) == ("mqtt secret", "rw-secret", "key-secret")
+    assert not {"mqtt secret", "rw-secret", "key-secret"} & set(repr(s).split("'"))
+    # The same from the config file's keys and from flags.
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"bridge:\n  mqtt:\n    passwordFile: {mqtt_pw}\n  remoteWrite:\n    username: rw\n    passwordFile: {rw_pw}\n"
+    )
+    s = load_bridge_settings(str(config), env=base)
+    assert (s.mqtt_password, s.remote_write_password) == ("mqtt secret", "rw-secret")
+    s = load_bridge_settings(env=base, flags={"mqtt_password_file": str(mqtt_pw)})
+    assert s.mqtt_password == "mqtt secret"
+    # A value and a file for one secret, a missing file, a key passphrase with no key: refused by name.
+    with pytest.raises(ConfigError, match=r"bridge\.mqtt\.password and bridge\.mqtt\.passwordFile are both set"):
+        load_bridge_settings(env={**base, "GPU_MAPPER_BRIDGE_MQTT_PASSWORD": "x"}, flags={"mqtt_password_file": "f"})
+    with pytest.raises(ConfigError, match=r"bridge.remoteWrite.passwordFile: cannot read .*/nope"):
+        load_bridge_settings(env={**base, "GPU_MAPPER_BRIDGE_REMOTE_WRITE_PASSWORD_FILE": str(tmp_path / "nope")})
+    with pytest.raises(ConfigError, match=r"bridge\.mqtt\.keyPasswordFile: set, but there is no bridge\.mqtt\.keyFile"):
+        load_bridge_settings(env={**base, "GPU_MAPPER_BRIDGE_MQTT_KEY_PASSWORD_FILE": str(key_pw)})
+
+
 # --------------------------------------------------------------------------------------------------
 # The whole mapper as a process: secrets never logged, a warning for one on the command line
 # --------------------------------------------------------------------------------------------------
@@ -177,18 +225,24 @@ class MapperProcess:
     """``gpu-mapper run`` in a child process (optionally as another user), its log in a file."""
 
     def __init__(
-        self, argv: list[str], log_path: Path, *, as_user: int | None = None, env: dict[str, str] | None = None
+        self,
+        argv: list[str],
+        log_path: Path,
+        *,
+        run_as: int | None = None,
+        env: dict[str, str] | None = None,
+        command: str = "run",
     ):
         self.port = free_port()
         self.log_path = log_path
         prefix = []
-        if as_user is not None:
-            prefix = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups"]
+        if run_as is not None:
+            prefix = setpriv_as(run_as)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_MAPPER_")}
         full_env.update(env or {})
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "mapper.cli", "run", "--metrics-addr", f"127.0.0.1:{self.port}", *argv],
+            [*prefix, sys.executable, "-m", "mapper.cli", command, "--metrics-addr", f"127.0.0.1:{self.port}", *argv],
             cwd=REPO,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -306,6 +360,112 @@ def test_no_secret_appears_in_a_debug_log_and_one_on_the_command_line_is_warned_
         broker.stop()
 
 
+class _AuthReceiver:
+    """A remote-write receiver that wants basic auth: 204 for the right (user, password), else 401. It records
+    the answers it gave."""
+
+    def __init__(self, user: str, password: str) -> None:
+        import http.server
+        import threading
+
+        want = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        answers = self.answers = []  # type: list[int]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                status = 204 if self.headers.get("Authorization") == want else 401
+                answers.append(status)
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.mark.timeout(120)
+def test_the_bridge_logs_no_secret_at_debug_and_warns_about_one_on_the_command_line(tmp_path: Path) -> None:
+    import paho.mqtt.client as paho
+
+    from tests.bridgehelpers import Published, states, stream
+
+    mqtt_pw, rw_pw = "bridge-mqtt-secret-41d9", "bridge-rw-secret-77ae"
+    broker_dir = tmp_path / "broker"
+    broker_dir.mkdir()
+    pwfile = broker_dir / "passwd"
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(pwfile), "bridge", mqtt_pw], check=True, timeout=30)
+    subprocess.run(["mosquitto_passwd", "-b", str(pwfile), "publisher", "pub-pw"], check=True, timeout=30)
+    pwfile.chmod(0o600)
+    broker = Mosquitto(broker_dir, extra_config=f"{KEEP_USER}allow_anonymous false\npassword_file {pwfile}\n")
+    broker.start()
+    receiver = _AuthReceiver("rw", rw_pw)
+    (tmp_path / "mqtt-pw").write_text(mqtt_pw + "\n")
+    (tmp_path / "rw-pw").write_text(rw_pw + "\n")
+    publisher = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="publisher")
+    publisher.username_pw_set("publisher", "pub-pw")
+    publisher.connect("127.0.0.1", broker.port)
+    publisher.loop_start()
+    common = ["--mqtt", broker.url, "--mqtt-username", "bridge", "--remote-write", receiver.url,
+              "--remote-write-username", "rw", "--log-level", "DEBUG", "--batch-max-delay", "0.2s"]  # fmt: skip
+    runs = [
+        ("file", ["--mqtt-client-id", "bridge-file", "--spool-dir", str(tmp_path / "s1")],
+         {"GPU_MAPPER_BRIDGE_MQTT_PASSWORD_FILE": str(tmp_path / "mqtt-pw"),
+          "GPU_MAPPER_BRIDGE_REMOTE_WRITE_PASSWORD_FILE": str(tmp_path / "rw-pw")}),
+        ("cli", ["--mqtt-client-id", "bridge-cli", "--spool-dir", str(tmp_path / "s2"),
+                 "--mqtt-password", mqtt_pw, "--remote-write-password", rw_pw], {}),
+    ]  # fmt: skip
+    try:
+        for i, (name, argv, env) in enumerate(runs):
+            batches = stream(gpus=1, seconds=30, window_s=1.0, seed=10 + i, boot_id=f"b00t{i}")
+            for topic, payload in states(batches):
+                publisher.publish(topic, payload, qos=1, retain=True).wait_for_publish(5)
+            bridge = MapperProcess([*common, *argv], tmp_path / f"bridge-{name}.log", env=env, command="bridge")
+            try:
+                bridge.wait(lambda b=bridge: "connected as" in b.log(), f"{name}: the bridge connected to the broker")
+                sent = iter(batches)
+
+                def written(sent: Iterator[Published] = sent) -> bool:
+                    # One batch per look until the bridge's shared subscription is in place and a write got 204.
+                    if 204 not in receiver.answers:
+                        p = next(sent)
+                        publisher.publish(p.topic, p.payload, qos=1).wait_for_publish(5)
+                    return 204 in receiver.answers
+
+                bridge.wait(written, f"{name}: a remote write with the password", timeout_s=60)
+            finally:
+                assert bridge.stop() == 0, bridge.log()[-3000:]
+            assert 401 not in receiver.answers, receiver.answers
+            receiver.answers.clear()
+            text = bridge.log()
+            assert " DEBUG " in text, "the run did not log at DEBUG level"
+            assert mqtt_pw not in text and rw_pw not in text, f"{name}: a secret is in the log"
+            for flag, file_flag in (("--mqtt-password", "--mqtt-password-file"),
+                                    ("--remote-write-password", "--remote-write-password-file")):  # fmt: skip
+                warned = f"{flag} on the command line is visible to every local user" in text
+                assert warned == (name == "cli"), text[-2000:]
+                assert not warned or f"use {file_flag}" in text
+    finally:
+        publisher.loop_stop()
+        publisher.disconnect()
+        receiver.close()
+        broker.stop()
+
+
 # --------------------------------------------------------------------------------------------------
 # Least privilege: the mapper as a non-root user
 # --------------------------------------------------------------------------------------------------
@@ -346,7 +506,7 @@ def _run_with_desired_state(tmp_path: Path, as_user: int | None) -> MapperSnapsh
     if as_user is not None:
         os.chown(data, as_user, as_user)
     argv = ["--sim", "1", "--devices", str(devices), "--data-dir", str(data), "--node-name", "edge-1"]
-    mapper = MapperProcess(argv, tmp_path / f"mapper-{as_user}.log", as_user=as_user)
+    mapper = MapperProcess(argv, tmp_path / f"mapper-{as_user}.log", run_as=as_user)
     try:
 
         def settled() -> MapperSnapshot | None:
