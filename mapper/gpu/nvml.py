@@ -146,6 +146,9 @@ _FIELD_KEYS: Mapping[int, str] = MappingProxyType({field_id: f"field:{field_id}"
 _FIELD_ABSENT = frozenset({_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED, _INVALID_ARGUMENT})
 #: The NotSupported-memory key of the energy fallback, ``nvmlDeviceGetTotalEnergyConsumption``.
 _ENERGY_CALL_KEY = "call:nvmlDeviceGetTotalEnergyConsumption"
+#: NotSupported-memory keys kept for one NVML session only: which field ids answer depends on the driver branch
+#: (field 191 is r535+), and a reload may bring another driver.
+_SESSION_KEYS = (*_FIELD_KEYS.values(), _ENERGY_CALL_KEY)
 #: The process lists by kind, newest first: v3 (r510+), else v2.
 _PROCESS_LIST_CALLS: Mapping[str, tuple[str, ...]] = {
     "compute": ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
@@ -252,7 +255,8 @@ class NvmlBackend:
         #: or a driver reload), not every cycle.
         self._static: dict[str, dict[str, tuple[tuple[str, Value], ...]]] = {}
         # knowledge that outlives a session
-        #: NotSupported reads: by GPU, the reading group (or ``field:<id>``) and when to ask again (monotonic s)
+        #: NotSupported reads: by GPU, the reading group (or ``field:<id>``) and when to ask again (monotonic s);
+        #: the fields' entries (``_SESSION_KEYS``) are forgotten when a new NVML session starts
         self._unsupported: dict[str, dict[str, float]] = {}
         self._unsupported_writes: dict[str, set[str]] = {}
         self._legacy_temperature = False
@@ -703,9 +707,12 @@ class NvmlBackend:
         self._locked_memory.clear()
         self._static.clear()
         self._memory_v1.clear()
-        # a reload may have brought a newer driver: try the current names again (once per session)
+        # a reload may have brought a newer driver: try the current names and the fields again (once per session)
         self._legacy_temperature = False
         self._legacy_reasons = False
+        for memo in self._unsupported.values():
+            for key in _SESSION_KEYS:
+                memo.pop(key, None)
         self._process_fns.clear()
 
     def _shutdown_session(self) -> None:
