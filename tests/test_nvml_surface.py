@@ -17,10 +17,13 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from mapper.gpu import nvml as backend_module
 from mapper.gpu import profiles, simnvml
@@ -34,6 +37,7 @@ from tests.nvml_standin import (
     Binding,
     backend_names,
     floor_binding,
+    floor_dist_info,
     installed_binding,
 )
 
@@ -62,6 +66,36 @@ def constant(binding: ModuleType, name: str) -> int:
         return value
     assert name in FLOOR_MISSING_CONSTANTS, f"{name} is not in this binding"
     return FLOOR_MISSING_CONSTANTS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# The two ends of the range
+# --------------------------------------------------------------------------------------------------
+
+
+def nvml_requirement() -> Requirement:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (requirement,) = [r for r in map(Requirement, deps) if r.name == "nvidia-ml-py"]
+    return requirement
+
+
+def test_the_floor_binding_is_the_oldest_release_pyproject_allows_and_bootstrap_installs_it() -> None:
+    """If the floor in pyproject is raised, FLOOR_VERSION and bootstrap follow, or this fails."""
+    requirement = nvml_requirement()
+    (lower,) = [s for s in requirement.specifier if s.operator == ">="]
+    assert requirement.specifier.contains(FLOOR_VERSION)
+    # the first release of the branch the floor names (12.535: 12.535.77 was its first release on PyPI)
+    assert Version(FLOOR_VERSION).release[:2] == Version(lower.version).release[:2]
+    assert f"nvml_floor={FLOOR_VERSION}\n" in (REPO / "scripts" / "bootstrap.sh").read_text()
+    assert floor_binding().path == FLOOR_DIR / "pynvml.py" and floor_dist_info().is_dir()
+
+
+def test_the_installed_binding_is_allowed_and_newer_than_the_floor() -> None:
+    """The other end: what pip chose for pyproject's range (the newest release on a fresh install), so the two
+    runs of every NVML test are two different bindings."""
+    installed = installed_binding().version
+    assert nvml_requirement().specifier.contains(installed)
+    assert Version(installed) > Version(FLOOR_VERSION)
 
 
 # --------------------------------------------------------------------------------------------------
