@@ -28,7 +28,16 @@ from packaging.version import Version
 from mapper.gpu import nvml as backend_module
 from mapper.gpu import profiles, simnvml
 from mapper.gpu.nvml import _field_number
-from mapper.gpu.simnvml import SimEventData, SimMemory, SimMemoryV2, SimNvml, SimPciInfo, SimUtilization
+from mapper.gpu.simnvml import (
+    SimEventData,
+    SimMemory,
+    SimMemoryV2,
+    SimNvml,
+    SimPciInfo,
+    SimProcessInfo,
+    SimProcessUtilization,
+    SimUtilization,
+)
 from mapper.model import COMPUTE_MODES
 from tests.nvml_standin import (
     C_STRUCTS,
@@ -183,6 +192,15 @@ def test_the_simulators_results_have_the_bindings_field_names(
     sim_class: type, struct: str, binding: ModuleType
 ) -> None:
     assert sorted(sim_class.__slots__) == sorted(field_names(getattr(binding, struct)))  # type: ignore[attr-defined]
+
+
+def test_the_simulators_process_results_have_the_bindings_field_names(binding: ModuleType) -> None:
+    info = set(field_names(binding.c_nvmlProcessInfo_t))
+    # nvidia-ml-py 12.535's struct is r535's wider one; the backend only looks the extra field up by name
+    assert set(SimProcessInfo.__slots__) == info - {"usedGpuCcProtectedMemory"}
+    assert set(field_names(binding.c_nvmlProcessUtilizationSample_t)) <= set(SimProcessUtilization.__slots__)
+    if hasattr(binding, "c_nvmlProcessUtilizationInfo_v1_t"):  # (not in 12.535, nor its wrapper)
+        assert set(SimProcessUtilization.__slots__) == set(field_names(binding.c_nvmlProcessUtilizationInfo_v1_t))
 
 
 def test_field_values_are_the_bindings_own_struct(binding: ModuleType) -> None:
