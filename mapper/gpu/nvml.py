@@ -7,8 +7,9 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 * ``sample()`` reads every catalog property in catalog units with one NVML call per value
   (``nvmlDeviceGetFieldValues`` for energy and memory temperature). A value NVML reports as NotSupported or
   FunctionNotFound is absent from the sample, remembered per (GPU, call) and asked again only every
-  ``unsupported_retry_s``. Which readers a set of wanted names needs is worked out once per set (and the set
-  once per list of names a caller passes); a plain getter's function and constants are looked up once.
+  ``unsupported_retry_s`` (a field id, which depends on the driver branch, also at a new NVML session). Which
+  readers a set of wanted names needs is worked out once per set (and the set once per list of names a caller
+  passes); a plain getter's function and constants are looked up once.
 * NVML errors are translated once, in ``_translate``, into ``mapper.errors`` types whose messages name the GPU,
   the call and the value.
 * Lazy init; re-init with capped exponential backoff after Unknown, Uninitialized, GpuIsLost, a timeout or a
