@@ -46,8 +46,9 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
-if [ "$want_test" = 1 ] && [ ! -f .venv/nvml-floor/pynvml.py ]; then
+nvml_floor=12.535.77
+if [ "$want_test" = 1 ] && [ ! -d ".venv/nvml-floor/nvidia_ml_py-$nvml_floor.dist-info" ]; then
   # The oldest nvidia-ml-py pyproject allows (nvidia-ml-py>=12.535), beside the installed one: the NVML tests run
-  # the backend over both (tests/nvml_standin.py FLOOR_VERSION).
-  .venv/bin/python -m pip install -q --no-deps --target .venv/nvml-floor nvidia-ml-py==12.535.77
+  # the backend over both (tests/nvml_standin.py FLOOR_VERSION; tests/test_nvml_surface.py checks the two agree).
+  .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/nvml-floor "nvidia-ml-py==$nvml_floor"
 fi

@@ -421,17 +421,23 @@ _floor_lock = threading.Lock()
 
 
 def floor_binding() -> Binding:
-    """nvidia-ml-py ``FLOOR_VERSION`` from ``FLOOR_DIR`` (pip-installed there first when absent)."""
+    """nvidia-ml-py ``FLOOR_VERSION`` from ``FLOOR_DIR`` (pip-installed there first when absent, or when what is
+    there is another release: a floor raised since the folder was filled)."""
     path = FLOOR_DIR / "pynvml.py"
     with _floor_lock:
-        if not path.is_file():
+        if not (path.is_file() and floor_dist_info().is_dir()):
             subprocess.run(
-                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(FLOOR_DIR),
+                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(FLOOR_DIR),
                  f"nvidia-ml-py=={FLOOR_VERSION}"],
                 check=True,
                 timeout=300,
             )  # fmt: skip
     return Binding(path, FLOOR_VERSION)
+
+
+def floor_dist_info() -> Path:
+    """The metadata folder pip writes beside ``FLOOR_DIR/pynvml.py`` for ``FLOOR_VERSION``."""
+    return FLOOR_DIR / f"nvidia_ml_py-{FLOOR_VERSION}.dist-info"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -261,6 +261,32 @@ def test_a_pre_r535_driver_gives_clock_reasons_and_energy_through_the_older_call
     assert sim.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 2
 
 
+def test_fields_a_driver_lacked_are_asked_again_in_the_next_nvml_session(
+    fake_clock: FakeClock, backends: Backends
+) -> None:
+    """A field answered InvalidArgument is remembered for the NVML session, not longer: a reload that brings an
+    r535+ driver gives energy from field 191 at once, and one back to r530 the fallback at once."""
+    sim, backend, (uuid,) = build(fake_clock, backends, driver_version="530.30.02")
+    for _ in range(3):
+        old = backend.sample(uuid, ["energy_consumption", "temperature_memory"])
+        assert old.errors == {} and set(old.values) == {"energy_consumption", "temperature_memory"}
+        fake_clock.advance(1)
+    assert sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3  # field 191 asked once, then left out
+    assert sim.calls["nvmlDeviceGetFieldValues"] == 3
+    fake_clock.advance(5)  # (far before the retry time)
+    sim.driver_reload(driver_version="590.48.01")
+    new = backend.sample(uuid, ["energy_consumption", "temperature_memory"])
+    assert new.errors == {}, new.errors
+    assert new.values["energy_consumption"] == pytest.approx(sim.gpu(uuid).energy_j, abs=0.001)  # field 191, J
+    assert sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3  # not the fallback any more
+    assert [e.kind for e in backend.poll_events()] == ["driver_reload"]
+    fake_clock.advance(5)
+    sim.driver_reload(driver_version="530.30.02")
+    back = backend.sample(uuid, ["energy_consumption", "temperature_memory"])
+    assert back.errors == {} and "energy_consumption" in back.values
+    assert sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 4
+
+
 def test_memory_comes_from_v2_with_the_reserved_part_apart_and_from_v1_before_r510(
     fake_clock: FakeClock, backends: Backends
 ) -> None:

@@ -143,3 +143,13 @@ def test_discover_whose_nvml_cannot_start_prints_one_line_saying_what_to_do(code
     assert lines[0].startswith("gpu-mapper: NVML could not start: nvmlInit failed: ")
     assert advice in lines[0] and f"(NVML error {code})" in lines[0]
     assert "next attempt" not in lines[0] and "re-initialised" not in lines[0] and "root" not in lines[0]
+
+
+def test_discover_without_an_nvml_library_says_to_install_the_driver_in_one_line() -> None:
+    """LibraryNotFound (what the binding raises where no libnvidia-ml.so.1 loads; here the stand-in's answer)."""
+    out = discover(standin_env(standin_library(), init_result=12))
+    assert out.returncode == 1 and out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("gpu-mapper: NVML library libnvidia-ml.so.1 not found: nvmlInit failed")
+    assert "Install the NVIDIA driver" in line and "--sim" in line
+    assert "next attempt" not in line and "re-initialised" not in line

@@ -12,20 +12,34 @@ allows (12.535.77), each loaded afresh from its ``pynvml.py``.
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import inspect
 import os
 import re
 import subprocess
 import sys
+import sysconfig
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from mapper.gpu import nvml as backend_module
 from mapper.gpu import profiles, simnvml
 from mapper.gpu.nvml import _field_number
-from mapper.gpu.simnvml import SimEventData, SimMemory, SimMemoryV2, SimNvml, SimPciInfo, SimUtilization
+from mapper.gpu.simnvml import (
+    SimEventData,
+    SimMemory,
+    SimMemoryV2,
+    SimNvml,
+    SimPciInfo,
+    SimProcessInfo,
+    SimProcessUtilization,
+    SimUtilization,
+)
 from mapper.model import COMPUTE_MODES
 from tests.nvml_standin import (
     C_STRUCTS,
@@ -34,6 +48,7 @@ from tests.nvml_standin import (
     Binding,
     backend_names,
     floor_binding,
+    floor_dist_info,
     installed_binding,
 )
 
@@ -62,6 +77,38 @@ def constant(binding: ModuleType, name: str) -> int:
         return value
     assert name in FLOOR_MISSING_CONSTANTS, f"{name} is not in this binding"
     return FLOOR_MISSING_CONSTANTS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# The two ends of the range
+# --------------------------------------------------------------------------------------------------
+
+
+def nvml_requirement() -> Requirement:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (requirement,) = [r for r in map(Requirement, deps) if r.name == "nvidia-ml-py"]
+    return requirement
+
+
+def test_the_floor_binding_is_the_oldest_release_pyproject_allows_and_bootstrap_installs_it() -> None:
+    """If the floor in pyproject is raised, FLOOR_VERSION and bootstrap follow, or this fails."""
+    requirement = nvml_requirement()
+    (lower,) = [s for s in requirement.specifier if s.operator == ">="]
+    assert requirement.specifier.contains(FLOOR_VERSION)
+    # the first release of the branch the floor names (12.535: 12.535.77 was its first release on PyPI)
+    assert Version(FLOOR_VERSION).release[:2] == Version(lower.version).release[:2]
+    assert f"nvml_floor={FLOOR_VERSION}\n" in (REPO / "scripts" / "bootstrap.sh").read_text()
+    assert floor_binding().path == FLOOR_DIR / "pynvml.py" and floor_dist_info().is_dir()
+
+
+def test_the_installed_binding_is_allowed_and_newer_than_the_floor() -> None:
+    """The other end: what pip chose for pyproject's range (the newest release on a fresh install), so the two
+    runs of every NVML test are two different bindings. (Read from the venv's site-packages: in the run below with
+    the floor first on sys.path, ``pynvml`` is the floor.)"""
+    (dist,) = importlib.metadata.distributions(name="nvidia-ml-py", path=[sysconfig.get_paths()["purelib"]])
+    installed = dist.version
+    assert nvml_requirement().specifier.contains(installed)
+    assert Version(installed) > Version(FLOOR_VERSION)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,6 +196,15 @@ def test_the_simulators_results_have_the_bindings_field_names(
     sim_class: type, struct: str, binding: ModuleType
 ) -> None:
     assert sorted(sim_class.__slots__) == sorted(field_names(getattr(binding, struct)))  # type: ignore[attr-defined]
+
+
+def test_the_simulators_process_results_have_the_bindings_field_names(binding: ModuleType) -> None:
+    info = set(field_names(binding.c_nvmlProcessInfo_t))
+    # nvidia-ml-py 12.535's struct is r535's wider one; the backend only looks the extra field up by name
+    assert set(SimProcessInfo.__slots__) == info - {"usedGpuCcProtectedMemory"}
+    assert set(field_names(binding.c_nvmlProcessUtilizationSample_t)) <= set(SimProcessUtilization.__slots__)
+    if hasattr(binding, "c_nvmlProcessUtilizationInfo_v1_t"):  # (not in 12.535, nor its wrapper)
+        assert set(SimProcessUtilization.__slots__) == set(field_names(binding.c_nvmlProcessUtilizationInfo_v1_t))
 
 
 def test_field_values_are_the_bindings_own_struct(binding: ModuleType) -> None:

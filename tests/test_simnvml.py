@@ -133,6 +133,27 @@ def test_the_energy_field_is_an_invalid_argument_before_r535(
     assert sim.nvmlDeviceGetTotalEnergyConsumption(handle(sim)) == pytest.approx(72 * 10 * 1000, rel=0.02)  # mJ
 
 
+def test_a_reload_can_bring_another_driver_with_its_functions_and_fields(fake_clock: FakeClock) -> None:
+    sim = make(fake_clock, driver_version="530.30.02")
+    sim.driver_reload(driver_version="590.48.01")
+    sim.nvmlInit()
+    assert sim.nvmlSystemGetDriverVersion() == "590.48.01"
+    assert sim.nvmlDeviceGetCurrentClocksEventReasons(handle(sim)) == GPU_IDLE
+    (energy,) = sim.nvmlDeviceGetFieldValues(handle(sim), [pynvml.NVML_FI_DEV_ENERGY])
+    assert energy.nvmlReturn == pynvml.NVML_SUCCESS
+    sim.driver_reload(driver_version="470.223.02")
+    sim.nvmlInit()
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+        sim.nvmlDeviceGetCurrentClocksEventReasons(handle(sim))
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+        sim.nvmlDeviceGetMemoryInfo(handle(sim), version=pynvml.nvmlMemory_v2)
+    (energy,) = sim.nvmlDeviceGetFieldValues(handle(sim), [pynvml.NVML_FI_DEV_ENERGY])
+    assert energy.nvmlReturn == pynvml.NVML_ERROR_INVALID_ARGUMENT
+    sim.driver_reload()  # the same driver again
+    sim.nvmlInit()
+    assert sim.nvmlSystemGetDriverVersion() == "470.223.02"
+
+
 def test_memory_v1_counts_reserved_memory_as_used_and_v2_keeps_it_apart(fake_clock: FakeClock) -> None:
     sim = make(fake_clock, "A100", scenario="training")
     fake_clock.advance(30)

@@ -7,8 +7,9 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 * ``sample()`` reads every catalog property in catalog units with one NVML call per value
   (``nvmlDeviceGetFieldValues`` for energy and memory temperature). A value NVML reports as NotSupported or
   FunctionNotFound is absent from the sample, remembered per (GPU, call) and asked again only every
-  ``unsupported_retry_s``. Which readers a set of wanted names needs is worked out once per set (and the set
-  once per list of names a caller passes); a plain getter's function and constants are looked up once.
+  ``unsupported_retry_s`` (a field id, which depends on the driver branch, also at a new NVML session). Which
+  readers a set of wanted names needs is worked out once per set (and the set once per list of names a caller
+  passes); a plain getter's function and constants are looked up once.
 * NVML errors are translated once, in ``_translate``, into ``mapper.errors`` types whose messages name the GPU,
   the call and the value.
 * Lazy init; re-init with capped exponential backoff after Unknown, Uninitialized, GpuIsLost, a timeout or a
@@ -146,6 +147,9 @@ _FIELD_KEYS: Mapping[int, str] = MappingProxyType({field_id: f"field:{field_id}"
 _FIELD_ABSENT = frozenset({_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED, _INVALID_ARGUMENT})
 #: The NotSupported-memory key of the energy fallback, ``nvmlDeviceGetTotalEnergyConsumption``.
 _ENERGY_CALL_KEY = "call:nvmlDeviceGetTotalEnergyConsumption"
+#: NotSupported-memory keys kept for one NVML session only: which field ids answer depends on the driver branch
+#: (field 191 is r535+), and a reload may bring another driver.
+_SESSION_KEYS = (*_FIELD_KEYS.values(), _ENERGY_CALL_KEY)
 #: The process lists by kind, newest first: v3 (r510+), else v2.
 _PROCESS_LIST_CALLS: Mapping[str, tuple[str, ...]] = {
     "compute": ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
@@ -252,7 +256,8 @@ class NvmlBackend:
         #: or a driver reload), not every cycle.
         self._static: dict[str, dict[str, tuple[tuple[str, Value], ...]]] = {}
         # knowledge that outlives a session
-        #: NotSupported reads: by GPU, the reading group (or ``field:<id>``) and when to ask again (monotonic s)
+        #: NotSupported reads: by GPU, the reading group (or ``field:<id>``) and when to ask again (monotonic s);
+        #: the fields' entries (``_SESSION_KEYS``) are forgotten when a new NVML session starts
         self._unsupported: dict[str, dict[str, float]] = {}
         self._unsupported_writes: dict[str, set[str]] = {}
         self._legacy_temperature = False
@@ -703,9 +708,12 @@ class NvmlBackend:
         self._locked_memory.clear()
         self._static.clear()
         self._memory_v1.clear()
-        # a reload may have brought a newer driver: try the current names again (once per session)
+        # a reload may have brought a newer driver: try the current names and the fields again (once per session)
         self._legacy_temperature = False
         self._legacy_reasons = False
+        for memo in self._unsupported.values():
+            for key in _SESSION_KEYS:
+                memo.pop(key, None)
         self._process_fns.clear()
 
     def _shutdown_session(self) -> None:

@@ -609,10 +609,7 @@ class SimNvml:
         self._sleep = sleep
         self._lock = threading.RLock()
         self._as_root = as_root
-        self._driver_version = driver_version
-        major = int(driver_version.split(".", 1)[0])
-        self._missing = frozenset(f for f, m in _MIN_DRIVER_MAJOR.items() if major < m)
-        self._unknown_fields = frozenset(f for f, m in _FIELD_MIN_DRIVER_MAJOR.items() if major < m)
+        self._set_driver_version(driver_version)
         now = clock()
         self._gpus = [SimGpu(lookup_profile(k), i, seed, now) for i, k in enumerate(keys)]
         self._by_uuid = {g.uuid: g for g in self._gpus}
@@ -1296,13 +1293,19 @@ class SimNvml:
         """An out-of-band limiter (enforced limit = min(requested, this)); ``None`` removes it."""
         self.gpu(uuid).external_limit_w = watts
 
-    def driver_reload(self, *, first_call_delay_s: float = 0.0, recover_lost: bool = False) -> None:
+    def driver_reload(
+        self, *, first_call_delay_s: float = 0.0, recover_lost: bool = False, driver_version: str | None = None
+    ) -> None:
         """Simulate a driver reload: every setting back to default, energy counters to 0, NVML uninitialised
         (old handles and event sets raise Uninitialized), volatile ECC counters cleared. With
         ``first_call_delay_s`` the first call afterwards (normally nvmlInit) takes that long, as without
-        persistence mode. Lost GPUs stay lost unless ``recover_lost`` (a reboot)."""
+        persistence mode. Lost GPUs stay lost unless ``recover_lost`` (a reboot). With ``driver_version`` the
+        reload brings that driver (an upgrade or a downgrade): its functions and field ids from then on (a
+        ``SimHost``'s kernel module version is the test's to change, ``set_kernel_module_version``)."""
         now = self._clock()
         with self._lock:
+            if driver_version is not None:
+                self._set_driver_version(driver_version)
             for gpu in self._gpus:
                 gpu.advance(now)
                 gpu.reset_settings()
@@ -1321,6 +1324,13 @@ class SimNvml:
                 es.freed = True
             self._event_sets.clear()
             self._first_call_delay_s = first_call_delay_s
+
+    def _set_driver_version(self, driver_version: str) -> None:
+        """The simulated driver's version, and what it lacks by its branch (``_MIN_DRIVER_MAJOR``, fields)."""
+        major = int(driver_version.split(".", 1)[0])
+        self._driver_version = driver_version
+        self._missing = frozenset(f for f, m in _MIN_DRIVER_MAJOR.items() if major < m)
+        self._unknown_fields = frozenset(f for f, m in _FIELD_MIN_DRIVER_MAJOR.items() if major < m)
 
     def inject_gpu_lost(self, uuid: str) -> None:
         """The GPU falls off the bus: every call on it raises GpuIsLost; an XID 79 event is queued."""
