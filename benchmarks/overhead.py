@@ -16,12 +16,13 @@ Both start together; after a warm-up (imports, first samples, first batches) the
 processes and of both brokers are read at the start and the end of the measured window: the on-CPU time of every
 thread from ``/proc/<pid>/task/*/schedstat`` (nanoseconds; the headline figure, ``cpu_source`` says so) and
 utime+stime from ``/proc/<pid>/stat`` (10 ms ticks, ``stat_cpu_pct_of_core``; used instead where a thread ended
-in the window, since schedstat no longer lists it). Peak RSS is ``VmHWM`` from ``/proc/<pid>/status``. The
-import-only RSS of a bare Python with the mapper's heavy imports (grpc, paho, prometheus_client, yaml, zstandard,
-sqlite3), with ``mapper.app`` imported (what standalone mode imports: no grpc) and with ``mapper.app`` plus the
-DMI client and server (what DMI mode imports), is measured too, so the RSS figure can be read honestly. A
-subscriber on each broker counts what each side delivered (messages, bytes, values), to show both did the same
-work.
+in the window, since schedstat no longer lists it, or where stat is higher by more than its quantisation: a thread
+that began and ended inside the window, such as the one serving a scrape, is in neither schedstat list). Peak RSS
+is ``VmHWM`` from ``/proc/<pid>/status``. The import-only RSS of a bare Python with the mapper's heavy imports
+(grpc, paho, prometheus_client, yaml, zstandard, sqlite3), with ``mapper.app`` imported (what standalone mode
+imports: no grpc) and with ``mapper.app`` plus the DMI client and server (what DMI mode imports), is measured too,
+so the RSS figure can be read honestly. A subscriber on each broker counts what each side delivered (messages,
+bytes, values), to show both did the same work.
 
 ``--dmi``: the mapper runs as on a KubeEdge node instead (no devices folder; a test EdgeCore in this process serves
 the Devices over real gRPC; twins and states over DMI, telemetry over MQTT, no EventBus).
@@ -415,8 +416,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cpu = {k: (cpu1[k] - cpu0[k]) / wall for k in pids}
     broker_cpu = {k: (bcpu1[k] - bcpu0[k]) / wall for k in broker_pids}
     sched = {k: (sched1[k][0] - sched0[k][0]) / wall for k in pids}
-    # The headline CPU figure: schedstat where every thread counted at the start was still there at the end.
-    source = {k: "schedstat" if sched0[k][1] <= sched1[k][1] else "stat" for k in pids}
+    # The headline CPU figure: schedstat where every thread counted at the start was still there at the end and
+    # stat (which counts ended threads too) is not above it by more than its two 10 ms ticks of quantisation: a
+    # thread that began and ended inside the window (one HTTP request of a scrape) is in neither schedstat list.
+    tick_share = 2 / CLK_TCK / wall
+    source = {
+        k: "schedstat" if sched0[k][1] <= sched1[k][1] and cpu[k] - sched[k] <= tick_share else "stat" for k in pids
+    }
     stat_cpu = cpu
     cpu = {k: sched[k] if source[k] == "schedstat" else stat_cpu[k] for k in pids}
     import_libs = import_only_rss_mb("grpc, paho.mqtt.client, prometheus_client, yaml, zstandard, sqlite3")
