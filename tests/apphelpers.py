@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from mapper.app import MapperApp
@@ -57,3 +60,17 @@ async def wait_for(predicate: Callable[[], Any], *, timeout_s: float = 10.0, wha
             return value
         await asyncio.sleep(0.02)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def setpriv_as(uid: int) -> list[str]:
+    """The command prefix that runs a program as ``uid`` (from root). Where that user cannot reach this checkout
+    or its interpreter (a clone under root's 0700 home), it keeps only CAP_DAC_READ_SEARCH, to read them: not
+    root for the mapper (its euid decides, as NVML's does), and no right to write or chmod what is not its own."""
+    base = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    probe = [*base, sys.executable, "-c", "import mapper.cli"]
+    if (
+        subprocess.run(probe, cwd=Path(__file__).resolve().parent.parent, capture_output=True, timeout=60).returncode
+        == 0
+    ):
+        return base
+    return [*base, "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]

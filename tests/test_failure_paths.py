@@ -218,6 +218,7 @@ def test_a_data_dir_the_mapper_cannot_write_exits_1_naming_what_it_could_not_cre
     import tempfile
     from pathlib import Path
 
+    from tests.apphelpers import setpriv_as
     from tests.brokers import free_port
 
     base = Path(tempfile.mkdtemp(prefix="gpu-mapper-rodata-"))  # (pytest's tmp_path is 0700: nobody cannot reach it)
@@ -227,7 +228,7 @@ def test_a_data_dir_the_mapper_cannot_write_exits_1_naming_what_it_could_not_cre
         data = base / "data"
         data.mkdir()
         data.chmod(0o755 if os.geteuid() == 0 else 0o555)
-        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        prefix = setpriv_as(65534) if os.geteuid() == 0 else []
         argv = ["run", "--sim", "1", "--node-name", "edge-1", "--devices", str(base / "devices")]
         argv += ["--data-dir", str(data), "--metrics-addr", f"127.0.0.1:{free_port()}"]
         out = subprocess.run(

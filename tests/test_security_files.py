@@ -25,23 +25,12 @@ from mapper.errors import ConfigError
 from mapper.gpu.simnvml import SimNvml
 from mapper.metrics import fetch_status
 from mapper.stats import MapperSnapshot
-from tests.apphelpers import fast_settings, running_app, wait_for
+from tests.apphelpers import fast_settings, running_app, setpriv_as, wait_for
 from tests.brokers import Mosquitto, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
 KEEP_USER = "user root\n" if os.geteuid() == 0 else ""
-
-
-def setpriv_as(uid: int) -> list[str]:
-    """The command prefix that runs a program as ``uid`` (from root). Where that user cannot reach this checkout
-    or its interpreter (a clone under root's 0700 home), it keeps only CAP_DAC_READ_SEARCH, to read them: not
-    root for the mapper (its euid decides, as NVML's does), and no right to write or chmod what is not its own."""
-    base = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    probe = [*base, sys.executable, "-c", "import mapper.cli"]
-    if subprocess.run(probe, cwd=REPO, capture_output=True, timeout=60).returncode == 0:
-        return base
-    return [*base, "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
 
 
 def mode(path: Path) -> int:
