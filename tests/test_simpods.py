@@ -1,10 +1,18 @@
-"""The simulated processes' host tree (``SimNvml.pod_tree``, ``SimPods``), read by the real ``PodResolver``."""
+"""The simulated processes' host tree (``SimNvml.pod_tree``, ``SimPods``), read by the real ``PodResolver``, and
+when the composition root reads it instead of the host's ``/proc`` (``mapper.backends.sim_process_roots``)."""
 
 from __future__ import annotations
 
+import stat
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
+from mapper.backends import sim_process_roots
 from mapper.clock import FakeClock
+from mapper.config import Settings, load_settings
+from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml, SimPods, scenario_pid
 from mapper.workloads import PodDirs, PodResolver, ProcessOwner
 
@@ -114,3 +122,59 @@ def test_pod_uids_and_container_ids_have_the_kubelets_forms() -> None:
     cid = SimPods.container_id("demo", "job-0-0", "main")
     assert len(cid) == 64 and int(cid, 16) >= 0
     assert cid != SimPods.container_id("demo", "job-0-0", "sidecar")
+
+
+# --------------------------------------------------------------------------------------------------
+# The composition root: the simulator's tree only over the simulator, only where the settings keep the defaults
+# --------------------------------------------------------------------------------------------------
+
+
+def sim_backend() -> NvmlBackend:
+    return NvmlBackend(SimNvml(1, "H100", seed=0, scenario="steady"))
+
+
+def test_over_the_simulator_with_the_default_roots_the_process_loop_reads_the_simulated_host(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    settings = load_settings(env={}, flags={"sim": 1, "data_dir": str(tmp_path / "data")})
+    got, prepare = sim_process_roots(settings, sim_backend(), tmp_path / "data")
+    host = tmp_path / "data" / "sim-host"
+    assert (got.proc_root, got.pod_files_root) == (str(host / "proc"), str(host))
+    assert prepare is not None and not host.exists()
+    prepare()
+    assert stat.S_IMODE(host.stat().st_mode) == 0o700
+    assert named(owners(host, [1001])[1001]) == ("demo", "job-0-0", "main")
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides"),
+    [
+        ({"GPU_MAPPER_PROC_ROOT": "/proc"}, {}),  # given, even at the default's value
+        ({"GPU_MAPPER_POD_FILES_ROOT": "/"}, {}),
+        ({}, {"proc_root": "/host/proc"}),  # set in code to a value of its own
+        ({}, {"pod_files_root": "/host"}),
+    ],
+)
+def test_a_root_the_user_set_is_kept(tmp_path: Path, env: dict[str, str], overrides: dict[str, str]) -> None:
+    settings = replace(load_settings(env=env, flags={"sim": 1}), **overrides)
+    got, prepare = sim_process_roots(settings, sim_backend(), tmp_path)
+    assert got is settings and prepare is None
+
+
+def test_real_gpus_keep_the_hosts_roots(tmp_path: Path) -> None:
+    import pynvml  # (the backend is only built: nothing is called on the binding)
+
+    settings = Settings()
+    got, prepare = sim_process_roots(settings, NvmlBackend(pynvml), tmp_path)
+    assert got is settings and prepare is None
+    assert (got.proc_root, got.pod_files_root) == ("/proc", "/")
+
+
+def test_an_unwritable_data_dir_leaves_the_pods_unnamed_and_the_loop_running(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = tmp_path / "data"
+    data.write_text("a file where the data dir should be")
+    _, prepare = sim_process_roots(Settings(), sim_backend(), data)
+    assert prepare is not None
+    prepare()  # no exception: the warning says why the pods have no names
+    assert "their pods are not named" in caplog.text
