@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mapper import __version__
-from mapper.backends import health_monitor
+from mapper.backends import build_process_loop, health_monitor
 from mapper.binding import Bindings, unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
@@ -37,7 +37,6 @@ from mapper.metrics import MetricsServer, write_status_file
 from mapper.model import GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.policy import PolicyEngine, parse_policies
-from mapper.processloop import process_loop
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler
 from mapper.registry import Registry
@@ -164,10 +163,8 @@ class MapperApp:
         self.registry.subscribe(self.bindings.on_device_change)
         #: Who uses each GPU (docs/processes.md); None when ``processes.interval`` is 0, and on a Jetson (its
         #: per-process use is not read: docs/jetson.md).
-        self.processes = (
-            process_loop(settings, backend, self.workers, self.publisher, self.streams, clock=self.clock)
-            if isinstance(backend, NvmlBackend)
-            else None
+        self.processes = build_process_loop(
+            settings, backend, self.workers, self.publisher, self.streams, data_dir=self.data_dir, clock=self.clock
         )
         self.bindings.max_delta_bytes = settings.inbound_max_bytes
         #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).

@@ -1,10 +1,14 @@
 """Choosing the GPU backend family (part of the composition root, next to ``mapper.app.build_backend``), and
-what hangs on the family: the health loop and its tools (NVML only).
+what hangs on the family: the health loop and its tools, and the process loop (NVML only).
 
 ``settings.backend``: ``nvml``; ``jetson``; ``auto`` (the default): NVML where it initialises, else a Jetson's
 sysfs where a Tegra GPU is found under ``jetson.root``, else NVML (whose start-up error says what is missing).
 With ``--sim N`` the simulator's profile decides: a Jetson profile (orin-agx, xavier-agx, orin-nano) builds a
 simulated sysfs tree and runs the real ``JetsonBackend`` over it, any other profile is a simulated NVML.
+
+A simulated NVML has a simulated host in ``<data dir>/sim-host`` (0700): the driver's traces for the health loop,
+and its processes' ``proc/<pid>/cgroup`` and the kubelet's pod files, which the process loop reads there instead
+of ``/proc`` and ``/`` unless ``processes.procRoot`` or ``processes.podFilesRoot`` is set (docs/processes.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,9 @@ from mapper.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
 from mapper.health import HealthTools
 from mapper.healthloop import HealthMonitor
 from mapper.policy import PolicyEngine, PolicyEvent
+from mapper.processloop import ProcessLoop, process_loop
+from mapper.publish import Publisher
+from mapper.streams import TelemetryStreams
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +121,25 @@ def build_jetson_backend(settings: Settings, clock: Clock | None = None, *, one_
     return _SimulatedJetsonBackend(sim, remove, nvpmodel=nvpmodel_command(root), **options)
 
 
+def sim_host_dir(data_dir: Path) -> Path:
+    """The simulated host's tree: in the data dir, so private like every file there (docs/security.md)."""
+    return data_dir / "sim-host"
+
+
+def make_sim_host(host: Path) -> None:
+    """Create ``host`` (in an existing data dir) 0700, or tighten it to 0700; OSError when it cannot."""
+    host.mkdir(mode=0o700, exist_ok=True)
+    host.chmod(0o700)
+
+
 def build_health_tools(backend: NvmlBackend, data_dir: Path) -> HealthTools:
     """The CUDA probe, host root and NVIDIA tools of the health loop: the simulator's own where the backend's nvml
     is the simulator (it offers ``health_tools``), else the node's."""
     offered = getattr(getattr(backend, "nvml", None), "health_tools", None)
     if offered is not None:
-        host = data_dir / "sim-host"  # in the data dir, so private like every file there (docs/security.md)
+        host = sim_host_dir(data_dir)
         try:
-            host.mkdir(mode=0o700, exist_ok=True)
-            host.chmod(0o700)
+            make_sim_host(host)
         except OSError as exc:  # (start-up then says what is wrong with the data dir itself)
             log.warning("cannot use %s for the simulated host (%s): a temporary directory instead", host, exc)
             host = Path(tempfile.mkdtemp(prefix="gpu-mapper-sim-host-"))
@@ -148,3 +166,52 @@ def health_monitor(
     tools = build_health_tools(nvml, data_dir)
     count = lambda uuid: len(nvml.processes(uuid).processes)  # noqa: E731
     return HealthMonitor(workers, policies, nvml, tools, clock=clock, emit=emit, processes=count)
+
+
+def build_process_loop(
+    settings: Settings,
+    backend: object,
+    workers: Mapping[str, GpuWorker],
+    publisher: Publisher,
+    streams: TelemetryStreams,
+    *,
+    data_dir: Path,
+    clock: Clock,
+) -> ProcessLoop | None:
+    """The process loop (``processloop.process_loop``) over an NVML backend; None on a Jetson (its per-process use
+    is not read: docs/jetson.md) and when ``processes.interval`` is 0. Over a simulated NVML (one that offers
+    ``pod_tree``) it reads the simulator's host tree in ``<data dir>/sim-host``, written before the first cycle,
+    where the settings keep the host's defaults (``sim_process_roots``)."""
+    if not isinstance(backend, NvmlBackend):
+        return None
+    settings, prepare = sim_process_roots(settings, backend, data_dir)
+    return process_loop(settings, backend, workers, publisher, streams, clock=clock, prepare=prepare)
+
+
+def sim_process_roots(
+    settings: Settings, backend: NvmlBackend, data_dir: Path
+) -> tuple[Settings, Callable[[], None] | None]:
+    """``settings`` with ``processes.procRoot`` and ``processes.podFilesRoot`` in the simulated host's tree, and
+    what writes the tree, where the backend's nvml is the simulator and neither setting was given (in the file,
+    the environment or a flag, or in code to a value of its own); else ``settings`` as they are and None. The
+    simulated processes then have a pod each (``SimPods``); on real GPUs the host's ``/proc`` and ``/`` stay."""
+    writer = getattr(backend.nvml, "pod_tree", None)
+    defaults = Settings()
+    own = [
+        name
+        for name in ("proc_root", "pod_files_root")
+        if name in settings.given or getattr(settings, name) != getattr(defaults, name)
+    ]
+    if writer is None or own:
+        return settings, None
+    host = sim_host_dir(data_dir)
+    write: Callable[[Path], Path] = writer
+
+    def prepare() -> None:
+        try:
+            make_sim_host(host)
+            write(host)
+        except OSError as exc:
+            log.warning("cannot write the simulated processes' tree in %s (%s): their pods are not named", host, exc)
+
+    return replace(settings, proc_root=str(host / "proc"), pod_files_root=str(host)), prepare

@@ -180,6 +180,9 @@ class Settings:
     leak_threshold_bytes: int = 1 << 30
     #: The idle power (W) of a GPU by UUID or product name, where known; else the process cycle learns it.
     idle_power_w: Mapping[str, float] = field(default_factory=dict)
+    #: The names of the settings given in the file, the environment or flags (``load_settings``); the others
+    #: are the defaults. (Settings made in code say nothing here: compare with ``Settings()`` too.)
+    given: frozenset[str] = frozenset()
 
     @property
     def dmi_enabled(self) -> bool:
@@ -386,6 +389,7 @@ def load_settings(
         if flags.get(name) is not None:
             values[name] = _convert(kind, flags[name], "--" + name.replace("_", "-"))
 
+    given = frozenset(values)
     password = values.pop("mqtt_password", None)
     password_file = values.pop("mqtt_password_file", None)
     if password_file is not None:
@@ -419,7 +423,13 @@ def load_settings(
         raise ConfigError("policies: must be a mapping")
     idle_power = _idle_power(_lookup(file_data, "processes.idlePower"))
     settings = replace(
-        Settings(), mqtt=mqtt, policies=dict(policies), config_file=file_path, idle_power_w=idle_power, **values
+        Settings(),
+        mqtt=mqtt,
+        policies=dict(policies),
+        config_file=file_path,
+        idle_power_w=idle_power,
+        given=given,
+        **values,
     )
     validate(settings)
     return settings

@@ -153,6 +153,9 @@ class ProcessLoop:
     beat: Callable[[str, float], None] | None = None
     #: Configured idle power (W) by GPU UUID or product name (``processes.idlePower``); else it is learnt.
     idle_power_by_gpu: Mapping[str, float] = field(default_factory=dict)
+    #: Run once, in the first cycle's thread hop, before the kubelet's files are first read (the simulated GPUs
+    #: write their processes' host tree there).
+    prepare: Callable[[], None] | None = None
     #: The latest report of each GPU.
     latest: dict[str, GpuWorkloads] = field(default_factory=dict)
     #: GPUs whose cycle failed, by reason (NVML's error reason, ``timeout``, ``owners``).
@@ -193,7 +196,7 @@ class ProcessLoop:
         when every PID and pod is known already)."""
         if not self._refreshed:
             self._refreshed = True
-            await call_in_thread(self.resolver.refresh, timeout_s=self.call_timeout_s)
+            await call_in_thread(self._first_refresh, timeout_s=self.call_timeout_s)
             if self.resolver.unreadable_reason:
                 log.warning("processes: pods cannot be named: %s", self.resolver.unreadable_reason)
         uuids = list(self.workers)
@@ -207,6 +210,11 @@ class ProcessLoop:
             del self.latest[gone]
             self.monitor.forget(gone)
         return out
+
+    def _first_refresh(self) -> None:
+        if self.prepare is not None:
+            self.prepare()
+        self.resolver.refresh()
 
     async def _sample(self, uuid: str) -> ProcessSample | None:
         try:
@@ -276,9 +284,11 @@ def process_loop(
     *,
     clock: Clock,
     beat: Callable[[str, float], None] | None = None,
+    prepare: Callable[[], None] | None = None,
 ) -> ProcessLoop | None:
     """The process loop ``settings`` ask for, or None when it is off (``processes.interval: 0``): leak events
-    through ``publisher`` (as its policy events), telemetry rows into ``streams``."""
+    through ``publisher`` (as its policy events), telemetry rows into ``streams``, ``prepare`` run before the first
+    cycle reads ``processes.procRoot`` and ``processes.podFilesRoot``."""
     if settings.process_interval_s <= 0:
         return None
     publish_events: PublishEvents | None = None
@@ -317,4 +327,5 @@ def process_loop(
         add_telemetry=add_telemetry,
         beat=beat,
         idle_power_by_gpu=dict(settings.idle_power_w),
+        prepare=prepare,
     )

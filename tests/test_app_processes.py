@@ -14,19 +14,24 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mapper.config import MqttSettings
+from mapper.app import build_backend
+from mapper.config import MqttSettings, Settings
+from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.naming import parse_pod_series
+from mapper.naming import parse_pod_series, pod_series
+from mapper.processloop import telemetry_values
 from mapper.telemetry import decode_batch
 from mapper.workloads import PodDirs
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.test_app_eventbus import Listener
 
 GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[1]
 TWIN_VALUE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,512}")
 
 DEVICE = """
@@ -360,3 +365,94 @@ async def test_the_processes_twin_goes_to_edgecore_over_dmi_as_a_twin_it_accepts
             assert edge.rec.twin_rejections == [] and edge.rec.violations == []
     finally:
         await edge.stop()
+
+
+def demo_settings(tmp_path: Path, **overrides: Any) -> tuple[SimNvml, Settings]:
+    """``gpu-mapper run --sim 2 --sim-scenario inference`` on the demo's Devices (two inference servers a GPU), and
+    its simulator, as ``mapper.app.build_backend`` makes it."""
+    settings = fast_settings(
+        str(tmp_path / "data"),
+        sim=2,
+        sim_scenario="inference",
+        node_name="demo-node",
+        devices_dir=str(REPO / "device-models" / "examples"),
+        process_interval_s=0.25,
+        **overrides,
+    )
+    backend = build_backend(settings)
+    assert isinstance(backend, NvmlBackend) and isinstance(backend.nvml, SimNvml)
+    return backend.nvml, settings
+
+
+@pytest.mark.timeout(60)
+async def test_with_sim_defaults_the_simulated_processes_pods_are_named_everywhere(tmp_path: Path) -> None:
+    sim, settings = demo_settings(tmp_path)
+    uuids = [g.uuid for g in sim.gpus]
+    want = {u: {("demo", f"job-{i}-0", "main"), ("demo", f"job-{i}-1", "main")} for i, u in enumerate(uuids)}
+    async with running_app(settings, sim) as app:
+        assert app.processes is not None and app.metrics is not None
+        loop, url = app.processes, app.metrics.url
+
+        def named() -> bool:
+            got = {
+                w.uuid: {(p.namespace, p.pod, p.container) for p in w.pods if p.power_w > 0} for w in loop.workloads()
+            }
+            return bool(got == want)
+
+        await wait_for(named, timeout_s=20, what="both GPUs' pods named, with power")
+        host = tmp_path / "data" / "sim-host"
+        assert loop.proc_root == str(host / "proc") and (host / "proc" / "1001" / "cgroup").is_file()
+        assert oct(host.stat().st_mode & 0o777) == "0o700"
+
+        # The snapshot (behind /metrics and /status): every process named, so no reason.
+        snapshot = app.snapshot()
+        assert {w.uuid for w in snapshot.workloads} == set(uuids)
+        for w in snapshot.workloads:
+            assert w.reason == "" and w.process_count == 2, w.reason
+            # The telemetry row of the cycle carries the pods' series.
+            i = uuids.index(w.uuid)
+            assert pod_series("energy", "demo", f"job-{i}-0", "main") in telemetry_values(w)
+
+        def pods_in_metrics(m: dict[str, list[tuple[dict[str, str], float]]]) -> None:
+            for uuid in uuids:
+                for series in ("gpu_pod_energy_joules_total", "gpu_pod_power_watts", "gpu_pod_memory_used_bytes"):
+                    labels = {(x["namespace"], x["pod"], x["container"]) for x, _ in by_gpu(m, series, uuid)}
+                    assert labels == want[uuid], (series, labels)
+                rows = {x["pid"]: x["pod"] for x, _ in by_gpu(m, "gpu_process_memory_used_bytes", uuid)}
+                i = uuids.index(uuid)
+                assert rows == {str(1001 + 100 * i): f"job-{i}-0", str(1002 + 100 * i): f"job-{i}-1"}
+
+        await settled(url, pods_in_metrics)
+
+        # The processes twin: the server of weight 3 draws the most power.
+        twin = app.workers[uuids[0]].values["processes"]
+        assert isinstance(twin, str) and twin.startswith("count:2,power:demo/job-0-0/main@"), twin
+        assert TWIN_VALUE.fullmatch(twin)
+
+        # gpu-mapper status: the node's top pods.
+        text = await asyncio.to_thread(fetch, url + "/status?format=text")
+        for i in range(2):
+            assert f"demo/job-{i}-0/main" in text and f"demo/job-{i}-1/main" in text
+        assert "hostPID" not in text
+
+
+@pytest.mark.timeout(60)
+async def test_with_sim_a_proc_root_the_user_set_is_read_and_the_simulated_host_is_not(tmp_path: Path) -> None:
+    own = tmp_path / "own-proc"
+    own.mkdir()
+    sim, settings = demo_settings(tmp_path, proc_root=str(own))
+    async with running_app(settings, sim) as app:
+        assert app.processes is not None
+        loop = app.processes
+        assert loop.proc_root == str(own)
+        seen = await wait_for(
+            lambda: [w for w in loop.workloads() if w.process_count == 2] if len(loop.workloads()) == 2 else [],
+            timeout_s=20,
+            what="both GPUs' processes",
+        )
+        for w in seen:
+            assert f"not visible under {own}" in w.reason, w.reason
+            assert not any(p.pod.startswith("job-") for p in w.pods)
+        # The health loop's simulated host is there, without the processes' tree.
+        await wait_for(lambda: (tmp_path / "data" / "sim-host" / "dev").is_dir(), what="the simulated host")
+        assert not (tmp_path / "data" / "sim-host" / "proc" / "1001").exists()

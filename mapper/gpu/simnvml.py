@@ -16,18 +16,21 @@ integrated lazily on each read from the clock delta (steps of at most 0.5 s):
   ``HwThermalSlowdown + HwSlowdown`` at slowdown (clock halved), GPU lost + XID 79 at shutdown;
 * ``GpuIdle`` at idle (idle clock, idle P-state), an energy counter in mJ since the (simulated) driver loaded;
 * processes: each scenario runs its own (none at idle, one trainer, two inference servers), sharing the GPU's
-  utilisation by weight and its memory; ``start_process`` adds more (growing or sawing memory).
+  utilisation by weight and its memory; ``start_process`` adds more (growing or sawing memory). ``pod_tree``
+  writes them, each in a pod of its own, as a host's ``/proc`` and the kubelet's files show them (``SimPods``).
 
 The control surface for tests and demos (not pynvml names) is at the end of the class: ``gpus``, ``gpu(uuid)``,
 ``set_scenario``, ``set_utilization``, ``set_ambient_c``, ``set_cooling``, ``set_external_power_limit_w``,
-``start_process``, ``stop_process``, ``set_scenario_processes``, ``driver_reload``, ``inject_gpu_lost``,
+``start_process``, ``stop_process``, ``set_scenario_processes``, ``pod_tree``, ``driver_reload``, ``inject_gpu_lost``,
 ``inject_xid``, ``inject_ecc``, ``inject_errors``, ``set_call_delay_s``, ``set_as_root`` and the ``calls``
 counter (calls per pynvml function name).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import shutil
 import threading
 import time
 import uuid as uuidlib
@@ -204,7 +207,7 @@ class SimProcessUtilization:
 class SimProcess:
     """A simulated GPU process: its share of the GPU's utilisation (``weight``) and its memory, which may grow
     (``growth_bytes_per_s``, a leak) or climb and fall back every ``sawtooth_period_s`` (a caching allocator).
-    ``pod`` is ``(namespace, pod, container)`` for demos that write a matching proc tree."""
+    ``pod`` is ``(namespace, pod, container)``, the pod ``SimPods`` writes for it (None: a host process)."""
 
     def __init__(
         self,
@@ -245,11 +248,27 @@ class SimProcess:
         return int(used) // 4096 * 4096
 
 
-#: The processes a scenario runs on its own (weights; pids are 1000 + 100 * GPU index + slot): none at idle,
-#: one trainer, two inference servers sharing the GPU 3:2.
+#: The processes a scenario runs on its own (weights; pids ``scenario_pid``: 1000 + 100 * GPU index + slot + 1):
+#: none at idle, one trainer, two inference servers sharing the GPU 3:2.
 _SCENARIO_PROCESSES: Mapping[str, tuple[float, ...]] = MappingProxyType(
     {"idle": (), "steady": (1.0,), "training": (1.0,), "heat": (1.0,), "oscillating": (1.0,), "inference": (3.0, 2.0)}
 )
+#: The most processes a scenario runs on one GPU (the slots ``SimPods`` writes a pod for).
+_SCENARIO_SLOTS = max(len(w) for w in _SCENARIO_PROCESSES.values())
+#: The namespace and container of the scenario processes' pods (``scenario_pod``).
+SIM_POD_NAMESPACE = "demo"
+SIM_POD_CONTAINER = "main"
+
+
+def scenario_pid(index: int, slot: int) -> int:
+    """The pid of the scenario process in ``slot`` on the GPU of ``index``."""
+    return 1000 + 100 * index + slot + 1
+
+
+def scenario_pod(index: int, slot: int) -> tuple[str, str, str]:
+    """``(namespace, pod, container)`` of the scenario process in ``slot`` on the GPU of ``index``: a pod of its
+    own, ``demo/job-<index>-<slot>``, container ``main``, whatever the scenario (as its pid is)."""
+    return SIM_POD_NAMESPACE, f"job-{index}-{slot}", SIM_POD_CONTAINER
 
 
 class SimPciInfo:
@@ -457,8 +476,9 @@ class SimGpu:
             scenario_mem = max(0, self._scenario_memory(self.utilization) - base)
             total_w = sum(weights)
             for slot, weight in enumerate(weights):
-                pid = 1000 + 100 * self.index + slot + 1
-                proc = SimProcess(pid, memory_bytes=int(scenario_mem * weight / total_w), weight=weight)
+                pid = scenario_pid(self.index, slot)
+                memory = int(scenario_mem * weight / total_w)
+                proc = SimProcess(pid, memory_bytes=memory, weight=weight, pod=scenario_pod(self.index, slot))
                 out.append((proc, proc.memory_bytes // 4096 * 4096))
         for proc in self.extra_processes.values():
             out.append((proc, proc.memory_at(t)))
@@ -624,6 +644,8 @@ class SimNvml:
         self._first_call_delay_s = 0.0
         #: Calls per pynvml function name (tests assert how often NVML was asked).
         self.calls: Counter[str] = Counter()
+        #: The processes' host tree, once ``pod_tree`` wrote one (kept up to date by start/stop_process).
+        self._pods: SimPods | None = None
 
     @classmethod
     def from_profiles(cls, profiles: Iterable[str], **kwargs: Any) -> SimNvml:
@@ -1261,6 +1283,8 @@ class SimNvml:
                 pod=pod,
             )
             gpu.extra_processes[pid] = proc
+            if self._pods is not None:
+                self._pods.write(proc)
             return proc
 
     def stop_process(self, uuid: str, pid: int) -> None:
@@ -1270,6 +1294,8 @@ class SimNvml:
             if pid not in gpu.extra_processes:
                 raise KeyError(f"pid {pid} is not a started process of GPU {uuid}")
             del gpu.extra_processes[pid]
+            if self._pods is not None:
+                self._pods.remove(pid)
 
     def set_scenario_processes(self, uuid: str | None, enabled: bool) -> None:
         """Whether the scenario runs its own processes (one trainer, two inference servers ...); off leaves only
@@ -1427,6 +1453,15 @@ class SimNvml:
     def initialized(self) -> bool:
         return self._init_count > 0
 
+    def pod_tree(self, root: Path) -> Path:
+        """Write the processes' host tree under ``root`` (``SimPods``: ``<root>/proc`` and the kubelet's files
+        below ``root``) and keep it up to date as processes start and stop; the root."""
+        pods = SimPods(self, root)
+        with self._lock:
+            pods.populate()
+            self._pods = pods
+        return root
+
     def health_tools(self, host_root: Path) -> HealthTools:
         """The simulated node's health parts (``sim_health_tools``): the composition root takes them from here."""
         return sim_health_tools(self, host_root)
@@ -1519,6 +1554,83 @@ class SimHost:
 
     def stop_persistenced(self) -> None:
         (self.root / "var" / "run" / "nvidia-persistenced" / "socket").unlink(missing_ok=True)
+
+
+class SimPods:
+    """The simulated processes as a host with ``hostPID`` shows them to the mapper, as files under ``root``:
+
+    * ``proc/<pid>/cgroup``, the cgroup v2 line of a container that containerd runs under the kubelet's systemd
+      driver, ``0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_>.slice/cri-containerd-
+      <id>.scope``, and ``proc/<pid>/comm``;
+    * the kubelet's files that name the pods: ``var/log/containers/<pod>_<namespace>_<container>-<id>.log`` and
+      ``var/log/pods/<namespace>_<pod>_<uid>/<container>/0.log`` (empty).
+
+    ``mapper.workloads.PodResolver`` reads them with ``proc_root=<root>/proc`` and ``PodDirs.under(root)``. Pod UIDs
+    and container ids are derived from the names (the same on every run). Every pid a scenario can run has its
+    entry (``scenario_pod``), whether it runs now or not, so a change of scenario needs no rewrite; a process of
+    ``start_process`` gets its own: in its ``pod`` where it has one, else a host process
+    (``0::/system.slice/<name>.service``). ``stop_process`` removes it.
+    """
+
+    def __init__(self, sim: SimNvml, root: Path) -> None:
+        self.sim = sim
+        self.root = root
+
+    @property
+    def proc_root(self) -> Path:
+        return self.root / "proc"
+
+    @staticmethod
+    def pod_uid(namespace: str, pod: str) -> str:
+        return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"gpu-mapper-sim:{namespace}/{pod}"))
+
+    @staticmethod
+    def container_id(namespace: str, pod: str, container: str) -> str:
+        return hashlib.sha256(f"gpu-mapper-sim:{namespace}/{pod}/{container}".encode()).hexdigest()
+
+    def populate(self) -> Path:
+        """Write the tree (again): every scenario pid of every GPU and every started process; the root."""
+        for gpu in self.sim.gpus:
+            for slot in range(_SCENARIO_SLOTS):
+                self._write(scenario_pid(gpu.index, slot), "python3", scenario_pod(gpu.index, slot))
+            for proc in gpu.extra_processes.values():
+                self.write(proc)
+        return self.root
+
+    def write(self, proc: SimProcess) -> None:
+        """The entry of one process (and its pod's files)."""
+        self._write(proc.pid, proc.name, proc.pod)
+
+    def remove(self, pid: int) -> None:
+        """A process ended: its ``proc/<pid>`` goes (a scenario pid gets its scenario entry back)."""
+        shutil.rmtree(self.proc_root / str(pid), ignore_errors=True)
+        for gpu in self.sim.gpus:
+            for slot in range(_SCENARIO_SLOTS):
+                if scenario_pid(gpu.index, slot) == pid:
+                    self._write(pid, "python3", scenario_pod(gpu.index, slot))
+
+    def _write(self, pid: int, name: str, pod: tuple[str, str, str] | None) -> None:
+        folder = self.proc_root / str(pid)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "comm").write_text(name + "\n")
+        if pod is None:
+            (folder / "cgroup").write_text(f"0::/system.slice/{name}.service\n")
+            return
+        namespace, pod_name, container = pod
+        uid = self.pod_uid(namespace, pod_name)
+        cid = self.container_id(namespace, pod_name, container)
+        slice_uid = uid.replace("-", "_")
+        (folder / "cgroup").write_text(
+            f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{slice_uid}.slice/"
+            f"cri-containerd-{cid}.scope\n"
+        )
+        logs = self.root / "var" / "log"
+        pod_logs = logs / "pods" / f"{namespace}_{pod_name}_{uid}" / container
+        pod_logs.mkdir(parents=True, exist_ok=True)
+        (pod_logs / "0.log").touch()
+        links = logs / "containers"
+        links.mkdir(parents=True, exist_ok=True)
+        (links / f"{pod_name}_{namespace}_{container}-{cid}.log").touch()
 
 
 class SimTools:
