@@ -255,7 +255,27 @@ def expected_samples(batches: list[Published], *, with_states: bool = True) -> i
     return total
 
 
-class FlakyReceiver:
+class ReceiverServer:
+    """A remote-write endpoint on 127.0.0.1 (a free port) served by ``handler`` in threads of its own, until
+    ``close``."""
+
+    def __init__(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+class FlakyReceiver(ReceiverServer):
     """A real HTTP server in front of a real Prometheus: it forwards every POST unchanged, except that while
     ``status`` is set it answers that status instead (a receiver outage), and it waits ``delay_s`` per request."""
 
@@ -291,16 +311,4 @@ class FlakyReceiver:
                 self.end_headers()
                 self.wfile.write(text)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)

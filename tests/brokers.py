@@ -23,6 +23,19 @@ def mosquitto_binary() -> str:
     return found
 
 
+def password_file(folder: Path, users: dict[str, str]) -> Path:
+    """``folder/passwd`` for mosquitto's ``password_file``, made by ``mosquitto_passwd`` for ``users`` (user ->
+    password), 0600."""
+    path = folder / "passwd"
+    for i, (user, password) in enumerate(users.items()):
+        args = ["mosquitto_passwd", "-b", str(path), user, password]
+        if i == 0:
+            args.insert(1, "-c")
+        subprocess.run(args, check=True, capture_output=True, timeout=30)
+    path.chmod(0o600)
+    return path
+
+
 class Mosquitto:
     """One broker process. ``stop()`` kills it; ``start()`` brings it back on the same port."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from mapper.errors import ConfigError
 from mapper.gpu.simnvml import SimNvml
 from mapper.mqtt import MqttSession, mapper_session
 from tests.apphelpers import fast_settings, running_app, wait_for
-from tests.brokers import Mosquitto
+from tests.brokers import Mosquitto, password_file
 
 REPO = Path(__file__).resolve().parent.parent
 ACL = REPO / "deploy" / "mosquitto" / "gpu-mapper.acl"
@@ -175,21 +174,10 @@ async def test_a_broker_certificate_from_an_unknown_ca_is_refused_by_the_mapper(
         await sess.stop(2)
 
 
-def _passwd(tmp_path: Path, users: dict[str, str]) -> Path:
-    path = tmp_path / "passwd"
-    for i, (user, password) in enumerate(users.items()):
-        args = ["mosquitto_passwd", "-b", str(path), user, password]
-        if i == 0:
-            args.insert(1, "-c")
-        subprocess.run(args, check=True, capture_output=True, timeout=30)
-    path.chmod(0o600)
-    return path
-
-
 async def test_a_wrong_password_is_refused_and_the_mapper_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pwfile = _passwd(tmp_path, {"gpu-mapper": "s3cret-pw"})
+    pwfile = password_file(tmp_path, {"gpu-mapper": "s3cret-pw"})
     broker = Mosquitto(tmp_path, extra_config=f"{KEEP_USER}allow_anonymous false\npassword_file {pwfile}\n")
     broker.start()
     good = _session(broker.url, "good", username="gpu-mapper", password="s3cret-pw")
@@ -223,7 +211,7 @@ async def test_a_wrong_password_is_refused_and_the_mapper_says_so(
 def acl_broker(tmp_path: Path, pki: Pki) -> Iterator[Mosquitto]:
     """The example config's defences: TLS with client certificates, passwords, and the shipped ACL plus two
     users the tests need (a watcher that reads everything, an edge application that may send deltas)."""
-    pwfile = _passwd(tmp_path, {"gpu-mapper": "mapper-pw", "watcher": "watcher-pw", "app": "app-pw"})
+    pwfile = password_file(tmp_path, {"gpu-mapper": "mapper-pw", "watcher": "watcher-pw", "app": "app-pw"})
     acl = tmp_path / "acl"
     acl.write_text(
         ACL.read_text()
@@ -313,7 +301,7 @@ async def test_the_acl_lets_the_mapper_read_deltas_but_nothing_else(acl_broker: 
 
 
 def test_the_example_mosquitto_conf_starts_a_broker_with_its_defences(tmp_path: Path, pki: Pki) -> None:
-    pwfile = _passwd(tmp_path, {"gpu-mapper": "pw"})
+    pwfile = password_file(tmp_path, {"gpu-mapper": "pw"})
     text = EXAMPLE_CONF.read_text()
     for src, dst in {
         "/etc/mosquitto/passwd": str(pwfile),

@@ -26,7 +26,8 @@ from mapper.gpu.simnvml import SimNvml
 from mapper.metrics import fetch_status
 from mapper.stats import MapperSnapshot
 from tests.apphelpers import fast_settings, running_app, setpriv_as, wait_for
-from tests.brokers import Mosquitto, free_port
+from tests.bridgehelpers import ReceiverServer
+from tests.brokers import Mosquitto, free_port, password_file
 
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
@@ -290,10 +291,7 @@ def test_no_secret_appears_in_a_debug_log_and_one_on_the_command_line_is_warned_
     from_file, on_cli = "file-secret-7f3a91", "cli-secret-2b8e44"
     broker_dir = tmp_path / "broker"
     broker_dir.mkdir()
-    pwfile = broker_dir / "passwd"
-    subprocess.run(["mosquitto_passwd", "-c", "-b", str(pwfile), "gpu-mapper", from_file], check=True, timeout=30)
-    subprocess.run(["mosquitto_passwd", "-b", str(pwfile), "cli-user", on_cli], check=True, timeout=30)
-    pwfile.chmod(0o600)
+    pwfile = password_file(broker_dir, {"gpu-mapper": from_file, "cli-user": on_cli})
     broker = Mosquitto(broker_dir, extra_config=f"{KEEP_USER}allow_anonymous false\npassword_file {pwfile}\n")
     broker.start()
     secret = tmp_path / "password"
@@ -349,13 +347,12 @@ def test_no_secret_appears_in_a_debug_log_and_one_on_the_command_line_is_warned_
         broker.stop()
 
 
-class _AuthReceiver:
+class _AuthReceiver(ReceiverServer):
     """A remote-write receiver that wants basic auth: 204 for the right (user, password), else 401. It records
     the answers it gave."""
 
     def __init__(self, user: str, password: str) -> None:
         import http.server
-        import threading
 
         want = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         answers = self.answers = []  # type: list[int]
@@ -372,19 +369,7 @@ class _AuthReceiver:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/write"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)
 
 
 @pytest.mark.timeout(120)
@@ -396,10 +381,7 @@ def test_the_bridge_logs_no_secret_at_debug_and_warns_about_one_on_the_command_l
     mqtt_pw, rw_pw = "bridge-mqtt-secret-41d9", "bridge-rw-secret-77ae"
     broker_dir = tmp_path / "broker"
     broker_dir.mkdir()
-    pwfile = broker_dir / "passwd"
-    subprocess.run(["mosquitto_passwd", "-c", "-b", str(pwfile), "bridge", mqtt_pw], check=True, timeout=30)
-    subprocess.run(["mosquitto_passwd", "-b", str(pwfile), "publisher", "pub-pw"], check=True, timeout=30)
-    pwfile.chmod(0o600)
+    pwfile = password_file(broker_dir, {"bridge": mqtt_pw, "publisher": "pub-pw"})
     broker = Mosquitto(broker_dir, extra_config=f"{KEEP_USER}allow_anonymous false\npassword_file {pwfile}\n")
     broker.start()
     receiver = _AuthReceiver("rw", rw_pw)
