@@ -103,7 +103,7 @@ async def test_an_edge_application_sets_the_power_limit_through_an_eventbus_delt
     listener = Listener(mosquitto.port, "$hw/events/device/default/gpu0/#", "gpu-mapper/#")
     try:
         async with running_app(settings, sim) as app:
-            await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+            await wait_for(lambda: app.session is not None and app.session.subscribed, what="MQTT subscribed")
 
             # Actual values go out in KubeEdge's JSON, every value a string, types consistent ("string").
             updates = await wait_for(
@@ -250,7 +250,7 @@ async def test_acks_and_policy_events_made_while_the_broker_is_down_arrive_when_
 ) -> None:
     sim, uuid0, devices, settings = standalone(tmp_path, mosquitto.url)
     async with running_app(settings, sim) as app:
-        await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+        await wait_for(lambda: app.session is not None and app.session.subscribed, what="MQTT subscribed")
         mosquitto.stop()
         await wait_for(lambda: app.session is not None and not app.session.connected, what="MQTT disconnected")
 

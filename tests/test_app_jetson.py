@@ -73,7 +73,7 @@ async def test_the_whole_mapper_runs_over_a_simulated_orin_with_twins_desired_st
     try:
         await wait_for(lambda: app.metrics is not None or task.done(), what="the mapper to start")
         assert not task.done(), f"the mapper exited early with {task.result()}"
-        await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+        await wait_for(lambda: app.session is not None and app.session.subscribed, what="MQTT subscribed")
 
         # The Device's desired maximum reaches the devfreq files, and the twins say so.
         await wait_for(lambda: max_freq.read_text().strip() == "612000000", what="612 MHz in max_freq")

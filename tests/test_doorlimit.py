@@ -125,7 +125,7 @@ async def test_a_delta_flood_is_cut_to_the_devices_rate_and_the_excess_counted(
     caplog.set_level(logging.WARNING)
     try:
         async with running_app(settings, sim) as app:
-            await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+            await wait_for(lambda: app.session is not None and app.session.subscribed, what="MQTT subscribed")
             await wait_for(lambda: app.registry.devices(), what="the Device loaded")
             # Too large: dropped unread, before the rate limit (its token is not spent).
             listener.publish(topic, b"{" + b" " * 5000 + b"}")

@@ -529,7 +529,7 @@ async def test_an_ack_whose_publish_fails_while_connected_is_kept_and_sent_again
     try:
         async with running_app(settings, sim) as app:
             assert app.session is not None
-            await wait_for(lambda: app.session.connected, what="MQTT connected")
+            await wait_for(lambda: app.session.subscribed, what="MQTT subscribed")
             publish = app.session.publish
             failed: list[str] = []
 

@@ -33,7 +33,7 @@ async def test_a_delta_with_an_out_of_range_timestamp_is_refused_and_the_mapper_
     listener = Listener(mosquitto.port)
     try:
         async with running_app(settings, sim) as app:
-            await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+            await wait_for(lambda: app.session is not None and app.session.subscribed, what="MQTT subscribed")
             await wait_for(lambda: app.workers[uuid0].device is not None, what="the Device bound")
             # The fuzzer's finding: a timestamp past SQLite's 64-bit INTEGER went through parse_delta, became the
             # desired value's version, and the store's INSERT raised OverflowError out of the collect step.
@@ -58,7 +58,7 @@ async def test_deeply_nested_eventbus_json_is_refused_without_a_traceback(
     listener = Listener(mosquitto.port)
     try:
         async with running_app(settings, sim) as app:
-            await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+            await wait_for(lambda: app.session is not None and app.session.subscribed, what="MQTT subscribed")
             nested = b"[" * 60000 + b"]" * 60000
             listener.publish(DELTA_TOPIC, nested[:60000])
             listener.publish(DELTA_TOPIC, b'{"delta": ' + b"[" * 30000 + b"]" * 30000 + b"}")

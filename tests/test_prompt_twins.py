@@ -176,7 +176,7 @@ async def test_an_eventbus_delta_shows_in_twin_update_within_2_s_with_20_s_repor
     listener = Listener(mosquitto.port, f"$hw/events/device/default/{name}/#")
     try:
         async with running_app(settings, sim) as app:
-            await wait_for(lambda: app.session is not None and app.session.connected, what="MQTT connected")
+            await wait_for(lambda: app.session is not None and app.session.subscribed, what="MQTT subscribed")
             await wait_for(lambda: matching(listener, "/twin/update"), what="the first twin/update")
             for watts in ("275", "500"):
                 listener.drain()
