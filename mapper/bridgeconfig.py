@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from mapper.config import _convert, _lookup, read_file, read_secret_file
+from mapper.config import _convert, _lookup, key_password_from_file, read_file, read_secret_file
 from mapper.errors import ConfigError
 
 DEFAULT_TOPIC = "gpu-mapper/+/+/+/telemetry"
@@ -132,11 +132,9 @@ def _secrets_from_files(values: dict[str, Any]) -> None:
             both = f"bridge.{BRIDGE_KEYS[name][0]} and {key}"
             raise ConfigError(f"{both} are both set (file, environment or flags): keep one")
         values[name] = read_secret_file(path, key)
-    key_password_file = values.pop("mqtt_key_password_file", None)
-    if key_password_file is not None:
-        if values.get("mqtt_key_file") is None:
-            raise ConfigError("bridge.mqtt.keyPasswordFile: set, but there is no bridge.mqtt.keyFile for it to unlock")
-        values["mqtt_key_password"] = read_secret_file(key_password_file, "bridge.mqtt.keyPasswordFile")
+    key_password = key_password_from_file(values, "bridge.")
+    if key_password is not None:
+        values["mqtt_key_password"] = key_password
 
 
 def _known_paths(node: Any, prefix: str = "") -> list[str]:

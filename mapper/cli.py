@@ -15,11 +15,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mapper import __version__
-from mapper.config import ENV_KEYS, SECRET_FLAGS, Settings, load_settings, secrets_on_command_line
+from mapper.config import ENV_KEYS, SECRET_FLAGS, Settings, load_settings
 from mapper.errors import ConfigError, MapperError
 
 log = logging.getLogger("mapper")
@@ -306,20 +306,26 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+def warn_secrets_on_command_line(flags: Mapping[str, Any], secret_flags: Mapping[str, str]) -> None:
+    """A warning for each secret given as a flag (``secret_flags``: its name -> the flag that reads it from a
+    file): on the command line it is visible to every local user in the process list."""
+    for name, file_name in secret_flags.items():
+        if flags.get(name) is not None:
+            log.warning(
+                "%s on the command line is visible to every local user in the process list; use %s "
+                "(or its environment variable) instead",
+                "--" + name.replace("_", "-"),
+                "--" + file_name.replace("_", "-"),
+            )
+
+
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     setup_logging(settings.log_format, settings.log_level)
     # Every file the mapper creates (SQLite files and their journals, status.json) is private to its user; the
     # DMI socket is chmod-ed 0660 after it is made. mapper.datadir tightens what an earlier run left wider.
     os.umask(0o077)
-    for flag in secrets_on_command_line(vars(args)):
-        file_flag = "--" + SECRET_FLAGS[flag[2:].replace("-", "_")].replace("_", "-")
-        log.warning(
-            "%s on the command line is visible to every local user in the process list; use %s "
-            "(or its environment variable) instead",
-            flag,
-            file_flag,
-        )
+    warn_secrets_on_command_line(vars(args), SECRET_FLAGS)
     from mapper.app import run
 
     async def main_task() -> int:
@@ -394,14 +400,7 @@ def _bridge(args: argparse.Namespace) -> int:
         return 0
     settings = load_bridge_settings(args.config, flags=flags)
     setup_logging(settings.log_format, settings.log_level)
-    for name, file_name in BRIDGE_SECRET_FLAGS.items():
-        if flags.get(name) is not None:
-            log.warning(
-                "%s on the command line is visible to every local user in the process list; use %s "
-                "(or its environment variable) instead",
-                "--" + name.replace("_", "-"),
-                "--" + file_name.replace("_", "-"),
-            )
+    warn_secrets_on_command_line(flags, BRIDGE_SECRET_FLAGS)
     from mapper.bridge import Bridge
 
     async def main_task() -> int:

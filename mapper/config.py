@@ -361,9 +361,17 @@ def read_secret_file(path: str, key: str) -> str:
     return secret
 
 
-def secrets_on_command_line(flags: Mapping[str, Any]) -> list[str]:
-    """The flags of ``flags`` (parsed command-line values) that carry a secret, as ``--flag-name``."""
-    return ["--" + name.replace("_", "-") for name in SECRET_FLAGS if flags.get(name) is not None]
+def key_password_from_file(values: dict[str, Any], key_prefix: str = "") -> str | None:
+    """Take ``mqtt_key_password_file`` out of ``values``: the passphrase that file holds, None where it is not
+    set; a ConfigError where ``values`` has no ``mqtt_key_file`` for it to unlock. ``key_prefix``: what the keys
+    are named below in errors (``bridge.`` for the bridge's)."""
+    path = values.pop("mqtt_key_password_file", None)
+    if path is None:
+        return None
+    key = f"{key_prefix}mqtt.keyPasswordFile"
+    if values.get("mqtt_key_file") is None:
+        raise ConfigError(f"{key}: set, but there is no {key_prefix}mqtt.keyFile for it to unlock")
+    return read_secret_file(path, key)
 
 
 def load_settings(
@@ -399,12 +407,7 @@ def load_settings(
         # was not created) means no credentials at all. With a user name the file must be there.
         if values.get("mqtt_username") is not None or Path(password_file).exists():
             password = read_secret_file(password_file, "mqtt.passwordFile")
-    key_password_file = values.pop("mqtt_key_password_file", None)
-    key_password = None
-    if key_password_file is not None:
-        if values.get("mqtt_key_file") is None:
-            raise ConfigError("mqtt.keyPasswordFile: set, but there is no mqtt.keyFile for it to unlock")
-        key_password = read_secret_file(key_password_file, "mqtt.keyPasswordFile")
+    key_password = key_password_from_file(values)
     mqtt = MqttSettings(
         url=values.pop("mqtt_url", None),
         username=values.pop("mqtt_username", None),
