@@ -326,7 +326,11 @@ def test_sigterm_at_a_start_up_stage_exits_within_the_grace_period_with_pending_
             mapper.wait_log("NVML is not ready")
         else:
             mapper.wait_started()
-            wait(lambda: all(g.get("sample") for g in (mapper.status() or {}).get("gpus", [])), 60, "sampled")
+            # A whole collect round done (its duration observed after every GPU's step went to its telemetry
+            # stream): a GPU's sample shows in /status before its step ends, and a step cut short at exit is not
+            # pending yet.
+            wait(lambda: sum(((mapper.status() or {}).get("collect") or {}).get("duration", {}).get("counts", [])) > 0,
+                 60, "a collect round done")  # fmt: skip
         code, took_s = mapper.terminate(timeout_s=30)
         assert code == 0, mapper.log()[-3000:]
         assert took_s < 10.0, f"took {took_s:.1f} s to exit (Kubernetes' grace period is 30 s)"
