@@ -59,7 +59,7 @@ from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.compact import CompactionSettings, Compactor
 from mapper.discover import device_name
-from mapper.model import Sample, Value
+from mapper.shared.model import Sample, Value
 from mapper.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch, default_topic
 
 GPUS = 8
@@ -73,7 +73,7 @@ SCENARIOS = ("training", "inference", "steady", "oscillating", "heat", "idle", "
 def simulated(hours: float, cadence: str = "1hz", gpus: int = GPUS) -> Iterator[tuple[str, Sample]]:
     from mapper.gpu.nvml import NvmlBackend
     from mapper.gpu.simnvml import SimNvml
-    from mapper.model import NVML_PROPERTIES
+    from mapper.shared.model import NVML_PROPERTIES
 
     clock = FakeClock(start_wall_ms=START_MS)
     sim = SimNvml(gpus, "H100", clock=clock.monotonic, seed=7)

@@ -452,7 +452,7 @@ def run_client(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def dmi_device(index: int, uuid: str, power_limit: str) -> Any:
-    from mapper.model import NVML_PROPERTIES
+    from mapper.shared.model import NVML_PROPERTIES
     from tests.fake_edgecore import pb_device
 
     props: dict[str, str | None] = {p.name: None for p in NVML_PROPERTIES}
@@ -465,7 +465,7 @@ def dmi_device(index: int, uuid: str, power_limit: str) -> Any:
 
 
 def dmi_model() -> Any:
-    from mapper.model import NVML_PROPERTIES
+    from mapper.shared.model import NVML_PROPERTIES
     from tests.fake_edgecore import pb_model
 
     return pb_model(props={p.name: p.ptype for p in NVML_PROPERTIES})
@@ -476,7 +476,7 @@ def write_devices_folder(folder: Path, uuids_by_index: list[tuple[int, str]]) ->
     import yaml
 
     from mapper.discover import device_yaml, model_yaml
-    from mapper.model import GpuInfo
+    from mapper.shared.model import GpuInfo
 
     gpus = [GpuInfo(uuid=u, index=i, name="NVIDIA H100", pci_bus_id="") for i, u in uuids_by_index]
     text = device_yaml(gpus, NODE, desired={u: {"power_limit": str(DESIRED_W)} for _, u in uuids_by_index})

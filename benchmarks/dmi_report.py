@@ -32,7 +32,7 @@ from mapper.clock import FakeClock
 from mapper.dmi import convert
 from mapper.dmi.client import DmiClient, DmiReporter
 from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
-from mapper.model import PROPERTIES, Twin
+from mapper.shared.model import PROPERTIES, Twin
 from tests.fake_edgecore import FakeEdgeCore
 
 

@@ -38,7 +38,7 @@ from mapper import telemetry
 from mapper.clock import FakeClock
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import DeviceConfig, DeviceProperty, Sample
+from mapper.shared.model import DeviceConfig, DeviceProperty, Sample
 
 GPUS = 8
 SAMPLES_PER_BATCH = 10

@@ -39,10 +39,10 @@ from mapper.collect import Collector, GpuWorker
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml, sim_health_tools
 from mapper.healthloop import HealthMonitor
-from mapper.model import DeviceConfig, DeviceProperty
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler
 from mapper.report import device_twins
+from mapper.shared.model import DeviceConfig, DeviceProperty
 
 WINDOW_S = 10.0
 

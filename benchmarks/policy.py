@@ -38,8 +38,8 @@ from typing import Any
 
 from mapper.clock import FakeClock
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import Constraints
 from mapper.policy import PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
+from mapper.shared.model import Constraints
 
 THERMAL_SLOWDOWN_BITS = 0x20 | 0x40  # SwThermalSlowdown | HwThermalSlowdown
 

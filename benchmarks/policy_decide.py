@@ -41,7 +41,7 @@ from mapper import policy as current  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
 from mapper.gpu.nvml import NvmlBackend  # noqa: E402
 from mapper.gpu.simnvml import SimNvml  # noqa: E402
-from mapper.model import Value  # noqa: E402
+from mapper.shared.model import Value  # noqa: E402
 
 GPUS = 8
 #: The last commit before the steady fast path in ``decide``.

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mapper.buffer import Buffer
 from mapper.clock import SystemClock
-from mapper.model import Sample, Value
 from mapper.mqtt import MqttSession
+from mapper.shared.model import Sample, Value
 from mapper.shipper import TelemetryShipper
 from mapper.telemetry import BatchEncoder
 from tests.brokers import Mosquitto

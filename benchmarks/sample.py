@@ -39,7 +39,7 @@ from typing import Any
 from mapper.clock import FakeClock
 from mapper.gpu import nvml
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import NVML_PROPERTIES
+from mapper.shared.model import NVML_PROPERTIES
 
 GPUS = 4
 NAMES = [p.name for p in NVML_PROPERTIES]

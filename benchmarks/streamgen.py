@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mapper.model import Sample, Value
+from mapper.shared.model import Sample, Value
 
 #: A Monday at 00:00 UTC, on a 2 h boundary (one TSDB block per 2 h).
 START_MS = 1_781_395_200_000

@@ -27,7 +27,7 @@ from mapper.discover import JETSON_MODEL_NAME, device_yaml, model_yaml
 from mapper.gpu.jetson import board_uuid
 from mapper.gpu.simjetson import profile as jetson_profile
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import GpuInfo
+from mapper.shared.model import GpuInfo
 
 HERE = Path(__file__).resolve().parent
 DEMO_NODE = "demo-node"

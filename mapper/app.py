@@ -34,13 +34,13 @@ from mapper.gpu.nvml import NvmlBackend
 from mapper.healthloop import HealthMonitor
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
-from mapper.model import GpuInfo, Sample
 from mapper.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler
 from mapper.registry import Registry
 from mapper.report import Reporter
+from mapper.shared.model import GpuInfo, Sample
 from mapper.shipper import TelemetryShipper
 from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.status import StatusSource, run_console

@@ -26,9 +26,9 @@ from mapper.desired import DesiredState, Source
 from mapper.devicefiles import FolderContents
 from mapper.errors import ConfigError, MapperError
 from mapper.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
-from mapper.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
 from mapper.policy import PolicyEngine
 from mapper.registry import DeviceChange, PreconditionError, Registry
+from mapper.shared.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
 
 log = logging.getLogger("mapper.binding")
 

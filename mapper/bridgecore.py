@@ -2,7 +2,7 @@
 the bridge's counters.
 
 * ``Converter`` turns a decoded batch into samples of ``PendingRequest`` series, named and labelled by
-  ``mapper.naming`` (the table the mapper's own ``/metrics`` uses): catalog properties with a Prometheus name as
+  ``mapper.shared.naming`` (the table the mapper's own ``/metrics`` uses): catalog properties with a Prometheus name as
   ``value * prom_scale``; ``clock_event_reasons`` as ``gpu_clock_event_reason_active{reason}`` 0/1 per bit;
   ``compute_mode`` as ``gpu_compute_mode{mode}``; ``product_name`` as ``gpu_info{product_name}`` 1;
   ``policy_state`` as ``gpu_mapper_policy_state{state}`` 1. Labels ``uuid``, ``device`` (the Device name
@@ -30,9 +30,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper import naming, telemetry
-from mapper.model import DEVICE_STATES
+from mapper import telemetry
 from mapper.remotewrite import MetricType, SeriesBuf, label_bytes, sample_affixes, sorted_labels
+from mapper.shared import naming
+from mapper.shared.model import DEVICE_STATES
 from mapper.telemetry import DecodedBatch
 
 _PACK_DOUBLE = struct.Struct("<d").pack
@@ -67,7 +68,7 @@ class DeviceStatus:
     uuid: str
     identity: GpuIdentity | None = None
     at_ms: int | None = None
-    #: One of ``mapper.model.DEVICE_STATES``, or "" when not given.
+    #: One of ``mapper.shared.model.DEVICE_STATES``, or "" when not given.
     state: str = ""
     #: (XID code as text, events seen) by code.
     xid_errors: tuple[tuple[str, int], ...] = ()

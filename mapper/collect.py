@@ -20,7 +20,9 @@ from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.desired import DesiredState, DesiredValue
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, ProbeResult
-from mapper.model import (
+from mapper.policy import Decision, PolicyContext, PolicyEngine
+from mapper.reconcile import Reconciler, ReconcileResult
+from mapper.shared.model import (
     BACKEND_PROPERTIES,
     PROPERTY_BY_NAME,
     Constraints,
@@ -31,8 +33,6 @@ from mapper.model import (
     Sample,
     Value,
 )
-from mapper.policy import Decision, PolicyContext, PolicyEngine
-from mapper.reconcile import Reconciler, ReconcileResult
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class GpuWorker:
     values: dict[str, Value] = field(default_factory=dict)
     values_ts_ms: int = 0
     constraints: Constraints = field(default_factory=Constraints)
-    #: ok | online | unhealthy | offline (mapper.model.DEVICE_STATES)
+    #: ok | online | unhealthy | offline (mapper.shared.model.DEVICE_STATES)
     state: str = "online"
     desired_status: str = ""
     policy_state: str = "normal"

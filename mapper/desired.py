@@ -8,7 +8,7 @@ Sources (``Source``):
 * ``edge``: EventBus twin deltas from edge applications; their version is the delta's own timestamp (ms).
 * ``file``: the standalone YAML files; behaves exactly like ``cloud`` (used where there is no EdgeCore).
 
-Local policies are not a source here: they cap the power limit through ``mapper.model.PolicyLimit`` in the
+Local policies are not a source here: they cap the power limit through ``mapper.shared.model.PolicyLimit`` in the
 reconciler, and may only tighten.
 
 Rules (see docs/desired-state.md):
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from mapper.errors import InvalidValueError
-from mapper.model import (
+from mapper.shared.model import (
     COMPUTE_MODES,
     PROPERTY_BY_NAME,
     Scalar,
@@ -52,7 +52,7 @@ class DesiredValue:
     """One property's desired value as received, parsed once.
 
     ``value`` is the parsed value (catalog type) or None when ``raw`` was refused; ``reason`` then holds one of
-    ``mapper.model.REJECT_REASONS`` and ``message`` says what was wrong.
+    ``mapper.shared.model.REJECT_REASONS`` and ``message`` says what was wrong.
     """
 
     prop: str

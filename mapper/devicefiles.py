@@ -29,7 +29,7 @@ import yaml
 
 from mapper.clock import sleep_or_wake
 from mapper.errors import InvalidValueError
-from mapper.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Scalar
+from mapper.shared.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Scalar
 
 PROTOCOL = "gpu"
 

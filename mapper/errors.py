@@ -56,7 +56,7 @@ class NoPermissionError(PermanentError):
 class InvalidValueError(PermanentError):
     """A value was refused: wrong type, out of range, not in the supported list, ...
 
-    ``reason`` is one of a small set of twin-safe codes (see ``mapper.model.REJECT_REASONS``).
+    ``reason`` is one of a small set of twin-safe codes (see ``mapper.shared.model.REJECT_REASONS``).
     """
 
     reason = "invalid"

@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from mapper.errors import short_repr
-from mapper.model import DEVICE_STATES, TWIN_KEY_RE, TWIN_VALUE_RE
+from mapper.shared.model import DEVICE_STATES, TWIN_KEY_RE, TWIN_VALUE_RE
 
 DEVICE_PREFIX = "$hw/events/device"
 NODE_PREFIX = "$hw/events/node"

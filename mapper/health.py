@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from mapper.model import format_number, twin_safe
+from mapper.shared.model import format_number, twin_safe
 
 __all__ = [
     "HEALTHY_REPORT",

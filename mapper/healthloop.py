@@ -36,8 +36,8 @@ from mapper.collect import GpuWorker, call_backend, call_in_thread
 from mapper.driverhost import host_checks
 from mapper.errors import GpuLostError, MapperError
 from mapper.health import CheckResult, HealthTools, ProbeResult
-from mapper.model import GpuEvent, format_number, twin_safe
 from mapper.policy import PolicyConfig, PolicyEngine, PolicyEvent
+from mapper.shared.model import GpuEvent, format_number, twin_safe
 
 __all__ = ["RECOVERY", "DriverCheckSource", "HealthMonitor"]
 

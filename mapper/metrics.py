@@ -52,13 +52,13 @@ from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_n
 from prometheus_client.samples import Sample as PromSample
 from prometheus_client.utils import floatToGoString
 
-from mapper import naming
 from mapper.bridgecore import BridgeStats
 from mapper.bridgecore import Histogram as BridgeHistogram
 from mapper.errors import ConfigError, NotFoundError, TransientError
 from mapper.health import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
-from mapper.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
+from mapper.shared import naming
+from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.stats import (
     STATUS_FILE_NAME,
     GpuSnapshot,
@@ -226,7 +226,7 @@ def metric_names() -> frozenset[str]:
 
 def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
     """Build every metric family for one snapshot (pure apart from the prometheus_client types). Names, types,
-    help texts and labels come from ``mapper.naming`` (shared with the bridge)."""
+    help texts and labels come from ``mapper.shared.naming`` (shared with the bridge)."""
     out: list[Metric] = []
     per_prop: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
     for ps in naming.PROPERTY_SERIES:

@@ -34,7 +34,7 @@ import yaml
 from mapper.config import parse_duration_s
 from mapper.errors import ConfigError
 from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
-from mapper.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
+from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
 from mapper.xid import DEFAULT_FATAL_XIDS, XidPolicy
 
 log = logging.getLogger(__name__)
@@ -755,7 +755,7 @@ class Decision:
     #: One twin value: ``normal``, ``thermal:throttling-step2``, ``power-saving:active``,
     #: ``health:unhealthy-xid79``, comma-joined when several apply; prefixed ``dry-run:`` in dry run.
     policy_state: str = "normal"
-    #: ``ok``, ``unhealthy`` or ``offline`` (mapper.model.DEVICE_STATES).
+    #: ``ok``, ``unhealthy`` or ``offline`` (mapper.shared.model.DEVICE_STATES).
     device_state: str = "ok"
     events: tuple[PolicyEvent, ...] = ()
     dry_run: bool = False

@@ -28,7 +28,7 @@ from mapper.attribution import (
     top_processes,
 )
 from mapper.leak import LeakConfig, LeakDetector, LeakEvent
-from mapper.model import ProcessSample
+from mapper.shared.model import ProcessSample
 from mapper.workloads import ProcessOwner
 
 __all__ = ["TWIN_MAX_CHARS", "GpuWorkloads", "PodUse", "ProcessMonitor", "ProcessRow", "workload_key"]

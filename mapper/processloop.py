@@ -11,8 +11,8 @@ detector). What comes out goes to every output the mapper has:
 * the ``processes`` twin: its text is the GPU worker's ``processes`` value, which the reporter sends when the
   bound Device lists the property (a periodic twin, never a prompt report);
 * the telemetry stream of the GPU: one row per cycle with every workload's energy, power, memory and SM share
-  (``mapper.naming.pod_series``), the GPU's process count, idle and unattributed energy, idle power and the
-  processes suspected of leaking (``mapper.naming.leak_series``);
+  (``mapper.shared.naming.pod_series``), the GPU's process count, idle and unattributed energy, idle power and the
+  processes suspected of leaking (``mapper.shared.naming.leak_series``);
 * leak events: ``leak-suspected`` / ``leak-cleared`` as MQTT events of the ``gpu-memory-leak`` policy on the
   Device's ``.../events`` topic (kept in the buffer while the broker is down, counted in
   ``gpu_mapper_policy_events_total``). Nothing is done to the process.
@@ -36,11 +36,11 @@ from mapper.collect import GpuWorker, call_backend, call_in_thread
 from mapper.config import Settings
 from mapper.errors import MapperError
 from mapper.leak import LeakConfig, LeakEvent
-from mapper.model import ProcessSample, ProcessSource, Sample, Value
-from mapper.naming import leak_series, pod_series
 from mapper.policy import PolicyEvent
 from mapper.processes import GpuWorkloads, ProcessMonitor
 from mapper.publish import Publisher
+from mapper.shared.model import ProcessSample, ProcessSource, Sample, Value
+from mapper.shared.naming import leak_series, pod_series
 from mapper.streams import TelemetryStreams
 from mapper.workloads import PodDirs, PodResolver, ProcessOwner
 

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 from mapper.clock import Clock
 from mapper.errors import MapperError, TransientError
-from mapper.model import Sample
 from mapper.policy import PolicyEvent
 from mapper.reconcile import Ack, ack_to_json
+from mapper.shared.model import Sample
 from mapper.shipper import TelemetryShipper
 
 log = logging.getLogger("mapper.publish")

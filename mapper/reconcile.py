@@ -14,7 +14,7 @@ through the backend's ``FrequencyActuator`` methods; a policy's clock cap (``Pol
 there as the devfreq maximum. Counters and the ``desired_status`` twin use the group names;
 statuses and acks are per property.
 
-No I/O here: the backend is the ``mapper.model.GpuBackend`` Protocol and time comes from an injected ``Clock``.
+No I/O here: the backend is the ``mapper.shared.model.GpuBackend`` Protocol and time comes from an injected ``Clock``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from mapper.errors import (
     TransientError,
     UnsupportedError,
 )
-from mapper.model import (
+from mapper.shared.model import (
     COMPUTE_MODES,
     PROPERTY_BY_NAME,
     TWIN_VALUE_RE,

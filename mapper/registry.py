@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mapper.errors import InvalidValueError, NotFoundError, PermanentError, short_repr
-from mapper.model import (
+from mapper.shared.model import (
     PROPERTY_BY_NAME,
     TWIN_KEY_RE,
     DeviceConfig,

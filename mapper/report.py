@@ -16,7 +16,7 @@ DMI reporter's rate-limited, coalescing queue) and EventBus (``twin/update`` / `
   Device: the changes of the same second are coalesced into one report. A prompt report leaves the periodic
   schedule as it was. A change of state (unhealthy, offline, online again) goes out at once on both paths.
 * **unsupported**: a reported property the GPU cannot read (``GpuWorker.unsupported``) is reported with the
-  value ``unsupported`` (``mapper.model.UNSUPPORTED_TWIN``; over EventBus its twin metadata says so too), with
+  value ``unsupported`` (``mapper.shared.model.UNSUPPORTED_TWIN``; over EventBus its twin metadata says so too), with
   one log line per Device and property; when the GPU reads it again the twin carries its value again.
 
 The node-wide rate budget itself (a token bucket of 0.8 RPC/s, burst 10, under EdgeCore's 1/s, burst 100) is
@@ -41,7 +41,7 @@ from typing import Protocol
 from mapper.clock import Clock, sleep_or_wake
 from mapper.collect import GpuWorker, TickResult, worker_sample
 from mapper.eventbus import state_update_payload, state_update_topic, twin_update_payload, twin_update_topic
-from mapper.model import PROPERTY_BY_NAME, UNSUPPORTED_TWIN, DeviceConfig, Twin, format_value
+from mapper.shared.model import PROPERTY_BY_NAME, UNSUPPORTED_TWIN, DeviceConfig, Twin, format_value
 from mapper.telemetry import state_payload
 
 log = logging.getLogger("mapper.report")

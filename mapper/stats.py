@@ -23,8 +23,8 @@ from typing import Any
 from mapper import telemetry
 from mapper.collect import GpuWorker, worker_sample
 from mapper.health import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
-from mapper.model import DEVICE_STATES, GpuInfo, Sample, Value
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
+from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
 
 #: Version of the JSON layout written by ``MapperSnapshot.to_json``.
 SNAPSHOT_FORMAT = 1
@@ -106,7 +106,7 @@ class GpuSnapshot:
     desired_status: str = ""
     #: The ``policy_state`` twin value ("" or e.g. ``normal``, ``thermal:throttling-step2``).
     policy_state: str = ""
-    #: Device state last reported to EdgeCore: one of ``mapper.model.DEVICE_STATES``.
+    #: Device state last reported to EdgeCore: one of ``mapper.shared.model.DEVICE_STATES``.
     state: str = "unknown"
     #: XID events seen on this GPU since the mapper started, by XID code.
     xid_errors: Mapping[int, int] = field(default_factory=dict)
@@ -170,7 +170,7 @@ class MapperSnapshot:
     reconcile_actions: Mapping[tuple[str, str], int] = field(default_factory=dict)
     #: Settings found changed behind the mapper's back and applied again, by property.
     drift_reapplies: Mapping[str, int] = field(default_factory=dict)
-    #: Desired values refused, by reason (``mapper.model.REJECT_REASONS``).
+    #: Desired values refused, by reason (``mapper.shared.model.REJECT_REASONS``).
     desired_rejections: Mapping[str, int] = field(default_factory=dict)
     # --- local policies (issue 6) ---
     #: GPUs on which each policy holds an override now (gauge), by policy.

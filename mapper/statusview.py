@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from mapper.collect import GpuWorker
-from mapper.model import Value
+from mapper.shared.model import Value
 from mapper.stats import GpuSnapshot, MapperSnapshot
 
 _COLUMNS = (

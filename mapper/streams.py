@@ -15,7 +15,7 @@ import logging
 from dataclasses import replace
 from typing import Literal
 
-from mapper.model import DeviceConfig, Sample
+from mapper.shared.model import DeviceConfig, Sample
 from mapper.shipper import TelemetryShipper
 from mapper.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route
 

@@ -46,7 +46,7 @@ from typing import IO, Any, Literal, NamedTuple, cast
 
 import zstandard
 
-from mapper.model import DeviceConfig, Sample, Value
+from mapper.shared.model import DeviceConfig, Sample, Value
 from mapper.telemetry_dict import CURRENT_DICTIONARY_ID, DICTIONARIES
 
 Format = Literal["binary", "json"]

@@ -29,7 +29,7 @@ from mapper.discover import device_name
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.profiles import PROFILES
 from mapper.gpu.simnvml import SCENARIOS, SimNvml
-from mapper.model import NVML_PROPERTIES, Sample
+from mapper.shared.model import NVML_PROPERTIES, Sample
 from mapper.telemetry import batch_body
 
 DICTIONARY_ID = 2

@@ -23,9 +23,9 @@ from mapper.discover import device_name
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.leak import LeakConfig
-from mapper.model import GpuInfo, Sample
 from mapper.processes import ProcessMonitor
 from mapper.processloop import telemetry_values
+from mapper.shared.model import GpuInfo, Sample
 from mapper.stats import GpuSnapshot, device_state_payload
 from mapper.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
 from mapper.workloads import PodInfo, ProcessOwner

@@ -35,7 +35,7 @@ import pytest
 
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
-from mapper.model import WRITABLE
+from mapper.shared.model import WRITABLE
 
 KEY_RE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,128}")
 VALUE_RE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,512}")

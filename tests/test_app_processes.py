@@ -23,8 +23,8 @@ from mapper.app import build_backend
 from mapper.config import MqttSettings, Settings
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.naming import parse_pod_series, pod_series
 from mapper.processloop import telemetry_values
+from mapper.shared.naming import parse_pod_series, pod_series
 from mapper.telemetry import decode_batch
 from mapper.workloads import PodDirs
 from tests.apphelpers import fast_settings, running_app, wait_for

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from mapper import naming
 from mapper.bridgeconfig import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
 from mapper.bridgecore import Converter, GpuIdentity, PendingRequest, SeqDedup, bridged_series_names, parse_state
 from mapper.clock import FakeClock
@@ -16,7 +15,8 @@ from mapper.errors import ConfigError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.metrics import snapshot_metrics
-from mapper.model import DEVICE_STATES, GpuInfo
+from mapper.shared import naming
+from mapper.shared.model import DEVICE_STATES, GpuInfo
 from mapper.stats import GpuSnapshot, MapperSnapshot, device_state_payload
 from mapper.telemetry import decode_batch, encode_batch, state_payload
 

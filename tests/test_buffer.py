@@ -10,7 +10,7 @@ import pytest
 from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import FakeClock
 from mapper.errors import ConfigError, PermanentError, TransientError
-from mapper.model import Sample
+from mapper.shared.model import Sample
 from mapper.shipper import BatchToStore
 from mapper.telemetry import encode_batch
 

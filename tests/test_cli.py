@@ -163,7 +163,7 @@ def test_the_model_command_prints_every_committed_device_model():
 def test_decode_turns_a_batch_file_or_stdin_into_json_lines_and_survives_a_closed_pipe(tmp_path):
     import json
 
-    from mapper.model import Sample
+    from mapper.shared.model import Sample
     from mapper.telemetry import encode_batch
 
     samples = [

@@ -14,9 +14,9 @@ from mapper.desired import DesiredState
 from mapper.errors import ConfigError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import Constraints, PolicyLimit, Value
 from mapper.policy import PolicyContext, PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler, plan
+from mapper.shared.model import Constraints, PolicyLimit, Value
 
 CLOCKS = tuple(range(1980, 344, -15))  # an H100's supported graphics clocks, highest first (as the simulator's)
 H100 = Constraints(

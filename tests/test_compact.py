@@ -10,7 +10,7 @@ import pytest
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.compact import CompactionSettings, Compactor
-from mapper.model import Sample
+from mapper.shared.model import Sample
 from mapper.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch, default_topic
 
 NODE = "edge-1"

@@ -51,7 +51,7 @@ CHILD = textwrap.dedent(
 
 
 def samples_of(seq: int) -> list:  # type: ignore[type-arg]
-    from mapper.model import Sample
+    from mapper.shared.model import Sample
 
     return [
         Sample(

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mapper.desired import DesiredState, make_desired, observed_desired_value
 from mapper.errors import InvalidValueError
-from mapper.model import TWIN_VALUE_RE
+from mapper.shared.model import TWIN_VALUE_RE
 
 
 def test_a_cloud_value_becomes_the_effective_desired_value() -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from mapper.devicefiles import load_folder
 from mapper.discover import FAMILY_MODELS, model_doc, model_yaml
-from mapper.model import PROPERTY_BY_NAME, TWIN_KEY_RE, TWIN_VALUE_RE, family_properties, parse_value
+from mapper.shared.model import PROPERTY_BY_NAME, TWIN_KEY_RE, TWIN_VALUE_RE, family_properties, parse_value
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = (REPO / ".." / "shared").resolve()
@@ -127,7 +127,7 @@ def generator() -> dict[str, Any]:
 def test_the_committed_device_model_is_what_the_catalog_generates(model: str) -> None:
     committed = (REPO / "device-models" / f"{model}.yaml").read_text()
     assert committed == model_yaml(name=model), (
-        f"device-models/{model}.yaml and mapper/model.py PROPERTIES disagree: "
+        f"device-models/{model}.yaml and mapper/shared/model.py PROPERTIES disagree: "
         "run .venv/bin/python device-models/generate.py"
     )
 

@@ -16,7 +16,7 @@ from mapper.discover import (
 )
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import NVML_PROPERTIES, GpuInfo, family_properties
+from mapper.shared.model import NVML_PROPERTIES, GpuInfo, family_properties
 from tests.test_device_models import assert_valid_kubeedge, needs_crds
 
 PROPERTIES = family_properties("nvml")  # what an NVML GPU's Device lists

@@ -14,7 +14,7 @@ import pytest
 from mapper.clock import FakeClock
 from mapper.dmi.client import DmiClient, DmiReporter, translate_rpc_error
 from mapper.errors import PermanentError, TransientError
-from mapper.model import DeviceConfig, DeviceModelConfig, Twin
+from mapper.shared.model import DeviceConfig, DeviceModelConfig, Twin
 from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model, sock_dir
 
 __all__ = ["sock_dir"]

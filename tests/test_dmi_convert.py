@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mapper.dmi import convert
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.errors import InvalidValueError
-from mapper.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Twin
+from mapper.shared.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Twin
 from tests.fake_edgecore import any_of, pb_device, pb_model
 
 UUID = "GPU-7a1c2e44-0b1d-4c55-9e0f-12ab34cd56ef"

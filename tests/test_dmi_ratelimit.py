@@ -6,7 +6,7 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
-from mapper.model import Twin
+from mapper.shared.model import Twin
 
 
 def test_bucket_starts_full_then_refills_at_its_rate(fake_clock: FakeClock) -> None:

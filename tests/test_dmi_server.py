@@ -17,8 +17,8 @@ from mapper.dmi.client import DmiClient
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.dmi.server import DmiServer
 from mapper.errors import ConfigError
-from mapper.model import DeviceConfig, Twin
 from mapper.registry import DeviceChange, Registry
+from mapper.shared.model import DeviceConfig, Twin
 from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model, sock_dir
 
 __all__ = ["sock_dir"]

@@ -6,7 +6,6 @@ import pytest
 
 from mapper.errors import ConfigError
 from mapper.health import CheckResult, HealthReport, ProbeResult, build_report
-from mapper.model import TWIN_VALUE_RE, Constraints, GpuEvent, Value
 from mapper.policy import (
     Decision,
     PolicyConfig,
@@ -14,6 +13,7 @@ from mapper.policy import (
     PolicyEngine,
     parse_policies,
 )
+from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, Value
 from mapper.xid import CATALOG, DEFAULT_FATAL_XIDS, XidPolicy
 
 H100 = Constraints(power_limit_min_w=200.0, power_limit_max_w=700.0, power_limit_default_w=700.0)

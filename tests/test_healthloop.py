@@ -18,10 +18,10 @@ from mapper.gpu.simnvml import SimHost, SimNvml, sim_health_tools
 from mapper.health import HealthTools, ProbeResult
 from mapper.healthloop import HealthMonitor
 from mapper.metrics import snapshot_metrics
-from mapper.model import DeviceConfig, DeviceProperty, GpuEvent
 from mapper.policy import PolicyEngine, PolicyEvent, parse_policies
 from mapper.reconcile import Reconciler
 from mapper.report import device_twins
+from mapper.shared.model import DeviceConfig, DeviceProperty, GpuEvent
 from mapper.stats import MapperSnapshot, gpu_snapshot
 from mapper.statusview import render_status
 from tests.cuda_standin import build_library

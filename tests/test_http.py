@@ -25,7 +25,7 @@ from mapper.metrics import (
     read_status_file,
     write_status_file,
 )
-from mapper.model import GpuInfo, Sample
+from mapper.shared.model import GpuInfo, Sample
 from mapper.stats import (
     DurationHistogram,
     GpuSnapshot,

@@ -16,7 +16,7 @@ from mapper.clock import FakeClock
 from mapper.errors import InvalidValueError, NoPermissionError, NotFoundError, PermanentError, UnsupportedError
 from mapper.gpu.jetson import JetsonBackend, board_uuid, parse_nvpmodel_conf, tegra_gpu_present
 from mapper.gpu.simjetson import PROFILES, SimJetson, build_tree, nvpmodel_command
-from mapper.model import JETSON_PROPERTIES, TWIN_VALUE_RE, format_number, format_value
+from mapper.shared.model import JETSON_PROPERTIES, TWIN_VALUE_RE, format_number, format_value
 
 
 def board(tmp_path: Path, name: str, clock: FakeClock | None = None, **kwargs) -> tuple[SimJetson, JetsonBackend]:

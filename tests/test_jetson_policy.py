@@ -18,9 +18,9 @@ from mapper.clock import FakeClock
 from mapper.desired import DesiredState, make_desired
 from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.simjetson import SimJetson, nvpmodel_command
-from mapper.model import Constraints, PolicyLimit, Value
 from mapper.policy import POWER_SAVING, THERMAL, Decision, PolicyContext, PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler, ReconcileResult, plan
+from mapper.shared.model import Constraints, PolicyLimit, Value
 
 #: Orin's devfreq steps (MHz), as the simulated board lists them.
 ORIN_MHZ = (306.0, 408.0, 510.0, 612.0, 714.0, 816.0, 918.0, 1020.0, 1122.0, 1224.0, 1300.5)

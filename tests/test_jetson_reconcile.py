@@ -17,8 +17,8 @@ from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simjetson import SimJetson, build_tree, nvpmodel_command
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import WRITABLE
 from mapper.reconcile import Reconciler, ReconcileResult, desired_status_twin, parse_desired_status
+from mapper.shared.model import WRITABLE
 from mapper.store import DesiredStore
 from tests.test_jetson import as_nobody
 

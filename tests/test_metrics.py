@@ -19,7 +19,7 @@ from mapper.metrics import (
     metric_names,
     render_metrics,
 )
-from mapper.model import CLOCK_EVENT_REASONS, PROPERTIES, GpuInfo, Sample, Value
+from mapper.shared.model import CLOCK_EVENT_REASONS, PROPERTIES, GpuInfo, Sample, Value
 from mapper.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 
 H100 = "GPU-11111111-2222-3333-4444-555555555555"

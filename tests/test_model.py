@@ -3,7 +3,7 @@ import math
 import pytest
 
 from mapper.errors import InvalidValueError
-from mapper.model import (
+from mapper.shared.model import (
     PROPERTIES,
     PROPERTY_BY_NAME,
     TWIN_KEY_RE,
@@ -125,7 +125,7 @@ def test_clock_event_reasons_by_name():
 
 
 def test_a_devices_property_lookup_finds_the_first_of_a_name_and_nothing_for_an_unknown_one() -> None:
-    from mapper.model import DeviceConfig, DeviceProperty
+    from mapper.shared.model import DeviceConfig, DeviceProperty
 
     first = DeviceProperty("power_limit", collect_cycle_ms=1000)
     device = DeviceConfig(

@@ -1,4 +1,4 @@
-"""The contract of NvmlBackend (mapper.model.GpuBackend), run over the simulated NVML.
+"""The contract of NvmlBackend (mapper.shared.model.GpuBackend), run over the simulated NVML.
 
 The simulator is the only stand-in: the backend code is the one that runs over the real pynvml. Every test that
 builds its backend with ``build`` runs three times (the ``backends`` fixture's layers): over ``SimNvml``
@@ -36,7 +36,7 @@ from mapper.errors import (
 from mapper.gpu.nvml import NvmlBackend, _Memo
 from mapper.gpu.profiles import PROFILES, GpuProfile
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import (
+from mapper.shared.model import (
     COMPUTE_MODES,
     NVML_PROPERTIES,
     PROPERTY_BY_NAME,

@@ -9,7 +9,7 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import ProcessSource
+from mapper.shared.model import ProcessSource
 from tests.nvml_standin import LAYERS, layer_id
 from tests.test_nvml_contract import Backends, build
 

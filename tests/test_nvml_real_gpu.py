@@ -20,7 +20,7 @@ import pytest
 
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import NVML_PROPERTIES, PROPERTY_BY_NAME, TWIN_VALUE_RE, format_value
+from mapper.shared.model import NVML_PROPERTIES, PROPERTY_BY_NAME, TWIN_VALUE_RE, format_value
 from tests.nvml_standin import StandIn, floor_binding, installed_binding, standin_library
 
 #: Prefixes of pynvml functions that change GPU, driver or system state.

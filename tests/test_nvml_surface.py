@@ -40,7 +40,7 @@ from mapper.gpu.simnvml import (
     SimProcessUtilization,
     SimUtilization,
 )
-from mapper.model import COMPUTE_MODES
+from mapper.shared.model import COMPUTE_MODES
 from tests.nvml_standin import (
     C_STRUCTS,
     FLOOR_DIR,

@@ -15,7 +15,6 @@ from mapper.clock import FakeClock
 from mapper.errors import ConfigError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import DEVICE_STATES, TWIN_VALUE_RE, Constraints, GpuEvent, Value
 from mapper.policy import (
     Amount,
     Decision,
@@ -32,6 +31,7 @@ from mapper.policy import (
     parse_duration,
     parse_policies,
 )
+from mapper.shared.model import DEVICE_STATES, TWIN_VALUE_RE, Constraints, GpuEvent, Value
 
 H100 = Constraints(power_limit_min_w=200.0, power_limit_max_w=700.0, power_limit_default_w=700.0)
 ISSUE_EXAMPLE = {

@@ -15,8 +15,8 @@ from mapper.clock import FakeClock
 from mapper.errors import GpuLostError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import Constraints, GpuEvent, Value
 from mapper.policy import Decision, PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
+from mapper.shared.model import Constraints, GpuEvent, Value
 
 WATCHED = ("temperature", "utilization_gpu", "power_limit", "xid_last", "ecc_errors_uncorrected", "energy_consumption")
 

@@ -14,8 +14,8 @@ from mapper.clock import FakeClock
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.leak import LeakConfig
-from mapper.model import GpuProcess, ProcessSample
 from mapper.processes import ProcessMonitor, workload_key
+from mapper.shared.model import GpuProcess, ProcessSample
 from mapper.workloads import PodDirs, PodResolver, ProcessOwner
 
 GIB = 1 << 30

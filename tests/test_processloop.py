@@ -20,12 +20,12 @@ from mapper.config import Settings, load_settings
 from mapper.errors import ConfigError, TransientError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import GpuInfo, Sample
-from mapper.naming import parse_pod_series
 from mapper.policy import PolicyEngine, PolicyEvent
 from mapper.processes import TWIN_MAX_CHARS, GpuWorkloads, PodUse, ProcessRow
 from mapper.processloop import LEAK_POLICY, LeakPolicyEvent, ProcessLoop, process_loop
 from mapper.reconcile import Reconciler
+from mapper.shared.model import GpuInfo, Sample
+from mapper.shared.naming import parse_pod_series
 from mapper.stats import GpuSnapshot, MapperSnapshot
 from mapper.statusview import render_status
 from mapper.workloads import PodDirs, PodResolver

@@ -18,7 +18,7 @@ from mapper.discover import DEFAULT_REPORT_CYCLE_MS, device_doc, model_doc, prob
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import GpuInfo
+from mapper.shared.model import GpuInfo
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.fake_edgecore import FakeEdgeCore, pb_from_doc, pb_model_from_doc
 from tests.test_app_eventbus import Listener, matching

@@ -19,7 +19,6 @@ from mapper.clock import FakeClock
 from mapper.desired import DesiredState, DesiredValue, make_desired
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimGpu, SimNvml
-from mapper.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Sample, Scalar, Value
 from mapper.reconcile import (
     GROUPS,
     Ack,
@@ -32,6 +31,7 @@ from mapper.reconcile import (
     parse_desired_status,
     plan,
 )
+from mapper.shared.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Sample, Scalar, Value
 from mapper.store import DesiredStore
 
 H100 = Constraints(

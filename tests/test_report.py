@@ -15,10 +15,10 @@ from mapper.clock import FakeClock
 from mapper.collect import GpuWorker
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import DeviceConfig, DeviceProperty, Twin
 from mapper.policy import PolicyEngine
 from mapper.reconcile import Reconciler
 from mapper.report import Reporter, device_twins
+from mapper.shared.model import DeviceConfig, DeviceProperty, Twin
 
 
 @dataclass

@@ -14,8 +14,8 @@ import pytest
 
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock, SystemClock
-from mapper.model import Sample
 from mapper.mqtt import MqttSession
+from mapper.shared.model import Sample
 from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
 from mapper.telemetry import EncodedBatch, Route, decode_batch, encode_batch
 from tests.brokers import Mosquitto
@@ -264,7 +264,7 @@ def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[by
         from mapper.mqtt import MqttSession
         from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
         from mapper.telemetry import BatchEncoder
-        from mapper.model import Sample
+        from mapper.shared.model import Sample
 
         async def main():
             session = MqttSession({url!r}, "doomed", reconnect_min_s=0.05, reconnect_max_s=0.2)

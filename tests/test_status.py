@@ -16,10 +16,10 @@ from mapper.config import Settings
 from mapper.doorlimit import InboundLimiter
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import DeviceConfig, DeviceProperty
 from mapper.policy import PolicyEngine
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler
+from mapper.shared.model import DeviceConfig, DeviceProperty
 from mapper.stats import MapperSnapshot
 from mapper.status import StatusSource, run_console, summed_rpc_counts
 from tests.apphelpers import wait_for

@@ -9,7 +9,7 @@ from pathlib import Path
 from mapper.binding import unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
-from mapper.model import DeviceConfig, GpuInfo, Sample
+from mapper.shared.model import DeviceConfig, GpuInfo, Sample
 from mapper.shipper import TelemetryShipper
 from mapper.streams import TelemetryStreams
 
@@ -67,7 +67,7 @@ def test_streams_cut_store_rebind_and_flush(tmp_path: Path) -> None:
 
 
 def test_a_refused_push_method_falls_back_to_the_default_route(tmp_path: Path) -> None:
-    from mapper.model import DeviceProperty, PushMqtt
+    from mapper.shared.model import DeviceProperty, PushMqtt
 
     streams, _, buf, _ = rig(tmp_path)
     bad = DeviceProperty("temperature", push_mqtt=PushMqtt(topic="t/x", qos=5))

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mapper import telemetry
-from mapper.model import DeviceConfig, DeviceProperty, PushMqtt, Sample, Value
+from mapper.shared.model import DeviceConfig, DeviceProperty, PushMqtt, Sample, Value
 from mapper.telemetry import (
     FORMAT_VERSION,
     BatchCodec,

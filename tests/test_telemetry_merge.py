@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapper.model import Sample, Value
+from mapper.shared.model import Sample, Value
 from mapper.telemetry import (
     FORMAT_VERSION,
     MERGED_FORMAT_VERSION,

@@ -42,7 +42,7 @@ from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
 from mapper.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
 from mapper.errors import InvalidValueError, MapperError, PermanentError, TransientError
-from mapper.model import DEVICE_STATES, DeviceConfig, DeviceModelConfig, Twin
+from mapper.shared.model import DEVICE_STATES, DeviceConfig, DeviceModelConfig, Twin
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError, Message
 
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.errors import InvalidValueError
-from mapper.model import (
+from mapper.shared.model import (
     DEVICE_STATES,
     TWIN_KEY_RE,
     TWIN_VALUE_RE,

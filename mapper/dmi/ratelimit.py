@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mapper.clock import Clock
-from mapper.model import Twin
+from mapper.shared.model import Twin
 
 #: A periodic report pending this long counts as prompt (it no longer leaves the reserve alone).
 PROMOTE_AFTER_S = 30.0

@@ -35,8 +35,8 @@ from mapper.dmi import convert
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
 from mapper.errors import ConfigError, InvalidValueError, MapperError, NotFoundError, PermanentError
-from mapper.model import DeviceConfig, Twin
 from mapper.registry import PreconditionError, Registry
+from mapper.shared.model import DeviceConfig, Twin
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ from mapper.errors import (
     TransientError,
     UnsupportedError,
 )
-from mapper.model import (
+from mapper.shared.model import (
     JETSON_PROPERTIES,
     PROPERTY_BY_NAME,
     Constraints,
@@ -216,7 +216,7 @@ def _mhz(hz: int | float) -> float:
 
 
 class JetsonBackend:
-    """The ``mapper.model.GpuBackend`` (and ``FrequencyActuator``) of one Jetson board.
+    """The ``mapper.shared.model.GpuBackend`` (and ``FrequencyActuator``) of one Jetson board.
 
     ``root``: the filesystem root the layout above is read under. ``nvpmodel``: the command (argv) that switches
     power modes; ``-m <id>`` is appended. ``allow_reboot``: a mode that needs a reboot may reboot the node.

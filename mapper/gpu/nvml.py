@@ -51,7 +51,7 @@ from mapper.errors import (
     UnsupportedError,
 )
 from mapper.health import CheckResult
-from mapper.model import (
+from mapper.shared.model import (
     COMPUTE_MODE_NAMES,
     COMPUTE_MODES,
     NVML_PROPERTIES,
@@ -186,7 +186,7 @@ class SampleRound(NamedTuple):
 
 
 class NvmlBackend:
-    """The ``mapper.model.GpuBackend`` over an nvml module (``pynvml`` or ``SimNvml``).
+    """The ``mapper.shared.model.GpuBackend`` over an nvml module (``pynvml`` or ``SimNvml``).
 
     ``one_shot``: for a command that exits after its calls (``discover``): an NVML that cannot start is a
     PermanentError saying what to do, with no retry wording.

@@ -46,7 +46,7 @@ from mapper.errors import PermanentError
 from mapper.gpu.profiles import GpuProfile
 from mapper.gpu.profiles import profile as lookup_profile
 from mapper.health import HealthTools, ProbeResult, SelfCheckResult
-from mapper.model import format_number
+from mapper.shared.model import format_number
 
 #: Workload scenarios that drive utilisation. "heat" is a full load with poor cooling: under the default power
 #: limit it heats the GPU up to its max-operating temperature (H100: 87 C), so a thermal policy has something

@@ -23,9 +23,9 @@ from mapper.desired import DesiredState
 from mapper.errors import MapperError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
-from mapper.model import NVML_PROPERTIES, PROPERTIES, DeviceConfig, Sample
 from mapper.reconcile import Reconciler
 from mapper.registry import DeviceChange, Registry
+from mapper.shared.model import NVML_PROPERTIES, PROPERTIES, DeviceConfig, Sample
 from mapper.store import DesiredStore
 
 #: Cases tried by the whole suite (every hypothesis example, every payload sent over a real socket), by door;

@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mapper.model import CLOCK_EVENT_REASONS, COMPUTE_MODES, PROPERTIES, PromType, PropertySpec
+from mapper.shared.model import CLOCK_EVENT_REASONS, COMPUTE_MODES, PROPERTIES, PromType, PropertySpec
 
 #: Labels of every per-GPU series.
 GPU_LABELS = ("uuid", "gpu", "device", "node")
