@@ -553,7 +553,7 @@ async def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
 
 def mapper_nodelay(app: Any) -> None:
     """DIAGNOSTIC (--mapper-nodelay): TCP_NODELAY on the mapper's MQTT socket, reaching into MqttSession's paho
-    client, to show what setting it in mapper/mqtt.py would gain. Not what the mapper does today."""
+    client, to show what setting it in mapper/net/mqtt.py would gain. Not what the mapper does today."""
     nodelay(app.session._client)
 
 
@@ -878,7 +878,7 @@ def main() -> None:
     parser.add_argument(
         "--mapper-nodelay",
         action="store_true",
-        help="diagnostic: set TCP_NODELAY on the mapper's MQTT socket (what a fix in mapper/mqtt.py would gain)",
+        help="diagnostic: set TCP_NODELAY on the mapper's MQTT socket (what a fix in mapper/net/mqtt.py would gain)",
     )
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mapper.buffer import Buffer
 from mapper.clock import SystemClock
-from mapper.mqtt import MqttSession
+from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample, Value
 from mapper.shipper import TelemetryShipper
 from mapper.telemetry import BatchEncoder

@@ -34,7 +34,7 @@ from mapper.gpu.nvml import NvmlBackend
 from mapper.healthloop import HealthMonitor
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
-from mapper.mqtt import MqttSession, MqttSessions, mapper_session
+from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler

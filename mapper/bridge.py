@@ -1,6 +1,6 @@
 """``gpu-mapper bridge``: the MQTT telemetry stream into a Prometheus-compatible store by remote write.
 
-Intake: one MQTT 5 session (``mapper.mqtt.MqttSession``) with a persistent session (clean start off, a session
+Intake: one MQTT 5 session (``mapper.net.mqtt.MqttSession``) with a persistent session (clean start off, a session
 expiry) and a shared subscription ``$share/<group>/<topic>``, so that N replicas in one group split the stream and
 a restarted replica gets what arrived meanwhile. Every telemetry message is acknowledged (PUBACK, paho's manual
 ack) only after its samples were written (2xx) or kept in the spool (a refusal): a crash or an outage of the
@@ -61,7 +61,7 @@ from mapper.bridgecore import (
 )
 from mapper.errors import ConfigError, TransientError
 from mapper.metrics import BridgeMetricsServer
-from mapper.mqtt import MqttSession, ReceivedMessage
+from mapper.net.mqtt import MqttSession, ReceivedMessage
 from mapper.stats import LoopHeartbeat
 from mapper.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 

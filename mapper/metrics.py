@@ -56,6 +56,7 @@ from mapper.bridgecore import BridgeStats
 from mapper.bridgecore import Histogram as BridgeHistogram
 from mapper.errors import ConfigError, NotFoundError, TransientError
 from mapper.health import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
+from mapper.net.webconfig import WebAuth, WebConfig, client_allowed
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample
@@ -69,7 +70,6 @@ from mapper.stats import (
     check_liveness,
 )
 from mapper.statusview import render_status
-from mapper.webconfig import WebAuth, WebConfig, client_allowed
 
 log = logging.getLogger(__name__)
 
@@ -708,7 +708,7 @@ class MetricsServer:
         web_config_file: str | None = None,
     ) -> None:
         self.host, self._port = parse_metrics_addr(addr)
-        #: TLS and basic auth from an exporter-toolkit web config file (``mapper.webconfig``); None: plain HTTP.
+        #: TLS and basic auth from an exporter-toolkit web config file (``mapper.net.webconfig``); None: plain HTTP.
         self.web = WebAuth(web_config_file) if web_config_file else None
         self._snapshot = snapshot
         self._heartbeats = heartbeats

@@ -54,7 +54,7 @@ def live_payload(sample: Sample) -> bytes:
 
 
 class Link(Protocol):
-    """What the publisher needs from ``mapper.mqtt.MqttSession``."""
+    """What the publisher needs from ``mapper.net.mqtt.MqttSession``."""
 
     @property
     def connected(self) -> bool: ...

@@ -44,7 +44,7 @@ class BufferLike(Protocol):
 
 
 class SessionLike(Protocol):
-    """What the snapshot reads of ``mapper.mqtt.MqttSession``."""
+    """What the snapshot reads of ``mapper.net.mqtt.MqttSession``."""
 
     @property
     def connected(self) -> bool: ...

@@ -265,7 +265,7 @@ def test_export_names_a_missing_spool_dir_and_writes_just_eof_for_an_empty_one(t
 
 
 def test_the_mqtt_session_options_of_the_bridge_are_checked() -> None:
-    from mapper.mqtt import MqttSession, _unshared
+    from mapper.net.mqtt import MqttSession, _unshared
 
     with pytest.raises(ConfigError, match="session expiry needs MQTT 5"):
         MqttSession("mqtt://b:1883", "c", session_expiry_s=60)

@@ -11,7 +11,7 @@ import pytest
 from mapper.buffer import Buffer
 from mapper.clock import SystemClock
 from mapper.compact import CompactionSettings, Compactor
-from mapper.mqtt import MqttSession
+from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
 from mapper.shipper import TelemetryShipper
 from mapper.telemetry import EncodedBatch, decode_batch, encode_batch

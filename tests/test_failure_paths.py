@@ -370,7 +370,7 @@ async def test_a_register_edgecore_refuses_for_good_is_retried_after_30_s_and_su
 
 
 async def test_mqtt_callbacks_that_raise_are_logged_and_the_session_goes_on(mosquitto, caplog) -> None:
-    from mapper.mqtt import MqttSession
+    from mapper.net.mqtt import MqttSession
     from tests.apphelpers import wait_for
 
     got: list[bytes] = []
@@ -442,7 +442,7 @@ async def test_a_broker_that_stops_answering_while_connected_costs_no_batch(tmp_
 
     from mapper.buffer import Buffer
     from mapper.clock import SystemClock
-    from mapper.mqtt import MqttSession
+    from mapper.net.mqtt import MqttSession
     from mapper.shipper import TelemetryShipper
     from tests.apphelpers import wait_for
     from tests.test_shipper import Consumer, _batch
@@ -479,7 +479,7 @@ async def test_a_broker_that_stops_answering_while_connected_costs_no_batch(tmp_
 async def test_a_publish_that_raises_unexpectedly_keeps_the_batch_for_the_next_try(tmp_path, mosquitto, caplog) -> None:
     from mapper.buffer import Buffer
     from mapper.clock import SystemClock
-    from mapper.mqtt import MqttSession
+    from mapper.net.mqtt import MqttSession
     from mapper.shipper import TelemetryShipper
     from tests.apphelpers import wait_for
     from tests.test_shipper import Consumer, _batch

@@ -13,7 +13,7 @@ import pytest
 import trustme
 
 from mapper.errors import ConfigError, TransientError
-from mapper.mqtt import MqttSession, MqttSessions, parse_broker_url
+from mapper.net.mqtt import MqttSession, MqttSessions, parse_broker_url
 from tests.brokers import Mosquitto
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ async def test_the_last_will_marks_the_mapper_offline_when_its_process_dies_uncl
     script = textwrap.dedent(
         f"""
         import asyncio, sys
-        from mapper.mqtt import MqttSession
+        from mapper.net.mqtt import MqttSession
         async def main():
             s = MqttSession({mosquitto.url!r}, "dying", will_topic="gpu-mapper/n1/status", will_payload="offline")
             await s.start()

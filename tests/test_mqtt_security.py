@@ -19,7 +19,7 @@ import trustme
 from mapper.config import MqttSettings, load_settings
 from mapper.errors import ConfigError
 from mapper.gpu.simnvml import SimNvml
-from mapper.mqtt import MqttSession, mapper_session
+from mapper.net.mqtt import MqttSession, mapper_session
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.brokers import Mosquitto, password_file
 
@@ -133,7 +133,7 @@ async def test_require_certificate_refuses_a_missing_or_untrusted_client_certifi
     if which == "untrusted":
         kw.update(cert_file=str(pki.stranger_cert), key_file=str(pki.stranger_key))
     sess = _session(_url(tls_broker), f"no-cert-{which}", **kw)
-    caplog.set_level(logging.WARNING, logger="mapper.mqtt")
+    caplog.set_level(logging.WARNING, logger="mapper.net.mqtt")
     try:
         await sess.start()
         await wait_for(lambda: sess.connect_failures >= 3, what="three refused attempts")
@@ -163,7 +163,7 @@ async def test_a_broker_certificate_from_an_unknown_ca_is_refused_by_the_mapper(
         cert_file=str(pki.client_cert),
         key_file=str(pki.client_key),
     )
-    caplog.set_level(logging.WARNING, logger="mapper.mqtt")
+    caplog.set_level(logging.WARNING, logger="mapper.net.mqtt")
     try:
         await sess.start()
         await wait_for(lambda: sess.connect_failures >= 2, what="two refused attempts")
@@ -183,7 +183,7 @@ async def test_a_wrong_password_is_refused_and_the_mapper_says_so(
     good = _session(broker.url, "good", username="gpu-mapper", password="s3cret-pw")
     bad = _session(broker.url, "bad", username="gpu-mapper", password="bad-pw-8812")
     anonymous = _session(broker.url, "anon")
-    caplog.set_level(logging.DEBUG, logger="mapper.mqtt")
+    caplog.set_level(logging.DEBUG, logger="mapper.net.mqtt")
     try:
         for s in (good, bad, anonymous):
             await s.start()
@@ -385,7 +385,7 @@ async def test_a_mapper_the_broker_refuses_keeps_buffering_and_says_why(
         assert failure is not None and "client certificate" in failure
     # Logged as a warning with the hint; the broker's alert itself ("certificate required") or only the closed
     # connection, whichever the TLS race gave.
-    warned = [r.getMessage() for r in caplog.records if r.name == "mapper.mqtt" and r.levelno == logging.WARNING]
+    warned = [r.getMessage() for r in caplog.records if r.name == "mapper.net.mqtt" and r.levelno == logging.WARNING]
     assert any("client certificate" in w for w in warned), warned
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from mapper.buffer import Buffer
 from mapper.clock import SystemClock
-from mapper.mqtt import MqttSession
+from mapper.net.mqtt import MqttSession
 from mapper.policy import PolicyEvent
 from mapper.publish import Publisher
 from mapper.reconcile import Ack

@@ -14,7 +14,7 @@ import pytest
 
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock, SystemClock
-from mapper.mqtt import MqttSession
+from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
 from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
 from mapper.telemetry import EncodedBatch, Route, decode_batch, encode_batch
@@ -261,7 +261,7 @@ def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[by
         import asyncio
         from mapper.buffer import Buffer
         from mapper.clock import SystemClock
-        from mapper.mqtt import MqttSession
+        from mapper.net.mqtt import MqttSession
         from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
         from mapper.telemetry import BatchEncoder
         from mapper.shared.model import Sample

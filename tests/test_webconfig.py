@@ -20,8 +20,8 @@ import trustme
 
 from mapper.errors import ConfigError
 from mapper.metrics import MetricsServer
+from mapper.net.webconfig import load_web_config, parse_web_config
 from mapper.stats import Readiness
-from mapper.webconfig import load_web_config, parse_web_config
 from tests.brokers import free_port
 from tests.test_metrics import make_snapshot
 
