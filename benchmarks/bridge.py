@@ -8,7 +8,7 @@ as Prometheus counts samples. Each device's retained state message (``mapper.sta
 its GPU's identity: every series carries the ``gpu`` label as the bridge writes it; end to end, the bridge also
 writes the status series of those messages (a few samples per device, counted in ``want``).
 
-* ``codec_samples_per_s``: decode (``mapper.telemetry.decode_batch``) + conversion (``bridgecore.Converter``) +
+* ``codec_samples_per_s``: decode (``mapper.wire.telemetry.decode_batch``) + conversion (``bridgecore.Converter``) +
   remote-write 1.0 encoding and snappy (``mapper.remotewrite``), requests of 10 000 samples, CPU time of this one
   process (one core), best of ``--repeat``.
 * baselines in the same run: ``decode_only_samples_per_s`` (decode alone, the floor of any bridge) and
@@ -48,7 +48,7 @@ from mapper.gpu.nvml import NvmlBackend  # noqa: E402
 from mapper.gpu.simnvml import SimNvml  # noqa: E402
 from mapper.remotewrite import compress, encode_v1  # noqa: E402
 from mapper.stats import GpuSnapshot, device_state_payload  # noqa: E402
-from mapper.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_topic  # noqa: E402
+from mapper.wire.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_topic  # noqa: E402
 
 GPUS = 8
 NODE = "bench-node"

@@ -27,7 +27,7 @@ compaction). A "sample" is one (timestamp, series, value) point, as Prometheus c
 * ``ingest_samples_per_s``: samples through encode + compress + SQLite commit per second of CPU-bound wall time
   (the stream's own time and compaction are not counted); ``compaction_cpu_s``: the compaction's time.
 * ``breakdown`` (``--breakdown --no-compact``): where the bytes of a 10 s batch go: the SQLite file's fixed pages
-  and row overhead (``dbstat``), the 3-byte batch header, and the body's parts (``mapper.telemetry.body_parts``)
+  and row overhead (``dbstat``), the 3-byte batch header, and the body's parts (``mapper.wire.telemetry.body_parts``)
   raw and as the growth of the compressed size when each part is added; the raw bytes of every series (stderr).
 
 ``--legacy-uuid`` writes batches as format 2 did before the uuid became optional (uuid in every header,
@@ -54,13 +54,13 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from mapper import telemetry
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.compact import CompactionSettings, Compactor
 from mapper.discover import device_name
 from mapper.shared.model import Sample, Value
-from mapper.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch, default_topic
+from mapper.wire import telemetry
+from mapper.wire.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch, default_topic
 
 GPUS = 8
 WINDOW_S = 10.0

@@ -14,7 +14,7 @@ half a second after a collect sample, as its own timer stamps them): 10 collect 
 
 Ratios: ``encode_pack_ratio`` = us_per_batch / pack, ``body_pack_ratio`` = body / pack.
 
-``--baseline FILE`` loads another copy of ``mapper/telemetry.py`` (e.g. ``git show REV:mapper/telemetry.py >
+``--baseline FILE`` loads another copy of ``mapper/wire/telemetry.py`` (e.g. ``git show REV:mapper/wire/telemetry.py >
 /tmp/telemetry_old.py``), checks that it writes the very same bytes, and times it in the same process:
 the ``baseline`` object holds its figures and ``speedup`` = baseline us / our us (the two take turns at
 each timed pass). Prints one JSON line last.
@@ -34,11 +34,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from mapper import telemetry
 from mapper.clock import FakeClock
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.shared.model import DeviceConfig, DeviceProperty, Sample
+from mapper.wire import telemetry
 
 GPUS = 8
 SAMPLES_PER_BATCH = 10
@@ -170,7 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches-per-gpu", type=int, default=6, help="10 s windows per GPU (default 6)")
     parser.add_argument("--repeats", type=int, default=9, help="timed passes, the best counts (default 9)")
-    parser.add_argument("--baseline", type=Path, help="another mapper/telemetry.py to compare against")
+    parser.add_argument("--baseline", type=Path, help="another mapper/wire/telemetry.py to compare against")
     parser.add_argument("--processes", action="store_true", help="the process cycle's rows too (every 5 s)")
     args = parser.parse_args()
 

@@ -40,7 +40,7 @@ from mapper.clock import SystemClock
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample, Value
 from mapper.shipper import TelemetryShipper
-from mapper.telemetry import BatchEncoder
+from mapper.wire.telemetry import BatchEncoder
 from tests.brokers import Mosquitto
 
 GPUS = 8

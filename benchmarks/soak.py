@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mapper.telemetry import decode_batch
+from mapper.wire.telemetry import decode_batch
 from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
 from tests.faults.rig import Consumer, MapperProcess, PersistentBroker, buffered, uuids, wait
 

@@ -28,7 +28,6 @@ from mapper.datadir import require_data_dir
 from mapper.devicefiles import watch_folder
 from mapper.doorlimit import InboundLimiter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
-from mapper.eventbus import DELTA_FILTER, membership_topic
 from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.nvml import NvmlBackend
 from mapper.healthloop import HealthMonitor
@@ -46,6 +45,7 @@ from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.status import StatusSource, run_console
 from mapper.store import DesiredStore
 from mapper.streams import TelemetryStreams
+from mapper.wire.eventbus import DELTA_FILTER, membership_topic
 
 if TYPE_CHECKING:
     # Imported in ``start`` only when DMI is on: grpc, protobuf and the generated stubs add ~12 MB to the

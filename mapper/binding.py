@@ -25,10 +25,10 @@ from mapper.collect import GpuWorker
 from mapper.desired import DesiredState, Source
 from mapper.devicefiles import FolderContents
 from mapper.errors import ConfigError, MapperError
-from mapper.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
 from mapper.policy import PolicyEngine
 from mapper.registry import DeviceChange, PreconditionError, Registry
 from mapper.shared.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
+from mapper.wire.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
 
 log = logging.getLogger("mapper.binding")
 

@@ -63,7 +63,7 @@ from mapper.errors import ConfigError, TransientError
 from mapper.metrics import BridgeMetricsServer
 from mapper.net.mqtt import MqttSession, ReceivedMessage
 from mapper.stats import LoopHeartbeat
-from mapper.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
+from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper import telemetry
 from mapper.remotewrite import MetricType, SeriesBuf, label_bytes, sample_affixes, sorted_labels
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES
-from mapper.telemetry import DecodedBatch
+from mapper.wire import telemetry
+from mapper.wire.telemetry import DecodedBatch
 
 _PACK_DOUBLE = struct.Struct("<d").pack
 
@@ -81,7 +81,7 @@ class DeviceStatus:
 
 
 def parse_state(payload: bytes) -> DeviceStatus:
-    """A state message (``mapper.telemetry.state_payload``, ``mapper.stats.device_state_payload``); ValueError
+    """A state message (``mapper.wire.telemetry.state_payload``, ``mapper.stats.device_state_payload``); ValueError
     saying what is wrong when it is not one."""
     try:
         doc = json.loads(payload)

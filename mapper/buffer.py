@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from mapper.clock import Clock, SystemClock
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.sqlitefiles import move_aside
-from mapper.telemetry import MERGED_FORMAT_VERSION, MERGED_VERSIONS, BatchFormatError, decode_batch
+from mapper.wire.telemetry import MERGED_FORMAT_VERSION, MERGED_VERSIONS, BatchFormatError, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,9 @@ def _peek(payload: bytes, ts_last_ms: int) -> tuple[int, int]:
     return decoded.seq, decoded.ts_first_ms
 
 
-#: The version bytes of a merged batch (mapper.telemetry.MERGED_VERSIONS: formats 3 and 4).
+#: The version bytes of a merged batch (mapper.wire.telemetry.MERGED_VERSIONS: formats 3 and 4).
 MERGED_VERSION_BYTES = frozenset(bytes((v,)) for v in MERGED_VERSIONS)
-#: The version byte of a merged batch in its cold form (mapper.telemetry.MERGED_FORMAT_VERSION).
+#: The version byte of a merged batch in its cold form (mapper.wire.telemetry.MERGED_FORMAT_VERSION).
 COLD_VERSION = bytes((MERGED_FORMAT_VERSION,))
 
 

@@ -40,7 +40,7 @@ from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import SystemClock
 from mapper.compact import CompactionSettings, Compactor
 from mapper.errors import MapperError
-from mapper.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
+from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 
 if TYPE_CHECKING:
     import sqlite_utils

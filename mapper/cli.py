@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(all_models_yaml())
             return 0
         if args.command == "decode":
-            from mapper.telemetry import decode_command
+            from mapper.wire.telemetry import decode_command
 
             try:
                 return decode_command(args.file, sys.stdin.buffer, sys.stdout)

@@ -11,7 +11,7 @@ sees SQLite. Live telemetry is not touched: a batch becomes a candidate only onc
   be merged again with the batches after it). So a 10-minute slot costs about ten merges, whatever the backlog.
 * Once the **cold slot** (``cold_slot_s``, an hour by default) that holds a row's last sample is over, the rows
   of its slots form one group again and merge into one batch: a day offline ends as 24 rows per stream.
-* A merge decodes the group, makes one merged batch (``mapper.telemetry.merge_batches``: the concatenation of
+* A merge decodes the group, makes one merged batch (``mapper.wire.telemetry.merge_batches``: the concatenation of
   the originals, keeping each one's seq as a part; format version 3 while the slot is open, since a later merge
   replaces it, and format 4, the cold form, planned column by column at several times the CPU, once the slot
   is over; a lone format 3 row of a slot that is over is re-encoded so) and hands it to
@@ -37,7 +37,7 @@ from typing import Protocol
 
 from mapper.clock import Clock
 from mapper.errors import ConfigError, MapperError
-from mapper.telemetry import (
+from mapper.wire.telemetry import (
     MERGED_FORMAT_VERSION,
     MERGED_FORMAT_VERSION_3,
     BatchCodec,

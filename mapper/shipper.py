@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from mapper.clock import Clock
 from mapper.errors import MapperError, PermanentError, TransientError
-from mapper.telemetry import EncodedBatch, Route, default_topic, state_topic
+from mapper.wire.telemetry import EncodedBatch, Route, default_topic, state_topic
 
 _T = TypeVar("_T")
 

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper import telemetry
 from mapper.collect import GpuWorker, worker_sample
 from mapper.health import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
+from mapper.wire import telemetry
 
 #: Version of the JSON layout written by ``MapperSnapshot.to_json``.
 SNAPSHOT_FORMAT = 1
@@ -750,7 +750,7 @@ def gpu_snapshot(
 
 
 def device_state_payload(device: str, g: GpuSnapshot, *, driver_version: str, at_ms: int) -> bytes:
-    """The retained state message of a device (``mapper.telemetry.state_payload``) with the mapper's status of its
+    """The retained state message of a device (``mapper.wire.telemetry.state_payload``) with the mapper's status of its
     GPU: what the bridge turns into ``gpu_mapper_device_state``, ``gpu_xid_errors_total``,
     ``gpu_power_limit_desired_watts`` and the ``gpu``, ``driver_version`` and ``pci_bus_id`` labels, as the
     mapper's ``/metrics`` shows them. ``driver_version``: the node's, for a GPU that does not say its own."""

@@ -17,7 +17,7 @@ from typing import Literal
 
 from mapper.shared.model import DeviceConfig, Sample
 from mapper.shipper import TelemetryShipper
-from mapper.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route
+from mapper.wire.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route
 
 log = logging.getLogger("mapper.streams")
 

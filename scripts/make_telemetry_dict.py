@@ -1,7 +1,7 @@
-"""Build the static zstd dictionary of telemetry batches and write mapper/telemetry_dict.py.
+"""Build the static zstd dictionary of telemetry batches and write mapper/wire/dictionaries.py.
 
 Deterministic: every simulated GPU profile, every workload scenario, a fixed seed and a fake clock feed the
-real encoder (``mapper.telemetry.batch_body``); the uncompressed bodies train a zstd dictionary with fixed
+real encoder (``mapper.wire.telemetry.batch_body``); the uncompressed bodies train a zstd dictionary with fixed
 parameters on one thread. The same inputs give the same bytes; tests/test_telemetry.py checks that the
 committed dictionary is what this script builds.
 
@@ -30,7 +30,7 @@ from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.profiles import PROFILES
 from mapper.gpu.simnvml import SCENARIOS, SimNvml
 from mapper.shared.model import NVML_PROPERTIES, Sample
-from mapper.telemetry import batch_body
+from mapper.wire.telemetry import batch_body
 
 DICTIONARY_ID = 2
 #: Dictionaries of earlier ids, kept for reading: id -> SHA-256 of its bytes.
@@ -110,7 +110,7 @@ def build() -> bytes:
 
 def retired() -> dict[int, bytes]:
     """The committed dictionaries of earlier ids, checked against ``RETIRED_SHA256``."""
-    from mapper.telemetry_dict import DICTIONARIES
+    from mapper.wire.dictionaries import DICTIONARIES
 
     out: dict[int, bytes] = {}
     for dict_id, digest in sorted(RETIRED_SHA256.items()):

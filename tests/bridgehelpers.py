@@ -27,7 +27,7 @@ from mapper.processes import ProcessMonitor
 from mapper.processloop import telemetry_values
 from mapper.shared.model import GpuInfo, Sample
 from mapper.stats import GpuSnapshot, device_state_payload
-from mapper.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
+from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
 from mapper.workloads import PodInfo, ProcessOwner
 from tests.apphelpers import wait_for
 

@@ -13,7 +13,7 @@ import pytest
 
 from mapper.config import Settings
 from mapper.gpu.simnvml import SimNvml
-from mapper.telemetry import decode_batch
+from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import fast_settings, running_app, wait_for
 
 DEVICE = """

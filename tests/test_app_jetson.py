@@ -19,7 +19,7 @@ from mapper.backends import wants_jetson
 from mapper.config import MqttSettings, Settings
 from mapper.errors import ConfigError
 from mapper.gpu.jetson import JetsonBackend
-from mapper.telemetry import decode_batch
+from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import fast_settings, wait_for
 from tests.test_app_eventbus import Listener, matching
 

@@ -25,7 +25,7 @@ from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.processloop import telemetry_values
 from mapper.shared.naming import parse_pod_series, pod_series
-from mapper.telemetry import decode_batch
+from mapper.wire.telemetry import decode_batch
 from mapper.workloads import PodDirs
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.test_app_eventbus import Listener

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from mapper.bridgecore import bridged_series_names
-from mapper.telemetry import decode_batch
+from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import wait_for
 from tests.bridgehelpers import (
     FlakyReceiver,
@@ -439,7 +439,7 @@ async def test_the_bridge_serves_its_metrics_liveness_and_readiness(
 async def test_a_merged_batch_and_the_batches_it_replaced_dedup_against_each_other(
     tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
-    from mapper.telemetry import merge_batches
+    from mapper.wire.telemetry import merge_batches
     from tests.bridgehelpers import Published
 
     batches = stream(gpus=1, seconds=200)  # 20 batches, seq 0..19
@@ -577,7 +577,7 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
 async def test_without_a_state_message_a_devices_batches_wait_once_then_go_without_the_identity_labels(
     tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
-    from mapper.telemetry import state_payload, state_topic
+    from mapper.wire.telemetry import state_payload, state_topic
     from tests.bridgehelpers import NODE, Publisher
 
     batches = stream(gpus=2, seconds=60)

@@ -18,7 +18,7 @@ from mapper.metrics import snapshot_metrics
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES, GpuInfo
 from mapper.stats import GpuSnapshot, MapperSnapshot, device_state_payload
-from mapper.telemetry import decode_batch, encode_batch, state_payload
+from mapper.wire.telemetry import decode_batch, encode_batch, state_payload
 
 
 def a_sample():  # type: ignore[no-untyped-def]

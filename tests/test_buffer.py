@@ -12,7 +12,7 @@ from mapper.clock import FakeClock
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.shared.model import Sample
 from mapper.shipper import BatchToStore
-from mapper.telemetry import encode_batch
+from mapper.wire.telemetry import encode_batch
 
 
 def _put(buf: Buffer, clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200) -> int:

@@ -24,7 +24,7 @@ from mapper.cli import main
 from mapper.clock import FakeClock
 from mapper.compact import CompactionSettings, Compactor
 from mapper.shared.model import Sample, Value
-from mapper.telemetry import BatchEncoder, default_topic
+from mapper.wire.telemetry import BatchEncoder, default_topic
 
 REPO = Path(__file__).resolve().parent.parent
 NODE = "edge-1"
@@ -192,7 +192,7 @@ WRITER = textwrap.dedent(
     import sys, time
     from mapper.buffer import Buffer
     from mapper.shared.model import Sample
-    from mapper.telemetry import encode_batch
+    from mapper.wire.telemetry import encode_batch
 
     buf = Buffer(sys.argv[1], max_bytes=10**9, max_age_s=10**12)
     print("open", flush=True)

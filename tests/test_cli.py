@@ -164,7 +164,7 @@ def test_decode_turns_a_batch_file_or_stdin_into_json_lines_and_survives_a_close
     import json
 
     from mapper.shared.model import Sample
-    from mapper.telemetry import encode_batch
+    from mapper.wire.telemetry import encode_batch
 
     samples = [
         Sample(

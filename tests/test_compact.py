@@ -11,7 +11,7 @@ from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.compact import CompactionSettings, Compactor
 from mapper.shared.model import Sample
-from mapper.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch, default_topic
+from mapper.wire.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch, default_topic
 
 NODE = "edge-1"
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"

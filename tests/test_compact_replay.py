@@ -14,7 +14,7 @@ from mapper.compact import CompactionSettings, Compactor
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
 from mapper.shipper import TelemetryShipper
-from mapper.telemetry import EncodedBatch, decode_batch, encode_batch
+from mapper.wire.telemetry import EncodedBatch, decode_batch, encode_batch
 from tests.brokers import Mosquitto
 from tests.test_shipper import _until
 

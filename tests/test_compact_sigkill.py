@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mapper.buffer import Buffer
-from mapper.telemetry import decode_batch, records_equal
+from mapper.wire.telemetry import decode_batch, records_equal
 
 REPO = Path(__file__).resolve().parent.parent
 TRIALS = 24
@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     from mapper.buffer import Buffer
     from mapper.clock import SystemClock
     from mapper.compact import CompactionSettings, Compactor
-    from mapper.telemetry import decode_batch, encode_batch
+    from mapper.wire.telemetry import decode_batch, encode_batch
     from tests.test_compact_sigkill import samples_of
 
     buf = Buffer(sys.argv[1], max_bytes=10**9, max_age_s=10**12)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from mapper.eventbus import (
+from mapper.wire.eventbus import (
     DELTA_FILTER,
     MAX_TIMESTAMP_MS,
     device_of_topic,

@@ -33,7 +33,7 @@ import paho.mqtt.client as paho
 import pytest
 import yaml
 
-from mapper.telemetry import decode_batch
+from mapper.wire.telemetry import decode_batch
 from tests.brokers import Mosquitto, free_port
 
 REPO = Path(__file__).resolve().parent.parent

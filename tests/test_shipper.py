@@ -17,7 +17,7 @@ from mapper.clock import FakeClock, SystemClock
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
 from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
-from mapper.telemetry import EncodedBatch, Route, decode_batch, encode_batch
+from mapper.wire.telemetry import EncodedBatch, Route, decode_batch, encode_batch
 from tests.brokers import Mosquitto
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,7 +263,7 @@ def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[by
         from mapper.clock import SystemClock
         from mapper.net.mqtt import MqttSession
         from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
-        from mapper.telemetry import BatchEncoder
+        from mapper.wire.telemetry import BatchEncoder
         from mapper.shared.model import Sample
 
         async def main():

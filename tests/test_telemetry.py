@@ -14,9 +14,10 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapper import telemetry
 from mapper.shared.model import DeviceConfig, DeviceProperty, PushMqtt, Sample, Value
-from mapper.telemetry import (
+from mapper.wire import telemetry
+from mapper.wire.dictionaries import CURRENT_DICTIONARY_ID, DICTIONARIES
+from mapper.wire.telemetry import (
     FORMAT_VERSION,
     BatchCodec,
     BatchEncoder,
@@ -33,7 +34,6 @@ from mapper.telemetry import (
     records_equal,
     state_payload,
 )
-from mapper.telemetry_dict import CURRENT_DICTIONARY_ID, DICTIONARIES
 
 T0 = 1_780_000_000_000
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"

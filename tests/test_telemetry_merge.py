@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mapper.shared.model import Sample, Value
-from mapper.telemetry import (
+from mapper.wire.telemetry import (
     FORMAT_VERSION,
     MERGED_FORMAT_VERSION,
     BatchCodec,
@@ -204,7 +204,7 @@ def _golden_v4_rows() -> list[list[Sample]]:
 
 
 def _golden_v4_body() -> bytes:
-    from mapper import telemetry
+    from mapper.wire import telemetry
 
     samples = [s for part in _golden_v4_rows() for s in part]
     parts = [BatchPart(20 + k, 12, "") for k in range(4)]
@@ -234,7 +234,7 @@ def test_a_merged_batch_of_format_4_is_frozen_and_decodes_and_is_smaller_than_fo
     v3, v4 = (decode_batch(merge_batches(originals, plain, version=v).payload) for v in (3, 4))
     _same_samples(v4.samples, list(decoded.samples))
     _same_samples(v3.samples, list(decoded.samples))
-    from mapper import telemetry
+    from mapper.wire import telemetry
 
     samples = [s for part in _golden_v4_rows() for s in part]
     parts = [BatchPart(20 + k, 12, "") for k in range(4)]
@@ -253,7 +253,7 @@ def test_a_merged_batch_of_format_4_is_frozen_and_decodes_and_is_smaller_than_fo
 def test_a_broken_parts_table_gets_an_error_that_says_what_is_wrong(tail: bytes, message: str) -> None:
     # A version 2 body of 12 rows without the uuid in its header, made a version 3 batch with a broken table (the
     # table goes after the first timestamp, which ends the meta part).
-    from mapper import telemetry
+    from mapper.wire import telemetry
 
     samples = [Sample("", T0 + 1000 * i, {"temperature": 60 + i % 3}) for i in range(12)]
     meta, _, _, out = telemetry._body(samples, "edge-1", "default/gpu0", "", "0badf00d", 1, False)
@@ -284,7 +284,7 @@ def test_long_int_columns_of_a_merged_batch_come_back_exactly_whatever_plan_code
 
 
 def test_a_long_column_that_is_quiet_then_busy_is_coded_in_blocks_and_is_smaller_for_it() -> None:
-    from mapper import telemetry
+    from mapper.wire import telemetry
 
     quiet_then_busy = [0] * 200 + [(i * 7919) % 60000 for i in range(64)] + [1] * 200
     flat = telemetry._int_plan(quiet_then_busy)
@@ -336,7 +336,7 @@ def test_columns_of_runs_noise_and_rare_steps_come_back_exactly_from_format_4(in
 
 
 def test_the_cold_form_plans_a_switching_noisy_column_in_segments_and_a_rare_step_sparsely() -> None:
-    from mapper import telemetry
+    from mapper.wire import telemetry
 
     rnd = __import__("random").Random(5)
     switching = [
@@ -364,7 +364,7 @@ def test_the_cold_form_plans_a_switching_noisy_column_in_segments_and_a_rare_ste
 
 def _raw_v4_batches() -> list[bytes]:
     """Merged batches of format 4 with their bodies left uncompressed, so that damage reaches the parser."""
-    from mapper import telemetry
+    from mapper.wire import telemetry
 
     rnd = __import__("random").Random(9)
     rows = [

@@ -23,7 +23,7 @@ from typing import Any
 import paho.mqtt.client as paho
 
 from mapper.gpu.simnvml import SimNvml
-from mapper.telemetry import decode_batch
+from mapper.wire.telemetry import decode_batch
 from tests.brokers import Mosquitto, free_port
 
 #: The folder that holds the ``tests`` package (the repository; the child imports ``tests.faults.child``).

@@ -21,10 +21,10 @@ from mapper.devicefiles import load_folder
 from mapper.dmi.convert import device_from_pb, model_from_pb
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.errors import ConfigError, MapperError
-from mapper.eventbus import parse_delta, parse_membership
 from mapper.policy import parse_policies
 from mapper.shared.model import Sample
-from mapper.telemetry import BatchFormatError, decode_batch, encode_batch
+from mapper.wire.eventbus import parse_delta, parse_membership
+from mapper.wire.telemetry import BatchFormatError, decode_batch, encode_batch
 from tests.fuzz.kit import (
     CATALOG,
     Rig,

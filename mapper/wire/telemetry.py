@@ -8,7 +8,7 @@ body of ``gpu-mapper decode [FILE|-]``. The format is specified in docs/telemetr
 Binary format, version 2 (integers are unsigned LEB128 varints unless said otherwise; ``zz`` = zigzag)::
 
     batch  = magic "G" | version 0x02 | flags | body, or one magicless zstd frame of the body
-    flags  = bit 0: zstd frame | bits 4-7: static dictionary id (0: none; see mapper.telemetry_dict)
+    flags  = bit 0: zstd frame | bits 4-7: static dictionary id (0: none; see mapper.wire.dictionaries)
     body   = n_rows | span_ms | ts_kind | str node | str device | n_series | meta*      (stable part)
              | ids | seq | ts_first_ms | [timestamps] | data* | one bit stream          (per batch)
     ids    = one byte: bit 0 uuid as 16 bytes, bit 1 boot id as 8 bytes, bit 2 no uuid, bit 3 boot id as 4 bytes
@@ -47,7 +47,7 @@ from typing import IO, Any, Literal, NamedTuple, cast
 import zstandard
 
 from mapper.shared.model import DeviceConfig, Sample, Value
-from mapper.telemetry_dict import CURRENT_DICTIONARY_ID, DICTIONARIES
+from mapper.wire.dictionaries import CURRENT_DICTIONARY_ID, DICTIONARIES
 
 Format = Literal["binary", "json"]
 
@@ -240,7 +240,7 @@ class BatchCodec:
     """The zstd contexts of one encoder or decode loop, with the static dictionaries loaded once.
 
     ``dictionary_id`` selects the dictionary new batches are compressed with (0: none); decoding reads the id
-    from each batch's flags and accepts every dictionary in ``mapper.telemetry_dict.DICTIONARIES``.
+    from each batch's flags and accepts every dictionary in ``mapper.wire.dictionaries.DICTIONARIES``.
     """
 
     def __init__(self, level: int = DEFAULT_ZSTD_LEVEL, dictionary_id: int | None = None) -> None:
