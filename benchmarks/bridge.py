@@ -9,7 +9,7 @@ its GPU's identity: every series carries the ``gpu`` label as the bridge writes 
 writes the status series of those messages (a few samples per device, counted in ``want``).
 
 * ``codec_samples_per_s``: decode (``mapper.wire.telemetry.decode_batch``) + conversion (``bridgecore.Converter``) +
-  remote-write 1.0 encoding and snappy (``mapper.remotewrite``), requests of 10 000 samples, CPU time of this one
+  remote-write 1.0 encoding and snappy (``mapper.bridge.remotewrite``), requests of 10 000 samples, CPU time of this one
   process (one core), best of ``--repeat``.
 * baselines in the same run: ``decode_only_samples_per_s`` (decode alone, the floor of any bridge) and
   ``protobuf_lib_encode_samples_per_s`` (the same requests built with the protobuf library from
@@ -41,12 +41,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mapper.bridgecore import Converter, GpuIdentity, PendingRequest, bridged_series_names, parse_state  # noqa: E402
+from mapper.bridge.core import Converter, GpuIdentity, PendingRequest, bridged_series_names, parse_state  # noqa: E402
+from mapper.bridge.remotewrite import compress, encode_v1  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
 from mapper.discover import device_name  # noqa: E402
 from mapper.gpu.nvml import NvmlBackend  # noqa: E402
 from mapper.gpu.simnvml import SimNvml  # noqa: E402
-from mapper.remotewrite import compress, encode_v1  # noqa: E402
 from mapper.stats import GpuSnapshot, device_state_payload  # noqa: E402
 from mapper.wire.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_topic  # noqa: E402
 

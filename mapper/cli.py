@@ -206,7 +206,7 @@ _BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
 
 
 def _add_bridge_parser(sub: Any) -> None:
-    from mapper.bridgeconfig import BRIDGE_ENV_KEYS
+    from mapper.bridge.config import BRIDGE_ENV_KEYS
 
     br = sub.add_parser(
         "bridge",
@@ -379,12 +379,12 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _bridge(args: argparse.Namespace) -> int:
-    from mapper.bridgeconfig import BRIDGE_SECRET_FLAGS, load_bridge_settings
+    from mapper.bridge.config import BRIDGE_SECRET_FLAGS, load_bridge_settings
 
     flags = {k[len("bridge_") :]: v for k, v in vars(args).items() if k.startswith("bridge_")}
     if args.action == "export":
-        from mapper.bridge import export_openmetrics
-        from mapper.bridgeconfig import BridgeSettings
+        from mapper.bridge.app import export_openmetrics
+        from mapper.bridge.config import BridgeSettings
 
         spool_dir = flags.get("spool_dir")
         if spool_dir is None:
@@ -401,7 +401,7 @@ def _bridge(args: argparse.Namespace) -> int:
     settings = load_bridge_settings(args.config, flags=flags)
     setup_logging(settings.log_format, settings.log_level)
     warn_secrets_on_command_line(flags, BRIDGE_SECRET_FLAGS)
-    from mapper.bridge import Bridge
+    from mapper.bridge.app import Bridge
 
     async def main_task() -> int:
         loop = asyncio.get_running_loop()

@@ -261,7 +261,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
 #: Environment variables read (each overrides the file, and is overridden by the flag of the same name).
 ENV_KEYS: dict[str, str] = {name: "GPU_MAPPER_" + name.upper() for name in _FILE_KEYS}
 
-#: ``bridge`` is the section of ``gpu-mapper bridge`` (mapper.bridgeconfig); the mapper ignores it.
+#: ``bridge`` is the section of ``gpu-mapper bridge`` (mapper.bridge.config); the mapper ignores it.
 _TOP_LEVEL_KEYS = {"policies", "bridge"} | {path.split(".")[0] for path, _ in _FILE_KEYS.values()}
 
 

@@ -52,8 +52,8 @@ from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_n
 from prometheus_client.samples import Sample as PromSample
 from prometheus_client.utils import floatToGoString
 
-from mapper.bridgecore import BridgeStats
-from mapper.bridgecore import Histogram as BridgeHistogram
+from mapper.bridge.core import BridgeStats
+from mapper.bridge.core import Histogram as BridgeHistogram
 from mapper.errors import ConfigError, NotFoundError, TransientError
 from mapper.health import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.net.webconfig import WebAuth, WebConfig, client_allowed

@@ -16,8 +16,8 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
-from mapper.bridge import Bridge
-from mapper.bridgeconfig import BridgeSettings
+from mapper.bridge.app import Bridge
+from mapper.bridge.config import BridgeSettings
 from mapper.clock import FakeClock
 from mapper.discover import device_name
 from mapper.gpu.nvml import NvmlBackend
@@ -237,7 +237,7 @@ async def running_bridge(settings: BridgeSettings) -> AsyncIterator[Bridge]:
 def expected_samples(batches: list[Published], *, with_states: bool = True) -> int:
     """Samples the bridge writes for ``batches`` (its own conversion, counted without writing), with those of
     the state messages ``publish_all`` sends before them (``with_states``)."""
-    from mapper.bridgecore import Converter, PendingRequest, parse_state
+    from mapper.bridge.core import Converter, PendingRequest, parse_state
 
     conv = Converter()
     req = PendingRequest(0.0)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mapper.bridgecore import bridged_series_names
+from mapper.bridge.core import bridged_series_names
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import wait_for
 from tests.bridgehelpers import (

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mapper.bridgeconfig import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
-from mapper.bridgecore import Converter, GpuIdentity, PendingRequest, SeqDedup, bridged_series_names, parse_state
+from mapper.bridge.config import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
+from mapper.bridge.core import Converter, GpuIdentity, PendingRequest, SeqDedup, bridged_series_names, parse_state
 from mapper.clock import FakeClock
 from mapper.errors import ConfigError
 from mapper.gpu.nvml import NvmlBackend
@@ -255,7 +255,7 @@ def test_every_key_has_an_env_variable_and_bad_settings_are_named(tmp_path: Path
 def test_export_names_a_missing_spool_dir_and_writes_just_eof_for_an_empty_one(tmp_path: Path) -> None:
     import io
 
-    from mapper.bridge import export_openmetrics
+    from mapper.bridge.app import export_openmetrics
 
     with pytest.raises(ConfigError, match="no such directory"):
         export_openmetrics(tmp_path / "nowhere", io.StringIO())

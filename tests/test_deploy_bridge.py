@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mapper.bridgeconfig import BRIDGE_KEYS, load_bridge_settings
+from mapper.bridge.config import BRIDGE_KEYS, load_bridge_settings
 from mapper.metrics import parse_metrics_addr
 from tests.test_deploy import K8S_VERSIONS
 

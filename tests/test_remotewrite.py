@@ -12,8 +12,8 @@ from types import ModuleType
 import cramjam
 import pytest
 
-from mapper import remotewrite
-from mapper.remotewrite import SeriesBuf, decode_v1, encode_v1, encode_v2, render_openmetrics, sorted_labels
+from mapper.bridge.app import remotewrite
+from mapper.bridge.remotewrite import SeriesBuf, decode_v1, encode_v1, encode_v2, render_openmetrics, sorted_labels
 
 REPO = Path(__file__).resolve().parents[1]
 

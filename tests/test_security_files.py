@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.bridgeconfig import load_bridge_settings
+from mapper.bridge.config import load_bridge_settings
 from mapper.config import load_settings
 from mapper.datadir import prepare_data_dir
 from mapper.errors import ConfigError

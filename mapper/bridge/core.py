@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper.remotewrite import MetricType, SeriesBuf, label_bytes, sample_affixes, sorted_labels
+from mapper.bridge.remotewrite import MetricType, SeriesBuf, label_bytes, sample_affixes, sorted_labels
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES
 from mapper.wire import telemetry

@@ -10,7 +10,7 @@ the GPU's identity labels (``gpu``, ``driver_version``, ``pci_bus_id``: a device
 ``uuid_wait_s`` for it) and the status series (``gpu_mapper_device_state``, ``gpu_xid_errors_total``,
 ``gpu_power_limit_desired_watts``), written at the time of the snapshot and acknowledged after, like a batch.
 
-Output: ``mapper.bridgecore.Converter`` names the series (``mapper.shared.naming``); requests are cut at
+Output: ``mapper.bridge.core.Converter`` names the series (``mapper.shared.naming``); requests are cut at
 ``batch_max_samples`` or ``batch_max_delay_s`` after their first message, one in flight at a time, so a series'
 samples reach the receiver in order. 5xx, 429 and network errors are retried with capped exponential backoff and
 jitter (``Retry-After`` honoured), forever: the messages stay unacknowledged meanwhile. Any other 4xx is not
@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from mapper import __version__, remotewrite
-from mapper.bridgeconfig import BridgeSettings
-from mapper.bridgecore import (
+from mapper import __version__
+from mapper.bridge.app import remotewrite
+from mapper.bridge.config import BridgeSettings
+from mapper.bridge.core import (
     NO_IDENTITY,
     BridgeStats,
     Converter,
