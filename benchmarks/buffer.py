@@ -57,8 +57,8 @@ from pathlib import Path
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.compact import CompactionSettings, Compactor
-from mapper.discover import device_name
 from mapper.shared.model import Sample, Value
+from mapper.tools.discover import device_name
 from mapper.wire import telemetry
 from mapper.wire.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch, default_topic
 

@@ -120,7 +120,7 @@ def summary_ms(latencies_s: list[float]) -> dict[str, float]:
 
 
 def device_name(index: int) -> str:
-    from mapper.discover import device_name as name
+    from mapper.tools.discover import device_name as name
 
     return name(NODE, index)
 
@@ -472,11 +472,11 @@ def dmi_model() -> Any:
 
 
 def write_devices_folder(folder: Path, uuids_by_index: list[tuple[int, str]]) -> None:
-    """8 Devices from ``mapper.discover.device_yaml`` with every collect cycle at 1000 ms, and the model."""
+    """8 Devices from ``mapper.tools.discover.device_yaml`` with every collect cycle at 1000 ms, and the model."""
     import yaml
 
-    from mapper.discover import device_yaml, model_yaml
     from mapper.shared.model import GpuInfo
+    from mapper.tools.discover import device_yaml, model_yaml
 
     gpus = [GpuInfo(uuid=u, index=i, name="NVIDIA H100", pci_bus_id="") for i, u in uuids_by_index]
     text = device_yaml(gpus, NODE, desired={u: {"power_limit": str(DESIRED_W)} for _, u in uuids_by_index})

@@ -5,7 +5,7 @@ Set-up, all on loopback:
 
 * two real mosquittos on free ports (one per side, so that each broker's own CPU can be shown too);
 * the mapper: ``gpu-mapper run --sim 8 --sim-scenario inference --devices DIR --mqtt URL --data-dir D
-  --metrics-addr 127.0.0.1:P`` with a devices folder of 8 Devices from ``mapper.discover.device_yaml`` whose
+  --metrics-addr 127.0.0.1:P`` with a devices folder of 8 Devices from ``mapper.tools.discover.device_yaml`` whose
   properties all have a 1000 ms collect cycle, and the DeviceModel; standalone mode, so EventBus twin and state
   updates go to the broker as well as the telemetry batches; the SQLite buffer and desired store on; INFO logs
   to a file; ``/metrics`` scraped by this script every 15 s;
@@ -151,7 +151,7 @@ def write_devices_folder(folder: Path) -> int:
     """8 Devices (every property at a 1000 ms collect cycle) and the model; returns the property count."""
     import yaml
 
-    from mapper.discover import device_yaml, model_yaml
+    from mapper.tools.discover import device_yaml, model_yaml
 
     docs = [d for d in yaml.safe_load_all(device_yaml(sim_gpus(), NODE)) if d]
     for doc in docs:

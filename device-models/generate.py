@@ -3,7 +3,7 @@
     .venv/bin/python device-models/generate.py
 
 Writes
-* ``device-models/nvidia-gpu.yaml``: the GPU DeviceModel, from the property catalog (``mapper.discover.model_yaml``);
+* ``device-models/nvidia-gpu.yaml``: the GPU DeviceModel, from the property catalog (``mapper.tools.discover.model_yaml``);
 * ``device-models/examples/nvidia-gpu.yaml``: the same model, so the examples folder is self-contained;
 * ``device-models/examples/demo-node.yaml``: one Device per simulated GPU of ``gpu-mapper run --sim 4
   --node-name demo-node`` (UUIDs of the simulator with seed 0), two of them with desired values, each probed as
@@ -23,11 +23,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mapper.discover import JETSON_MODEL_NAME, device_yaml, model_yaml
 from mapper.gpu.jetson import board_uuid
 from mapper.gpu.simjetson import profile as jetson_profile
 from mapper.gpu.simnvml import SimNvml
 from mapper.shared.model import GpuInfo
+from mapper.tools.discover import JETSON_MODEL_NAME, device_yaml, model_yaml
 
 HERE = Path(__file__).resolve().parent
 DEMO_NODE = "demo-node"
@@ -69,8 +69,8 @@ def demo_gpus() -> list[GpuInfo]:
 def demo_unsupported() -> dict[str, dict[str, str]]:
     """What the demo's simulated GPUs cannot read, probed as ``gpu-mapper discover`` does (left out of their
     Devices, so the demo reports no ``unsupported`` twin)."""
-    from mapper.discover import probe_all
     from mapper.gpu.nvml import NvmlBackend
+    from mapper.tools.discover import probe_all
 
     backend = NvmlBackend(SimNvml(DEMO_GPUS, seed=DEMO_SEED, clock=lambda: 0.0))
     backend.init()

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec = sub.add_parser("decode", help="turn telemetry batches into JSON lines")
     dec.add_argument("file", nargs="?", default="-", help="a file of batches, or - for standard input")
 
-    from mapper.buffertool import add_parser as add_buffer_parser
+    from mapper.tools.buffer import add_parser as add_buffer_parser
 
     add_buffer_parser(sub)
 
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "discover":
             return _discover(args)
         if args.command == "model":
-            from mapper.discover import all_models_yaml
+            from mapper.tools.discover import all_models_yaml
 
             sys.stdout.write(all_models_yaml())
             return 0
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return _status(args)
         if args.command == "buffer":
-            from mapper import buffertool
+            from mapper.tools import buffer as buffertool
 
             return buffertool.main(args)
         if args.command == "bridge":
@@ -351,7 +351,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _discover(args: argparse.Namespace) -> int:
     from mapper.app import build_backend
-    from mapper.discover import device_yaml, probe_all
+    from mapper.tools.discover import device_yaml, probe_all
 
     settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
     backend = build_backend(settings, one_shot=True)

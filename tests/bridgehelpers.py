@@ -19,7 +19,6 @@ import paho.mqtt.client as paho
 from mapper.bridge.app import Bridge
 from mapper.bridge.config import BridgeSettings
 from mapper.clock import FakeClock
-from mapper.discover import device_name
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.leak import LeakConfig
@@ -27,6 +26,7 @@ from mapper.processes import ProcessMonitor
 from mapper.processloop import telemetry_values
 from mapper.shared.model import GpuInfo, Sample
 from mapper.stats import GpuSnapshot, device_state_payload
+from mapper.tools.discover import device_name
 from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
 from mapper.workloads import PodInfo, ProcessOwner
 from tests.apphelpers import wait_for

@@ -303,7 +303,7 @@ def pb_from_doc(doc: dict[str, Any]) -> Any:
 
 
 def pb_model_from_doc(doc: dict[str, Any]) -> Any:
-    """The DeviceModel as EdgeCore sends it, from ``mapper.discover.model_doc``."""
+    """The DeviceModel as EdgeCore sends it, from ``mapper.tools.discover.model_doc``."""
     return pb.DeviceModel(
         name=doc["metadata"]["name"],
         namespace=doc["metadata"].get("namespace", "default"),

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from mapper import config as mapper_config
-from mapper.discover import model_yaml
 from mapper.gpu.simjetson import profile
+from mapper.tools.discover import model_yaml
 from tests.test_deploy import K8S_VERSIONS
 from tests.test_device_models import CRDS, assert_valid_kubeedge
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from mapper.devicefiles import load_folder
-from mapper.discover import FAMILY_MODELS, model_doc, model_yaml
 from mapper.shared.model import PROPERTY_BY_NAME, TWIN_KEY_RE, TWIN_VALUE_RE, family_properties, parse_value
+from mapper.tools.discover import FAMILY_MODELS, model_doc, model_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = (REPO / ".." / "shared").resolve()

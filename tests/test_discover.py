@@ -7,16 +7,16 @@ from typing import Any
 import pytest
 import yaml
 
-from mapper.discover import (
+from mapper.gpu.nvml import NvmlBackend
+from mapper.gpu.simnvml import SimNvml
+from mapper.shared.model import NVML_PROPERTIES, GpuInfo, family_properties
+from mapper.tools.discover import (
     DEFAULT_REPORT_CYCLE_MS,
     DEFAULT_STATE_REPORT_CYCLE_MS,
     device_name,
     device_yaml,
     probe_all,
 )
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
-from mapper.shared.model import NVML_PROPERTIES, GpuInfo, family_properties
 from tests.test_device_models import assert_valid_kubeedge, needs_crds
 
 PROPERTIES = family_properties("nvml")  # what an NVML GPU's Device lists

@@ -30,7 +30,7 @@ APP_CHILD = textwrap.dedent(
 
     import mapper.app, mapper.cli
     from mapper.config import MqttSettings
-    from mapper.discover import device_yaml, model_yaml
+    from mapper.tools.discover import device_yaml, model_yaml
     from mapper.gpu.nvml import NvmlBackend
     from mapper.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, wait_for

@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from mapper.config import MqttSettings, Settings, load_settings
-from mapper.discover import device_doc
 from mapper.gpu.simnvml import SimNvml
 from mapper.publish import live_payload
 from mapper.shared.model import GpuInfo, Sample
+from mapper.tools.discover import device_doc
 from tests.apphelpers import fast_settings, running_app, wait_for
 
 

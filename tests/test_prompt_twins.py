@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from mapper.config import MqttSettings
-from mapper.discover import DEFAULT_REPORT_CYCLE_MS, device_doc, model_doc, probe_all
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.shared.model import GpuInfo
+from mapper.tools.discover import DEFAULT_REPORT_CYCLE_MS, device_doc, model_doc, probe_all
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.fake_edgecore import FakeEdgeCore, pb_from_doc, pb_model_from_doc
 from tests.test_app_eventbus import Listener, matching
@@ -34,7 +34,7 @@ def discovered(sim: SimNvml, node: str) -> tuple[list[GpuInfo], list[dict[str, A
         lacking = probe_all(backend, gpus)
     finally:
         backend.shutdown()
-    from mapper.discover import device_yaml
+    from mapper.tools.discover import device_yaml
 
     docs = [d for d in yaml.safe_load_all(device_yaml(gpus, node, unsupported=lacking)) if d]
     assert all({p["reportCycle"] for p in d["spec"]["properties"]} == {DEFAULT_REPORT_CYCLE_MS} for d in docs)
