@@ -19,8 +19,8 @@ utime+stime from ``/proc/<pid>/stat`` (10 ms ticks, ``stat_cpu_pct_of_core``; us
 in the window, since schedstat no longer lists it, or where stat is higher by more than its quantisation: a thread
 that began and ended inside the window, such as the one serving a scrape, is in neither schedstat list). Peak RSS
 is ``VmHWM`` from ``/proc/<pid>/status``. The import-only RSS of a bare Python with the mapper's heavy imports
-(grpc, paho, prometheus_client, yaml, zstandard, sqlite3), with ``mapper.app`` imported (what standalone mode
-imports: no grpc) and with ``mapper.app`` plus the DMI client and server (what DMI mode imports), is measured too,
+(grpc, paho, prometheus_client, yaml, zstandard, sqlite3), with ``mapper.edge.app`` imported (what standalone mode
+imports: no grpc) and with ``mapper.edge.app`` plus the DMI client and server (what DMI mode imports), is measured too,
 so the RSS figure can be read honestly. A subscriber on each broker counts what each side delivered (messages,
 bytes, values), to show both did the same work.
 
@@ -426,9 +426,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stat_cpu = cpu
     cpu = {k: sched[k] if source[k] == "schedstat" else stat_cpu[k] for k in pids}
     import_libs = import_only_rss_mb("grpc, paho.mqtt.client, prometheus_client, yaml, zstandard, sqlite3")
-    # Standalone never imports grpc or the DMI modules (mapper.app loads them in start() when DMI is on).
-    import_all = import_only_rss_mb("mapper.app, mapper.cli")
-    import_dmi = import_only_rss_mb("mapper.app, mapper.cli, mapper.dmi.client, mapper.dmi.server")
+    # Standalone never imports grpc or the DMI modules (mapper.edge.app loads them in start() when DMI is on).
+    import_all = import_only_rss_mb("mapper.edge.app, mapper.cli")
+    import_dmi = import_only_rss_mb("mapper.edge.app, mapper.cli, mapper.dmi.client, mapper.dmi.server")
     import_none = import_only_rss_mb("sys")
     values_per_s = GPUS * props_per_device / (COLLECT_CYCLE_MS / 1000)
     result: dict[str, Any] = {

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mapper import __version__
-from mapper.config import ENV_KEYS, SECRET_FLAGS, Settings, load_settings
+from mapper.edge.config import ENV_KEYS, SECRET_FLAGS, Settings, load_settings
 from mapper.errors import ConfigError, MapperError
 
 log = logging.getLogger("mapper")
@@ -326,7 +326,7 @@ def _run(args: argparse.Namespace) -> int:
     # DMI socket is chmod-ed 0660 after it is made. mapper.datadir tightens what an earlier run left wider.
     os.umask(0o077)
     warn_secrets_on_command_line(vars(args), SECRET_FLAGS)
-    from mapper.app import run
+    from mapper.edge.app import run
 
     async def main_task() -> int:
         loop = asyncio.get_running_loop()
@@ -350,7 +350,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _discover(args: argparse.Namespace) -> int:
-    from mapper.app import build_backend
+    from mapper.edge.app import build_backend
     from mapper.tools.discover import device_yaml, probe_all
 
     settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
@@ -420,7 +420,7 @@ def _bridge(args: argparse.Namespace) -> int:
 
 
 def _spool_dir_of(config_file: str) -> str | None:
-    from mapper.config import read_file
+    from mapper.edge.config import read_file
 
     section = read_file(config_file).get("bridge") or {}
     value = section.get("spoolDir") if isinstance(section, dict) else None

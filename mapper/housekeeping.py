@@ -14,12 +14,12 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 
-from mapper.config import read_file
+from mapper.edge.config import read_file
 from mapper.errors import ConfigError, MapperError
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.stats import MapperSnapshot
 
-log = logging.getLogger("mapper.app")
+log = logging.getLogger("mapper.edge.app")
 
 #: How often the status file is written and the config file checked, by default. (Each round wakes the loop
 #: and a thread; the status file is the offline fallback of ``gpu-mapper status``, /status is live.)

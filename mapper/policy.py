@@ -31,7 +31,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from mapper.config import parse_duration_s
+from mapper.edge.config import parse_duration_s
 from mapper.errors import ConfigError
 from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe

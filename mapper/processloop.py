@@ -33,7 +33,7 @@ from typing import Any
 from mapper.binding import unbound_device
 from mapper.clock import Clock
 from mapper.collect import GpuWorker, call_backend, call_in_thread
-from mapper.config import Settings
+from mapper.edge.config import Settings
 from mapper.errors import MapperError
 from mapper.leak import LeakConfig, LeakEvent
 from mapper.policy import PolicyEvent

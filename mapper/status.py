@@ -3,7 +3,7 @@ each figure: the GPU workers, the collector, the publisher, the door's limiter, 
 buffer, the shipper, the MQTT session and the DMI client and server.
 
 ``StatusSource.snapshot`` is what ``/metrics``, ``/status`` and the status file read; nothing in it touches
-the hardware or the network. It sees the adapters through the small Protocols below only (``mapper.app``
+the hardware or the network. It sees the adapters through the small Protocols below only (``mapper.edge.app``
 hands the concrete objects in as it builds them). ``run_console`` is the loop that prints the live table of
 ``gpu-mapper run --sim N`` (``mapper.statusview.console_table``) every ``print_interval_s``.
 """
@@ -17,8 +17,8 @@ from typing import Protocol, TextIO
 
 from mapper.clock import Clock
 from mapper.collect import Collector, GpuWorker
-from mapper.config import Settings
 from mapper.doorlimit import InboundLimiter
+from mapper.edge.config import Settings
 from mapper.processes import GpuWorkloads
 from mapper.publish import Publisher
 from mapper.shipper import TelemetryShipper

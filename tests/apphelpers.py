@@ -12,8 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mapper.app import MapperApp
-from mapper.config import Settings
+from mapper.edge.app import MapperApp
+from mapper.edge.config import Settings
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 

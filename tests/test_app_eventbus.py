@@ -11,7 +11,7 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 
-from mapper.config import Settings
+from mapper.edge.config import Settings
 from mapper.gpu.simnvml import SimNvml
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import fast_settings, running_app, wait_for
@@ -172,7 +172,7 @@ async def test_an_edge_application_sets_the_power_limit_through_an_eventbus_delt
 
 
 def _mqtt(url: str):
-    from mapper.config import MqttSettings
+    from mapper.edge.config import MqttSettings
 
     return MqttSettings(url=url)
 
@@ -199,7 +199,7 @@ def devicetwin_accepts(twin_type: str, value: str) -> bool:
 async def test_dmi_and_eventbus_twins_never_conflict_in_type(mosquitto, tmp_path: Path, eventbus: str):
     import tempfile
 
-    from mapper.config import MqttSettings
+    from mapper.edge.config import MqttSettings
     from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
 
     sock_dir = tempfile.mkdtemp(prefix="dmi-", dir="/tmp")

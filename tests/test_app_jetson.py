@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from mapper.app import MapperApp, build_backend
-from mapper.backends import wants_jetson
-from mapper.config import MqttSettings, Settings
+from mapper.edge.app import MapperApp, build_backend
+from mapper.edge.backends import wants_jetson
+from mapper.edge.config import MqttSettings, Settings
 from mapper.errors import ConfigError
 from mapper.gpu.jetson import JetsonBackend
 from mapper.wire.telemetry import decode_batch

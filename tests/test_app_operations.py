@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.config import load_settings
+from mapper.edge.config import load_settings
 from mapper.gpu.simnvml import SimNvml
 from tests.apphelpers import fast_settings, running_app, wait_for
 
@@ -90,7 +90,7 @@ async def test_policies_are_reloaded_when_the_config_file_changes_and_a_bad_edit
 async def test_on_started_is_called_once_when_every_loop_runs(tmp_path: Path):
     import asyncio
 
-    from mapper.app import MapperApp
+    from mapper.edge.app import MapperApp
     from mapper.gpu.nvml import NvmlBackend
 
     app = MapperApp(fast_settings(str(tmp_path)), NvmlBackend(SimNvml(2, "H100", seed=1)))
@@ -172,7 +172,7 @@ async def test_the_batches_every_gpu_cut_in_one_round_are_stored_in_one_call(tmp
 async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_and_the_mapper_runs_on(tmp_path: Path):
     import asyncio
 
-    from mapper.app import MapperApp
+    from mapper.edge.app import MapperApp
     from mapper.gpu.nvml import NvmlBackend
     from tests.apphelpers import wait_for
 

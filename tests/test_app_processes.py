@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mapper.app import build_backend
-from mapper.config import MqttSettings, Settings
+from mapper.edge.app import build_backend
+from mapper.edge.config import MqttSettings, Settings
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.processloop import telemetry_values
@@ -369,7 +369,7 @@ async def test_the_processes_twin_goes_to_edgecore_over_dmi_as_a_twin_it_accepts
 
 def demo_settings(tmp_path: Path, **overrides: Any) -> tuple[SimNvml, Settings]:
     """``gpu-mapper run --sim 2 --sim-scenario inference`` on the demo's Devices (two inference servers a GPU), and
-    its simulator, as ``mapper.app.build_backend`` makes it."""
+    its simulator, as ``mapper.edge.app.build_backend`` makes it."""
     settings = fast_settings(
         str(tmp_path / "data"),
         sim=2,

@@ -313,7 +313,7 @@ def persistent_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
 async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_and_no_duplicate(
     tmp_path: Path, persistent_mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
-    from mapper.config import MqttSettings
+    from mapper.edge.config import MqttSettings
     from mapper.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, running_app
 
@@ -516,7 +516,7 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
     series, labels and values of the mapper's own /metrics, and the unhealthy alert's expression is true."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mapper.config import MqttSettings
+    from mapper.edge.config import MqttSettings
     from mapper.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, running_app
 

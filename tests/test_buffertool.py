@@ -265,7 +265,7 @@ def test_the_cli_runs_the_buffer_commands_and_names_a_bad_file(
 
 def test_the_running_mapper_does_not_import_sqlite_utils() -> None:
     code = (
-        "import sys, mapper.app, mapper.cli, mapper.tools.buffer; mapper.cli.build_parser(); "
+        "import sys, mapper.edge.app, mapper.cli, mapper.tools.buffer; mapper.cli.build_parser(); "
         "print('sqlite_utils' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

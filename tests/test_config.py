@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.config import load_settings, parse_duration_s, parse_size_bytes
+from mapper.edge.config import load_settings, parse_duration_s, parse_size_bytes
 from mapper.errors import ConfigError
 
 

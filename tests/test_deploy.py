@@ -15,8 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mapper import config as mapper_config
-from mapper.config import load_settings
+from mapper.edge import config as mapper_config
+from mapper.edge.config import load_settings
 from mapper.metrics import metric_names, parse_metrics_addr
 from mapper.policy import parse_policies
 from tests.test_device_models import assert_valid_kubeedge, needs_crds

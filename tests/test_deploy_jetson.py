@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mapper import config as mapper_config
+from mapper.edge import config as mapper_config
 from mapper.gpu.simjetson import profile
 from mapper.tools.discover import model_yaml
 from tests.test_deploy import K8S_VERSIONS

@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mapper.config import load_settings
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.dmi.server import DmiServer
 from mapper.doorlimit import InboundLimiter
+from mapper.edge.config import load_settings
 from mapper.errors import ConfigError
 from mapper.registry import Registry
 from tests.apphelpers import running_app, wait_for

@@ -179,13 +179,13 @@ def test_a_closed_buffer_refuses_every_use_with_a_clear_error(tmp_path, fake_clo
 
 async def _exit_code_of(settings, caplog: pytest.LogCaptureFixture) -> tuple[int, str]:
 
-    from mapper.app import MapperApp
+    from mapper.edge.app import MapperApp
     from mapper.gpu.nvml import NvmlBackend
     from mapper.gpu.simnvml import SimNvml
 
     app = MapperApp(settings, NvmlBackend(SimNvml(1, "T4", seed=0)))
     code = await asyncio.wait_for(app.run(asyncio.Event()), 30)
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and r.name == "mapper.app"]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and r.name == "mapper.edge.app"]
     assert not [r for r in caplog.records if r.exc_info], "a clear error, not a traceback"
     return code, " | ".join(errors)
 

@@ -55,13 +55,13 @@ def test_a_changed_config_file_reloads_the_policies_and_a_bad_edit_keeps_the_pre
     assert policies.config.thermal.max_temp_c == 85
 
     touch_later(cfg, thermal(78, 70), 1.0)
-    with caplog.at_level(logging.INFO, logger="mapper.app"):
+    with caplog.at_level(logging.INFO, logger="mapper.edge.app"):
         hk.maybe_reload_config()
     assert policies.config.thermal.max_temp_c == 78
     assert any("reloaded" in r.getMessage() for r in caplog.records)
 
     touch_later(cfg, thermal(70, 75), 1.0)  # release above max: refused
-    with caplog.at_level(logging.ERROR, logger="mapper.app"):
+    with caplog.at_level(logging.ERROR, logger="mapper.edge.app"):
         hk.maybe_reload_config()
     assert policies.config.thermal.max_temp_c == 78, "a bad edit keeps the previous policies"
     assert hk.config_mtime == cfg.stat().st_mtime, "and is not looked at again until the next change"
@@ -117,7 +117,7 @@ async def test_the_loop_writes_the_status_file_each_round_and_logs_a_failure_wit
             data.rmdir()
             data.write_text("not a directory")
         seen = rounds
-        with caplog.at_level(logging.WARNING, logger="mapper.app"):
+        with caplog.at_level(logging.WARNING, logger="mapper.edge.app"):
             await wait_for(lambda: rounds >= seen + 2, what="two more rounds")
         assert not task.done()
         assert any("could not write the status file" in r.getMessage() for r in caplog.records)

@@ -107,7 +107,7 @@ async def test_one_gpus_failing_step_is_counted_and_the_others_keep_reporting(tm
 
 @pytest.mark.timeout(30)
 async def test_sigterm_while_nvml_is_not_ready_stops_the_mapper(tmp_path: Path) -> None:
-    from mapper.app import MapperApp
+    from mapper.edge.app import MapperApp
     from mapper.errors import TransientError
     from mapper.gpu.nvml import NvmlBackend
     from tests.apphelpers import fast_settings

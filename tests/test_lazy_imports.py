@@ -28,8 +28,8 @@ APP_CHILD = textwrap.dedent(
     from dataclasses import replace
     from pathlib import Path
 
-    import mapper.app, mapper.cli
-    from mapper.config import MqttSettings
+    import mapper.edge.app, mapper.cli
+    from mapper.edge.config import MqttSettings
     from mapper.tools.discover import device_yaml, model_yaml
     from mapper.gpu.nvml import NvmlBackend
     from mapper.gpu.simnvml import SimNvml
@@ -50,7 +50,7 @@ APP_CHILD = textwrap.dedent(
     before = "grpc" in sys.modules
 
     async def main():
-        app = mapper.app.MapperApp(settings, NvmlBackend(sim))
+        app = mapper.edge.app.MapperApp(settings, NvmlBackend(sim))
         app.housekeeping.interval_s = 0.2
         stop = asyncio.Event()
         task = asyncio.create_task(app.run(stop))

@@ -13,7 +13,7 @@ import paho.mqtt.client as paho
 import pytest
 import yaml
 
-from mapper.config import MqttSettings, Settings, load_settings
+from mapper.edge.config import MqttSettings, Settings, load_settings
 from mapper.gpu.simnvml import SimNvml
 from mapper.publish import live_payload
 from mapper.shared.model import GpuInfo, Sample

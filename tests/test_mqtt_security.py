@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from mapper.config import MqttSettings, load_settings
+from mapper.edge.config import MqttSettings, load_settings
 from mapper.errors import ConfigError
 from mapper.gpu.simnvml import SimNvml
 from mapper.net.mqtt import MqttSession, mapper_session

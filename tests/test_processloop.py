@@ -16,7 +16,7 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.collect import GpuWorker
-from mapper.config import Settings, load_settings
+from mapper.edge.config import Settings, load_settings
 from mapper.errors import ConfigError, TransientError
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from mapper.config import MqttSettings
 from mapper.dmi.pb import dmi_pb2 as pb
+from mapper.edge.config import MqttSettings
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.shared.model import GpuInfo

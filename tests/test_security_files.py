@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from mapper.bridge.config import load_bridge_settings
-from mapper.config import load_settings
 from mapper.datadir import prepare_data_dir
+from mapper.edge.config import load_settings
 from mapper.errors import ConfigError
 from mapper.gpu.simnvml import SimNvml
 from mapper.metrics import fetch_status

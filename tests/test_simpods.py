@@ -1,5 +1,5 @@
 """The simulated processes' host tree (``SimNvml.pod_tree``, ``SimPods``), read by the real ``PodResolver``, and
-when the composition root reads it instead of the host's ``/proc`` (``mapper.backends.sim_process_roots``)."""
+when the composition root reads it instead of the host's ``/proc`` (``mapper.edge.backends.sim_process_roots``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mapper.backends import sim_process_roots
 from mapper.clock import FakeClock
-from mapper.config import Settings, load_settings
+from mapper.edge.backends import sim_process_roots
+from mapper.edge.config import Settings, load_settings
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml, SimPods, scenario_pid
 from mapper.workloads import PodDirs, PodResolver, ProcessOwner

@@ -12,8 +12,8 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.collect import Collector, GpuWorker
-from mapper.config import Settings
 from mapper.doorlimit import InboundLimiter
+from mapper.edge.config import Settings
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
 from mapper.policy import PolicyEngine

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from mapper.config import _convert, _lookup, key_password_from_file, read_file, read_secret_file
+from mapper.edge.config import _convert, _lookup, key_password_from_file, read_file, read_secret_file
 from mapper.errors import ConfigError
 
 DEFAULT_TOPIC = "gpu-mapper/+/+/+/telemetry"

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import paho.mqtt.client as paho
 
 from mapper.clock import next_on_grid, sleep_or_wake
-from mapper.config import MqttSettings
+from mapper.edge.config import MqttSettings
 from mapper.errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The real mapper (``mapper.cli.main``) in this process, over a simulated NVML that the test faults through
 this process's stdin. Run as ``python -m tests.faults.child SIM_COUNT SEED [--not-ready] -- <gpu-mapper args>``.
 
-Only the NVML module is swapped (``mapper.app.build_backend``: the one place that chooses it); the CLI, its
+Only the NVML module is swapped (``mapper.edge.app.build_backend``: the one place that chooses it); the CLI, its
 signal handling, the app and every adapter are the production code. Control lines on stdin are JSON:
 ``{"op": "lose", "gpu": 3}`` (XID 79, the GPU falls off the bus), ``{"op": "reload"}`` (driver reload: every
 setting back to default; with ``"recover": true`` lost GPUs come back too, as after a reboot),
@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-import mapper.app
+import mapper.edge.app
 from mapper.cli import main
 from mapper.gpu.nvml import NvmlBackend
 from mapper.gpu.simnvml import SimNvml
@@ -51,7 +51,7 @@ def run(argv: list[str]) -> int:
     def build_backend(settings: Any, clock: Any = None) -> NvmlBackend:
         return NvmlBackend(sim, clock=clock)
 
-    mapper.app.build_backend = build_backend  # type: ignore[assignment]
+    mapper.edge.app.build_backend = build_backend  # type: ignore[assignment]
     threading.Thread(target=_control, args=(sim,), name="fault-control", daemon=True).start()
     return main(cli_args)
 

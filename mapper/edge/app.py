@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mapper import __version__
-from mapper.backends import build_process_loop, health_monitor
 from mapper.binding import Bindings, unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
 from mapper.collect import Collector, GpuWorker, TickResult
 from mapper.compact import Compactor, compaction_settings
-from mapper.config import Settings
 from mapper.datadir import require_data_dir
 from mapper.devicefiles import watch_folder
 from mapper.doorlimit import InboundLimiter
+from mapper.edge.backends import build_process_loop, health_monitor
+from mapper.edge.config import Settings
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.gpu.jetson import JetsonBackend
 from mapper.gpu.nvml import NvmlBackend
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from mapper.dmi.client import DmiClient, DmiReporter
     from mapper.dmi.server import DmiServer
 
-log = logging.getLogger("mapper.app")
+log = logging.getLogger("mapper.edge.app")
 
 #: How long shutdown waits for the cancelled tasks.
 SHUTDOWN_TASKS_TIMEOUT_S = 5.0
@@ -67,9 +67,9 @@ def build_backend(
     settings: Settings, clock: Clock | None = None, *, one_shot: bool = False
 ) -> NvmlBackend | JetsonBackend:
     """The NVML backend over the real ``pynvml`` or, with ``--sim N``, over the simulated NVML; a Jetson's
-    backend where ``mapper.backends.wants_jetson`` says so. ``one_shot``: for a command that exits after its
+    backend where ``mapper.edge.backends.wants_jetson`` says so. ``one_shot``: for a command that exits after its
     calls (errors without the daemon's retry wording)."""
-    from mapper.backends import build_jetson_backend, wants_jetson
+    from mapper.edge.backends import build_jetson_backend, wants_jetson
 
     if wants_jetson(settings):
         return build_jetson_backend(settings, clock, one_shot=one_shot)

@@ -1,4 +1,4 @@
-"""Choosing the GPU backend family (part of the composition root, next to ``mapper.app.build_backend``), and
+"""Choosing the GPU backend family (part of the composition root, next to ``mapper.edge.app.build_backend``), and
 what hangs on the family: the health loop and its tools, and the process loop (NVML only).
 
 ``settings.backend``: ``nvml``; ``jetson``; ``auto`` (the default): NVML where it initialises, else a Jetson's
@@ -24,7 +24,7 @@ from typing import Any
 
 from mapper.clock import Clock, SystemClock
 from mapper.collect import GpuWorker
-from mapper.config import Settings
+from mapper.edge.config import Settings
 from mapper.errors import ConfigError
 from mapper.gpu.jetson import JetsonBackend, tegra_gpu_present
 from mapper.gpu.nvml import NvmlBackend
