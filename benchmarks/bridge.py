@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO))
 from mapper.bridge.core import Converter, GpuIdentity, PendingRequest, bridged_series_names, parse_state  # noqa: E402
 from mapper.bridge.remotewrite import compress, encode_v1  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
-from mapper.gpu.nvml import NvmlBackend  # noqa: E402
-from mapper.gpu.simnvml import SimNvml  # noqa: E402
+from mapper.edge.gpu.nvml import NvmlBackend  # noqa: E402
+from mapper.edge.gpu.simnvml import SimNvml  # noqa: E402
 from mapper.stats import GpuSnapshot, device_state_payload  # noqa: E402
 from mapper.tools.discover import device_name  # noqa: E402
 from mapper.wire.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_topic  # noqa: E402

@@ -71,8 +71,8 @@ SCENARIOS = ("training", "inference", "steady", "oscillating", "heat", "idle", "
 
 
 def simulated(hours: float, cadence: str = "1hz", gpus: int = GPUS) -> Iterator[tuple[str, Sample]]:
-    from mapper.gpu.nvml import NvmlBackend
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.simnvml import SimNvml
     from mapper.shared.model import NVML_PROPERTIES
 
     clock = FakeClock(start_wall_ms=START_MS)

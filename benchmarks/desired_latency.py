@@ -496,8 +496,8 @@ def write_devices_folder(folder: Path, uuids_by_index: list[tuple[int, str]]) ->
 
 def baseline_set_power_limit(calls: int) -> dict[str, float]:
     """``NvmlBackend.set_power_limit`` over the simulator alone (set, read back, through the worker thread)."""
-    from mapper.gpu.nvml import NvmlBackend
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.simnvml import SimNvml
 
     sim = SimNvml(1, PROFILE, seed=0, scenario="inference")
     backend = NvmlBackend(sim)
@@ -522,7 +522,7 @@ def configure_logging(path: Path) -> None:
 
 
 def new_sim() -> Any:
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.simnvml import SimNvml
 
     return SimNvml(GPUS, PROFILE, seed=0, scenario="inference")
 

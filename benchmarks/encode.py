@@ -35,8 +35,8 @@ from types import ModuleType
 from typing import Any
 
 from mapper.clock import FakeClock
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.shared.model import DeviceConfig, DeviceProperty, Sample
 from mapper.wire import telemetry
 

@@ -1,6 +1,6 @@
 """Health: time from a fault to the unhealthy state in the GPU's twins, and from there to healthy again.
 
-Setup: one simulated H100 (``mapper.gpu.simnvml``) on the wall clock, the mapper's own collector
+Setup: one simulated H100 (``mapper.edge.gpu.simnvml``) on the wall clock, the mapper's own collector
 (``mapper.collect.Collector``: samples on 1 s cycles, NVML events polled every second) and health loop
 (``mapper.healthloop.HealthMonitor``: probe every 10 min, checks every 60 s, recovery flow) in one asyncio loop, as
 ``gpu-mapper run`` wires them. "In the twins" means the ``health`` twin text of the bound Device
@@ -36,8 +36,8 @@ from typing import Any
 
 from mapper.clock import SystemClock
 from mapper.collect import Collector, GpuWorker
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml, sim_health_tools
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml, sim_health_tools
 from mapper.healthloop import HealthMonitor
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler

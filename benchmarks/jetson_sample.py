@@ -27,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import mapper.gpu.jetson as jetson
+import mapper.edge.gpu.jetson as jetson
 from mapper.clock import FakeClock
-from mapper.gpu.nvml import NvmlBackend, _wanted
-from mapper.gpu.simjetson import SimJetson
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend, _wanted
+from mapper.edge.gpu.simjetson import SimJetson
+from mapper.edge.gpu.simnvml import SimNvml
 
 
 def files_of_one_sample(backend: jetson.JetsonBackend, uuid: str) -> list[Path]:

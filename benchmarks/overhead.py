@@ -136,8 +136,8 @@ def import_only_rss_mb(modules: str) -> float:
 
 def sim_gpus() -> list[Any]:
     """The GpuInfo of the 8 simulated GPUs ``gpu-mapper run --sim 8`` will see (same profile and seed)."""
-    from mapper.gpu.nvml import NvmlBackend
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.simnvml import SimNvml
 
     backend = NvmlBackend(SimNvml(GPUS, PROFILE, seed=SEED, scenario=SCENARIO))
     backend.init()

@@ -86,7 +86,7 @@ def readers(nvml: Any) -> list[tuple[str, Callable[[Any], Any]]]:
 def main() -> None:
     import paho.mqtt.client as paho
 
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.simnvml import SimNvml
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True, help="MQTT broker port on 127.0.0.1")

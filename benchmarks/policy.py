@@ -1,6 +1,6 @@
 """Local thermal policy vs a naive threshold controller on one simulated hour of a hot, oscillating workload.
 
-Setup: one simulated H100 (``mapper.gpu.simnvml``) on a fake clock, the ``oscillating`` scenario (utilisation
+Setup: one simulated H100 (``mapper.edge.gpu.simnvml``) on a fake clock, the ``oscillating`` scenario (utilisation
 swings 10..100 % on a 120 s period) with poor cooling (``set_cooling(3.0)``: the temperature swings between
 about 63 and 87 C, where the GPU's own SwThermalSlowdown holds it). One control cycle per simulated second:
 read temperature and utilisation through the pynvml surface, decide, set the power limit when it changes.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mapper.clock import FakeClock
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.policy import PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
 from mapper.shared.model import Constraints
 

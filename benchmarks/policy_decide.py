@@ -1,7 +1,7 @@
 """Cost of one ``PolicyEngine.decide`` call, this checkout's ``mapper/policy.py`` against a baseline revision of
 the same file, in the same process on the same inputs.
 
-Set-up: 8 simulated H100s (``mapper.gpu.simnvml``, seed 0) on a fake clock; every catalog value sampled through
+Set-up: 8 simulated H100s (``mapper.edge.gpu.simnvml``, seed 0) on a fake clock; every catalog value sampled through
 ``NvmlBackend.sample`` once per simulated second for ``--seconds`` seconds, the samples recorded first. Then each
 engine (default ``PolicyConfig``) replays them as the mapper's ``GpuWorker.tick`` does: one ``decide`` per GPU per
 second with a ``PolicyContext`` of the GPU's constraints, no events, the cloud's desired limit unset and the UUID
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from mapper import policy as current  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
-from mapper.gpu.nvml import NvmlBackend  # noqa: E402
-from mapper.gpu.simnvml import SimNvml  # noqa: E402
+from mapper.edge.gpu.nvml import NvmlBackend  # noqa: E402
+from mapper.edge.gpu.simnvml import SimNvml  # noqa: E402
 from mapper.shared.model import Value  # noqa: E402
 
 GPUS = 8

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from mapper.clock import FakeClock
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.leak import LeakConfig
 from mapper.processes import ProcessMonitor
 from mapper.workloads import PodDirs, PodResolver

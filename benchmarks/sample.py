@@ -14,7 +14,7 @@ Four simulated H100s run the training scenario; each round advances a fake clock
 Ratios: ``sim_share`` = sim / full, ``thread_hop_share`` = (full - inline) / full; ``wrapper_us_per_sample`` =
 inline - sim, the backend's own Python work per sample.
 
-``--baseline FILE`` loads another copy of ``mapper/gpu/nvml.py`` (e.g. ``git show REV:mapper/gpu/nvml.py >
+``--baseline FILE`` loads another copy of ``mapper/edge/gpu/nvml.py`` (e.g. ``git show REV:mapper/edge/gpu/nvml.py >
 /tmp/nvml_old.py``), checks that it samples the very same values, and times it in the same process: the
 ``baseline`` object holds its figures and ``speedup`` = baseline us / our us. Passes are short and taken in turns
 (ours, the simulator, the baseline); every figure is the best of ``--repeats`` passes, so a noisy neighbour hurts
@@ -37,8 +37,8 @@ from types import ModuleType
 from typing import Any
 
 from mapper.clock import FakeClock
-from mapper.gpu import nvml
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu import nvml
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.shared.model import NVML_PROPERTIES
 
 GPUS = 4
@@ -136,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2_000, help="samples per figure and pass (default 2000)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes, the best counts (default 5)")
-    parser.add_argument("--baseline", type=Path, help="another mapper/gpu/nvml.py to compare against")
+    parser.add_argument("--baseline", type=Path, help="another mapper/edge/gpu/nvml.py to compare against")
     args = parser.parse_args()
     rounds = max(1, args.samples // GPUS)
 

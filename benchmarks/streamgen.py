@@ -1,6 +1,6 @@
 """A telemetry stream the encoder and its dictionary were NOT tuned on, for benchmarks/buffer.py.
 
-Nothing here comes from the simulator (mapper/gpu/simnvml.py) or the catalog's cadences. The noise model is
+Nothing here comes from the simulator (mapper/edge/gpu/simnvml.py) or the catalog's cadences. The noise model is
 its own, written before any figure was measured on it and not changed after:
 
 * Each GPU runs a two-state Markov workload (idle / busy, mean dwell 20 min / 40 min per GPU, drawn per GPU);

@@ -23,9 +23,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mapper.gpu.jetson import board_uuid
-from mapper.gpu.simjetson import profile as jetson_profile
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.jetson import board_uuid
+from mapper.edge.gpu.simjetson import profile as jetson_profile
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.shared.model import GpuInfo
 from mapper.tools.discover import JETSON_MODEL_NAME, device_yaml, model_yaml
 
@@ -69,7 +69,7 @@ def demo_gpus() -> list[GpuInfo]:
 def demo_unsupported() -> dict[str, dict[str, str]]:
     """What the demo's simulated GPUs cannot read, probed as ``gpu-mapper discover`` does (left out of their
     Devices, so the demo reports no ``unsupported`` twin)."""
-    from mapper.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.nvml import NvmlBackend
     from mapper.tools.discover import probe_all
 
     backend = NvmlBackend(SimNvml(DEMO_GPUS, seed=DEMO_SEED, clock=lambda: 0.0))

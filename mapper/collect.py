@@ -467,7 +467,7 @@ def worker_sample(worker: GpuWorker) -> Sample:
 
 
 class RoundLike(Protocol):
-    """What ``RoundBackend.sample_many`` returns (``mapper.gpu.nvml.SampleRound``)."""
+    """What ``RoundBackend.sample_many`` returns (``mapper.edge.gpu.nvml.SampleRound``)."""
 
     @property
     def samples(self) -> Sequence[Sample | MapperError]: ...

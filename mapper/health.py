@@ -4,10 +4,10 @@
   a GPU fallen off the bus). Decided in ``mapper.policy`` (the ``health`` policy), which keeps the state.
 * **Level 2, the driver and its processes**: NVML answers within a deadline, the device nodes exist,
   ``nvidia-persistenced`` runs where persistence is wanted, the kernel module's version is NVML's, the InfoROM
-  validates. Each a ``CheckResult`` with a reason (``mapper.gpu.nvml.NvmlBackend.driver_checks`` and
+  validates. Each a ``CheckResult`` with a reason (``mapper.edge.gpu.nvml.NvmlBackend.driver_checks`` and
   ``mapper.driverhost``).
 * **Level 3, the application**: a CUDA context, a tiny allocation and a copy in a short-lived process
-  (``mapper.gpu.cudaprobe``; the simulator's ``SimCudaProbe``): a ``ProbeResult``.
+  (``mapper.edge.gpu.cudaprobe``; the simulator's ``SimCudaProbe``): a ``ProbeResult``.
 
 ``HealthReport`` is the whole picture for one GPU: its status (``healthy``, ``degraded``, ``unhealthy``), the level
 and reason of the worst finding, each level's status and each subsystem's. Its ``twin_text`` is the ``health``
@@ -201,12 +201,12 @@ def build_report(
 
 
 # --------------------------------------------------------------------------------------------------
-# The parts that touch the GPU or the host (adapters implement them; ``mapper.gpu``)
+# The parts that touch the GPU or the host (adapters implement them; ``mapper.edge.gpu``)
 # --------------------------------------------------------------------------------------------------
 
 
 class GpuProbe(Protocol):
-    """The level-3 probe (``mapper.gpu.cudaprobe.CudaProbe``, ``mapper.gpu.simnvml.SimCudaProbe``): blocking, at
+    """The level-3 probe (``mapper.edge.gpu.cudaprobe.CudaProbe``, ``mapper.edge.gpu.simnvml.SimCudaProbe``): blocking, at
     most ``timeout_s`` (plus the kill of the probe process); never raises for a GPU problem."""
 
     def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult: ...
@@ -222,7 +222,7 @@ class SelfCheckResult:
 
 
 class GpuTools(Protocol):
-    """NVIDIA's command-line tools for the recovery flow (``mapper.gpu.tools.NvidiaTools``; the simulator's
+    """NVIDIA's command-line tools for the recovery flow (``mapper.edge.gpu.tools.NvidiaTools``; the simulator's
     ``SimTools``). Blocking and bounded by ``timeout_s``; ``reset`` raises ``mapper.errors.MapperError``."""
 
     def self_check(self, uuid: str, timeout_s: float) -> list[SelfCheckResult]: ...

@@ -25,9 +25,9 @@ from pathlib import Path
 import zstandard
 
 from mapper.clock import FakeClock
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.profiles import PROFILES
-from mapper.gpu.simnvml import SCENARIOS, SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.profiles import PROFILES
+from mapper.edge.gpu.simnvml import SCENARIOS, SimNvml
 from mapper.shared.model import NVML_PROPERTIES, Sample
 from mapper.tools.discover import device_name
 from mapper.wire.telemetry import batch_body

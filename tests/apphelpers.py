@@ -14,8 +14,8 @@ from typing import Any
 
 from mapper.edge.app import MapperApp
 from mapper.edge.config import Settings
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 
 
 def fast_settings(data_dir: str, **overrides: Any) -> Settings:

@@ -19,8 +19,8 @@ import paho.mqtt.client as paho
 from mapper.bridge.app import Bridge
 from mapper.bridge.config import BridgeSettings
 from mapper.clock import FakeClock
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.leak import LeakConfig
 from mapper.processes import ProcessMonitor
 from mapper.processloop import telemetry_values

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 
 REPO = Path(__file__).resolve().parents[1]
 #: The oldest nvidia-ml-py that pyproject allows (``nvidia-ml-py>=12.535``), and where bootstrap installs it.
@@ -795,7 +795,7 @@ class StandIn:
 
 
 def backend_names() -> set[str]:
-    """Every nvml function and constant name ``mapper/gpu/nvml.py`` spells out (calls, getattr names, constants)."""
+    """Every nvml function and constant name ``mapper/edge/gpu/nvml.py`` spells out (calls, getattr names, constants)."""
     source = (REPO / "mapper" / "gpu" / "nvml.py").read_text()
     return set(re.findall(r"\"((?:nvml|NVML_)\w+)\"", source)) | set(
         re.findall(r"(?:self\._nvml|\bnvml)\.((?:nvml|NVML_)\w+)", source)

@@ -12,7 +12,7 @@ import paho.mqtt.client as paho
 import pytest
 
 from mapper.edge.config import Settings
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import fast_settings, running_app, wait_for
 

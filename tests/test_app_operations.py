@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mapper.edge.config import load_settings
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from tests.apphelpers import fast_settings, running_app, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ async def test_on_started_is_called_once_when_every_loop_runs(tmp_path: Path):
     import asyncio
 
     from mapper.edge.app import MapperApp
-    from mapper.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.nvml import NvmlBackend
 
     app = MapperApp(fast_settings(str(tmp_path)), NvmlBackend(SimNvml(2, "H100", seed=1)))
     seen: list[tuple[bool, int]] = []
@@ -173,7 +173,7 @@ async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_
     import asyncio
 
     from mapper.edge.app import MapperApp
-    from mapper.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.nvml import NvmlBackend
     from tests.apphelpers import wait_for
 
     app = MapperApp(fast_settings(str(tmp_path), devices_dir=None), NvmlBackend(SimNvml(2, "H100", seed=4)))

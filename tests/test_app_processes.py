@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mapper.edge.app import build_backend
 from mapper.edge.config import MqttSettings, Settings
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.processloop import telemetry_values
 from mapper.shared.naming import parse_pod_series, pod_series
 from mapper.wire.telemetry import decode_batch

@@ -314,7 +314,7 @@ async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_a
     tmp_path: Path, persistent_mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
     from mapper.edge.config import MqttSettings
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, running_app
 
     mosquitto = persistent_mosquitto
@@ -517,7 +517,7 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
     from prometheus_client.parser import text_string_to_metric_families
 
     from mapper.edge.config import MqttSettings
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, running_app
 
     sim = SimNvml(1, "H100", seed=0, scenario="steady")

@@ -11,9 +11,9 @@ import pytest
 from mapper.bridge.config import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
 from mapper.bridge.core import Converter, GpuIdentity, PendingRequest, SeqDedup, bridged_series_names, parse_state
 from mapper.clock import FakeClock
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
 from mapper.metrics import snapshot_metrics
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES, GpuInfo

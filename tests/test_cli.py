@@ -67,8 +67,8 @@ def test_discover_on_a_simulated_jetson_prints_its_one_valid_device_of_the_jetso
 
 
 def test_discover_with_the_jetson_backend_reads_the_board_under_its_root_or_says_none_is_there(tmp_path):
-    from mapper.gpu.jetson import board_uuid
-    from mapper.gpu.simjetson import build_tree
+    from mapper.edge.gpu.jetson import board_uuid
+    from mapper.edge.gpu.simjetson import build_tree
 
     prof = build_tree(tmp_path / "board", "xavier-agx")
     out = gpu_mapper("discover", "--backend", "jetson", "--jetson-root", str(tmp_path / "board"), "--node-name", "x1")

@@ -11,9 +11,9 @@ import pytest
 from mapper.clock import FakeClock
 from mapper.collect import GpuWorker
 from mapper.desired import DesiredState
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
 from mapper.policy import PolicyContext, PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler, plan
 from mapper.shared.model import Constraints, PolicyLimit, Value

@@ -10,8 +10,8 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.collect import DUE_SLACK_S, GpuWorker
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.policy import PolicyEngine
 from mapper.reconcile import Reconciler
 from mapper.shared.model import NVML_PROPERTIES, PROPERTY_BY_NAME, DeviceConfig, DeviceProperty, GpuEvent, Sample

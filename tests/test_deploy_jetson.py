@@ -12,13 +12,13 @@ import pytest
 import yaml
 
 from mapper.edge import config as mapper_config
-from mapper.gpu.simjetson import profile
+from mapper.edge.gpu.simjetson import profile
 from mapper.tools.discover import model_yaml
 from tests.test_deploy import K8S_VERSIONS
 from tests.test_device_models import CRDS, assert_valid_kubeedge
 
 JETSON = Path(__file__).resolve().parents[1] / "deploy" / "jetson"
-#: What JetsonBackend reads, relative to its root (mapper/gpu/jetson.py, docs/jetson.md).
+#: What JetsonBackend reads, relative to its root (mapper/edge/gpu/jetson.py, docs/jetson.md).
 READS = (
     "sys/class/devfreq",
     "sys/devices/virtual/thermal",

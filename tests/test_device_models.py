@@ -201,7 +201,7 @@ def test_the_example_devices_use_the_simulators_uuids_for_the_demo() -> None:
 
 
 def test_the_example_desired_values_are_in_range_for_the_simulated_gpu() -> None:
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.simnvml import SimNvml
 
     docs = list(yaml_docs(REPO / "device-models" / "examples" / "demo-node.yaml"))
     desired = {p["name"]: p["desired"]["value"] for p in docs[0]["spec"]["properties"] if "desired" in p}

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import yaml
 
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.shared.model import NVML_PROPERTIES, GpuInfo, family_properties
 from mapper.tools.discover import (
     DEFAULT_REPORT_CYCLE_MS,

@@ -180,8 +180,8 @@ def test_a_closed_buffer_refuses_every_use_with_a_clear_error(tmp_path, fake_clo
 async def _exit_code_of(settings, caplog: pytest.LogCaptureFixture) -> tuple[int, str]:
 
     from mapper.edge.app import MapperApp
-    from mapper.gpu.nvml import NvmlBackend
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.simnvml import SimNvml
 
     app = MapperApp(settings, NvmlBackend(SimNvml(1, "T4", seed=0)))
     code = await asyncio.wait_for(app.run(asyncio.Event()), 30)
@@ -259,7 +259,7 @@ async def test_a_buffer_that_cannot_be_opened_exits_1_naming_it(tmp_path, caplog
 
 @pytest.mark.timeout(60)
 async def test_a_desired_store_that_cannot_be_opened_is_moved_aside_and_the_mapper_starts(tmp_path) -> None:
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, running_app
 
     (tmp_path / "desired.db" / "desired.db").mkdir(parents=True)  # SQLite cannot open a directory

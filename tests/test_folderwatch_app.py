@@ -12,7 +12,7 @@ import pytest
 
 import mapper.devicefiles
 from mapper.devicefiles import FolderWatcher, load_folder
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.test_folderwatch import DEVICE
 

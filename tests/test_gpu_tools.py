@@ -1,4 +1,4 @@
-"""NVIDIA's tools for the recovery flow (``mapper.gpu.tools.NvidiaTools``), run as real child processes: stand-in
+"""NVIDIA's tools for the recovery flow (``mapper.edge.gpu.tools.NvidiaTools``), run as real child processes: stand-in
 ``nvidia-smi`` and ``dcgmi`` scripts that answer as the tools do (exit status, messages), hang or fail."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mapper.edge.gpu.tools import NvidiaTools
 from mapper.errors import PermanentError, TransientError
-from mapper.gpu.tools import NvidiaTools
 
 UUID = "GPU-0123abcd-0000-4000-8000-00000000beef"
 

@@ -12,9 +12,9 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.collect import Collector, GpuWorker, worker_sample
-from mapper.gpu.cudaprobe import CudaProbe, cuda_bus_id
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimHost, SimNvml, sim_health_tools
+from mapper.edge.gpu.cudaprobe import CudaProbe, cuda_bus_id
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimHost, SimNvml, sim_health_tools
 from mapper.health import HealthTools, ProbeResult
 from mapper.healthloop import HealthMonitor
 from mapper.metrics import snapshot_metrics

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from tests.apphelpers import running_app, wait_for
 from tests.test_app_eventbus import Listener, standalone
 
@@ -108,8 +108,8 @@ async def test_one_gpus_failing_step_is_counted_and_the_others_keep_reporting(tm
 @pytest.mark.timeout(30)
 async def test_sigterm_while_nvml_is_not_ready_stops_the_mapper(tmp_path: Path) -> None:
     from mapper.edge.app import MapperApp
+    from mapper.edge.gpu.nvml import NvmlBackend
     from mapper.errors import TransientError
-    from mapper.gpu.nvml import NvmlBackend
     from tests.apphelpers import fast_settings
 
     class NotReady(NvmlBackend):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
+from mapper.edge.gpu.jetson import JetsonBackend, board_uuid, parse_nvpmodel_conf, tegra_gpu_present
+from mapper.edge.gpu.simjetson import PROFILES, SimJetson, build_tree, nvpmodel_command
 from mapper.errors import InvalidValueError, NoPermissionError, NotFoundError, PermanentError, UnsupportedError
-from mapper.gpu.jetson import JetsonBackend, board_uuid, parse_nvpmodel_conf, tegra_gpu_present
-from mapper.gpu.simjetson import PROFILES, SimJetson, build_tree, nvpmodel_command
 from mapper.shared.model import JETSON_PROPERTIES, TWIN_VALUE_RE, format_number, format_value
 
 

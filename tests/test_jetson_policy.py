@@ -16,8 +16,8 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.desired import DesiredState, make_desired
-from mapper.gpu.jetson import JetsonBackend
-from mapper.gpu.simjetson import SimJetson, nvpmodel_command
+from mapper.edge.gpu.jetson import JetsonBackend
+from mapper.edge.gpu.simjetson import SimJetson, nvpmodel_command
 from mapper.policy import POWER_SAVING, THERMAL, Decision, PolicyContext, PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler, ReconcileResult, plan
 from mapper.shared.model import Constraints, PolicyLimit, Value

@@ -13,10 +13,10 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.desired import DesiredState
-from mapper.gpu.jetson import JetsonBackend
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simjetson import SimJetson, build_tree, nvpmodel_command
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.jetson import JetsonBackend
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simjetson import SimJetson, build_tree, nvpmodel_command
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.reconcile import Reconciler, ReconcileResult, desired_status_twin, parse_desired_status
 from mapper.shared.model import WRITABLE
 from mapper.store import DesiredStore

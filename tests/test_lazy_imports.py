@@ -31,8 +31,8 @@ APP_CHILD = textwrap.dedent(
     import mapper.edge.app, mapper.cli
     from mapper.edge.config import MqttSettings
     from mapper.tools.discover import device_yaml, model_yaml
-    from mapper.gpu.nvml import NvmlBackend
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.nvml import NvmlBackend
+    from mapper.edge.gpu.simnvml import SimNvml
     from tests.apphelpers import fast_settings, wait_for
 
     mode, tmp, port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])

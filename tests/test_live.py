@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from mapper.edge.config import MqttSettings, Settings, load_settings
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.publish import live_payload
 from mapper.shared.model import GpuInfo, Sample
 from mapper.tools.discover import device_doc

@@ -17,8 +17,8 @@ import pytest
 import trustme
 
 from mapper.edge.config import MqttSettings, load_settings
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError
-from mapper.gpu.simnvml import SimNvml
 from mapper.net.mqtt import MqttSession, mapper_session
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.brokers import Mosquitto, password_file

@@ -23,6 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mapper.clock import FakeClock
+from mapper.edge.gpu.nvml import NvmlBackend, _Memo
+from mapper.edge.gpu.profiles import PROFILES, GpuProfile
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import (
     GpuLostError,
     InvalidValueError,
@@ -33,9 +36,6 @@ from mapper.errors import (
     TransientError,
     UnsupportedError,
 )
-from mapper.gpu.nvml import NvmlBackend, _Memo
-from mapper.gpu.profiles import PROFILES, GpuProfile
-from mapper.gpu.simnvml import SimNvml
 from mapper.shared.model import (
     COMPUTE_MODES,
     NVML_PROPERTIES,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.shared.model import ProcessSource
 from tests.nvml_standin import LAYERS, layer_id
 from tests.test_nvml_contract import Backends, build

@@ -18,8 +18,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.shared.model import NVML_PROPERTIES, PROPERTY_BY_NAME, TWIN_VALUE_RE, format_value
 from tests.nvml_standin import StandIn, floor_binding, installed_binding, standin_library
 
@@ -215,7 +215,7 @@ def test_the_driver_checks_answer_with_nvmls_version_and_the_inforom_versions(ba
 def test_the_cuda_probe_passes_on_each_real_gpu() -> None:
     import ctypes
 
-    from mapper.gpu.cudaprobe import CudaProbe
+    from mapper.edge.gpu.cudaprobe import CudaProbe
 
     try:
         ctypes.CDLL("libcuda.so.1")

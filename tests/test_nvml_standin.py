@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from tests.nvml_standin import (
     NVML_SIGNATURES,
     StandIn,

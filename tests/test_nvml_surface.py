@@ -27,10 +27,10 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from mapper.gpu import nvml as backend_module
-from mapper.gpu import profiles, simnvml
-from mapper.gpu.nvml import _field_number
-from mapper.gpu.simnvml import (
+from mapper.edge.gpu import nvml as backend_module
+from mapper.edge.gpu import profiles, simnvml
+from mapper.edge.gpu.nvml import _field_number
+from mapper.edge.gpu.simnvml import (
     SimEventData,
     SimMemory,
     SimMemoryV2,

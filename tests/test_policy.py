@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from mapper import policy
 from mapper.clock import FakeClock
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
 from mapper.policy import (
     Amount,
     Decision,

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from mapper.clock import FakeClock
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import GpuLostError
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
 from mapper.policy import Decision, PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
 from mapper.shared.model import Constraints, GpuEvent, Value
 

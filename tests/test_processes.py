@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.leak import LeakConfig
 from mapper.processes import ProcessMonitor, workload_key
 from mapper.shared.model import GpuProcess, ProcessSample

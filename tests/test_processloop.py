@@ -17,9 +17,9 @@ import pytest
 from mapper.clock import FakeClock
 from mapper.collect import GpuWorker
 from mapper.edge.config import Settings, load_settings
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError, TransientError
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
 from mapper.policy import PolicyEngine, PolicyEvent
 from mapper.processes import TWIN_MAX_CHARS, GpuWorkloads, PodUse, ProcessRow
 from mapper.processloop import LEAK_POLICY, LeakPolicyEvent, ProcessLoop, process_loop

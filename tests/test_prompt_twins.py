@@ -15,8 +15,8 @@ import yaml
 
 from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.edge.config import MqttSettings
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.shared.model import GpuInfo
 from mapper.tools.discover import DEFAULT_REPORT_CYCLE_MS, device_doc, model_doc, probe_all
 from tests.apphelpers import fast_settings, running_app, wait_for

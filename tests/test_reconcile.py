@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import mapper.reconcile as reconcile_module
 from mapper.clock import FakeClock
 from mapper.desired import DesiredState, DesiredValue, make_desired
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimGpu, SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimGpu, SimNvml
 from mapper.reconcile import (
     GROUPS,
     Ack,

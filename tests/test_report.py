@@ -13,8 +13,8 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.collect import GpuWorker
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.policy import PolicyEngine
 from mapper.reconcile import Reconciler
 from mapper.report import Reporter, device_twins

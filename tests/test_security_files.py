@@ -21,8 +21,8 @@ import pytest
 from mapper.bridge.config import load_bridge_settings
 from mapper.datadir import prepare_data_dir
 from mapper.edge.config import load_settings
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError
-from mapper.gpu.simnvml import SimNvml
 from mapper.metrics import fetch_status
 from mapper.stats import MapperSnapshot
 from tests.apphelpers import fast_settings, running_app, setpriv_as, wait_for

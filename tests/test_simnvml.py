@@ -8,8 +8,8 @@ import pynvml
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.gpu.profiles import PROFILES, profile
-from mapper.gpu.simnvml import SCENARIOS, SimNvml
+from mapper.edge.gpu.profiles import PROFILES, profile
+from mapper.edge.gpu.simnvml import SCENARIOS, SimNvml
 
 SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
 SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown

@@ -12,8 +12,8 @@ import pytest
 from mapper.clock import FakeClock
 from mapper.edge.backends import sim_process_roots
 from mapper.edge.config import Settings, load_settings
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml, SimPods, scenario_pid
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml, SimPods, scenario_pid
 from mapper.workloads import PodDirs, PodResolver, ProcessOwner
 
 GIB = 1 << 30

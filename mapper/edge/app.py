@@ -27,9 +27,9 @@ from mapper.devicefiles import watch_folder
 from mapper.doorlimit import InboundLimiter
 from mapper.edge.backends import build_process_loop, health_monitor
 from mapper.edge.config import Settings
+from mapper.edge.gpu.jetson import JetsonBackend
+from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
-from mapper.gpu.jetson import JetsonBackend
-from mapper.gpu.nvml import NvmlBackend
 from mapper.healthloop import HealthMonitor
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
@@ -74,7 +74,7 @@ def build_backend(
     if wants_jetson(settings):
         return build_jetson_backend(settings, clock, one_shot=one_shot)
     if settings.sim:
-        from mapper.gpu.simnvml import SimNvml
+        from mapper.edge.gpu.simnvml import SimNvml
 
         nvml: Any = SimNvml(
             settings.sim,

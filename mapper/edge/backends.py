@@ -25,10 +25,10 @@ from typing import Any
 from mapper.clock import Clock, SystemClock
 from mapper.collect import GpuWorker
 from mapper.edge.config import Settings
+from mapper.edge.gpu.jetson import JetsonBackend, tegra_gpu_present
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
 from mapper.errors import ConfigError
-from mapper.gpu.jetson import JetsonBackend, tegra_gpu_present
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
 from mapper.health import HealthTools
 from mapper.healthloop import HealthMonitor
 from mapper.policy import PolicyEngine, PolicyEvent
@@ -145,7 +145,7 @@ def build_health_tools(backend: NvmlBackend, data_dir: Path) -> HealthTools:
             host = Path(tempfile.mkdtemp(prefix="gpu-mapper-sim-host-"))
         tools: HealthTools = offered(host)
         return tools
-    from mapper.gpu.tools import host_health_tools
+    from mapper.edge.gpu.tools import host_health_tools
 
     return host_health_tools()
 

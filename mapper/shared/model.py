@@ -139,7 +139,7 @@ def _p(
     )
 
 
-#: Properties only a Jetson has, read by ``mapper.gpu.jetson.JetsonBackend`` from sysfs, /proc and nvpmodel
+#: Properties only a Jetson has, read by ``mapper.edge.gpu.jetson.JetsonBackend`` from sysfs, /proc and nvpmodel
 #: (``nvml_read`` / ``nvml_write`` name the file or command; docs/jetson.md). A Jetson also reads the NVML
 #: family's ``JETSON_SHARED`` properties, with the same names, units and meaning.
 _JETSON: tuple[PropertySpec, ...] = (
@@ -915,7 +915,7 @@ class ProcessSource(Protocol):
 
 
 class GpuBackend(Protocol):
-    """What the loops need from a GPU library. ``mapper.gpu.nvml.NvmlBackend`` is the implementation.
+    """What the loops need from a GPU library. ``mapper.edge.gpu.nvml.NvmlBackend`` is the implementation.
 
     Every method is blocking (call it through ``asyncio.to_thread``), bounded by a timeout, and raises only
     ``mapper.errors`` types. GPUs are addressed by UUID.
@@ -939,7 +939,7 @@ class GpuBackend(Protocol):
 
 class FrequencyActuator(Protocol):
     """What a backend offers where the GPU is governed by a devfreq range and power modes instead of a power cap
-    (``mapper.gpu.jetson.JetsonBackend``). Blocking, bounded, raises only ``mapper.errors`` types."""
+    (``mapper.edge.gpu.jetson.JetsonBackend``). Blocking, bounded, raises only ``mapper.errors`` types."""
 
     def set_gpu_freq_range(self, uuid: str, min_mhz: float, max_mhz: float) -> tuple[float, float]:
         """Set the GPU's devfreq range to two of ``Constraints.gpu_freqs_mhz``; the (min, max) read back."""

@@ -17,8 +17,8 @@ from typing import Any
 
 import mapper.edge.app
 from mapper.cli import main
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 
 _DRIVER_NOT_LOADED = 9
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
-from mapper.gpu.simnvml import SimNvml
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.wire.telemetry import decode_batch
 from tests.brokers import Mosquitto, free_port
 

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from mapper.clock import FakeClock
 from mapper.desired import DesiredState
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import MapperError
-from mapper.gpu.nvml import NvmlBackend
-from mapper.gpu.simnvml import SimNvml
 from mapper.reconcile import Reconciler
 from mapper.registry import DeviceChange, Registry
 from mapper.shared.model import NVML_PROPERTIES, PROPERTIES, DeviceConfig, Sample

@@ -51,7 +51,7 @@ def rig() -> Any:
 
 
 def _uuids() -> list[str]:
-    from mapper.gpu.simnvml import SimNvml
+    from mapper.edge.gpu.simnvml import SimNvml
 
     return [g.uuid for g in SimNvml(2, "H100", seed=3).gpus]
 

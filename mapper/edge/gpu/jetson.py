@@ -1,7 +1,7 @@
 """JetsonBackend: the GpuBackend over a Jetson's sysfs, /proc and nvpmodel (NVML does not serve Jetson GPUs).
 
 Everything is read from files under a filesystem root handed in (``/`` on a board, a directory in tests and in
-the simulator, ``mapper.gpu.simjetson``), and power modes are switched with an nvpmodel command handed in, so
+the simulator, ``mapper.edge.gpu.simjetson``), and power modes are switched with an nvpmodel command handed in, so
 nothing here knows whether the board is real. The layouts (NVIDIA L4T documentation, jetson-stats 7.x):
 
 * The GPU: the devfreq device whose ``device/of_node/name`` is gv11b (Xavier), gp10b, ga10b (Orin), gb10b or

@@ -1,7 +1,7 @@
 """NvmlBackend: the GpuBackend over NVML, and the only module that calls NVML.
 
 It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in production, a
-``mapper.gpu.simnvml.SimNvml`` instance in tests and demos. Nothing here asks which one it has.
+``mapper.edge.gpu.simnvml.SimNvml`` instance in tests and demos. Nothing here asks which one it has.
 
 * GPUs by UUID; handles cached by UUID for the current NVML session (the index is only a label).
 * ``sample()`` reads every catalog property in catalog units with one NVML call per value

@@ -9,8 +9,8 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from mapper.edge.gpu.cudaprobe import CudaProbe
 from mapper.errors import PermanentError, TransientError
-from mapper.gpu.cudaprobe import CudaProbe
 from mapper.health import HealthTools, SelfCheckResult
 
 __all__ = ["NvidiaTools", "host_health_tools"]

@@ -13,7 +13,7 @@ governor picks a frequency inside the devfreq range the files say, so a lowered 
 the GPU rail's power and, first order, the temperatures); ``start`` runs it on a thread. As on a board, only
 root may write ``min_freq`` / ``max_freq`` (``as_root=False`` makes them 0444) and run nvpmodel.
 
-``python -m mapper.gpu.simjetson nvpmodel --root ROOT [-q | -m ID]`` is the fake nvpmodel: ``-m`` writes the
+``python -m mapper.edge.gpu.simjetson nvpmodel --root ROOT [-q | -m ID]`` is the fake nvpmodel: ``-m`` writes the
 status file and the mode's GPU range into devfreq; a mode that needs a reboot prints nvpmodel's prompt and is
 applied only when answered ``YES`` (the simulated node "reboots": the mode is in force, ``reboot-requested`` is
 written next to the status file).
@@ -483,7 +483,7 @@ class SimJetson:
 
 def nvpmodel_command(root: str | os.PathLike[str]) -> list[str]:
     """The argv of the fake nvpmodel for the tree at ``root``."""
-    return [sys.executable, "-m", "mapper.gpu.simjetson", "nvpmodel", "--root", str(root)]
+    return [sys.executable, "-m", "mapper.edge.gpu.simjetson", "nvpmodel", "--root", str(root)]
 
 
 def _nvpmodel_main(argv: Sequence[str]) -> int:
@@ -540,7 +540,7 @@ def _nvpmodel_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] != "nvpmodel":
-        print("usage: python -m mapper.gpu.simjetson nvpmodel --root ROOT [-q | -m ID]", file=sys.stderr)
+        print("usage: python -m mapper.edge.gpu.simjetson nvpmodel --root ROOT [-q | -m ID]", file=sys.stderr)
         return 2
     return _nvpmodel_main(args[1:])
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import pynvml
 
+from mapper.edge.gpu.profiles import GpuProfile
+from mapper.edge.gpu.profiles import profile as lookup_profile
 from mapper.errors import PermanentError
-from mapper.gpu.profiles import GpuProfile
-from mapper.gpu.profiles import profile as lookup_profile
 from mapper.health import HealthTools, ProbeResult, SelfCheckResult
 from mapper.shared.model import format_number
 
@@ -1468,7 +1468,7 @@ class SimNvml:
 
 
 class SimCudaProbe:
-    """The level-3 probe over simulated GPUs: the interface of ``mapper.gpu.cudaprobe.CudaProbe`` (``probe(uuid,
+    """The level-3 probe over simulated GPUs: the interface of ``mapper.edge.gpu.cudaprobe.CudaProbe`` (``probe(uuid,
     pci_bus_id, timeout_s)``), answered by the simulator with its injected faults. A ``hang`` waits out the
     timeout (a real wait through the simulator's ``sleep``, as the real probe's runner waits before it kills the
     process); a lost GPU fails at ``cuInit`` as libcuda does (CUDA_ERROR_NO_DEVICE)."""

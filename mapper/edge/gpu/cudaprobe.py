@@ -1,6 +1,6 @@
 """Level-3 health probe: can a CUDA context be created on this GPU, and does a tiny copy come back intact?
 
-``CudaProbe.probe(uuid, pci_bus_id, timeout_s)`` runs ``python -m mapper.gpu.cudaprobe`` as a short-lived child
+``CudaProbe.probe(uuid, pci_bus_id, timeout_s)`` runs ``python -m mapper.edge.gpu.cudaprobe`` as a short-lived child
 process that loads libcuda through ctypes and calls, in order: ``cuInit``, ``cuDeviceGetByPCIBusId`` (and, where
 the driver has it, ``cuDeviceGetUuid_v2`` to check it is the GPU NVML calls ``uuid``), ``cuCtxCreate_v2``,
 ``cuMemAlloc_v2`` (64 KiB), ``cuMemcpyHtoD_v2``, ``cuMemcpyDtoH_v2`` (the bytes compared), ``cuMemFree_v2`` and
@@ -62,7 +62,7 @@ class CudaProbe:
         self.env = dict(env) if env else {}
 
     def command(self, uuid: str, pci_bus_id: str) -> list[str]:
-        return [self.python, "-m", "mapper.gpu.cudaprobe", "--library", self.library, "--uuid", uuid, pci_bus_id]
+        return [self.python, "-m", "mapper.edge.gpu.cudaprobe", "--library", self.library, "--uuid", uuid, pci_bus_id]
 
     def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult:
         """Blocks for at most ``timeout_s`` (plus the kill); never raises for a GPU or CUDA problem."""
@@ -179,7 +179,7 @@ def run_probe(library: str, pci_bus_id: str, uuid: str = "") -> dict[str, object
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m mapper.gpu.cudaprobe", description="one CUDA health probe")
+    parser = argparse.ArgumentParser(prog="python -m mapper.edge.gpu.cudaprobe", description="one CUDA health probe")
     parser.add_argument("--library", default=DEFAULT_LIBRARY)
     parser.add_argument("--uuid", default="")
     parser.add_argument("pci_bus_id")
