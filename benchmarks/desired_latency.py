@@ -376,7 +376,7 @@ class _DmiSender:
     def __init__(self, socket_path: str, uuid: str, *, new_channel: bool) -> None:
         import grpc
 
-        from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
+        from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
 
         self._grpc = grpc
         self._pb_grpc = pb_grpc
@@ -387,7 +387,7 @@ class _DmiSender:
         self.stub = None if self.channel is None else pb_grpc.DeviceMapperServiceStub(self.channel)
 
     def __call__(self, value: float, version: int) -> None:
-        from mapper.dmi.pb import dmi_pb2 as pb
+        from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 
         request = pb.UpdateDeviceRequest(device=dmi_device(0, self.uuid, str(value)))
         if self.new_channel:
@@ -407,8 +407,8 @@ def dmi_all_client(spec: dict[str, Any]) -> list[list[float]]:
     dials), back to back; [[index, value, sent (perf_counter)], ...]."""
     import grpc
 
-    from mapper.dmi.pb import dmi_pb2 as pb
-    from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
+    from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
+    from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
 
     requests = [
         pb.UpdateDeviceRequest(device=dmi_device(index, uuid, str(spec["value"])))

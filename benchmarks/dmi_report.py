@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc.aio
 
 from mapper.clock import FakeClock
-from mapper.dmi import convert
-from mapper.dmi.client import DmiClient, DmiReporter
-from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
+from mapper.edge.kubeedge.dmi import convert
+from mapper.edge.kubeedge.dmi.client import DmiClient, DmiReporter
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
 from mapper.shared.model import PROPERTIES, Twin
 from tests.fake_edgecore import FakeEdgeCore
 

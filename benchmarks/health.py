@@ -4,7 +4,7 @@ Setup: one simulated H100 (``mapper.edge.gpu.simnvml``) on the wall clock, the m
 (``mapper.collect.Collector``: samples on 1 s cycles, NVML events polled every second) and health loop
 (``mapper.healthloop.HealthMonitor``: probe every 10 min, checks every 60 s, recovery flow) in one asyncio loop, as
 ``gpu-mapper run`` wires them. "In the twins" means the ``health`` twin text of the bound Device
-(``mapper.report.device_twins``) has changed: what the next report carries.
+(``mapper.edge.kubeedge.report.device_twins``) has changed: what the next report carries.
 
 Scenarios:
 
@@ -38,10 +38,10 @@ from mapper.clock import SystemClock
 from mapper.collect import Collector, GpuWorker
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml, sim_health_tools
+from mapper.edge.kubeedge.report import device_twins
 from mapper.healthloop import HealthMonitor
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.reconcile import Reconciler
-from mapper.report import device_twins
 from mapper.shared.model import DeviceConfig, DeviceProperty
 
 WINDOW_S = 10.0

@@ -217,8 +217,8 @@ class EdgeCoreThread:
     def __init__(self, folder: Path, socket_path: str) -> None:
         import asyncio
 
-        from mapper.devicefiles import load_folder
-        from mapper.dmi.convert import device_to_pb, model_to_pb
+        from mapper.edge.kubeedge.devicefiles import load_folder
+        from mapper.edge.kubeedge.dmi.convert import device_to_pb, model_to_pb
         from tests.fake_edgecore import FakeEdgeCore
 
         contents = load_folder(folder, NODE)
@@ -428,7 +428,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import_libs = import_only_rss_mb("grpc, paho.mqtt.client, prometheus_client, yaml, zstandard, sqlite3")
     # Standalone never imports grpc or the DMI modules (mapper.edge.app loads them in start() when DMI is on).
     import_all = import_only_rss_mb("mapper.edge.app, mapper.cli")
-    import_dmi = import_only_rss_mb("mapper.edge.app, mapper.cli, mapper.dmi.client, mapper.dmi.server")
+    import_dmi = import_only_rss_mb(
+        "mapper.edge.app, mapper.cli, mapper.edge.kubeedge.dmi.client, mapper.edge.kubeedge.dmi.server"
+    )
     import_none = import_only_rss_mb("sys")
     values_per_s = GPUS * props_per_device / (COLLECT_CYCLE_MS / 1000)
     result: dict[str, Any] = {

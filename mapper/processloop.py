@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper.binding import unbound_device
 from mapper.clock import Clock
 from mapper.collect import GpuWorker, call_backend, call_in_thread
 from mapper.edge.config import Settings
+from mapper.edge.kubeedge.binding import unbound_device
 from mapper.errors import MapperError
 from mapper.leak import LeakConfig, LeakEvent
 from mapper.policy import PolicyEvent

@@ -17,8 +17,8 @@ from typing import Protocol, TextIO
 
 from mapper.clock import Clock
 from mapper.collect import Collector, GpuWorker
-from mapper.doorlimit import InboundLimiter
 from mapper.edge.config import Settings
+from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.processes import GpuWorkloads
 from mapper.publish import Publisher
 from mapper.shipper import TelemetryShipper
@@ -53,14 +53,14 @@ class SessionLike(Protocol):
 
 
 class RpcCounting(Protocol):
-    """``mapper.dmi.server.DmiServer``: RPCs by method and result."""
+    """``mapper.edge.kubeedge.dmi.server.DmiServer``: RPCs by method and result."""
 
     @property
     def rpc_counts(self) -> Mapping[str, Mapping[str, int]]: ...
 
 
 class DmiClientLike(RpcCounting, Protocol):
-    """``mapper.dmi.client.DmiClient``: its RPCs, and whether EdgeCore knows us."""
+    """``mapper.edge.kubeedge.dmi.client.DmiClient``: its RPCs, and whether EdgeCore knows us."""
 
     @property
     def registered(self) -> bool: ...

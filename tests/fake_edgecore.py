@@ -33,8 +33,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from mapper.dmi.pb import dmi_pb2 as pb
-from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
 from mapper.shared.model import WRITABLE
 
 KEY_RE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,128}")

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
 

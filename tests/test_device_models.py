@@ -17,7 +17,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from mapper.devicefiles import load_folder
+from mapper.edge.kubeedge.devicefiles import load_folder
 from mapper.shared.model import PROPERTY_BY_NAME, TWIN_KEY_RE, TWIN_VALUE_RE, family_properties, parse_value
 from mapper.tools.discover import FAMILY_MODELS, model_doc, model_yaml
 

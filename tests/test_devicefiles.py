@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.devicefiles import FolderWatcher, load_folder
+from mapper.edge.kubeedge.devicefiles import FolderWatcher, load_folder
 
 MODEL = """
 apiVersion: devices.kubeedge.io/v1beta1

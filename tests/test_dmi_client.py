@@ -12,7 +12,7 @@ import grpc.aio
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.dmi.client import DmiClient, DmiReporter, translate_rpc_error
+from mapper.edge.kubeedge.dmi.client import DmiClient, DmiReporter, translate_rpc_error
 from mapper.errors import PermanentError, TransientError
 from mapper.shared.model import DeviceConfig, DeviceModelConfig, Twin
 from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model, sock_dir

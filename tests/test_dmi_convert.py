@@ -9,8 +9,8 @@ from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mapper.dmi import convert
-from mapper.dmi.pb import dmi_pb2 as pb
+from mapper.edge.kubeedge.dmi import convert
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.errors import InvalidValueError
 from mapper.shared.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Twin
 from tests.fake_edgecore import any_of, pb_device, pb_model

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 
-from mapper.dmi.pb import dmi_pb2, dmi_pb2_grpc
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2, dmi_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO = ROOT / "proto" / "dmi.proto"
@@ -66,7 +66,7 @@ def test_committed_stubs_are_generated_from_the_current_proto(tmp_path: Path) ->
     fresh = normalized(compile_descriptor(PROTO, tmp_path))
     committed = normalized(committed_descriptor())
     assert fresh == committed, (
-        "mapper/dmi/pb is out of date with proto/dmi.proto: run scripts/gen-proto.sh and commit the result"
+        "mapper/edge/kubeedge/dmi/pb is out of date with proto/dmi.proto: run scripts/gen-proto.sh and commit the result"
     )
 
 
@@ -148,14 +148,14 @@ def test_proto_has_no_enums_oneofs_or_optional_fields() -> None:
 
 def test_grpc_stub_module_imports_the_message_module_by_package_path() -> None:
     source = Path(dmi_pb2_grpc.__file__).read_text()
-    assert "from mapper.dmi.pb import dmi_pb2 as dmi__pb2" in source
+    assert "from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as dmi__pb2" in source
     assert "\nimport dmi_pb2" not in source
 
 
 def test_installed_protobuf_runtime_accepts_the_generated_code() -> None:
     # Importing dmi_pb2 ran ValidateProtobufRuntimeVersion; a fresh interpreter proves it from scratch.
     result = subprocess.run(
-        [sys.executable, "-c", "import mapper.dmi.pb.dmi_pb2_grpc as g; print(g.GRPC_GENERATED_VERSION)"],
+        [sys.executable, "-c", "import mapper.edge.kubeedge.dmi.pb.dmi_pb2_grpc as g; print(g.GRPC_GENERATED_VERSION)"],
         capture_output=True,
         text=True,
         timeout=60,

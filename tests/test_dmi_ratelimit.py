@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
+from mapper.edge.kubeedge.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
 from mapper.shared.model import Twin
 
 

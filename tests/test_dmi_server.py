@@ -13,11 +13,11 @@ import grpc.aio
 import pytest
 from google.protobuf import any_pb2, struct_pb2
 
-from mapper.dmi.client import DmiClient
-from mapper.dmi.pb import dmi_pb2 as pb
-from mapper.dmi.server import DmiServer
+from mapper.edge.kubeedge.dmi.client import DmiClient
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
+from mapper.edge.kubeedge.dmi.server import DmiServer
+from mapper.edge.kubeedge.registry import DeviceChange, Registry
 from mapper.errors import ConfigError
-from mapper.registry import DeviceChange, Registry
 from mapper.shared.model import DeviceConfig, Twin
 from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model, sock_dir
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mapper.dmi.pb import dmi_pb2 as pb
-from mapper.dmi.server import DmiServer
-from mapper.doorlimit import InboundLimiter
 from mapper.edge.config import load_settings
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
+from mapper.edge.kubeedge.dmi.server import DmiServer
+from mapper.edge.kubeedge.doorlimit import InboundLimiter
+from mapper.edge.kubeedge.registry import Registry
 from mapper.errors import ConfigError
-from mapper.registry import Registry
 from tests.apphelpers import running_app, wait_for
 from tests.brokers import Mosquitto
 from tests.fake_edgecore import FakeEdgeCore, pb_device, sock_dir
@@ -52,7 +52,7 @@ def test_each_device_gets_its_burst_then_its_rate_and_the_rest_is_dropped_and_co
 def test_drops_are_logged_at_once_then_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     limiter = InboundLimiter("deltas", 1.0, 1, clock=clock, log_interval_s=60)
-    caplog.set_level(logging.WARNING, logger="mapper.doorlimit")
+    caplog.set_level(logging.WARNING, logger="mapper.edge.kubeedge.doorlimit")
     for _ in range(50):
         limiter.allow("default/gpu0")
     assert len(caplog.records) == 1
@@ -148,7 +148,7 @@ async def test_a_delta_flood_is_cut_to_the_devices_rate_and_the_excess_counted(
             assert sim.gpu(uuid0).power_limit_w == 252  # none of the flood's 400 W reached the GPU
     finally:
         listener.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "mapper.doorlimit"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mapper.edge.kubeedge.doorlimit"]
     assert len(lines) == 1 and "default/gpu0 too-large x1" in lines[0], lines
 
 

@@ -408,8 +408,8 @@ async def test_mqtt_callbacks_that_raise_are_logged_and_the_session_goes_on(mosq
 
 
 async def test_a_registry_listener_that_raises_does_not_starve_the_other_listeners_and_a_sync_goes_on() -> None:
-    from mapper.dmi.convert import device_from_pb
-    from mapper.registry import Registry
+    from mapper.edge.kubeedge.dmi.convert import device_from_pb
+    from mapper.edge.kubeedge.registry import Registry
     from tests.fake_edgecore import pb_device
 
     seen: list[str] = []

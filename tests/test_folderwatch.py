@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from mapper.devicefiles import FolderWatcher, Inotify, load_folder, load_inotify
+from mapper.edge.kubeedge.devicefiles import FolderWatcher, Inotify, load_folder, load_inotify
 
 DEVICE = """
 apiVersion: devices.kubeedge.io/v1beta1
@@ -106,7 +106,7 @@ def test_a_configmap_update_swapping_the_data_symlink_is_seen(tmp_path: Path, wa
 
 def test_a_folder_created_after_start_is_polled_then_watched(tmp_path: Path, watcher_factory, caplog):
     folder = tmp_path / "devices"
-    with caplog.at_level(logging.WARNING, logger="mapper.devicefiles"):
+    with caplog.at_level(logging.WARNING, logger="mapper.edge.kubeedge.devicefiles"):
         watcher = watcher_factory(folder)
     assert not watcher.watching and watcher.poll_interval_s == 2.0
     assert "No such file or directory" in caplog.text and str(folder) in caplog.text
@@ -169,7 +169,7 @@ def test_when_the_watch_limit_is_reached_the_folder_is_polled_and_watched_once_i
     tmp_path: Path, watcher_factory, caplog
 ):
     limited = WatchLimitReached(ctypes.CDLL(None, use_errno=True))
-    with caplog.at_level(logging.WARNING, logger="mapper.devicefiles"):
+    with caplog.at_level(logging.WARNING, logger="mapper.edge.kubeedge.devicefiles"):
         watcher = watcher_factory(tmp_path, inotify=limited)
     assert not watcher.watching and watcher.poll_interval_s == 2.0
     assert "max_user_watches" in caplog.text

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-import mapper.devicefiles
-from mapper.devicefiles import FolderWatcher, load_folder
+import mapper.edge.kubeedge.devicefiles
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.devicefiles import FolderWatcher, load_folder
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.test_folderwatch import DEVICE
 
@@ -44,8 +44,8 @@ async def test_the_app_picks_up_a_new_device_file_at_once_and_never_looks_at_an_
         reads.append(time.monotonic())
         return load_folder(path, node_name)
 
-    monkeypatch.setattr(mapper.devicefiles, "FolderWatcher", CountingWatcher)
-    monkeypatch.setattr(mapper.devicefiles, "load_folder", counting_load_folder)
+    monkeypatch.setattr(mapper.edge.kubeedge.devicefiles, "FolderWatcher", CountingWatcher)
+    monkeypatch.setattr(mapper.edge.kubeedge.devicefiles, "load_folder", counting_load_folder)
 
     settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices))
     async with running_app(settings, sim) as app:

@@ -71,7 +71,7 @@ APP_CHILD = textwrap.dedent(
         "bound": bound,
         "dmi_enabled": dmi,
         "grpc_before_start": before,
-        "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "google") or m.startswith("mapper.dmi")),
+        "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "google") or m.startswith("mapper.edge.kubeedge.dmi")),
     }))
     """
 )
@@ -114,7 +114,12 @@ def test_dmi_mapper_loads_grpc_when_it_starts(tmp_path: Path) -> None:
     assert result["grpc_before_start"] is False
     heavy = result["heavy"]
     assert isinstance(heavy, list)
-    assert {"grpc", "mapper.dmi.client", "mapper.dmi.server", "mapper.dmi.pb.dmi_pb2"} <= set(heavy)
+    assert {
+        "grpc",
+        "mapper.edge.kubeedge.dmi.client",
+        "mapper.edge.kubeedge.dmi.server",
+        "mapper.edge.kubeedge.dmi.pb.dmi_pb2",
+    } <= set(heavy)
 
 
 #: ``gpu-mapper run`` (``mapper.cli.main``) in a fresh interpreter, standalone; a thread records the threads once

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.edge.config import MqttSettings
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.shared.model import GpuInfo
 from mapper.tools.discover import DEFAULT_REPORT_CYCLE_MS, device_doc, model_doc, probe_all
 from tests.apphelpers import fast_settings, running_app, wait_for
@@ -206,7 +206,7 @@ async def test_an_eventbus_delta_shows_in_twin_update_within_2_s_with_20_s_repor
 async def test_a_device_listing_fan_speed_on_a_gpu_without_a_fan_reports_unsupported_and_logs_it_once(
     sock_dir, tmp_path, caplog: pytest.LogCaptureFixture
 ):
-    caplog.set_level(logging.INFO, logger="mapper.report")
+    caplog.set_level(logging.INFO, logger="mapper.edge.kubeedge.report")
     sim = SimNvml(1, "H100", seed=0, scenario="steady")
     gpus, _ = discovered(sim, "edge-1")
     # One list for mixed GPUs (or written by hand): every catalog property, fan_speed included.

@@ -15,9 +15,9 @@ from mapper.clock import FakeClock
 from mapper.collect import GpuWorker
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.report import Reporter, device_twins
 from mapper.policy import PolicyEngine
 from mapper.reconcile import Reconciler
-from mapper.report import Reporter, device_twins
 from mapper.shared.model import DeviceConfig, DeviceProperty, Twin
 
 
@@ -470,7 +470,7 @@ class BudgetSink(Sink):
     reporter's task does, it sends after the report loop's pass (``Rig.run_for`` drains it), not in the offer."""
 
     def __post_init__(self) -> None:
-        from mapper.dmi.ratelimit import ReportScheduler, TokenBucket
+        from mapper.edge.kubeedge.dmi.ratelimit import ReportScheduler, TokenBucket
 
         self.scheduler = ReportScheduler(TokenBucket(self.clock, rate_per_s=0.8, burst=10))
 
@@ -481,7 +481,7 @@ class BudgetSink(Sink):
         self.scheduler.offer_state(namespace, name, state, prompt=prompt)
 
     def drain(self) -> float | None:
-        from mapper.dmi.ratelimit import StateReport
+        from mapper.edge.kubeedge.dmi.ratelimit import StateReport
 
         while (report := self.scheduler.pop_ready()) is not None:
             now = self.clock.monotonic()
@@ -504,7 +504,7 @@ async def test_a_listed_property_the_gpu_cannot_read_reports_unsupported_logged_
 ) -> None:
     import dataclasses
 
-    caplog.set_level("INFO", logger="mapper.report")
+    caplog.set_level("INFO", logger="mapper.edge.kubeedge.report")
     worker = next(iter(rig.workers.values()))
     assert not rig.sim.gpu(worker.uuid).profile.has_fan, "the simulated H100 is passively cooled"
     props = tuple(DeviceProperty(p, report_cycle_ms=20_000) for p in ("temperature", "fan_speed", "power_limit"))

@@ -12,10 +12,10 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.collect import Collector, GpuWorker
-from mapper.doorlimit import InboundLimiter
 from mapper.edge.config import Settings
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.policy import PolicyEngine
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mapper.binding import unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
+from mapper.edge.kubeedge.binding import unbound_device
 from mapper.shared.model import DeviceConfig, GpuInfo, Sample
 from mapper.shipper import TelemetryShipper
 from mapper.streams import TelemetryStreams

@@ -17,18 +17,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mapper import __version__
-from mapper.binding import Bindings, unbound_device
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
 from mapper.collect import Collector, GpuWorker, TickResult
 from mapper.compact import Compactor, compaction_settings
 from mapper.datadir import require_data_dir
-from mapper.devicefiles import watch_folder
-from mapper.doorlimit import InboundLimiter
 from mapper.edge.backends import build_process_loop, health_monitor
 from mapper.edge.config import Settings
 from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.kubeedge.binding import Bindings, unbound_device
+from mapper.edge.kubeedge.devicefiles import watch_folder
+from mapper.edge.kubeedge.doorlimit import InboundLimiter
+from mapper.edge.kubeedge.registry import Registry
+from mapper.edge.kubeedge.report import Reporter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.healthloop import HealthMonitor
 from mapper.housekeeping import Housekeeping
@@ -37,8 +39,6 @@ from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.policy import PolicyEngine, parse_policies
 from mapper.publish import Publisher
 from mapper.reconcile import Reconciler
-from mapper.registry import Registry
-from mapper.report import Reporter
 from mapper.shared.model import GpuInfo, Sample
 from mapper.shipper import TelemetryShipper
 from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness
@@ -50,8 +50,8 @@ from mapper.wire.eventbus import DELTA_FILTER, membership_topic
 if TYPE_CHECKING:
     # Imported in ``start`` only when DMI is on: grpc, protobuf and the generated stubs add ~12 MB to the
     # process's RSS, which a standalone mapper (devices folder, no EdgeCore) would carry for nothing.
-    from mapper.dmi.client import DmiClient, DmiReporter
-    from mapper.dmi.server import DmiServer
+    from mapper.edge.kubeedge.dmi.client import DmiClient, DmiReporter
+    from mapper.edge.kubeedge.dmi.server import DmiServer
 
 log = logging.getLogger("mapper.edge.app")
 
@@ -233,7 +233,7 @@ class MapperApp:
                 )
             await self.session.start()
         if self.settings.dmi_enabled:
-            from mapper.dmi.parts import start_dmi
+            from mapper.edge.kubeedge.dmi.parts import start_dmi
 
             twins, registered = self.reporter.twins_of_device, self.bindings.on_registered
             n = len(self.workers)

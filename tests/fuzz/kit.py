@@ -22,9 +22,9 @@ from mapper.clock import FakeClock
 from mapper.desired import DesiredState
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.registry import DeviceChange, Registry
 from mapper.errors import MapperError
 from mapper.reconcile import Reconciler
-from mapper.registry import DeviceChange, Registry
 from mapper.shared.model import NVML_PROPERTIES, PROPERTIES, DeviceConfig, Sample
 from mapper.store import DesiredStore
 
@@ -177,7 +177,7 @@ def any_values() -> st.SearchStrategy[Any]:
 def pb_devices(draw: Callable[..., Any], uuids: list[str]) -> Any:
     """A DMI ``Device`` with anything in it: names, configData of every Any type, known and unknown
     properties, desired values of every shape, cycles at the int64 edges, push methods."""
-    from mapper.dmi.pb import dmi_pb2 as pb
+    from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 
     uuid_any = draw(
         st.one_of(
@@ -232,7 +232,7 @@ def pb_devices(draw: Callable[..., Any], uuids: list[str]) -> Any:
 
 @st.composite
 def pb_models(draw: Callable[..., Any]) -> Any:
-    from mapper.dmi.pb import dmi_pb2 as pb
+    from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 
     props = [
         pb.ModelProperty(

@@ -16,10 +16,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mapper.devicefiles import load_folder
-from mapper.dmi.convert import device_from_pb, model_from_pb
-from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.edge.config import load_settings
+from mapper.edge.kubeedge.devicefiles import load_folder
+from mapper.edge.kubeedge.dmi.convert import device_from_pb, model_from_pb
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.errors import ConfigError, MapperError
 from mapper.policy import parse_policies
 from mapper.shared.model import Sample

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from mapper.dmi.pb import dmi_pb2 as pb
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
 from tests.fuzz.kit import FUZZ, any_values, count, json_values, nested, pb_devices, pb_models, property_names

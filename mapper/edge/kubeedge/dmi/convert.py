@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf.message import DecodeError, Message
 
-from mapper.dmi.pb import dmi_pb2 as pb
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.errors import InvalidValueError
 from mapper.shared.model import (
     DEVICE_STATES,

@@ -18,7 +18,7 @@ EdgeCore answers again (within ~1-2 s of it coming back), and anyway every ``rer
 
 ``DmiReporter`` sits in front of the report RPCs: callers ``offer_status`` / ``offer_state`` whenever they
 like, ``prompt=True`` for a change to show at once; it keeps only the latest value per device and sends within
-the node-wide token bucket (see ``mapper.dmi.ratelimit``): prompt reports first, periodic ones only while the
+the node-wide token bucket (see ``mapper.edge.kubeedge.dmi.ratelimit``): prompt reports first, periodic ones only while the
 bucket keeps a reserve of tokens for prompt ones, devices round-robin.
 """
 
@@ -37,10 +37,10 @@ import grpc
 import grpc.aio
 
 from mapper.clock import Clock, SystemClock, sleep_or_wake
-from mapper.dmi import convert
-from mapper.dmi.pb import dmi_pb2 as pb
-from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
-from mapper.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
+from mapper.edge.kubeedge.dmi import convert
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
+from mapper.edge.kubeedge.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
 from mapper.errors import InvalidValueError, MapperError, PermanentError, TransientError
 from mapper.shared.model import DEVICE_STATES, DeviceConfig, DeviceModelConfig, Twin
 
@@ -375,7 +375,7 @@ class DmiReporter:
     ) -> None:
         self.client = client
         #: ``reserve``: tokens the periodic reports leave for prompt ones; None: one per device, ``devices`` of
-        #: them (one per GPU of the node) or those offered for so far (see ``mapper.dmi.ratelimit``).
+        #: them (one per GPU of the node) or those offered for so far (see ``mapper.edge.kubeedge.dmi.ratelimit``).
         self.scheduler = ReportScheduler(client.bucket, reserve=reserve, devices=devices)
         self._clock: Clock = clock or client._clock
         #: How often ``run`` looks again while not registered (reports wait for the registration).

@@ -31,11 +31,11 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from mapper.dmi import convert
-from mapper.dmi.pb import dmi_pb2 as pb
-from mapper.dmi.pb import dmi_pb2_grpc as pb_grpc
+from mapper.edge.kubeedge.dmi import convert
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
+from mapper.edge.kubeedge.registry import PreconditionError, Registry
 from mapper.errors import ConfigError, InvalidValueError, MapperError, NotFoundError, PermanentError
-from mapper.registry import PreconditionError, Registry
 from mapper.shared.model import DeviceConfig, Twin
 
 log = logging.getLogger(__name__)

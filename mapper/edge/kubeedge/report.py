@@ -20,12 +20,12 @@ DMI reporter's rate-limited, coalescing queue) and EventBus (``twin/update`` / `
   one log line per Device and property; when the GPU reads it again the twin carries its value again.
 
 The node-wide rate budget itself (a token bucket of 0.8 RPC/s, burst 10, under EdgeCore's 1/s, burst 100) is
-spent by the DMI reporter (``mapper.dmi.client.DmiReporter``), which keeps one pending report per Device and
+spent by the DMI reporter (``mapper.edge.kubeedge.dmi.client.DmiReporter``), which keeps one pending report per Device and
 merges what is offered meanwhile: this module decides what is offered and when, and marks the prompt offers
 (``prompt=True``: the prompt twins above, and a state that changed after the Device's first report). The DMI
 reporter sends those first and lets periodic ones (start-up's first reports included) spend only what leaves
 a token per Device in the bucket, so a change right after start-up does not wait behind start-up's reports
-(``mapper.dmi.ratelimit``).
+(``mapper.edge.kubeedge.dmi.ratelimit``).
 
 It sees domain types and Protocols only: the DMI reporter is a ``StatusSink``, the EventBus a publish callable.
 ``report_due`` is one pass on the injected clock (tests run it on fake time); ``run`` is the loop around it.
@@ -44,7 +44,7 @@ from mapper.shared.model import PROPERTY_BY_NAME, UNSUPPORTED_TWIN, DeviceConfig
 from mapper.wire.eventbus import state_update_payload, state_update_topic, twin_update_payload, twin_update_topic
 from mapper.wire.telemetry import state_payload
 
-log = logging.getLogger("mapper.report")
+log = logging.getLogger("mapper.edge.kubeedge.report")
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state", "health", "health_probe")
@@ -57,7 +57,7 @@ _GOLDEN = 0.6180339887498949
 
 
 class StatusSink(Protocol):
-    """What the reporter needs from ``mapper.dmi.client.DmiReporter`` (never blocking, never failing)."""
+    """What the reporter needs from ``mapper.edge.kubeedge.dmi.client.DmiReporter`` (never blocking, never failing)."""
 
     def offer_status(self, namespace: str, name: str, twins: Iterable[Twin], *, prompt: bool = False) -> None: ...
     def offer_state(self, namespace: str, name: str, state: str, *, prompt: bool = False) -> None: ...

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from mapper.dmi.pb import dmi_pb2 as dmi__pb2
+from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as dmi__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -23,14 +23,14 @@ from typing import Protocol
 from mapper.clock import Clock
 from mapper.collect import GpuWorker
 from mapper.desired import DesiredState, Source
-from mapper.devicefiles import FolderContents
+from mapper.edge.kubeedge.devicefiles import FolderContents
+from mapper.edge.kubeedge.registry import DeviceChange, PreconditionError, Registry
 from mapper.errors import ConfigError, MapperError
 from mapper.policy import PolicyEngine
-from mapper.registry import DeviceChange, PreconditionError, Registry
 from mapper.shared.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
 from mapper.wire.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
 
-log = logging.getLogger("mapper.binding")
+log = logging.getLogger("mapper.edge.kubeedge.binding")
 
 
 class StoredLike(Protocol):
@@ -50,7 +50,7 @@ class DesiredStoreLike(Protocol):
 
 
 class Reports(Protocol):
-    """What the bindings tell ``mapper.report.Reporter``."""
+    """What the bindings tell ``mapper.edge.kubeedge.report.Reporter``."""
 
     def bound(self, device: DeviceConfig) -> None: ...
     def removed(self, device: DeviceConfig) -> None: ...

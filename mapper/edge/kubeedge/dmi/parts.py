@@ -4,10 +4,10 @@ client that registers with EdgeCore, and the rate-limited reporter over that cli
 from __future__ import annotations
 
 from mapper.clock import Clock
-from mapper.dmi.client import DmiClient, DmiReporter, OnRegistered
-from mapper.dmi.server import DmiServer, TwinsOf
 from mapper.edge.config import Settings
-from mapper.registry import Registry
+from mapper.edge.kubeedge.dmi.client import DmiClient, DmiReporter, OnRegistered
+from mapper.edge.kubeedge.dmi.server import DmiServer, TwinsOf
+from mapper.edge.kubeedge.registry import Registry
 
 
 async def start_dmi(
