@@ -18,8 +18,8 @@ from typing import Any, NamedTuple, Protocol
 
 from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.desired import DesiredState, DesiredValue
+from mapper.edge.health.checks import HEALTHY_REPORT, CheckResult, HealthReport, ProbeResult
 from mapper.errors import GpuLostError, MapperError, TransientError
-from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, ProbeResult
 from mapper.policy import Decision, PolicyContext, PolicyEngine
 from mapper.reconcile import Reconciler, ReconcileResult
 from mapper.shared.model import (

@@ -3,7 +3,7 @@
 One task for every GPU. For each GPU (its own ``health`` config, overrides included):
 
 * **checks** every ``health.checks.interval``: ``driver_checks`` through the backend (NVML: responsive within
-  ``nvmlDeadline``, InfoROM) and ``mapper.driverhost.host_checks`` (device nodes, kernel module version,
+  ``nvmlDeadline``, InfoROM) and ``mapper.edge.health.driverhost.host_checks`` (device nodes, kernel module version,
   nvidia-persistenced where ``persistence`` is wanted);
 * **the probe** every ``health.probe.interval`` (every ``retryInterval`` while the GPU is not healthy), and soon
   after an XID or ECC event (``GpuWorker.probe_requested``); skipped while the GPU's utilisation is above
@@ -33,15 +33,15 @@ from typing import Protocol
 
 from mapper.clock import Clock, sleep_or_wake
 from mapper.collect import GpuWorker, call_backend, call_in_thread
-from mapper.driverhost import host_checks
+from mapper.edge.health.checks import CheckResult, HealthTools, ProbeResult
+from mapper.edge.health.driverhost import host_checks
 from mapper.errors import GpuLostError, MapperError
-from mapper.health import CheckResult, HealthTools, ProbeResult
 from mapper.policy import PolicyConfig, PolicyEngine, PolicyEvent
 from mapper.shared.model import GpuEvent, format_number, twin_safe
 
 __all__ = ["RECOVERY", "DriverCheckSource", "HealthMonitor"]
 
-log = logging.getLogger("mapper.health")
+log = logging.getLogger("mapper.edge.health.checks")
 
 RECOVERY = "recovery"
 #: Failing level-2 checks a GPU reset cannot mend, and what does: a kernel module that is not NVML's, or missing

@@ -54,8 +54,8 @@ from prometheus_client.utils import floatToGoString
 
 from mapper.bridge.core import BridgeStats
 from mapper.bridge.core import Histogram as BridgeHistogram
+from mapper.edge.health.checks import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.errors import ConfigError, NotFoundError, TransientError
-from mapper.health import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.net.webconfig import WebAuth, WebConfig, client_allowed
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared import naming

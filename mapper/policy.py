@@ -32,10 +32,10 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from mapper.edge.config import parse_duration_s
+from mapper.edge.health.checks import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
+from mapper.edge.health.xid import DEFAULT_FATAL_XIDS, XidPolicy
 from mapper.errors import ConfigError
-from mapper.health import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
-from mapper.xid import DEFAULT_FATAL_XIDS, XidPolicy
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ __all__ = [
     "parse_policies",
 ]
 
-#: XIDs after which NVIDIA advises a GPU reset or a reboot: the XID catalog's fatal ones (``mapper.xid``).
+#: XIDs after which NVIDIA advises a GPU reset or a reboot: the XID catalog's fatal ones (``mapper.edge.health.xid``).
 DEFAULT_CRITICAL_XIDS: frozenset[int] = DEFAULT_FATAL_XIDS
 
 HealthAction = Literal["none", "min-power"]

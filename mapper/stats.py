@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mapper.collect import GpuWorker, worker_sample
-from mapper.health import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
+from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
 from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
 from mapper.wire import telemetry

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from mapper.edge.health.checks import CheckResult, HealthReport, ProbeResult, build_report
+from mapper.edge.health.xid import CATALOG, DEFAULT_FATAL_XIDS, XidPolicy
 from mapper.errors import ConfigError
-from mapper.health import CheckResult, HealthReport, ProbeResult, build_report
 from mapper.policy import (
     Decision,
     PolicyConfig,
@@ -14,7 +15,6 @@ from mapper.policy import (
     parse_policies,
 )
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, Value
-from mapper.xid import CATALOG, DEFAULT_FATAL_XIDS, XidPolicy
 
 H100 = Constraints(power_limit_min_w=200.0, power_limit_max_w=700.0, power_limit_default_w=700.0)
 UUID = "GPU-health-test"

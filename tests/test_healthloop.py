@@ -15,8 +15,8 @@ from mapper.collect import Collector, GpuWorker, worker_sample
 from mapper.edge.gpu.cudaprobe import CudaProbe, cuda_bus_id
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimHost, SimNvml, sim_health_tools
+from mapper.edge.health.checks import HealthTools, ProbeResult
 from mapper.edge.kubeedge.report import device_twins
-from mapper.health import HealthTools, ProbeResult
 from mapper.healthloop import HealthMonitor
 from mapper.metrics import snapshot_metrics
 from mapper.policy import PolicyEngine, PolicyEvent, parse_policies

@@ -28,8 +28,8 @@ from mapper.edge.config import Settings
 from mapper.edge.gpu.jetson import JetsonBackend, tegra_gpu_present
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
+from mapper.edge.health.checks import HealthTools
 from mapper.errors import ConfigError
-from mapper.health import HealthTools
 from mapper.healthloop import HealthMonitor
 from mapper.policy import PolicyEngine, PolicyEvent
 from mapper.processloop import ProcessLoop, process_loop

@@ -8,7 +8,7 @@ the driver has it, ``cuDeviceGetUuid_v2`` to check it is the GPU NVML calls ``uu
 a hung context creation (a GPU stuck after an XID) cannot hang the mapper, and the driver frees whatever the
 child held when it dies. Nothing of CUDA is ever loaded into the mapper's own process.
 
-The result is a ``mapper.health.ProbeResult``: ``pass``, ``fail`` with the step and CUDA's error name
+The result is a ``mapper.edge.health.checks.ProbeResult``: ``pass``, ``fail`` with the step and CUDA's error name
 (``cuCtxCreate-CUDA_ERROR_UNKNOWN``), ``timeout``, or ``skipped`` (``libcuda-not-found``: no CUDA driver library
 in this container, which says nothing about the GPU). (``slow`` is the caller's verdict on the latency.)
 """
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the child process imports nothing of the mapper but this module: a probe costs less CPU
-    from mapper.health import ProbeResult
+    from mapper.edge.health.checks import ProbeResult
 
 __all__ = ["DEFAULT_LIBRARY", "CudaProbe", "cuda_bus_id", "run_probe"]
 
@@ -66,7 +66,7 @@ class CudaProbe:
 
     def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult:
         """Blocks for at most ``timeout_s`` (plus the kill); never raises for a GPU or CUDA problem."""
-        from mapper.health import ProbeResult
+        from mapper.edge.health.checks import ProbeResult
 
         if not pci_bus_id:
             return ProbeResult("fail", "no-pci-bus-id", 0.0)

@@ -40,6 +40,7 @@ from types import MappingProxyType
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
 from mapper.clock import Clock, SystemClock
+from mapper.edge.health.checks import CheckResult
 from mapper.errors import (
     GpuLostError,
     InvalidValueError,
@@ -50,7 +51,6 @@ from mapper.errors import (
     TransientError,
     UnsupportedError,
 )
-from mapper.health import CheckResult
 from mapper.shared.model import (
     COMPUTE_MODE_NAMES,
     COMPUTE_MODES,

@@ -44,8 +44,8 @@ import pynvml
 
 from mapper.edge.gpu.profiles import GpuProfile
 from mapper.edge.gpu.profiles import profile as lookup_profile
+from mapper.edge.health.checks import HealthTools, ProbeResult, SelfCheckResult
 from mapper.errors import PermanentError
-from mapper.health import HealthTools, ProbeResult, SelfCheckResult
 from mapper.shared.model import format_number
 
 #: Workload scenarios that drive utilisation. "heat" is a full load with poor cooling: under the default power
@@ -1516,7 +1516,7 @@ class SimCudaProbe:
 class SimHost:
     """The driver's traces on a simulated host, as files under ``root``: the device nodes (``dev/nvidiactl``,
     ``dev/nvidia-uvm``, ``dev/nvidia<N>``), the kernel module's version (``proc/driver/nvidia/version``, the
-    driver's own format) and ``nvidia-persistenced``'s socket. ``mapper.driverhost`` reads them as it reads ``/``.
+    driver's own format) and ``nvidia-persistenced``'s socket. ``mapper.edge.health.driverhost`` reads them as it reads ``/``.
     The fault methods change the files."""
 
     def __init__(self, sim: SimNvml, root: Path) -> None:

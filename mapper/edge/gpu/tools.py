@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mapper.edge.gpu.cudaprobe import CudaProbe
+from mapper.edge.health.checks import HealthTools, SelfCheckResult
 from mapper.errors import PermanentError, TransientError
-from mapper.health import HealthTools, SelfCheckResult
 
 __all__ = ["NvidiaTools", "host_health_tools"]
 

@@ -1,11 +1,11 @@
 """GPU health in three levels, per subsystem: the domain types and the pure rules. No I/O.
 
-* **Level 1, the node**: the GPU's own metrics and events (XIDs through ``mapper.xid``, uncorrected ECC errors,
+* **Level 1, the node**: the GPU's own metrics and events (XIDs through ``mapper.edge.health.xid``, uncorrected ECC errors,
   a GPU fallen off the bus). Decided in ``mapper.policy`` (the ``health`` policy), which keeps the state.
 * **Level 2, the driver and its processes**: NVML answers within a deadline, the device nodes exist,
   ``nvidia-persistenced`` runs where persistence is wanted, the kernel module's version is NVML's, the InfoROM
   validates. Each a ``CheckResult`` with a reason (``mapper.edge.gpu.nvml.NvmlBackend.driver_checks`` and
-  ``mapper.driverhost``).
+  ``mapper.edge.health.driverhost``).
 * **Level 3, the application**: a CUDA context, a tiny allocation and a copy in a short-lived process
   (``mapper.edge.gpu.cudaprobe``; the simulator's ``SimCudaProbe``): a ``ProbeResult``.
 
@@ -232,7 +232,7 @@ class GpuTools(Protocol):
 @dataclass(frozen=True)
 class HealthTools:
     """What the health loop and the recovery flow use: the probe, the host root the driver checks read
-    (``mapper.driverhost``), and the tools."""
+    (``mapper.edge.health.driverhost``), and the tools."""
 
     probe: GpuProbe
     host_root: Path

@@ -1,7 +1,7 @@
 """Level-2 checks that read the host, not NVML: device nodes, the kernel module's version, nvidia-persistenced.
 
 Reads files under a root handed in (``/`` in production; the simulator's ``SimHost`` tree under ``--sim``), so it is
-tested on real files. Each check is a ``mapper.health.CheckResult`` with a twin-safe reason:
+tested on real files. Each check is a ``mapper.edge.health.checks.CheckResult`` with a twin-safe reason:
 
 * ``device-nodes``: ``dev/nvidiactl`` and ``dev/nvidia-uvm`` (CUDA needs both) exist, and at least as many
   ``dev/nvidia<N>`` as NVML lists GPUs. Missing: ``unhealthy`` (no process can open the GPU).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mapper.health import CheckResult
+from mapper.edge.health.checks import CheckResult
 
 __all__ = ["host_checks", "kernel_module_version"]
 
