@@ -1,8 +1,8 @@
 """Health: time from a fault to the unhealthy state in the GPU's twins, and from there to healthy again.
 
 Setup: one simulated H100 (``mapper.edge.gpu.simnvml``) on the wall clock, the mapper's own collector
-(``mapper.collect.Collector``: samples on 1 s cycles, NVML events polled every second) and health loop
-(``mapper.healthloop.HealthMonitor``: probe every 10 min, checks every 60 s, recovery flow) in one asyncio loop, as
+(``mapper.edge.control.collect.Collector``: samples on 1 s cycles, NVML events polled every second) and health loop
+(``mapper.edge.control.healthloop.HealthMonitor``: probe every 10 min, checks every 60 s, recovery flow) in one asyncio loop, as
 ``gpu-mapper run`` wires them. "In the twins" means the ``health`` twin text of the bound Device
 (``mapper.edge.kubeedge.report.device_twins``) has changed: what the next report carries.
 
@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from mapper.clock import SystemClock
-from mapper.collect import Collector, GpuWorker
+from mapper.edge.control.collect import Collector, GpuWorker
+from mapper.edge.control.healthloop import HealthMonitor
+from mapper.edge.control.policy import PolicyEngine, parse_policies
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml, sim_health_tools
 from mapper.edge.kubeedge.report import device_twins
-from mapper.healthloop import HealthMonitor
-from mapper.policy import PolicyEngine, parse_policies
-from mapper.reconcile import Reconciler
 from mapper.shared.model import DeviceConfig, DeviceProperty
 
 WINDOW_S = 10.0

@@ -10,7 +10,7 @@ Controllers, all in the same process on identical simulators:
 * ``none``: no controller (the GPU's own thermal slowdown only);
 * ``naive`` (the baseline): above maxTemp cap at the GPU's minimum, at or below it restore the default; no
   hysteresis, no cool-down, no change interval;
-* ``policy``: ``mapper.policy.decide`` with the default config (maxTemp 85, releaseTemp 80, coolDownPeriod 5m,
+* ``policy``: ``mapper.edge.control.policy.decide`` with the default config (maxTemp 85, releaseTemp 80, coolDownPeriod 5m,
   step 10 %, minChangeInterval 30 s), acting through the power cap;
 * ``policy_clocks``: the same config with ``thermalThrottling.actuator: clocks``: the same hysteresis, acting
   through the locked SM clock (``nvmlDeviceSetGpuLockedClocks``, upper lock stepped 10 % down per step, snapped to
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mapper.clock import FakeClock
+from mapper.edge.control.policy import PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.policy import PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
 from mapper.shared.model import Constraints
 
 THERMAL_SLOWDOWN_BITS = 0x20 | 0x40  # SwThermalSlowdown | HwThermalSlowdown

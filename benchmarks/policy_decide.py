@@ -1,4 +1,4 @@
-"""Cost of one ``PolicyEngine.decide`` call, this checkout's ``mapper/policy.py`` against a baseline revision of
+"""Cost of one ``PolicyEngine.decide`` call, this checkout's ``mapper/edge/control/policy.py`` against a baseline revision of
 the same file, in the same process on the same inputs.
 
 Set-up: 8 simulated H100s (``mapper.edge.gpu.simnvml``, seed 0) on a fake clock; every catalog value sampled through
@@ -14,7 +14,7 @@ once per interval: the full decision every call after the crossing, to show it d
 decision of the two engines is compared (by ``repr``, as their classes differ); any mismatch is counted and
 reported.
 
-The baseline is ``git show REV:mapper/policy.py`` (``--baseline``, default the commit before the fast path),
+The baseline is ``git show REV:mapper/edge/control/policy.py`` (``--baseline``, default the commit before the fast path),
 loaded with importlib under another module name.
 
 Run: ``.venv/bin/python benchmarks/policy_decide.py [--seconds 300] [--repeats 5] [--baseline REV]``
@@ -37,8 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mapper import policy as current  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
+from mapper.edge.control import policy as current  # noqa: E402
 from mapper.edge.gpu.nvml import NvmlBackend  # noqa: E402
 from mapper.edge.gpu.simnvml import SimNvml  # noqa: E402
 from mapper.shared.model import Value  # noqa: E402
@@ -52,7 +52,7 @@ Ticks = list[tuple[float, list[tuple[str, dict[str, Value], Any]]]]
 
 def load_baseline(rev: str, folder: Path) -> ModuleType:
     text = subprocess.run(
-        ["git", "show", f"{rev}:mapper/policy.py"], cwd=ROOT, check=True, capture_output=True, text=True
+        ["git", "show", f"{rev}:mapper/edge/control/policy.py"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
     path = folder / "policy_baseline.py"
     path.write_text(text)

@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable, Mapping
 
 from mapper.edge.config import read_file
+from mapper.edge.control.policy import PolicyEngine, parse_policies
 from mapper.errors import ConfigError, MapperError
-from mapper.policy import PolicyEngine, parse_policies
 from mapper.stats import MapperSnapshot
 
 log = logging.getLogger("mapper.edge.app")

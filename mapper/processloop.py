@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mapper.clock import Clock
-from mapper.collect import GpuWorker, call_backend, call_in_thread
 from mapper.edge.config import Settings
+from mapper.edge.control.collect import GpuWorker, call_backend, call_in_thread
+from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.kubeedge.binding import unbound_device
 from mapper.errors import MapperError
 from mapper.leak import LeakConfig, LeakEvent
-from mapper.policy import PolicyEvent
 from mapper.processes import GpuWorkloads, ProcessMonitor
 from mapper.publish import Publisher
 from mapper.shared.model import ProcessSample, ProcessSource, Sample, Value

@@ -25,9 +25,9 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol
 
 from mapper.clock import Clock
+from mapper.edge.control.policy import PolicyEvent
+from mapper.edge.control.reconcile import Ack, ack_to_json
 from mapper.errors import MapperError, TransientError
-from mapper.policy import PolicyEvent
-from mapper.reconcile import Ack, ack_to_json
 from mapper.shared.model import Sample
 from mapper.shipper import TelemetryShipper
 

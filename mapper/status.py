@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, TextIO
 
 from mapper.clock import Clock
-from mapper.collect import Collector, GpuWorker
 from mapper.edge.config import Settings
+from mapper.edge.control.collect import Collector, GpuWorker
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.processes import GpuWorkloads
 from mapper.publish import Publisher
@@ -76,7 +76,7 @@ class WorkloadSource(Protocol):
 
 
 class ProbeCounting(Protocol):
-    """What the snapshot reads of the health loop (``mapper.healthloop.HealthMonitor``): probes by outcome."""
+    """What the snapshot reads of the health loop (``mapper.edge.control.healthloop.HealthMonitor``): probes by outcome."""
 
     def probe_counts(self, uuid: str) -> Mapping[str, int]: ...
 

@@ -11,7 +11,7 @@ import datetime as _dt
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from mapper.collect import GpuWorker
+from mapper.edge.control.collect import GpuWorker
 from mapper.shared.model import Value
 from mapper.stats import GpuSnapshot, MapperSnapshot
 

@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any
 
 from mapper.clock import SystemClock
-from mapper.desired import SOURCES, DesiredState
+from mapper.edge.control.desired import SOURCES, DesiredState
 from mapper.errors import InvalidValueError, PermanentError, TransientError
 from mapper.sqlitefiles import move_aside
 

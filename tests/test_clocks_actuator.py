@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.collect import GpuWorker
-from mapper.desired import DesiredState
+from mapper.edge.control.collect import GpuWorker
+from mapper.edge.control.desired import DesiredState
+from mapper.edge.control.policy import PolicyContext, PolicyEngine, parse_policies
+from mapper.edge.control.reconcile import Reconciler, plan
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError
-from mapper.policy import PolicyContext, PolicyEngine, parse_policies
-from mapper.reconcile import Reconciler, plan
 from mapper.shared.model import Constraints, PolicyLimit, Value
 
 CLOCKS = tuple(range(1980, 344, -15))  # an H100's supported graphics clocks, highest first (as the simulator's)

@@ -9,11 +9,11 @@ import pynvml
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.collect import DUE_SLACK_S, GpuWorker
+from mapper.edge.control.collect import DUE_SLACK_S, GpuWorker
+from mapper.edge.control.policy import PolicyEngine
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.policy import PolicyEngine
-from mapper.reconcile import Reconciler
 from mapper.shared.model import NVML_PROPERTIES, PROPERTY_BY_NAME, DeviceConfig, DeviceProperty, GpuEvent, Sample
 
 

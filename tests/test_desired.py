@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapper.desired import DesiredState, make_desired, observed_desired_value
+from mapper.edge.control.desired import DesiredState, make_desired, observed_desired_value
 from mapper.errors import InvalidValueError
 from mapper.shared.model import TWIN_VALUE_RE
 

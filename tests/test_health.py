@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from mapper.edge.health.checks import CheckResult, HealthReport, ProbeResult, build_report
-from mapper.edge.health.xid import CATALOG, DEFAULT_FATAL_XIDS, XidPolicy
-from mapper.errors import ConfigError
-from mapper.policy import (
+from mapper.edge.control.policy import (
     Decision,
     PolicyConfig,
     PolicyContext,
     PolicyEngine,
     parse_policies,
 )
+from mapper.edge.health.checks import CheckResult, HealthReport, ProbeResult, build_report
+from mapper.edge.health.xid import CATALOG, DEFAULT_FATAL_XIDS, XidPolicy
+from mapper.errors import ConfigError
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, Value
 
 H100 = Constraints(power_limit_min_w=200.0, power_limit_max_w=700.0, power_limit_default_w=700.0)

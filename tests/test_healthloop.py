@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.collect import Collector, GpuWorker, worker_sample
+from mapper.edge.control.collect import Collector, GpuWorker, worker_sample
+from mapper.edge.control.healthloop import HealthMonitor
+from mapper.edge.control.policy import PolicyEngine, PolicyEvent, parse_policies
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.cudaprobe import CudaProbe, cuda_bus_id
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimHost, SimNvml, sim_health_tools
 from mapper.edge.health.checks import HealthTools, ProbeResult
 from mapper.edge.kubeedge.report import device_twins
-from mapper.healthloop import HealthMonitor
 from mapper.metrics import snapshot_metrics
-from mapper.policy import PolicyEngine, PolicyEvent, parse_policies
-from mapper.reconcile import Reconciler
 from mapper.shared.model import DeviceConfig, DeviceProperty, GpuEvent
 from mapper.stats import MapperSnapshot, gpu_snapshot
 from mapper.statusview import render_status

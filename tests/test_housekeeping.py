@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from mapper.edge.control.policy import PolicyEngine, parse_policies
 from mapper.errors import NotFoundError
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import read_status_file, write_status_file
-from mapper.policy import PolicyEngine, parse_policies
 from mapper.stats import MapperSnapshot
 from tests.apphelpers import wait_for
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.desired import DesiredState, make_desired
+from mapper.edge.control.desired import DesiredState, make_desired
+from mapper.edge.control.policy import POWER_SAVING, THERMAL, Decision, PolicyContext, PolicyEngine, parse_policies
+from mapper.edge.control.reconcile import Reconciler, ReconcileResult, plan
 from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.simjetson import SimJetson, nvpmodel_command
-from mapper.policy import POWER_SAVING, THERMAL, Decision, PolicyContext, PolicyEngine, parse_policies
-from mapper.reconcile import Reconciler, ReconcileResult, plan
 from mapper.shared.model import Constraints, PolicyLimit, Value
 
 #: Orin's devfreq steps (MHz), as the simulated board lists them.
@@ -201,7 +201,7 @@ def test_a_power_actuator_on_a_board_with_no_power_cap_acts_through_the_clocks_a
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     orin = make_orin(tmp_path, "idle", {"powerSaving": {"actuator": "power", "idleFor": "30s"}})
-    with caplog.at_level(logging.INFO, logger="mapper.policy"):
+    with caplog.at_level(logging.INFO, logger="mapper.edge.control.policy"):
         c = orin.run_until(lambda c: c.decision.policy_state == "power-saving:active", 60)
         for _ in range(5):
             orin.cycle()

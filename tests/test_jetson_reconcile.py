@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.desired import DesiredState
+from mapper.edge.control.desired import DesiredState
+from mapper.edge.control.reconcile import Reconciler, ReconcileResult, desired_status_twin, parse_desired_status
 from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simjetson import SimJetson, build_tree, nvpmodel_command
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.reconcile import Reconciler, ReconcileResult, desired_status_twin, parse_desired_status
 from mapper.shared.model import WRITABLE
 from mapper.store import DesiredStore
 from tests.test_jetson import as_nobody
@@ -238,7 +238,7 @@ def test_the_desired_range_persists_and_is_applied_again_after_a_reboot(tmp_path
 
 
 def test_the_desired_status_twin_stays_twin_safe_with_every_group() -> None:
-    from mapper.reconcile import GROUPS, Status
+    from mapper.edge.control.reconcile import GROUPS, Status
 
     statuses = {p: Status("rejected", "needs-reboot") for props in GROUPS.values() for p in props}
     text = desired_status_twin(statuses)

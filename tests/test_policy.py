@@ -10,12 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapper import policy
 from mapper.clock import FakeClock
-from mapper.edge.gpu.nvml import NvmlBackend
-from mapper.edge.gpu.simnvml import SimNvml
-from mapper.errors import ConfigError
-from mapper.policy import (
+from mapper.edge.control import policy
+from mapper.edge.control.policy import (
     Amount,
     Decision,
     HealthState,
@@ -31,6 +28,9 @@ from mapper.policy import (
     parse_duration,
     parse_policies,
 )
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
+from mapper.errors import ConfigError
 from mapper.shared.model import DEVICE_STATES, TWIN_VALUE_RE, Constraints, GpuEvent, Value
 
 H100 = Constraints(power_limit_min_w=200.0, power_limit_max_w=700.0, power_limit_default_w=700.0)

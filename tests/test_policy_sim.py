@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from mapper.clock import FakeClock
+from mapper.edge.control.policy import Decision, PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import GpuLostError
-from mapper.policy import Decision, PolicyConfig, PolicyContext, PolicyState, decide, parse_policies
 from mapper.shared.model import Constraints, GpuEvent, Value
 
 WATCHED = ("temperature", "utilization_gpu", "power_limit", "xid_last", "ecc_errors_uncorrected", "energy_consumption")

@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.collect import GpuWorker
 from mapper.edge.config import Settings, load_settings
+from mapper.edge.control.collect import GpuWorker
+from mapper.edge.control.policy import PolicyEngine, PolicyEvent
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError, TransientError
-from mapper.policy import PolicyEngine, PolicyEvent
 from mapper.processes import TWIN_MAX_CHARS, GpuWorkloads, PodUse, ProcessRow
 from mapper.processloop import LEAK_POLICY, LeakPolicyEvent, ProcessLoop, process_loop
-from mapper.reconcile import Reconciler
 from mapper.shared.model import GpuInfo, Sample
 from mapper.shared.naming import parse_pod_series
 from mapper.stats import GpuSnapshot, MapperSnapshot

@@ -13,10 +13,10 @@ import pytest
 
 from mapper.buffer import Buffer
 from mapper.clock import SystemClock
+from mapper.edge.control.policy import PolicyEvent
+from mapper.edge.control.reconcile import Ack
 from mapper.net.mqtt import MqttSession
-from mapper.policy import PolicyEvent
 from mapper.publish import Publisher
-from mapper.reconcile import Ack
 from mapper.shipper import TelemetryShipper
 from tests.brokers import Mosquitto
 

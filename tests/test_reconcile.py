@@ -14,12 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mapper.reconcile as reconcile_module
+import mapper.edge.control.reconcile as reconcile_module
 from mapper.clock import FakeClock
-from mapper.desired import DesiredState, DesiredValue, make_desired
-from mapper.edge.gpu.nvml import NvmlBackend
-from mapper.edge.gpu.simnvml import SimGpu, SimNvml
-from mapper.reconcile import (
+from mapper.edge.control.desired import DesiredState, DesiredValue, make_desired
+from mapper.edge.control.reconcile import (
     GROUPS,
     Ack,
     Action,
@@ -31,6 +29,8 @@ from mapper.reconcile import (
     parse_desired_status,
     plan,
 )
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimGpu, SimNvml
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Sample, Scalar, Value
 from mapper.store import DesiredStore
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.collect import GpuWorker
+from mapper.edge.control.collect import GpuWorker
+from mapper.edge.control.policy import PolicyEngine
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.kubeedge.report import Reporter, device_twins
-from mapper.policy import PolicyEngine
-from mapper.reconcile import Reconciler
 from mapper.shared.model import DeviceConfig, DeviceProperty, Twin
 
 

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.collect import Collector, GpuWorker
 from mapper.edge.config import Settings
+from mapper.edge.control.collect import Collector, GpuWorker
+from mapper.edge.control.policy import PolicyEngine
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
-from mapper.policy import PolicyEngine
 from mapper.publish import Publisher
-from mapper.reconcile import Reconciler
 from mapper.shared.model import DeviceConfig, DeviceProperty
 from mapper.stats import MapperSnapshot
 from mapper.status import StatusSource, run_console, summed_rpc_counts

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.desired import DesiredState
+from mapper.edge.control.desired import DesiredState
 from mapper.errors import InvalidValueError, PermanentError
 from mapper.store import DEFAULT_FILE, SCHEMA_VERSION, DesiredStore
 

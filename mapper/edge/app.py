@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any
 from mapper import __version__
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
-from mapper.collect import Collector, GpuWorker, TickResult
 from mapper.compact import Compactor, compaction_settings
 from mapper.datadir import require_data_dir
 from mapper.edge.backends import build_process_loop, health_monitor
 from mapper.edge.config import Settings
+from mapper.edge.control.collect import Collector, GpuWorker, TickResult
+from mapper.edge.control.healthloop import HealthMonitor
+from mapper.edge.control.policy import PolicyEngine, parse_policies
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.kubeedge.binding import Bindings, unbound_device
@@ -32,13 +35,10 @@ from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.edge.kubeedge.registry import Registry
 from mapper.edge.kubeedge.report import Reporter
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
-from mapper.healthloop import HealthMonitor
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
 from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
-from mapper.policy import PolicyEngine, parse_policies
 from mapper.publish import Publisher
-from mapper.reconcile import Reconciler
 from mapper.shared.model import GpuInfo, Sample
 from mapper.shipper import TelemetryShipper
 from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness

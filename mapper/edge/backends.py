@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from mapper.clock import Clock, SystemClock
-from mapper.collect import GpuWorker
 from mapper.edge.config import Settings
+from mapper.edge.control.collect import GpuWorker
+from mapper.edge.control.healthloop import HealthMonitor
+from mapper.edge.control.policy import PolicyEngine, PolicyEvent
 from mapper.edge.gpu.jetson import JetsonBackend, tegra_gpu_present
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
 from mapper.edge.health.checks import HealthTools
 from mapper.errors import ConfigError
-from mapper.healthloop import HealthMonitor
-from mapper.policy import PolicyEngine, PolicyEvent
 from mapper.processloop import ProcessLoop, process_loop
 from mapper.publish import Publisher
 from mapper.streams import TelemetryStreams

@@ -2,7 +2,7 @@
 overridden by command-line flags. Frozen dataclasses; every validation error names the key path.
 
 The file uses the camelCase keys of ``deploy/configmap.yaml``; the environment and flags use the names listed in
-``ENV_KEYS`` (``GPU_MAPPER_NODE_NAME``, ...). ``policies`` is kept as a mapping and parsed by ``mapper.policy``.
+``ENV_KEYS`` (``GPU_MAPPER_NODE_NAME``, ...). ``policies`` is kept as a mapping and parsed by ``mapper.edge.control.policy``.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Settings:
     clamp: bool = False
     #: On removal of a desired persistence/compute mode, set them back to off/default (else leave them).
     restore_modes: bool = False
-    #: The ``policies`` mapping, validated by ``mapper.policy.parse_policies``.
+    #: The ``policies`` mapping, validated by ``mapper.edge.control.policy.parse_policies``.
     policies: Mapping[str, Any] = field(default_factory=dict)
     #: Print a live per-GPU table on stdout every ``print_interval_s`` (0 = off).
     print_interval_s: float = 0.0

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from mapper.clock import FakeClock
-from mapper.desired import DesiredState
+from mapper.edge.control.desired import DesiredState
+from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.kubeedge.registry import DeviceChange, Registry
 from mapper.errors import MapperError
-from mapper.reconcile import Reconciler
 from mapper.shared.model import NVML_PROPERTIES, PROPERTIES, DeviceConfig, Sample
 from mapper.store import DesiredStore
 

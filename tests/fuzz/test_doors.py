@@ -17,11 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mapper.edge.config import load_settings
+from mapper.edge.control.policy import parse_policies
 from mapper.edge.kubeedge.devicefiles import load_folder
 from mapper.edge.kubeedge.dmi.convert import device_from_pb, model_from_pb
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.errors import ConfigError, MapperError
-from mapper.policy import parse_policies
 from mapper.shared.model import Sample
 from mapper.wire.eventbus import parse_delta, parse_membership
 from mapper.wire.telemetry import BatchFormatError, decode_batch, encode_batch

@@ -103,7 +103,7 @@ _GROUP_PROPS: Mapping[str, frozenset[str]] = {
 
 
 class JetsonRound(NamedTuple):
-    """What ``JetsonBackend.sample_many`` read (the shape of ``mapper.collect.RoundLike``)."""
+    """What ``JetsonBackend.sample_many`` read (the shape of ``mapper.edge.control.collect.RoundLike``)."""
 
     samples: list[Sample | MapperError]
     events: list[GpuEvent]

@@ -1,7 +1,7 @@
 """GPU health in three levels, per subsystem: the domain types and the pure rules. No I/O.
 
 * **Level 1, the node**: the GPU's own metrics and events (XIDs through ``mapper.edge.health.xid``, uncorrected ECC errors,
-  a GPU fallen off the bus). Decided in ``mapper.policy`` (the ``health`` policy), which keeps the state.
+  a GPU fallen off the bus). Decided in ``mapper.edge.control.policy`` (the ``health`` policy), which keeps the state.
 * **Level 2, the driver and its processes**: NVML answers within a deadline, the device nodes exist,
   ``nvidia-persistenced`` runs where persistence is wanted, the kernel module's version is NVML's, the InfoROM
   validates. Each a ``CheckResult`` with a reason (``mapper.edge.gpu.nvml.NvmlBackend.driver_checks`` and

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from mapper.clock import Clock
-from mapper.collect import GpuWorker
-from mapper.desired import DesiredState, Source
+from mapper.edge.control.collect import GpuWorker
+from mapper.edge.control.desired import DesiredState, Source
+from mapper.edge.control.policy import PolicyEngine
 from mapper.edge.kubeedge.devicefiles import FolderContents
 from mapper.edge.kubeedge.registry import DeviceChange, PreconditionError, Registry
 from mapper.errors import ConfigError, MapperError
-from mapper.policy import PolicyEngine
 from mapper.shared.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
 from mapper.wire.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
 

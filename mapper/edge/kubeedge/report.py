@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from mapper.clock import Clock, sleep_or_wake
-from mapper.collect import GpuWorker, TickResult, worker_sample
+from mapper.edge.control.collect import GpuWorker, TickResult, worker_sample
 from mapper.shared.model import PROPERTY_BY_NAME, UNSUPPORTED_TWIN, DeviceConfig, Twin, format_value
 from mapper.wire.eventbus import state_update_payload, state_update_topic, twin_update_payload, twin_update_topic
 from mapper.wire.telemetry import state_payload

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Protocol
 
 from mapper.clock import Clock, sleep_or_wake
-from mapper.collect import GpuWorker, call_backend, call_in_thread
+from mapper.edge.control.collect import GpuWorker, call_backend, call_in_thread
+from mapper.edge.control.policy import PolicyConfig, PolicyEngine, PolicyEvent
 from mapper.edge.health.checks import CheckResult, HealthTools, ProbeResult
 from mapper.edge.health.driverhost import host_checks
 from mapper.errors import GpuLostError, MapperError
-from mapper.policy import PolicyConfig, PolicyEngine, PolicyEvent
 from mapper.shared.model import GpuEvent, format_number, twin_safe
 
 __all__ = ["RECOVERY", "DriverCheckSource", "HealthMonitor"]

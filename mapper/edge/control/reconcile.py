@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from mapper.clock import Clock
-from mapper.desired import DesiredValue, observed_desired_value
+from mapper.edge.control.desired import DesiredValue, observed_desired_value
 from mapper.errors import (
     InvalidValueError,
     MapperError,

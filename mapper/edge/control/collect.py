@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from mapper.clock import Clock, next_on_grid, sleep_or_wake
-from mapper.desired import DesiredState, DesiredValue
+from mapper.edge.control.desired import DesiredState, DesiredValue
+from mapper.edge.control.policy import Decision, PolicyContext, PolicyEngine
+from mapper.edge.control.reconcile import Reconciler, ReconcileResult
 from mapper.edge.health.checks import HEALTHY_REPORT, CheckResult, HealthReport, ProbeResult
 from mapper.errors import GpuLostError, MapperError, TransientError
-from mapper.policy import Decision, PolicyContext, PolicyEngine
-from mapper.reconcile import Reconciler, ReconcileResult
 from mapper.shared.model import (
     BACKEND_PROPERTIES,
     PROPERTY_BY_NAME,
@@ -119,7 +119,7 @@ class GpuWorker:
     notify: Callable[[], None] | None = None
     #: The policies' context of the last step without events, used again while its inputs are the same.
     _context: PolicyContext | None = None
-    # --- health (levels 2 and 3 come from ``mapper.healthloop``; the policies decide) --------------------------
+    # --- health (levels 2 and 3 come from ``mapper.edge.control.healthloop``; the policies decide) --------------------------
     #: A probe result / a run of the driver checks waiting for the next step.
     pending_probe: ProbeResult | None = None
     pending_checks: tuple[CheckResult, ...] | None = None
