@@ -9,7 +9,7 @@ Figures, all CPU microseconds (process time) and the best of ``--repeats`` timed
 * ``pack_us_per_batch``: ``BatchCodec.pack`` of the prepared bodies alone (the zstd baseline);
 * ``us_per_add``: ``DeviceTelemetry.add`` of one sample (a Device with every sampled property, one route).
 
-``--processes``: the process cycle's rows too (``mapper.processloop.telemetry_values`` of each GPU every 5 s,
+``--processes``: the process cycle's rows too (``mapper.edge.processes.loop.telemetry_values`` of each GPU every 5 s,
 half a second after a collect sample, as its own timer stamps them): 10 collect rows and 2 process rows a batch.
 
 Ratios: ``encode_pack_ratio`` = us_per_batch / pack, ``body_pack_ratio`` = body / pack.
@@ -49,8 +49,8 @@ BOOT_ID = "0f3a9c21"
 def simulated_batches(batches_per_gpu: int, processes: bool = False) -> list[tuple[str, str, list[Sample]]]:
     """(device, uuid, samples) per batch: every GPU sampled once a second, 10 samples per batch; with
     ``processes``, each GPU's process cycle row every 5 s as well."""
-    from mapper.processes import ProcessMonitor
-    from mapper.processloop import telemetry_values
+    from mapper.edge.processes.loop import telemetry_values
+    from mapper.edge.processes.monitor import ProcessMonitor
 
     clock = FakeClock()
     sim = SimNvml(GPUS, "H100", seed=0, clock=clock.monotonic, scenario="inference")

@@ -25,9 +25,9 @@ from pathlib import Path
 from mapper.clock import FakeClock
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.leak import LeakConfig
-from mapper.processes import ProcessMonitor
-from mapper.workloads import PodDirs, PodResolver
+from mapper.edge.processes.leak import LeakConfig
+from mapper.edge.processes.monitor import ProcessMonitor
+from mapper.edge.processes.workloads import PodDirs, PodResolver
 
 GIB = 1 << 30
 

@@ -55,9 +55,9 @@ from prometheus_client.utils import floatToGoString
 from mapper.bridge.core import BridgeStats
 from mapper.bridge.core import Histogram as BridgeHistogram
 from mapper.edge.health.checks import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
+from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
 from mapper.errors import ConfigError, NotFoundError, TransientError
 from mapper.net.webconfig import WebAuth, WebConfig, client_allowed
-from mapper.processes import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.stats import (

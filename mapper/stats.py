@@ -22,7 +22,7 @@ from typing import Any
 
 from mapper.edge.control.collect import GpuWorker, worker_sample
 from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
-from mapper.processes import GpuWorkloads, PodUse, ProcessRow
+from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
 from mapper.wire import telemetry
 

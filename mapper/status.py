@@ -19,7 +19,7 @@ from mapper.clock import Clock
 from mapper.edge.config import Settings
 from mapper.edge.control.collect import Collector, GpuWorker
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
-from mapper.processes import GpuWorkloads
+from mapper.edge.processes.monitor import GpuWorkloads
 from mapper.publish import Publisher
 from mapper.shipper import TelemetryShipper
 from mapper.stats import DurationHistogram, MapperSnapshot, device_state_payload, gpu_snapshot, worker_totals
@@ -67,7 +67,7 @@ class DmiClientLike(RpcCounting, Protocol):
 
 
 class WorkloadSource(Protocol):
-    """What the snapshot reads of the process cycle (``mapper.processloop.ProcessLoop``)."""
+    """What the snapshot reads of the process cycle (``mapper.edge.processes.loop.ProcessLoop``)."""
 
     @property
     def errors(self) -> Mapping[str, int]: ...

@@ -21,14 +21,14 @@ from mapper.bridge.config import BridgeSettings
 from mapper.clock import FakeClock
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.leak import LeakConfig
-from mapper.processes import ProcessMonitor
-from mapper.processloop import telemetry_values
+from mapper.edge.processes.leak import LeakConfig
+from mapper.edge.processes.loop import telemetry_values
+from mapper.edge.processes.monitor import ProcessMonitor
+from mapper.edge.processes.workloads import PodInfo, ProcessOwner
 from mapper.shared.model import GpuInfo, Sample
 from mapper.stats import GpuSnapshot, device_state_payload
 from mapper.tools.discover import device_name
 from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
-from mapper.workloads import PodInfo, ProcessOwner
 from tests.apphelpers import wait_for
 
 NODE = "edge-1"

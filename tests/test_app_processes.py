@@ -23,10 +23,10 @@ from mapper.edge.app import build_backend
 from mapper.edge.config import MqttSettings, Settings
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.processloop import telemetry_values
+from mapper.edge.processes.loop import telemetry_values
+from mapper.edge.processes.workloads import PodDirs
 from mapper.shared.naming import parse_pod_series, pod_series
 from mapper.wire.telemetry import decode_batch
-from mapper.workloads import PodDirs
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.test_app_eventbus import Listener
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mapper.attribution import (
+from mapper.edge.processes.attribution import (
     OTHER,
     EnergyLedger,
     IdlePower,

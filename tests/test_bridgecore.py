@@ -278,8 +278,8 @@ def test_the_mqtt_session_options_of_the_bridge_are_checked() -> None:
 
 
 def test_the_workload_series_of_the_telemetry_stream_are_bridged_as_the_mappers_metrics_show_them() -> None:
-    from mapper.processes import GpuWorkloads, PodUse, ProcessRow
-    from mapper.processloop import telemetry_values
+    from mapper.edge.processes.loop import telemetry_values
+    from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
 
     uuid, device = "GPU-7d6c5b4a-0000-4000-8000-000000000001", "default/edge-1-gpu0"
     report = GpuWorkloads(

@@ -199,7 +199,7 @@ def test_the_daemonset_mounts_the_sockets_config_and_data_dir_where_the_config_p
 
 
 def test_the_process_cycle_sees_host_pids_and_reads_the_pod_folders_read_only_where_the_config_points() -> None:
-    from mapper.workloads import PodDirs
+    from mapper.edge.processes.workloads import PodDirs
 
     pod = one("DaemonSet")["spec"]["template"]["spec"]
     assert pod["hostPID"] is True

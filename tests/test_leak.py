@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mapper.leak import LeakConfig, LeakDetector, LeakEvent
+from mapper.edge.processes.leak import LeakConfig, LeakDetector, LeakEvent
 
 GIB = 1 << 30
 UUID = "GPU-0000"

@@ -13,10 +13,10 @@ import pytest
 from mapper.clock import FakeClock
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.leak import LeakConfig
-from mapper.processes import ProcessMonitor, workload_key
+from mapper.edge.processes.leak import LeakConfig
+from mapper.edge.processes.monitor import ProcessMonitor, workload_key
+from mapper.edge.processes.workloads import PodDirs, PodResolver, ProcessOwner
 from mapper.shared.model import GpuProcess, ProcessSample
-from mapper.workloads import PodDirs, PodResolver, ProcessOwner
 
 GIB = 1 << 30
 

@@ -21,14 +21,14 @@ from mapper.edge.control.policy import PolicyEngine, PolicyEvent
 from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.processes.loop import LEAK_POLICY, LeakPolicyEvent, ProcessLoop, process_loop
+from mapper.edge.processes.monitor import TWIN_MAX_CHARS, GpuWorkloads, PodUse, ProcessRow
+from mapper.edge.processes.workloads import PodDirs, PodResolver
 from mapper.errors import ConfigError, TransientError
-from mapper.processes import TWIN_MAX_CHARS, GpuWorkloads, PodUse, ProcessRow
-from mapper.processloop import LEAK_POLICY, LeakPolicyEvent, ProcessLoop, process_loop
 from mapper.shared.model import GpuInfo, Sample
 from mapper.shared.naming import parse_pod_series
 from mapper.stats import GpuSnapshot, MapperSnapshot
 from mapper.statusview import render_status
-from mapper.workloads import PodDirs, PodResolver
 
 GIB = 1 << 30
 TWIN_VALUE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,512}")
@@ -160,8 +160,8 @@ async def test_each_cycle_reports_every_gpu_sets_its_twin_and_streams_its_pods(
 async def test_a_leak_is_published_as_a_policy_event_with_the_process_and_its_pod(
     node: tuple[SimNvml, NvmlBackend, dict[str, GpuWorker], Path], fake_clock: FakeClock
 ) -> None:
-    from mapper.leak import LeakConfig
-    from mapper.processes import ProcessMonitor
+    from mapper.edge.processes.leak import LeakConfig
+    from mapper.edge.processes.monitor import ProcessMonitor
 
     sim, backend, workers, tmp_path = node
     h100 = next(iter(workers))

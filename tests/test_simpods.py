@@ -14,7 +14,7 @@ from mapper.edge.backends import sim_process_roots
 from mapper.edge.config import Settings, load_settings
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml, SimPods, scenario_pid
-from mapper.workloads import PodDirs, PodResolver, ProcessOwner
+from mapper.edge.processes.workloads import PodDirs, PodResolver, ProcessOwner
 
 GIB = 1 << 30
 

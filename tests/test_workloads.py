@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from mapper.workloads import ContainerRef, PodDirs, PodResolver, parse_cgroup, parse_cgroup_path, read_owner
+from mapper.edge.processes.workloads import (
+    ContainerRef,
+    PodDirs,
+    PodResolver,
+    parse_cgroup,
+    parse_cgroup_path,
+    read_owner,
+)
 
 CID = "3f4c1b2a" * 8  # 64 hex
 CID2 = "a1b2c3d4" * 8

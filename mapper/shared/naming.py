@@ -167,7 +167,7 @@ def compute_mode_flags(mode: str) -> Iterator[tuple[str, int]]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Who uses the GPU (the process cycle, ``mapper.processes``; docs/processes.md)
+# Who uses the GPU (the process cycle, ``mapper.edge.processes.monitor``; docs/processes.md)
 # --------------------------------------------------------------------------------------------------
 
 #: Labels of a process series after ``GPU_LABELS``: the host pid (``other`` for the row summing the processes

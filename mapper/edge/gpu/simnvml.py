@@ -1565,7 +1565,7 @@ class SimPods:
     * the kubelet's files that name the pods: ``var/log/containers/<pod>_<namespace>_<container>-<id>.log`` and
       ``var/log/pods/<namespace>_<pod>_<uid>/<container>/0.log`` (empty).
 
-    ``mapper.workloads.PodResolver`` reads them with ``proc_root=<root>/proc`` and ``PodDirs.under(root)``. Pod UIDs
+    ``mapper.edge.processes.workloads.PodResolver`` reads them with ``proc_root=<root>/proc`` and ``PodDirs.under(root)``. Pod UIDs
     and container ids are derived from the names (the same on every run). Every pid a scenario can run has its
     entry (``scenario_pod``), whether it runs now or not, so a change of scenario needs no rewrite; a process of
     ``start_process`` gets its own: in its ``pod`` where it has one, else a host process

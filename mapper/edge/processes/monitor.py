@@ -1,8 +1,8 @@
 """Who uses each GPU, per process cycle: processes, their pods, energy attributed, leaks. Pure: no I/O.
 
 ``ProcessMonitor.observe(sample, owners, now_s)`` takes one ``ProcessSample`` of a GPU (``NvmlBackend.processes``)
-and the owners of its PIDs (``mapper.workloads.PodResolver.owners``), splits the energy the GPU's counter moved
-since the previous sample (``mapper.attribution``: idle apart, the rest by SM share), adds it to that GPU's
+and the owners of its PIDs (``mapper.edge.processes.workloads.PodResolver.owners``), splits the energy the GPU's counter moved
+since the previous sample (``mapper.edge.processes.attribution``: idle apart, the rest by SM share), adds it to that GPU's
 per-container ledger, feeds the leak detector, and returns a frozen ``GpuWorkloads`` (what ``/metrics``, the
 ``processes`` twin and ``gpu-mapper status`` show) and the leak events of this observation.
 
@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mapper.attribution import (
+from mapper.edge.processes.attribution import (
     OTHER,
     EnergyLedger,
     EnergySplit,
@@ -27,9 +27,9 @@ from mapper.attribution import (
     split_energy,
     top_processes,
 )
-from mapper.leak import LeakConfig, LeakDetector, LeakEvent
+from mapper.edge.processes.leak import LeakConfig, LeakDetector, LeakEvent
+from mapper.edge.processes.workloads import ProcessOwner
 from mapper.shared.model import ProcessSample
-from mapper.workloads import ProcessOwner
 
 __all__ = ["TWIN_MAX_CHARS", "GpuWorkloads", "PodUse", "ProcessMonitor", "ProcessRow", "workload_key"]
 

@@ -2,8 +2,8 @@
 
 Each cycle, for every GPU of the node in turn: one NVML job (``NvmlBackend.processes``: the processes, their
 utilisation since the previous cycle, the GPU's energy counter and power), the owners of its PIDs
-(``mapper.workloads.PodResolver.owners``: a thread hop, bounded by a timeout, since it reads ``/proc`` and the
-kubelet's files), then ``mapper.processes.ProcessMonitor.observe`` (the energy split, the bounded rows, the leak
+(``mapper.edge.processes.workloads.PodResolver.owners``: a thread hop, bounded by a timeout, since it reads ``/proc`` and the
+kubelet's files), then ``mapper.edge.processes.monitor.ProcessMonitor.observe`` (the energy split, the bounded rows, the leak
 detector). What comes out goes to every output the mapper has:
 
 * ``workloads()``: the latest ``GpuWorkloads`` of every GPU, for the snapshot behind ``/metrics``, ``/status``
@@ -35,14 +35,14 @@ from mapper.edge.config import Settings
 from mapper.edge.control.collect import GpuWorker, call_backend, call_in_thread
 from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.kubeedge.binding import unbound_device
+from mapper.edge.processes.leak import LeakConfig, LeakEvent
+from mapper.edge.processes.monitor import GpuWorkloads, ProcessMonitor
+from mapper.edge.processes.workloads import PodDirs, PodResolver, ProcessOwner
 from mapper.errors import MapperError
-from mapper.leak import LeakConfig, LeakEvent
-from mapper.processes import GpuWorkloads, ProcessMonitor
 from mapper.publish import Publisher
 from mapper.shared.model import ProcessSample, ProcessSource, Sample, Value
 from mapper.shared.naming import leak_series, pod_series
 from mapper.streams import TelemetryStreams
-from mapper.workloads import PodDirs, PodResolver, ProcessOwner
 
 __all__ = [
     "LEAK_POLICY",
@@ -52,7 +52,7 @@ __all__ = [
     "telemetry_values",
 ]
 
-log = logging.getLogger("mapper.processloop")
+log = logging.getLogger("mapper.edge.processes.loop")
 
 #: The policy name of the leak detector's MQTT events.
 LEAK_POLICY = "gpu-memory-leak"
