@@ -13,7 +13,7 @@ Streams (``--stream``, or ``--input``):
 
 Offline: every 10 s batch (the default window) is stored in the SQLite buffer exactly as the mapper stores it
 (Device names as the mapper makes them, an 8-hex-digit boot id) while the broker is down, and backlog compaction
-(mapper/compact.py, the mapper's defaults) runs on a clock that follows the stream: every simulated minute it
+(mapper/edge/outbox/compact.py, the mapper's defaults) runs on a clock that follows the stream: every simulated minute it
 does what is due, and once more at the end. ``--no-compact`` stores the 10 s batches only (the figure before
 compaction). A "sample" is one (timestamp, series, value) point, as Prometheus counts them.
 
@@ -56,7 +56,7 @@ from pathlib import Path
 
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
-from mapper.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.shared.model import Sample, Value
 from mapper.tools.discover import device_name
 from mapper.wire import telemetry

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mapper.buffer import Buffer
 from mapper.clock import SystemClock
+from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample, Value
-from mapper.shipper import TelemetryShipper
 from mapper.wire.telemetry import BatchEncoder
 from tests.brokers import Mosquitto
 

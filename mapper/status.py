@@ -19,9 +19,9 @@ from mapper.clock import Clock
 from mapper.edge.config import Settings
 from mapper.edge.control.collect import Collector, GpuWorker
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
+from mapper.edge.outbox.publish import Publisher
+from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.processes.monitor import GpuWorkloads
-from mapper.publish import Publisher
-from mapper.shipper import TelemetryShipper
 from mapper.stats import DurationHistogram, MapperSnapshot, device_state_payload, gpu_snapshot, worker_totals
 from mapper.statusview import console_table
 

@@ -9,9 +9,9 @@ import pytest
 
 from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import FakeClock
+from mapper.edge.outbox.shipper import BatchToStore
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.shared.model import Sample
-from mapper.shipper import BatchToStore
 from mapper.wire.telemetry import encode_batch
 
 

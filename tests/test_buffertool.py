@@ -21,7 +21,7 @@ import pytest
 from mapper.buffer import Buffer
 from mapper.cli import main
 from mapper.clock import FakeClock
-from mapper.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.shared.model import Sample, Value
 from mapper.tools import buffer as buffertool
 from mapper.wire.telemetry import BatchEncoder, default_topic

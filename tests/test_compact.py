@@ -9,7 +9,7 @@ import pytest
 
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
-from mapper.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch, default_topic
 
@@ -240,7 +240,7 @@ def test_a_merged_row_is_one_part_per_original(tmp_path: Path) -> None:
 
 
 async def test_the_shipper_reports_the_rows_it_holds_and_compaction_leaves_them_alone(tmp_path: Path) -> None:
-    from mapper.shipper import TelemetryShipper
+    from mapper.edge.outbox.shipper import TelemetryShipper
 
     clock = FakeClock(start_wall_ms=ALIGNED)
     buf = _open(tmp_path, clock)
@@ -387,7 +387,7 @@ def test_the_slots_of_a_cold_slot_that_is_over_merge_again_into_one_batch_in_ord
 def test_a_group_whose_merge_is_not_smaller_is_left_as_it_is_and_not_tried_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mapper.compact as compact_module
+    import mapper.edge.outbox.compact as compact_module
 
     clock = FakeClock(start_wall_ms=ALIGNED)
     buf = _open(tmp_path, clock)

@@ -10,10 +10,10 @@ import pytest
 
 from mapper.buffer import Buffer
 from mapper.clock import SystemClock
-from mapper.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
-from mapper.shipper import TelemetryShipper
 from mapper.wire.telemetry import EncodedBatch, decode_batch, encode_batch
 from tests.brokers import Mosquitto
 from tests.test_shipper import _until
@@ -99,7 +99,7 @@ async def test_a_compacted_backlog_replays_in_order_within_the_rate_cap_with_pro
     # In the background, with the shipper running (and failing: no broker): 4 slots x 2 GPUs = 8 rows.
     await _until(lambda: buf.stats().batches == 8, timeout_s=60)
     assert buf.stats().bytes < before.bytes / 2
-    with caplog.at_level(logging.INFO, logger="mapper.shipper"):
+    with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
         mosquitto.start()
         consumer = PartConsumer(mosquitto.url)
         await consumer.session.start()

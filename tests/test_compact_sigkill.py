@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(
     import sys
     from mapper.buffer import Buffer
     from mapper.clock import SystemClock
-    from mapper.compact import CompactionSettings, Compactor
+    from mapper.edge.outbox.compact import CompactionSettings, Compactor
     from mapper.wire.telemetry import decode_batch, encode_batch
     from tests.test_compact_sigkill import samples_of
 

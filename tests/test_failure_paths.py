@@ -442,8 +442,8 @@ async def test_a_broker_that_stops_answering_while_connected_costs_no_batch(tmp_
 
     from mapper.buffer import Buffer
     from mapper.clock import SystemClock
+    from mapper.edge.outbox.shipper import TelemetryShipper
     from mapper.net.mqtt import MqttSession
-    from mapper.shipper import TelemetryShipper
     from tests.apphelpers import wait_for
     from tests.test_shipper import Consumer, _batch
 
@@ -479,8 +479,8 @@ async def test_a_broker_that_stops_answering_while_connected_costs_no_batch(tmp_
 async def test_a_publish_that_raises_unexpectedly_keeps_the_batch_for_the_next_try(tmp_path, mosquitto, caplog) -> None:
     from mapper.buffer import Buffer
     from mapper.clock import SystemClock
+    from mapper.edge.outbox.shipper import TelemetryShipper
     from mapper.net.mqtt import MqttSession
-    from mapper.shipper import TelemetryShipper
     from tests.apphelpers import wait_for
     from tests.test_shipper import Consumer, _batch
 

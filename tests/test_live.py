@@ -15,7 +15,7 @@ import yaml
 
 from mapper.edge.config import MqttSettings, Settings, load_settings
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.publish import live_payload
+from mapper.edge.outbox.publish import live_payload
 from mapper.shared.model import GpuInfo, Sample
 from mapper.tools.discover import device_doc
 from tests.apphelpers import fast_settings, running_app, wait_for

@@ -15,9 +15,9 @@ from mapper.buffer import Buffer
 from mapper.clock import SystemClock
 from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.control.reconcile import Ack
+from mapper.edge.outbox.publish import Publisher
+from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.net.mqtt import MqttSession
-from mapper.publish import Publisher
-from mapper.shipper import TelemetryShipper
 from tests.brokers import Mosquitto
 
 

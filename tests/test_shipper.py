@@ -14,9 +14,9 @@ import pytest
 
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock, SystemClock
+from mapper.edge.outbox.shipper import BatchToStore, PublishFn, TelemetryShipper
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
-from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
 from mapper.wire.telemetry import EncodedBatch, Route, decode_batch, encode_batch
 from tests.brokers import Mosquitto
 
@@ -151,7 +151,7 @@ async def test_replay_sends_the_current_state_first_then_the_backlog_with_progre
         shipper.submit(_batch("default/gpu0", seq))
     shipper.update_state("default/gpu0", b'{"temperature":66}')
     mosquitto.start()
-    with caplog.at_level(logging.INFO, logger="mapper.shipper"):
+    with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
         async with Consumer(mosquitto.url) as consumer:
             assert await consumer.session.wait_subscribed(10), "the consumer's SUBACK"
             task = asyncio.create_task(shipper.run())
@@ -262,7 +262,7 @@ def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[by
         from mapper.buffer import Buffer
         from mapper.clock import SystemClock
         from mapper.net.mqtt import MqttSession
-        from mapper.shipper import BatchToStore, PublishFn, TelemetryShipper
+        from mapper.edge.outbox.shipper import BatchToStore, PublishFn, TelemetryShipper
         from mapper.wire.telemetry import BatchEncoder
         from mapper.shared.model import Sample
 
@@ -428,7 +428,7 @@ def test_submit_many_counts_every_batch_as_a_failure_when_the_buffer_cannot_stor
     too_big = [
         EncodedBatch(f"default/gpu{g}", f"GPU-{g}", "boot-a", 7, T0, T0 + 9_000, bytes([g]) * 100_000) for g in range(3)
     ]
-    with caplog.at_level(logging.ERROR, logger="mapper.shipper"):
+    with caplog.at_level(logging.ERROR, logger="mapper.edge.outbox.shipper"):
         assert shipper.submit_many([(b, None) for b in too_big]) == [None, None, None]
     assert any("default/gpu2 seq 7" in r.getMessage() and "not stored" in r.getMessage() for r in caplog.records)
     stats = shipper.stats()

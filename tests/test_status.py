@@ -18,7 +18,7 @@ from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
-from mapper.publish import Publisher
+from mapper.edge.outbox.publish import Publisher
 from mapper.shared.model import DeviceConfig, DeviceProperty
 from mapper.stats import MapperSnapshot
 from mapper.status import StatusSource, run_console, summed_rpc_counts

@@ -9,9 +9,9 @@ from pathlib import Path
 from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.edge.kubeedge.binding import unbound_device
+from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.shared.model import DeviceConfig, GpuInfo, Sample
-from mapper.shipper import TelemetryShipper
-from mapper.streams import TelemetryStreams
 
 GPU = GpuInfo(uuid="GPU-00000000-0000-4000-8000-000000000001", index=0, name="H100")
 

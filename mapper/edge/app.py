@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from mapper import __version__
 from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
-from mapper.compact import Compactor, compaction_settings
 from mapper.datadir import require_data_dir
 from mapper.edge.backends import build_process_loop, health_monitor
 from mapper.edge.config import Settings
@@ -34,17 +33,18 @@ from mapper.edge.kubeedge.devicefiles import watch_folder
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.edge.kubeedge.registry import Registry
 from mapper.edge.kubeedge.report import Reporter
+from mapper.edge.outbox.compact import Compactor, compaction_settings
+from mapper.edge.outbox.publish import Publisher
+from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
 from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
-from mapper.publish import Publisher
 from mapper.shared.model import GpuInfo, Sample
-from mapper.shipper import TelemetryShipper
 from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.status import StatusSource, run_console
 from mapper.store import DesiredStore
-from mapper.streams import TelemetryStreams
 from mapper.wire.eventbus import DELTA_FILTER, membership_topic
 
 if TYPE_CHECKING:

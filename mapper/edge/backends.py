@@ -31,10 +31,10 @@ from mapper.edge.gpu.jetson import JetsonBackend, tegra_gpu_present
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
 from mapper.edge.health.checks import HealthTools
+from mapper.edge.outbox.publish import Publisher
+from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.processes.loop import ProcessLoop, process_loop
 from mapper.errors import ConfigError
-from mapper.publish import Publisher
-from mapper.streams import TelemetryStreams
 
 log = logging.getLogger(__name__)
 

@@ -139,7 +139,7 @@ class Settings:
     buffer_max_bytes: int = 256 * 1024**2
     buffer_max_age_s: float = 7 * 86400.0
     replay_rate_bytes_per_s: int | None = None
-    #: Backlog compaction (mapper.compact): waiting batches merged per stream into ``buffer_compact_slot_s``
+    #: Backlog compaction (mapper.edge.outbox.compact): waiting batches merged per stream into ``buffer_compact_slot_s``
     #: batches once ``buffer_compact_after_s`` old (0 = off), and those again into one per
     #: ``buffer_compact_cold_slot_s`` once that is over.
     buffer_compact_after_s: float = 30.0

@@ -38,7 +38,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import SystemClock
-from mapper.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.errors import MapperError
 from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 

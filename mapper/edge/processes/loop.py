@@ -35,14 +35,14 @@ from mapper.edge.config import Settings
 from mapper.edge.control.collect import GpuWorker, call_backend, call_in_thread
 from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.kubeedge.binding import unbound_device
+from mapper.edge.outbox.publish import Publisher
+from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.processes.leak import LeakConfig, LeakEvent
 from mapper.edge.processes.monitor import GpuWorkloads, ProcessMonitor
 from mapper.edge.processes.workloads import PodDirs, PodResolver, ProcessOwner
 from mapper.errors import MapperError
-from mapper.publish import Publisher
 from mapper.shared.model import ProcessSample, ProcessSource, Sample, Value
 from mapper.shared.naming import leak_series, pod_series
-from mapper.streams import TelemetryStreams
 
 __all__ = [
     "LEAK_POLICY",
@@ -59,7 +59,7 @@ LEAK_POLICY = "gpu-memory-leak"
 #: The catalog property the ``processes`` twin reports.
 TWIN_PROPERTY = "processes"
 
-#: ``(device key, uuid, events)``: ``mapper.publish.Publisher.publish_step`` without acks.
+#: ``(device key, uuid, events)``: ``mapper.edge.outbox.publish.Publisher.publish_step`` without acks.
 PublishEvents = Callable[[str, str, Sequence[PolicyEvent]], None]
 #: ``(uuid, sample)``: a row for the GPU's telemetry stream.
 AddTelemetry = Callable[[str, Sample], None]

@@ -27,11 +27,11 @@ from typing import Any, Protocol
 from mapper.clock import Clock
 from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.control.reconcile import Ack, ack_to_json
+from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.errors import MapperError, TransientError
 from mapper.shared.model import Sample
-from mapper.shipper import TelemetryShipper
 
-log = logging.getLogger("mapper.publish")
+log = logging.getLogger("mapper.edge.outbox.publish")
 
 #: How long a fire-and-forget publish or an ack waits for its PUBACK.
 PUBLISH_TIMEOUT_S = 5.0

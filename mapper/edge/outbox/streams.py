@@ -15,11 +15,11 @@ import logging
 from dataclasses import replace
 from typing import Literal
 
+from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.shared.model import DeviceConfig, Sample
-from mapper.shipper import TelemetryShipper
 from mapper.wire.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route
 
-log = logging.getLogger("mapper.streams")
+log = logging.getLogger("mapper.edge.outbox.streams")
 
 
 class TelemetryStreams:
