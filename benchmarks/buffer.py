@@ -54,9 +54,9 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample, Value
 from mapper.tools.discover import device_name
 from mapper.wire import telemetry

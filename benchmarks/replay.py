@@ -35,9 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mapper.buffer import Buffer
 from mapper.clock import SystemClock
 from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.storage.buffer import Buffer
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample, Value
 from mapper.wire.telemetry import BatchEncoder

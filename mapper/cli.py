@@ -323,7 +323,7 @@ def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     setup_logging(settings.log_format, settings.log_level)
     # Every file the mapper creates (SQLite files and their journals, status.json) is private to its user; the
-    # DMI socket is chmod-ed 0660 after it is made. mapper.datadir tightens what an earlier run left wider.
+    # DMI socket is chmod-ed 0660 after it is made. mapper.edge.storage.datadir tightens what an earlier run left wider.
     os.umask(0o077)
     warn_secrets_on_command_line(vars(args), SECRET_FLAGS)
     from mapper.edge.app import run

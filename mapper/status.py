@@ -27,7 +27,7 @@ from mapper.statusview import console_table
 
 
 class BufferFigures(Protocol):
-    """What the snapshot reads of ``mapper.buffer.BufferStats``."""
+    """What the snapshot reads of ``mapper.edge.storage.buffer.BufferStats``."""
 
     @property
     def bytes(self) -> int: ...

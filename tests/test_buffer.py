@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import FakeClock
 from mapper.edge.outbox.shipper import BatchToStore
+from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import encode_batch
@@ -96,7 +96,7 @@ def test_a_corrupt_file_is_moved_aside_loudly_and_a_new_one_works(
 ) -> None:
     path = tmp_path / "b.db"
     path.write_bytes(b"this is not sqlite at all" * 200)
-    with caplog.at_level(logging.ERROR, logger="mapper.buffer"):
+    with caplog.at_level(logging.ERROR, logger="mapper.edge.storage.buffer"):
         buf = _open(path, fake_clock)
     moved = list(tmp_path.glob("b.db.corrupt-*"))
     assert len(moved) == 1

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import Buffer
 from mapper.cli import main
 from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample, Value
 from mapper.tools import buffer as buffertool
 from mapper.wire.telemetry import BatchEncoder, default_topic
@@ -190,7 +190,7 @@ def test_an_openmetrics_export_makes_a_promtool_block_that_holds_every_sample(tm
 WRITER = textwrap.dedent(
     """
     import sys, time
-    from mapper.buffer import Buffer
+    from mapper.edge.storage.buffer import Buffer
     from mapper.shared.model import Sample
     from mapper.wire.telemetry import encode_batch
 

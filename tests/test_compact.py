@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch, default_topic
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import Buffer
 from mapper.clock import SystemClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.storage.buffer import Buffer
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import EncodedBatch, decode_batch, encode_batch

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import Buffer
+from mapper.edge.storage.buffer import Buffer
 from mapper.wire.telemetry import decode_batch, records_equal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ TRIALS = 24
 CHILD = textwrap.dedent(
     """
     import sys
-    from mapper.buffer import Buffer
+    from mapper.edge.storage.buffer import Buffer
     from mapper.clock import SystemClock
     from mapper.edge.outbox.compact import CompactionSettings, Compactor
     from mapper.wire.telemetry import decode_batch, encode_batch

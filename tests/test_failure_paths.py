@@ -81,7 +81,7 @@ def test_a_mode_the_setter_accepts_but_the_sample_reads_otherwise_is_pending_and
 
 
 def _buffer(path, clock: FakeClock, **kw: object):
-    from mapper.buffer import Buffer
+    from mapper.edge.storage.buffer import Buffer
 
     opts: dict[str, object] = {"max_bytes": 10_000_000, "max_age_s": 86_400.0, "clock": clock}
     opts.update(kw)
@@ -146,7 +146,7 @@ def test_a_batch_that_still_does_not_fit_after_eight_rounds_of_dropping_is_refus
 def test_a_buffer_written_by_a_newer_mapper_is_refused_and_kept_for_it(tmp_path, fake_clock: FakeClock) -> None:
     import sqlite3
 
-    from mapper.buffer import SCHEMA_VERSION
+    from mapper.edge.storage.buffer import SCHEMA_VERSION
     from mapper.errors import PermanentError
 
     buf = _buffer(tmp_path / "b.db", fake_clock)
@@ -273,7 +273,7 @@ async def test_a_desired_store_that_cannot_be_opened_is_moved_aside_and_the_mapp
 async def test_a_buffer_from_a_newer_mapper_exits_1_and_is_kept(tmp_path, caplog, fake_clock: FakeClock) -> None:
     import sqlite3
 
-    from mapper.buffer import SCHEMA_VERSION
+    from mapper.edge.storage.buffer import SCHEMA_VERSION
     from tests.apphelpers import fast_settings
 
     buf = _buffer(tmp_path / "telemetry.db", fake_clock)
@@ -440,9 +440,9 @@ async def test_a_registry_listener_that_raises_does_not_starve_the_other_listene
 async def test_a_broker_that_stops_answering_while_connected_costs_no_batch(tmp_path, mosquitto) -> None:
     import signal
 
-    from mapper.buffer import Buffer
     from mapper.clock import SystemClock
     from mapper.edge.outbox.shipper import TelemetryShipper
+    from mapper.edge.storage.buffer import Buffer
     from mapper.net.mqtt import MqttSession
     from tests.apphelpers import wait_for
     from tests.test_shipper import Consumer, _batch
@@ -477,9 +477,9 @@ async def test_a_broker_that_stops_answering_while_connected_costs_no_batch(tmp_
 
 
 async def test_a_publish_that_raises_unexpectedly_keeps_the_batch_for_the_next_try(tmp_path, mosquitto, caplog) -> None:
-    from mapper.buffer import Buffer
     from mapper.clock import SystemClock
     from mapper.edge.outbox.shipper import TelemetryShipper
+    from mapper.edge.storage.buffer import Buffer
     from mapper.net.mqtt import MqttSession
     from tests.apphelpers import wait_for
     from tests.test_shipper import Consumer, _batch

@@ -18,8 +18,8 @@ from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simjetson import SimJetson, build_tree, nvpmodel_command
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.storage.store import DesiredStore
 from mapper.shared.model import WRITABLE
-from mapper.store import DesiredStore
 from tests.test_jetson import as_nobody
 
 

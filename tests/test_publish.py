@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import Buffer
 from mapper.clock import SystemClock
 from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.control.reconcile import Ack
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.storage.buffer import Buffer
 from mapper.net.mqtt import MqttSession
 from tests.brokers import Mosquitto
 

@@ -31,8 +31,8 @@ from mapper.edge.control.reconcile import (
 )
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimGpu, SimNvml
+from mapper.edge.storage.store import DesiredStore
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Sample, Scalar, Value
-from mapper.store import DesiredStore
 
 H100 = Constraints(
     power_limit_min_w=200.0,

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from mapper.bridge.config import load_bridge_settings
-from mapper.datadir import prepare_data_dir
 from mapper.edge.config import load_settings
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.storage.datadir import prepare_data_dir
 from mapper.errors import ConfigError
 from mapper.metrics import fetch_status
 from mapper.stats import MapperSnapshot
@@ -85,7 +85,7 @@ def test_a_directory_the_mapper_cannot_tighten_is_reported_with_the_reason(tmp_p
         try:
             shared.chmod(0o755)
             code = (
-                "import sys; from mapper.datadir import prepare_data_dir; "
+                "import sys; from mapper.edge.storage.datadir import prepare_data_dir; "
                 f"problems = prepare_data_dir({str(shared)!r}); print('\\n'.join(problems)); "
                 "sys.exit(0 if problems else 1)"
             )

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mapper.buffer import Buffer
 from mapper.clock import FakeClock, SystemClock
 from mapper.edge.outbox.shipper import BatchToStore, PublishFn, TelemetryShipper
+from mapper.edge.storage.buffer import Buffer
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import EncodedBatch, Route, decode_batch, encode_batch
@@ -259,7 +259,7 @@ def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[by
     script = textwrap.dedent(
         f"""
         import asyncio
-        from mapper.buffer import Buffer
+        from mapper.edge.storage.buffer import Buffer
         from mapper.clock import SystemClock
         from mapper.net.mqtt import MqttSession
         from mapper.edge.outbox.shipper import BatchToStore, PublishFn, TelemetryShipper

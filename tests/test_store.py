@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mapper.edge.control.desired import DesiredState
+from mapper.edge.storage.store import DEFAULT_FILE, SCHEMA_VERSION, DesiredStore
 from mapper.errors import InvalidValueError, PermanentError
-from mapper.store import DEFAULT_FILE, SCHEMA_VERSION, DesiredStore
 
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
 
@@ -87,7 +87,10 @@ def test_a_corrupt_file_is_moved_aside_and_the_store_starts_empty_loudly(
 ) -> None:
     path = tmp_path / "desired.db"
     path.write_bytes(b"this is not an sqlite database at all" * 100)
-    with caplog.at_level(logging.ERROR, logger="mapper.store"), DesiredStore(path, now_ms=lambda: 7) as store:
+    with (
+        caplog.at_level(logging.ERROR, logger="mapper.edge.storage.store"),
+        DesiredStore(path, now_ms=lambda: 7) as store,
+    ):
         assert store.moved_aside == tmp_path / "desired.db.corrupt-7"
         assert store.load_all() == []
         store.save("default/gpu-0", _state(), uuid=UUID)

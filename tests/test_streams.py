@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mapper.buffer import Buffer
 from mapper.clock import FakeClock
 from mapper.edge.kubeedge.binding import unbound_device
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.outbox.streams import TelemetryStreams
+from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import DeviceConfig, GpuInfo, Sample
 
 GPU = GpuInfo(uuid="GPU-00000000-0000-4000-8000-000000000001", index=0, name="H100")

@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mapper import __version__
-from mapper.buffer import Buffer
 from mapper.clock import Clock, SystemClock
-from mapper.datadir import require_data_dir
 from mapper.edge.backends import build_process_loop, health_monitor
 from mapper.edge.config import Settings
 from mapper.edge.control.collect import Collector, GpuWorker, TickResult
@@ -37,6 +35,9 @@ from mapper.edge.outbox.compact import Compactor, compaction_settings
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.outbox.streams import TelemetryStreams
+from mapper.edge.storage.buffer import Buffer
+from mapper.edge.storage.datadir import require_data_dir
+from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.housekeeping import Housekeeping
 from mapper.metrics import MetricsServer, write_status_file
@@ -44,7 +45,6 @@ from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.shared.model import GpuInfo, Sample
 from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.status import StatusSource, run_console
-from mapper.store import DesiredStore
 from mapper.wire.eventbus import DELTA_FILTER, membership_topic
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """``gpu-mapper buffer stats|export|compact|vacuum``: the operator's tool for the telemetry buffer file.
 
 Built on sqlite-utils (the design card's choice for operator-side SQLite work). The running mapper never
-imports this module: its hot path keeps the stdlib ``sqlite3`` (``mapper.buffer``).
+imports this module: its hot path keeps the stdlib ``sqlite3`` (``mapper.edge.storage.buffer``).
 
 * ``stats`` and ``export`` read the file in ONE read transaction (a consistent snapshot) through SQLite's WAL:
   on the live file of a running mapper they block none of its writes. They say when the file is in use.
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from mapper.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.clock import SystemClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.errors import MapperError
 from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 

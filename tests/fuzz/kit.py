@@ -24,9 +24,9 @@ from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.kubeedge.registry import DeviceChange, Registry
+from mapper.edge.storage.store import DesiredStore
 from mapper.errors import MapperError
 from mapper.shared.model import NVML_PROPERTIES, PROPERTIES, DeviceConfig, Sample
-from mapper.store import DesiredStore
 
 #: Cases tried by the whole suite (every hypothesis example, every payload sent over a real socket), by door;
 #: printed at the end of the pytest run (tests/conftest.py).

@@ -43,7 +43,7 @@ class StoredLike(Protocol):
 
 
 class DesiredStoreLike(Protocol):
-    """What the bindings need from ``mapper.store.DesiredStore``."""
+    """What the bindings need from ``mapper.edge.storage.store.DesiredStore``."""
 
     def save(self, device: str, state: DesiredState, *, uuid: str = "") -> None: ...
     def load_all(self) -> Iterable[StoredLike]: ...

@@ -1,6 +1,6 @@
 """Backlog compaction: batches waiting in the buffer are merged, per stream and in order, into larger batches.
 
-Pure loop logic over a Protocol (``CompactableBuffer``, which ``mapper.buffer.Buffer`` implements): it never
+Pure loop logic over a Protocol (``CompactableBuffer``, which ``mapper.edge.storage.buffer.Buffer`` implements): it never
 sees SQLite. Live telemetry is not touched: a batch becomes a candidate only once its last sample is
 ``min_age_s`` old, which it never is while the broker is up (it is published within a second). Then:
 
@@ -65,7 +65,7 @@ class CompactionRowLike(Protocol):
 
 
 class CompactableBuffer(Protocol):
-    """What compaction needs from ``mapper.buffer.Buffer``."""
+    """What compaction needs from ``mapper.edge.storage.buffer.Buffer``."""
 
     def compaction_rows(
         self, *, before_ms: int, after_id: int = 0, limit: int = 20000

@@ -74,7 +74,7 @@ class BatchToStore(NamedTuple):
 
 
 class BufferLike(Protocol):
-    """What the shipper needs from ``mapper.buffer.Buffer``."""
+    """What the shipper needs from ``mapper.edge.storage.buffer.Buffer``."""
 
     def put(
         self,

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from mapper.clock import Clock, SystemClock
+from mapper.edge.storage.sqlitefiles import move_aside
 from mapper.errors import ConfigError, PermanentError, TransientError
-from mapper.sqlitefiles import move_aside
 from mapper.wire.telemetry import MERGED_FORMAT_VERSION, MERGED_VERSIONS, BatchFormatError, decode_batch
 
 log = logging.getLogger(__name__)

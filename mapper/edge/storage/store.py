@@ -26,8 +26,8 @@ from typing import Any
 
 from mapper.clock import SystemClock
 from mapper.edge.control.desired import SOURCES, DesiredState
+from mapper.edge.storage.sqlitefiles import move_aside
 from mapper.errors import InvalidValueError, PermanentError, TransientError
-from mapper.sqlitefiles import move_aside
 
 log = logging.getLogger(__name__)
 
