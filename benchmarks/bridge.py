@@ -4,7 +4,7 @@ a real Prometheus; the bridge's CPU seconds per million samples and its peak RSS
 Workload: 8 simulated H100s (SimNvml through NvmlBackend, mixed scenarios, seed 41: not a seed the tests use)
 sampled every second, every property, for ``--minutes`` (default 30), cut into 10 s batches per device as the
 mapper cuts them. A "sample" is one (series, timestamp, value) the bridge writes (``Converter.add`` counts them),
-as Prometheus counts samples. Each device's retained state message (``mapper.stats.device_state_payload``) gives
+as Prometheus counts samples. Each device's retained state message (``mapper.edge.status.stats.device_state_payload``) gives
 its GPU's identity: every series carries the ``gpu`` label as the bridge writes it; end to end, the bridge also
 writes the status series of those messages (a few samples per device, counted in ``want``).
 
@@ -46,7 +46,7 @@ from mapper.bridge.remotewrite import compress, encode_v1  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
 from mapper.edge.gpu.nvml import NvmlBackend  # noqa: E402
 from mapper.edge.gpu.simnvml import SimNvml  # noqa: E402
-from mapper.stats import GpuSnapshot, device_state_payload  # noqa: E402
+from mapper.edge.status.stats import GpuSnapshot, device_state_payload  # noqa: E402
 from mapper.tools.discover import device_name  # noqa: E402
 from mapper.wire.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_topic  # noqa: E402
 

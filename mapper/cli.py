@@ -366,13 +366,13 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from mapper.metrics import read_status
+    from mapper.edge.status.metrics import read_status
 
     snapshot = read_status(url=args.url, data_dir=args.data_dir)
     if args.json:
         print(snapshot.to_json())
     else:
-        from mapper.statusview import render_status
+        from mapper.edge.status.view import render_status
 
         print(render_status(snapshot))
     return 0

@@ -25,8 +25,8 @@ from mapper.edge.processes.leak import LeakConfig
 from mapper.edge.processes.loop import telemetry_values
 from mapper.edge.processes.monitor import ProcessMonitor
 from mapper.edge.processes.workloads import PodInfo, ProcessOwner
+from mapper.edge.status.stats import GpuSnapshot, device_state_payload
 from mapper.shared.model import GpuInfo, Sample
-from mapper.stats import GpuSnapshot, device_state_payload
 from mapper.tools.discover import device_name
 from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
 from tests.apphelpers import wait_for

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mapper.metrics import metric_names
+from mapper.edge.status.metrics import metric_names
 from tests.test_deploy import metric_refs
 
 REPO = Path(__file__).resolve().parents[1]

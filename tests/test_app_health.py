@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mapper.metrics import fetch_status
-from mapper.statusview import render_status
+from mapper.edge.status.metrics import fetch_status
+from mapper.edge.status.view import render_status
 from tests.apphelpers import running_app, wait_for
 from tests.test_app_eventbus import Listener, matching, standalone
 

@@ -13,11 +13,11 @@ from mapper.bridge.core import Converter, GpuIdentity, PendingRequest, SeqDedup,
 from mapper.clock import FakeClock
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.status.metrics import snapshot_metrics
+from mapper.edge.status.stats import GpuSnapshot, MapperSnapshot, device_state_payload
 from mapper.errors import ConfigError
-from mapper.metrics import snapshot_metrics
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES, GpuInfo
-from mapper.stats import GpuSnapshot, MapperSnapshot, device_state_payload
 from mapper.wire.telemetry import decode_batch, encode_batch, state_payload
 
 

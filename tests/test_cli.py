@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mapper.stats import MapperSnapshot
+from mapper.edge.status.stats import MapperSnapshot
 from tests.test_device_models import CRDS, assert_valid_kubeedge
 
 REPO = Path(__file__).resolve().parents[1]

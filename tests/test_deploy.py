@@ -18,7 +18,7 @@ import yaml
 from mapper.edge import config as mapper_config
 from mapper.edge.config import load_settings
 from mapper.edge.control.policy import parse_policies
-from mapper.metrics import metric_names, parse_metrics_addr
+from mapper.edge.status.metrics import metric_names, parse_metrics_addr
 from tests.test_device_models import assert_valid_kubeedge, needs_crds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,7 +339,7 @@ def test_every_dashboard_expression_uses_only_metrics_the_collector_emits() -> N
         refs = metric_refs(expr)
         assert refs, f"no metric found in {expr!r}"
         unknown = refs - known
-        assert not unknown, f"{expr!r} uses {sorted(unknown)}, which mapper/metrics.py does not emit"
+        assert not unknown, f"{expr!r} uses {sorted(unknown)}, which mapper/edge/status/metrics.py does not emit"
         used |= refs
     for needed in (
         "gpu_power_usage_watts",

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mapper.bridge.config import BRIDGE_KEYS, load_bridge_settings
-from mapper.metrics import parse_metrics_addr
+from mapper.edge.status.metrics import parse_metrics_addr
 from tests.test_deploy import K8S_VERSIONS
 
 BRIDGE = Path(__file__).resolve().parents[1] / "deploy" / "bridge"

@@ -1,4 +1,4 @@
-"""The housekeeping loop (``mapper.housekeeping``): the status file written each round (a failure logged, the
+"""The housekeeping loop (``mapper.edge.status.housekeeping``): the status file written each round (a failure logged, the
 loop goes on), and the config file's policies reloaded when it changes (a bad edit refused)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from mapper.edge.control.policy import PolicyEngine, parse_policies
+from mapper.edge.status.housekeeping import Housekeeping
+from mapper.edge.status.metrics import read_status_file, write_status_file
+from mapper.edge.status.stats import MapperSnapshot
 from mapper.errors import NotFoundError
-from mapper.housekeeping import Housekeeping
-from mapper.metrics import read_status_file, write_status_file
-from mapper.stats import MapperSnapshot
 from tests.apphelpers import wait_for
 
 

@@ -17,16 +17,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapper.errors import ConfigError, NotFoundError, TransientError
-from mapper.metrics import (
+from mapper.edge.status.metrics import (
     MetricsServer,
     fetch_status,
     parse_metrics_addr,
     read_status_file,
     write_status_file,
 )
-from mapper.shared.model import GpuInfo, Sample
-from mapper.stats import (
+from mapper.edge.status.stats import (
     DurationHistogram,
     GpuSnapshot,
     LoopHeartbeat,
@@ -35,7 +33,9 @@ from mapper.stats import (
     SnapshotFormatError,
     check_liveness,
 )
-from mapper.statusview import render_status
+from mapper.edge.status.view import render_status
+from mapper.errors import ConfigError, NotFoundError, TransientError
+from mapper.shared.model import GpuInfo, Sample
 from tests.test_metrics import H100, T4, make_snapshot
 
 

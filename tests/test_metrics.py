@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
-from mapper.metrics import (
+from mapper.edge.status.metrics import (
     EXPORTED_PROPERTIES,
     GPU_LABELS,
     TextRenderer,
@@ -19,8 +19,8 @@ from mapper.metrics import (
     metric_names,
     render_metrics,
 )
+from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.shared.model import CLOCK_EVENT_REASONS, PROPERTIES, GpuInfo, Sample, Value
-from mapper.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 
 H100 = "GPU-11111111-2222-3333-4444-555555555555"
 T4 = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"

@@ -24,11 +24,11 @@ from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.processes.loop import LEAK_POLICY, LeakPolicyEvent, ProcessLoop, process_loop
 from mapper.edge.processes.monitor import TWIN_MAX_CHARS, GpuWorkloads, PodUse, ProcessRow
 from mapper.edge.processes.workloads import PodDirs, PodResolver
+from mapper.edge.status.stats import GpuSnapshot, MapperSnapshot
+from mapper.edge.status.view import render_status
 from mapper.errors import ConfigError, TransientError
 from mapper.shared.model import GpuInfo, Sample
 from mapper.shared.naming import parse_pod_series
-from mapper.stats import GpuSnapshot, MapperSnapshot
-from mapper.statusview import render_status
 
 GIB = 1 << 30
 TWIN_VALUE = re.compile(r"[a-zA-Z0-9\-_.,:/@#]{1,512}")

@@ -21,10 +21,10 @@ import pytest
 from mapper.bridge.config import load_bridge_settings
 from mapper.edge.config import load_settings
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.status.metrics import fetch_status
+from mapper.edge.status.stats import MapperSnapshot
 from mapper.edge.storage.datadir import prepare_data_dir
 from mapper.errors import ConfigError
-from mapper.metrics import fetch_status
-from mapper.stats import MapperSnapshot
 from tests.apphelpers import fast_settings, running_app, setpriv_as, wait_for
 from tests.bridgehelpers import ReceiverServer
 from tests.brokers import Mosquitto, free_port, password_file
@@ -481,7 +481,7 @@ def _run_with_desired_state(tmp_path: Path, as_user: int | None) -> MapperSnapsh
     try:
 
         def settled() -> MapperSnapshot | None:
-            snap = mapper.status()
+            snap = mapper.edge.status.source()
             gpu = snap.gpus[0]
             done = gpu.desired_status and all(f"{g}:" in gpu.desired_status for g in SETTER_GROUPS)
             return snap if done and "pending" not in gpu.desired_status else None

@@ -1,4 +1,4 @@
-"""The mapper's snapshot from its parts (``mapper.status``), on fake time and simulated GPUs: what each part
+"""The mapper's snapshot from its parts (``mapper.edge.status.source``), on fake time and simulated GPUs: what each part
 contributes, the parts made at start-up missing or present, and the console loop."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.edge.outbox.publish import Publisher
+from mapper.edge.status.source import StatusSource, run_console, summed_rpc_counts
+from mapper.edge.status.stats import MapperSnapshot
 from mapper.shared.model import DeviceConfig, DeviceProperty
-from mapper.stats import MapperSnapshot
-from mapper.status import StatusSource, run_console, summed_rpc_counts
 from tests.apphelpers import wait_for
 
 

@@ -18,10 +18,10 @@ import bcrypt
 import pytest
 import trustme
 
+from mapper.edge.status.metrics import MetricsServer
+from mapper.edge.status.stats import Readiness
 from mapper.errors import ConfigError
-from mapper.metrics import MetricsServer
 from mapper.net.webconfig import load_web_config, parse_web_config
-from mapper.stats import Readiness
 from tests.brokers import free_port
 from tests.test_metrics import make_snapshot
 

@@ -2,7 +2,7 @@
 """Builds deploy/grafana/gpu-mapper.json:  .venv/bin/python deploy/grafana/build_dashboard.py > deploy/grafana/gpu-mapper.json
 
 tests/test_deploy.py fails when the committed JSON differs from what this prints, and when an expression uses a
-metric name that mapper/metrics.py does not emit.
+metric name that mapper/edge/status/metrics.py does not emit.
 """
 
 import json

@@ -21,7 +21,7 @@ bridge falls back to 1.0 for good on a 415, or on a 2xx without ``X-Prometheus-R
 (a 1.0 receiver that read nothing from a 2.0 body).
 
 Its own ``/metrics`` (``gpu_mapper_bridge_*``), ``/healthz`` (the write loop beats) and ``/readyz`` (broker
-connected, writes not failing for long) come from ``mapper.metrics.BridgeMetricsServer``.
+connected, writes not failing for long) come from ``mapper.edge.status.metrics.BridgeMetricsServer``.
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ from mapper.bridge.core import (
     parse_state,
     series_types,
 )
+from mapper.edge.status.metrics import BridgeMetricsServer
+from mapper.edge.status.stats import LoopHeartbeat
 from mapper.errors import ConfigError, TransientError
-from mapper.metrics import BridgeMetricsServer
 from mapper.net.mqtt import MqttSession, ReceivedMessage
-from mapper.stats import LoopHeartbeat
 from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 
 log = logging.getLogger(__name__)

@@ -81,7 +81,7 @@ class DeviceStatus:
 
 
 def parse_state(payload: bytes) -> DeviceStatus:
-    """A state message (``mapper.wire.telemetry.state_payload``, ``mapper.stats.device_state_payload``); ValueError
+    """A state message (``mapper.wire.telemetry.state_payload``, ``mapper.edge.status.stats.device_state_payload``); ValueError
     saying what is wrong when it is not one."""
     try:
         doc = json.loads(payload)

@@ -35,16 +35,16 @@ from mapper.edge.outbox.compact import Compactor, compaction_settings
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.outbox.streams import TelemetryStreams
+from mapper.edge.status.housekeeping import Housekeeping
+from mapper.edge.status.metrics import MetricsServer, write_status_file
+from mapper.edge.status.source import StatusSource, run_console
+from mapper.edge.status.stats import LoopHeartbeat, MapperSnapshot, Readiness
 from mapper.edge.storage.buffer import Buffer
 from mapper.edge.storage.datadir import require_data_dir
 from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
-from mapper.housekeeping import Housekeeping
-from mapper.metrics import MetricsServer, write_status_file
 from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.shared.model import GpuInfo, Sample
-from mapper.stats import LoopHeartbeat, MapperSnapshot, Readiness
-from mapper.status import StatusSource, run_console
 from mapper.wire.eventbus import DELTA_FILTER, membership_topic
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The Prometheus naming table: every per-GPU series name, type, help text and label set, in ONE place (pure).
 
-Two writers read it: the mapper's own ``/metrics`` (``mapper.metrics``) and the cloud-side bridge
+Two writers read it: the mapper's own ``/metrics`` (``mapper.edge.status.metrics``) and the cloud-side bridge
 (``mapper.bridge.app``, MQTT telemetry -> remote write). So a series is called the same whether a Prometheus scrapes
 the edge node or the bridge writes the node's telemetry into a store, and a name is changed in one line.
 

@@ -2275,7 +2275,7 @@ STATE_XID_ERRORS, STATE_POWER_LIMIT_DESIRED_W = "xid_errors", "power_limit_desir
 
 def state_payload(device: str, sample: Sample, extra: Mapping[str, Any] | None = None) -> bytes:
     """The retained 'current state' message of a device: its latest values as one JSON object, with ``extra``
-    keys after them (the mapper's status: ``mapper.stats.device_state_payload``)."""
+    keys after them (the mapper's status: ``mapper.edge.status.stats.device_state_payload``)."""
     doc: dict[str, Any] = {"device": device, "uuid": sample.uuid, "ts_ms": sample.ts_ms, "values": dict(sample.values)}
     if extra:
         doc.update(extra)

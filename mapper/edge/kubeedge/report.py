@@ -131,7 +131,7 @@ class Reporter:
     reporter, or None without DMI. ``eventbus``: the EventBus publish, or None when EventBus reporting is off.
     ``device_state``: called with (device key, state JSON) on every periodic twin report (the shipper's
     retained state snapshot), or None; ``state_snapshot(device key, worker)`` makes that JSON when set (the app's
-    adds the GPU's status: ``mapper.stats.device_state_payload``), else it holds the values alone. ``beat``: the
+    adds the GPU's status: ``mapper.edge.status.stats.device_state_payload``), else it holds the values alone. ``beat``: the
     loop's heartbeat (name, period s)."""
 
     def __init__(

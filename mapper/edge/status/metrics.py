@@ -56,11 +56,7 @@ from mapper.bridge.core import BridgeStats
 from mapper.bridge.core import Histogram as BridgeHistogram
 from mapper.edge.health.checks import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
-from mapper.errors import ConfigError, NotFoundError, TransientError
-from mapper.net.webconfig import WebAuth, WebConfig, client_allowed
-from mapper.shared import naming
-from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample
-from mapper.stats import (
+from mapper.edge.status.stats import (
     STATUS_FILE_NAME,
     GpuSnapshot,
     LoopHeartbeat,
@@ -69,7 +65,11 @@ from mapper.stats import (
     SnapshotFormatError,
     check_liveness,
 )
-from mapper.statusview import render_status
+from mapper.edge.status.view import render_status
+from mapper.errors import ConfigError, NotFoundError, TransientError
+from mapper.net.webconfig import WebAuth, WebConfig, client_allowed
+from mapper.shared import naming
+from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 --data-dir`` reads while the mapper is down; ``/status`` is the live one) and the config file watched for
 changes (its policies reloaded without a restart; a bad edit is refused and the previous policies stay).
 
-It sees no adapter: writing the status file is a callable handed in (``mapper.metrics.write_status_file``
+It sees no adapter: writing the status file is a callable handed in (``mapper.edge.status.metrics.write_status_file``
 bound to the data directory).
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 
 from mapper.edge.config import read_file
 from mapper.edge.control.policy import PolicyEngine, parse_policies
+from mapper.edge.status.stats import MapperSnapshot
 from mapper.errors import ConfigError, MapperError
-from mapper.stats import MapperSnapshot
 
 log = logging.getLogger("mapper.edge.app")
 

@@ -1,7 +1,7 @@
 """``gpu-mapper status``: this node's GPUs and the mapper's backlog as a readable table. Pure text.
 
-The snapshot comes from the running mapper's ``/status`` (``mapper.metrics.fetch_status``) or from the
-status file in its data directory (``mapper.metrics.read_status_file``); this module only renders it.
+The snapshot comes from the running mapper's ``/status`` (``mapper.edge.status.metrics.fetch_status``) or from the
+status file in its data directory (``mapper.edge.status.metrics.read_status_file``); this module only renders it.
 ``console_table`` is the live per-GPU table ``gpu-mapper run --sim N`` prints (from the workers themselves).
 """
 
@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from mapper.edge.control.collect import GpuWorker
+from mapper.edge.status.stats import GpuSnapshot, MapperSnapshot
 from mapper.shared.model import Value
-from mapper.stats import GpuSnapshot, MapperSnapshot
 
 _COLUMNS = (
     "DEVICE",

@@ -1,11 +1,11 @@
-"""The running mapper's snapshot (``mapper.stats.MapperSnapshot``), built on demand from the parts that hold
+"""The running mapper's snapshot (``mapper.edge.status.stats.MapperSnapshot``), built on demand from the parts that hold
 each figure: the GPU workers, the collector, the publisher, the door's limiter, and (once started) the
 buffer, the shipper, the MQTT session and the DMI client and server.
 
 ``StatusSource.snapshot`` is what ``/metrics``, ``/status`` and the status file read; nothing in it touches
 the hardware or the network. It sees the adapters through the small Protocols below only (``mapper.edge.app``
 hands the concrete objects in as it builds them). ``run_console`` is the loop that prints the live table of
-``gpu-mapper run --sim N`` (``mapper.statusview.console_table``) every ``print_interval_s``.
+``gpu-mapper run --sim N`` (``mapper.edge.status.view.console_table``) every ``print_interval_s``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.processes.monitor import GpuWorkloads
-from mapper.stats import DurationHistogram, MapperSnapshot, device_state_payload, gpu_snapshot, worker_totals
-from mapper.statusview import console_table
+from mapper.edge.status.stats import (
+    DurationHistogram,
+    MapperSnapshot,
+    device_state_payload,
+    gpu_snapshot,
+    worker_totals,
+)
+from mapper.edge.status.view import console_table
 
 
 class BufferFigures(Protocol):

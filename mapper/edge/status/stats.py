@@ -1,6 +1,6 @@
 """What the running mapper looks like right now: plain, frozen values, no I/O.
 
-The composition root builds a ``MapperSnapshot`` on demand (a callable handed to ``mapper.metrics``); the
+The composition root builds a ``MapperSnapshot`` on demand (a callable handed to ``mapper.edge.status.metrics``); the
 Prometheus collector, the ``/status`` endpoint, the data-dir status file and ``gpu-mapper status`` all read it.
 Every self-metric the mapper exports has a field here, so nothing is ever read twice from the hardware.
 
@@ -656,7 +656,7 @@ def _is_number(v: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# Liveness and readiness (pure rules; mapper.metrics serves them)
+# Liveness and readiness (pure rules; mapper.edge.status.metrics serves them)
 # --------------------------------------------------------------------------------------------------
 
 
