@@ -4,8 +4,8 @@ a real Prometheus; the bridge's CPU seconds per million samples and its peak RSS
 Workload: 8 simulated H100s (SimNvml through NvmlBackend, mixed scenarios, seed 41: not a seed the tests use)
 sampled every second, every property, for ``--minutes`` (default 30), cut into 10 s batches per device as the
 mapper cuts them. A "sample" is one (series, timestamp, value) the bridge writes (``Converter.add`` counts them),
-as Prometheus counts samples. Each device's retained state message (``mapper.edge.status.stats.device_state_payload``) gives
-its GPU's identity: every series carries the ``gpu`` label as the bridge writes it; end to end, the bridge also
+as Prometheus counts samples. Each device's retained state message (``mapper.edge.status.stats.device_state_payload``)
+gives its GPU's identity: every series carries the ``gpu`` label as the bridge writes it; end to end, the bridge also
 writes the status series of those messages (a few samples per device, counted in ``want``).
 
 * ``codec_samples_per_s``: decode (``mapper.wire.telemetry.decode_batch``) + conversion (``bridgecore.Converter``) +

@@ -13,8 +13,8 @@ Streams (``--stream``, or ``--input``):
 
 Offline: every 10 s batch (the default window) is stored in the SQLite buffer exactly as the mapper stores it
 (Device names as the mapper makes them, an 8-hex-digit boot id) while the broker is down, and backlog compaction
-(mapper/edge/outbox/compact.py, the mapper's defaults) runs on a clock that follows the stream: every simulated minute it
-does what is due, and once more at the end. ``--no-compact`` stores the 10 s batches only (the figure before
+(mapper/edge/outbox/compact.py, the mapper's defaults) runs on a clock that follows the stream: every simulated minute
+it does what is due, and once more at the end. ``--no-compact`` stores the 10 s batches only (the figure before
 compaction). A "sample" is one (timestamp, series, value) point, as Prometheus counts them.
 
 * ``ours_bytes_per_sample``: the SQLite file after a WAL checkpoint (every byte: pages, free pages, overhead) /

@@ -2,8 +2,8 @@
 
 Setup: one simulated H100 (``mapper.edge.gpu.simnvml``) on the wall clock, the mapper's own collector
 (``mapper.edge.control.collect.Collector``: samples on 1 s cycles, NVML events polled every second) and health loop
-(``mapper.edge.control.healthloop.HealthMonitor``: probe every 10 min, checks every 60 s, recovery flow) in one asyncio loop, as
-``gpu-mapper run`` wires them. "In the twins" means the ``health`` twin text of the bound Device
+(``mapper.edge.control.healthloop.HealthMonitor``: probe every 10 min, checks every 60 s, recovery flow) in one asyncio
+loop, as ``gpu-mapper run`` wires them. "In the twins" means the ``health`` twin text of the bound Device
 (``mapper.edge.kubeedge.report.device_twins``) has changed: what the next report carries.
 
 Scenarios:

@@ -10,8 +10,8 @@ Controllers, all in the same process on identical simulators:
 * ``none``: no controller (the GPU's own thermal slowdown only);
 * ``naive`` (the baseline): above maxTemp cap at the GPU's minimum, at or below it restore the default; no
   hysteresis, no cool-down, no change interval;
-* ``policy``: ``mapper.edge.control.policy.decide`` with the default config (maxTemp 85, releaseTemp 80, coolDownPeriod 5m,
-  step 10 %, minChangeInterval 30 s), acting through the power cap;
+* ``policy``: ``mapper.edge.control.policy.decide`` with the default config (maxTemp 85, releaseTemp 80,
+  coolDownPeriod 5m, step 10 %, minChangeInterval 30 s), acting through the power cap;
 * ``policy_clocks``: the same config with ``thermalThrottling.actuator: clocks``: the same hysteresis, acting
   through the locked SM clock (``nvmlDeviceSetGpuLockedClocks``, upper lock stepped 10 % down per step, snapped to
   a supported clock) instead of the power cap.

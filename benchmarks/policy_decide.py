@@ -1,5 +1,5 @@
-"""Cost of one ``PolicyEngine.decide`` call, this checkout's ``mapper/edge/control/policy.py`` against a baseline revision of
-the same file, in the same process on the same inputs.
+"""Cost of one ``PolicyEngine.decide`` call, this checkout's ``mapper/edge/control/policy.py`` against a baseline
+revision of the same file, in the same process on the same inputs.
 
 Set-up: 8 simulated H100s (``mapper.edge.gpu.simnvml``, seed 0) on a fake clock; every catalog value sampled through
 ``NvmlBackend.sample`` once per simulated second for ``--seconds`` seconds, the samples recorded first. Then each
@@ -14,8 +14,8 @@ once per interval: the full decision every call after the crossing, to show it d
 decision of the two engines is compared (by ``repr``, as their classes differ); any mismatch is counted and
 reported.
 
-The baseline is ``git show REV:mapper/edge/control/policy.py`` (``--baseline``, default the commit before the fast path),
-loaded with importlib under another module name.
+The baseline is ``git show REV:mapper/edge/control/policy.py`` (``--baseline``, default the commit before the fast
+path), loaded with importlib under another module name.
 
 Run: ``.venv/bin/python benchmarks/policy_decide.py [--seconds 300] [--repeats 5] [--baseline REV]``
 (about 10 s). Prints one JSON line last.

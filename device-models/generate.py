@@ -3,7 +3,8 @@
     .venv/bin/python device-models/generate.py
 
 Writes
-* ``device-models/nvidia-gpu.yaml``: the GPU DeviceModel, from the property catalog (``mapper.tools.discover.model_yaml``);
+* ``device-models/nvidia-gpu.yaml``: the GPU DeviceModel, from the property catalog
+  (``mapper.tools.discover.model_yaml``);
 * ``device-models/examples/nvidia-gpu.yaml``: the same model, so the examples folder is self-contained;
 * ``device-models/examples/demo-node.yaml``: one Device per simulated GPU of ``gpu-mapper run --sim 4
   --node-name demo-node`` (UUIDs of the simulator with seed 0), two of them with desired values, each probed as

@@ -66,7 +66,7 @@ def test_committed_stubs_are_generated_from_the_current_proto(tmp_path: Path) ->
     fresh = normalized(compile_descriptor(PROTO, tmp_path))
     committed = normalized(committed_descriptor())
     assert fresh == committed, (
-        "mapper/edge/kubeedge/dmi/pb is out of date with proto/dmi.proto: run scripts/gen-proto.sh and commit the result"
+        "mapper/edge/kubeedge/dmi/pb is out of date with proto/dmi.proto: run scripts/gen-proto.sh, commit the result"
     )
 
 

@@ -1,5 +1,5 @@
-"""The housekeeping loop (``mapper.edge.status.housekeeping``): the status file written each round (a failure logged, the
-loop goes on), and the config file's policies reloaded when it changes (a bad edit refused)."""
+"""The housekeeping loop (``mapper.edge.status.housekeeping``): the status file written each round (a failure logged,
+the loop goes on), and the config file's policies reloaded when it changes (a bad edit refused)."""
 
 from __future__ import annotations
 

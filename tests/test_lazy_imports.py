@@ -71,7 +71,10 @@ APP_CHILD = textwrap.dedent(
         "bound": bound,
         "dmi_enabled": dmi,
         "grpc_before_start": before,
-        "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "google") or m.startswith("mapper.edge.kubeedge.dmi")),
+        "heavy": sorted(
+            m for m in sys.modules
+            if m.split(".")[0] in ("grpc", "google") or m.startswith("mapper.edge.kubeedge.dmi")
+        ),
     }))
     """
 )

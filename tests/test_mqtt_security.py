@@ -266,8 +266,8 @@ async def test_the_acl_lets_the_mapper_publish_only_on_its_own_topics(acl_broker
         # Messages of one connection are delivered in order: once the marker sent after them has arrived, a
         # refused message that got through would have arrived before it.
         for topic, payload in refused + allowed:
-            await mapper.edge.outbox.publish(topic, payload, timeout_s=5)
-        await mapper.edge.outbox.publish("gpu-mapper/edge-1/marker", b"end", timeout_s=5)
+            await mapper.publish(topic, payload, timeout_s=5)
+        await mapper.publish("gpu-mapper/edge-1/marker", b"end", timeout_s=5)
         await wait_for(lambda: ("gpu-mapper/edge-1/marker", b"end") in seen, what="the marker")
         for message in allowed:
             assert message in seen, message

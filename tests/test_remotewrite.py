@@ -12,7 +12,7 @@ from types import ModuleType
 import cramjam
 import pytest
 
-from mapper.bridge.app import remotewrite
+from mapper.bridge import remotewrite
 from mapper.bridge.remotewrite import SeriesBuf, decode_v1, encode_v1, encode_v2, render_openmetrics, sorted_labels
 
 REPO = Path(__file__).resolve().parents[1]

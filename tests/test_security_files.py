@@ -481,7 +481,7 @@ def _run_with_desired_state(tmp_path: Path, as_user: int | None) -> MapperSnapsh
     try:
 
         def settled() -> MapperSnapshot | None:
-            snap = mapper.edge.status.source()
+            snap = mapper.status()
             gpu = snap.gpus[0]
             done = gpu.desired_status and all(f"{g}:" in gpu.desired_status for g in SETTER_GROUPS)
             return snap if done and "pending" not in gpu.desired_status else None

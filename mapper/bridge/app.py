@@ -46,7 +46,7 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from mapper import __version__
-from mapper.bridge.app import remotewrite
+from mapper.bridge import remotewrite
 from mapper.bridge.config import BridgeSettings
 from mapper.bridge.core import (
     NO_IDENTITY,

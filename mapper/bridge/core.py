@@ -81,8 +81,8 @@ class DeviceStatus:
 
 
 def parse_state(payload: bytes) -> DeviceStatus:
-    """A state message (``mapper.wire.telemetry.state_payload``, ``mapper.edge.status.stats.device_state_payload``); ValueError
-    saying what is wrong when it is not one."""
+    """A state message (``mapper.wire.telemetry.state_payload``, ``mapper.edge.status.stats.device_state_payload``);
+    ValueError saying what is wrong when it is not one."""
     try:
         doc = json.loads(payload)
     except ValueError as exc:

@@ -2,7 +2,8 @@
 overridden by command-line flags. Frozen dataclasses; every validation error names the key path.
 
 The file uses the camelCase keys of ``deploy/configmap.yaml``; the environment and flags use the names listed in
-``ENV_KEYS`` (``GPU_MAPPER_NODE_NAME``, ...). ``policies`` is kept as a mapping and parsed by ``mapper.edge.control.policy``.
+``ENV_KEYS`` (``GPU_MAPPER_NODE_NAME``, ...). ``policies`` is kept as a mapping and parsed by
+``mapper.edge.control.policy``.
 """
 
 from __future__ import annotations

@@ -55,18 +55,18 @@ def test_the_broker_stopped_under_load_then_back_loses_no_batch_keeps_order_and_
         wait(lambda: {f"default/gpu{i}" for i in range(8)} <= set(consumer.seen()), 60, "all 8 devices' telemetry")
         broker.terminate()
         wait(
-            lambda: not (mapper.edge.status.source() or {}).get("mqtt", {}).get("connected", True),
+            lambda: not (mapper.status() or {}).get("mqtt", {}).get("connected", True),
             20,
             "the mapper offline",
         )
         time.sleep(4.0)  # the outage itself: batches pile up in the mapper's buffer
-        during = (mapper.edge.status.source() or {}).get("buffer", {}).get("batches", 0)
+        during = (mapper.status() or {}).get("buffer", {}).get("batches", 0)
         back_at = time.monotonic()
         broker.start()
-        wait(lambda: (mapper.edge.status.source() or {}).get("mqtt", {}).get("connected"), 20, "the mapper reconnected")
+        wait(lambda: (mapper.status() or {}).get("mqtt", {}).get("connected"), 20, "the mapper reconnected")
         reconnect_s = time.monotonic() - back_at
         wait(
-            lambda: (mapper.edge.status.source() or {}).get("buffer", {}).get("batches", 1) == 0,
+            lambda: (mapper.status() or {}).get("buffer", {}).get("batches", 1) == 0,
             60,
             "the backlog replayed",
         )
@@ -171,7 +171,7 @@ def _wait_for_more_batches(mapper: MapperProcess, n: int) -> None:
     count only grows)."""
 
     def held() -> int:
-        return int((mapper.edge.status.source() or {}).get("buffer", {}).get("batches", 0))
+        return int((mapper.status() or {}).get("buffer", {}).get("batches", 0))
 
     before = held()
     wait(lambda: held() >= before + n, 30, f"{n} more batches stored")
@@ -208,17 +208,17 @@ def test_one_gpu_of_8_lost_goes_offline_and_the_other_7_keep_reporting(tmp_path:
     mapper = MapperProcess(tmp_path, 8, "--devices", str(devices))
     try:
         mapper.wait_started()
-        wait(lambda: len([g for g in (mapper.edge.status.source() or {}).get("gpus", []) if g.get("sample")]) == 8, 60,
+        wait(lambda: len([g for g in (mapper.status() or {}).get("gpus", []) if g.get("sample")]) == 8, 60,
              "all 8 GPUs sampled")  # fmt: skip
         mapper.control(op="lose", gpu=3)
         lost = uuids(8)[3]
-        wait(lambda: _gpus_by_device(mapper.edge.status.source() or {}).get("default/gpu3", {}).get("state") == "offline", 20,
+        wait(lambda: _gpus_by_device(mapper.status() or {}).get("default/gpu3", {}).get("state") == "offline", 20,
              "gpu3 offline")  # fmt: skip
-        before = {d: g["sample"]["ts_ms"] for d, g in _gpus_by_device(mapper.edge.status.source() or {}).items()}
+        before = {d: g["sample"]["ts_ms"] for d, g in _gpus_by_device(mapper.status() or {}).items()}
         wait(
             lambda: all(
                 g["sample"]["ts_ms"] > before[d] and g["state"] == "online"
-                for d, g in _gpus_by_device(mapper.edge.status.source() or {}).items()
+                for d, g in _gpus_by_device(mapper.status() or {}).items()
                 if d != "default/gpu3"
             ),
             20,
@@ -260,7 +260,7 @@ def test_a_slow_nvml_degrades_collection_without_blocking_the_event_loop(tmp_pat
     try:
         mapper.wait_started()
         wait(
-            lambda: all(g.get("sample") for g in (mapper.edge.status.source() or {}).get("gpus", [])),
+            lambda: all(g.get("sample") for g in (mapper.status() or {}).get("gpus", [])),
             60,
             "both sampled",
         )
@@ -270,7 +270,7 @@ def test_a_slow_nvml_degrades_collection_without_blocking_the_event_loop(tmp_pat
         health = []
         while time.monotonic() < deadline:
             started = time.monotonic()
-            assert mapper.edge.status.source(timeout_s=2.0) is not None, "/status answers while NVML hangs"
+            assert mapper.status(timeout_s=2.0) is not None, "/status answers while NVML hangs"
             worst = max(worst, time.monotonic() - started)
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{mapper.port}/healthz", timeout=2) as r:
@@ -279,13 +279,13 @@ def test_a_slow_nvml_degrades_collection_without_blocking_the_event_loop(tmp_pat
                 health.append(getattr(exc, "code", 0))
             time.sleep(0.5)
         assert worst < 1.0, f"/status took {worst:.2f} s: the event loop was blocked"
-        errors = (mapper.edge.status.source() or {}).get("collect", {}).get("errors", {})
+        errors = (mapper.status() or {}).get("collect", {}).get("errors", {})
         # Health says so in /status (and gpu_mapper_collect_errors_total): the failed rounds are counted. /healthz
         # stays 200 while the loops beat (a restart would not make the driver faster; last run: 200 throughout).
         assert sum(errors.values()) > 0, (errors, health)
         mapper.control(op="delay", s=0)
-        before = {g["device"]: g["sample"]["ts_ms"] for g in (mapper.edge.status.source() or {}).get("gpus", [])}
-        wait(lambda: all(g["sample"]["ts_ms"] > before[g["device"]] for g in (mapper.edge.status.source() or {})["gpus"]), 40,
+        before = {g["device"]: g["sample"]["ts_ms"] for g in (mapper.status() or {}).get("gpus", [])}
+        wait(lambda: all(g["sample"]["ts_ms"] > before[g["device"]] for g in (mapper.status() or {})["gpus"]), 40,
              "collection back")  # fmt: skip
         code, _ = mapper.terminate()
         assert code == 0
@@ -305,9 +305,9 @@ def test_a_full_buffer_drops_the_oldest_counts_them_and_keeps_running(tmp_path: 
     )
     try:
         mapper.wait_started()
-        wait(lambda: sum(((mapper.edge.status.source() or {}).get("buffer", {}).get("drops") or {}).values()) > 0, 90,
+        wait(lambda: sum(((mapper.status() or {}).get("buffer", {}).get("drops") or {}).values()) > 0, 90,
              "the oldest batches dropped")  # fmt: skip
-        status = mapper.edge.status.source() or {}
+        status = mapper.status() or {}
         assert status["buffer"]["bytes"] <= 8 * 1024
         assert mapper.proc.poll() is None
         code, _ = mapper.terminate()
@@ -341,7 +341,7 @@ def test_sigterm_at_a_start_up_stage_exits_within_the_grace_period_with_pending_
             # A whole collect round done (its duration observed after every GPU's step went to its telemetry
             # stream): a GPU's sample shows in /status before its step ends, and a step cut short at exit is not
             # pending yet.
-            wait(lambda: sum(((mapper.edge.status.source() or {}).get("collect") or {}).get("duration", {}).get("counts", [])) > 0,
+            wait(lambda: sum(((mapper.status() or {}).get("collect") or {}).get("duration", {}).get("counts", [])) > 0,
                  60, "a collect round done")  # fmt: skip
         code, took_s = mapper.terminate(timeout_s=30)
         assert code == 0, mapper.log()[-3000:]

@@ -119,7 +119,7 @@ class GpuWorker:
     notify: Callable[[], None] | None = None
     #: The policies' context of the last step without events, used again while its inputs are the same.
     _context: PolicyContext | None = None
-    # --- health (levels 2 and 3 come from ``mapper.edge.control.healthloop``; the policies decide) --------------------------
+    # --- health (levels 2 and 3 come from ``mapper.edge.control.healthloop``; the policies decide) ---
     #: A probe result / a run of the driver checks waiting for the next step.
     pending_probe: ProbeResult | None = None
     pending_checks: tuple[CheckResult, ...] | None = None

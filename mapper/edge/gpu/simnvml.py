@@ -1516,8 +1516,8 @@ class SimCudaProbe:
 class SimHost:
     """The driver's traces on a simulated host, as files under ``root``: the device nodes (``dev/nvidiactl``,
     ``dev/nvidia-uvm``, ``dev/nvidia<N>``), the kernel module's version (``proc/driver/nvidia/version``, the
-    driver's own format) and ``nvidia-persistenced``'s socket. ``mapper.edge.health.driverhost`` reads them as it reads ``/``.
-    The fault methods change the files."""
+    driver's own format) and ``nvidia-persistenced``'s socket. ``mapper.edge.health.driverhost`` reads them as it reads
+    ``/``. The fault methods change the files."""
 
     def __init__(self, sim: SimNvml, root: Path) -> None:
         self.sim = sim
@@ -1565,10 +1565,10 @@ class SimPods:
     * the kubelet's files that name the pods: ``var/log/containers/<pod>_<namespace>_<container>-<id>.log`` and
       ``var/log/pods/<namespace>_<pod>_<uid>/<container>/0.log`` (empty).
 
-    ``mapper.edge.processes.workloads.PodResolver`` reads them with ``proc_root=<root>/proc`` and ``PodDirs.under(root)``. Pod UIDs
-    and container ids are derived from the names (the same on every run). Every pid a scenario can run has its
-    entry (``scenario_pod``), whether it runs now or not, so a change of scenario needs no rewrite; a process of
-    ``start_process`` gets its own: in its ``pod`` where it has one, else a host process
+    ``mapper.edge.processes.workloads.PodResolver`` reads them with ``proc_root=<root>/proc`` and
+    ``PodDirs.under(root)``. Pod UIDs and container ids are derived from the names (the same on every run). Every pid a
+    scenario can run has its entry (``scenario_pod``), whether it runs now or not, so a change of scenario needs no
+    rewrite; a process of ``start_process`` gets its own: in its ``pod`` where it has one, else a host process
     (``0::/system.slice/<name>.service``). ``stop_process`` removes it.
     """
 

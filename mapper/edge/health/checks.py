@@ -1,7 +1,8 @@
 """GPU health in three levels, per subsystem: the domain types and the pure rules. No I/O.
 
-* **Level 1, the node**: the GPU's own metrics and events (XIDs through ``mapper.edge.health.xid``, uncorrected ECC errors,
-  a GPU fallen off the bus). Decided in ``mapper.edge.control.policy`` (the ``health`` policy), which keeps the state.
+* **Level 1, the node**: the GPU's own metrics and events (XIDs through ``mapper.edge.health.xid``, uncorrected ECC
+  errors, a GPU fallen off the bus). Decided in ``mapper.edge.control.policy`` (the ``health`` policy), which keeps
+  the state.
 * **Level 2, the driver and its processes**: NVML answers within a deadline, the device nodes exist,
   ``nvidia-persistenced`` runs where persistence is wanted, the kernel module's version is NVML's, the InfoROM
   validates. Each a ``CheckResult`` with a reason (``mapper.edge.gpu.nvml.NvmlBackend.driver_checks`` and
@@ -206,8 +207,8 @@ def build_report(
 
 
 class GpuProbe(Protocol):
-    """The level-3 probe (``mapper.edge.gpu.cudaprobe.CudaProbe``, ``mapper.edge.gpu.simnvml.SimCudaProbe``): blocking, at
-    most ``timeout_s`` (plus the kill of the probe process); never raises for a GPU problem."""
+    """The level-3 probe (``mapper.edge.gpu.cudaprobe.CudaProbe``, ``mapper.edge.gpu.simnvml.SimCudaProbe``): blocking,
+    at most ``timeout_s`` (plus the kill of the probe process); never raises for a GPU problem."""
 
     def probe(self, uuid: str, pci_bus_id: str, timeout_s: float) -> ProbeResult: ...
 

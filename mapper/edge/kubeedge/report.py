@@ -20,8 +20,8 @@ DMI reporter's rate-limited, coalescing queue) and EventBus (``twin/update`` / `
   one log line per Device and property; when the GPU reads it again the twin carries its value again.
 
 The node-wide rate budget itself (a token bucket of 0.8 RPC/s, burst 10, under EdgeCore's 1/s, burst 100) is
-spent by the DMI reporter (``mapper.edge.kubeedge.dmi.client.DmiReporter``), which keeps one pending report per Device and
-merges what is offered meanwhile: this module decides what is offered and when, and marks the prompt offers
+spent by the DMI reporter (``mapper.edge.kubeedge.dmi.client.DmiReporter``), which keeps one pending report per Device
+and merges what is offered meanwhile: this module decides what is offered and when, and marks the prompt offers
 (``prompt=True``: the prompt twins above, and a state that changed after the Device's first report). The DMI
 reporter sends those first and lets periodic ones (start-up's first reports included) spend only what leaves
 a token per Device in the bucket, so a change right after start-up does not wait behind start-up's reports
@@ -131,8 +131,8 @@ class Reporter:
     reporter, or None without DMI. ``eventbus``: the EventBus publish, or None when EventBus reporting is off.
     ``device_state``: called with (device key, state JSON) on every periodic twin report (the shipper's
     retained state snapshot), or None; ``state_snapshot(device key, worker)`` makes that JSON when set (the app's
-    adds the GPU's status: ``mapper.edge.status.stats.device_state_payload``), else it holds the values alone. ``beat``: the
-    loop's heartbeat (name, period s)."""
+    adds the GPU's status: ``mapper.edge.status.stats.device_state_payload``), else it holds the values alone.
+    ``beat``: the loop's heartbeat (name, period s)."""
 
     def __init__(
         self,

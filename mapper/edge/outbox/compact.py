@@ -1,7 +1,7 @@
 """Backlog compaction: batches waiting in the buffer are merged, per stream and in order, into larger batches.
 
-Pure loop logic over a Protocol (``CompactableBuffer``, which ``mapper.edge.storage.buffer.Buffer`` implements): it never
-sees SQLite. Live telemetry is not touched: a batch becomes a candidate only once its last sample is
+Pure loop logic over a Protocol (``CompactableBuffer``, which ``mapper.edge.storage.buffer.Buffer`` implements): it
+never sees SQLite. Live telemetry is not touched: a batch becomes a candidate only once its last sample is
 ``min_age_s`` old, which it never is while the broker is up (it is published within a second). Then:
 
 * A stream's candidates are grouped by **slot**: the ``slot_s``-long interval (10 minutes by default, aligned

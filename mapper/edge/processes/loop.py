@@ -2,9 +2,9 @@
 
 Each cycle, for every GPU of the node in turn: one NVML job (``NvmlBackend.processes``: the processes, their
 utilisation since the previous cycle, the GPU's energy counter and power), the owners of its PIDs
-(``mapper.edge.processes.workloads.PodResolver.owners``: a thread hop, bounded by a timeout, since it reads ``/proc`` and the
-kubelet's files), then ``mapper.edge.processes.monitor.ProcessMonitor.observe`` (the energy split, the bounded rows, the leak
-detector). What comes out goes to every output the mapper has:
+(``mapper.edge.processes.workloads.PodResolver.owners``: a thread hop, bounded by a timeout, since it reads ``/proc``
+and the kubelet's files), then ``mapper.edge.processes.monitor.ProcessMonitor.observe`` (the energy split, the bounded
+rows, the leak detector). What comes out goes to every output the mapper has:
 
 * ``workloads()``: the latest ``GpuWorkloads`` of every GPU, for the snapshot behind ``/metrics``, ``/status``
   and ``gpu-mapper status``;

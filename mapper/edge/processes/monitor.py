@@ -1,10 +1,10 @@
 """Who uses each GPU, per process cycle: processes, their pods, energy attributed, leaks. Pure: no I/O.
 
 ``ProcessMonitor.observe(sample, owners, now_s)`` takes one ``ProcessSample`` of a GPU (``NvmlBackend.processes``)
-and the owners of its PIDs (``mapper.edge.processes.workloads.PodResolver.owners``), splits the energy the GPU's counter moved
-since the previous sample (``mapper.edge.processes.attribution``: idle apart, the rest by SM share), adds it to that GPU's
-per-container ledger, feeds the leak detector, and returns a frozen ``GpuWorkloads`` (what ``/metrics``, the
-``processes`` twin and ``gpu-mapper status`` show) and the leak events of this observation.
+and the owners of its PIDs (``mapper.edge.processes.workloads.PodResolver.owners``), splits the energy the GPU's
+counter moved since the previous sample (``mapper.edge.processes.attribution``: idle apart, the rest by SM share), adds
+it to that GPU's per-container ledger, feeds the leak detector, and returns a frozen ``GpuWorkloads`` (what
+``/metrics``, the ``processes`` twin and ``gpu-mapper status`` show) and the leak events of this observation.
 
 Bounded: at most ``top_n`` processes per GPU by SM share and ``top_n`` by memory get series of their own, the
 rest is one ``other`` row; at most ``max_workloads`` containers per GPU get energy counters of their own (see

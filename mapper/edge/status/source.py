@@ -82,7 +82,8 @@ class WorkloadSource(Protocol):
 
 
 class ProbeCounting(Protocol):
-    """What the snapshot reads of the health loop (``mapper.edge.control.healthloop.HealthMonitor``): probes by outcome."""
+    """What the snapshot reads of the health loop (``mapper.edge.control.healthloop.HealthMonitor``): probes by
+    outcome."""
 
     def probe_counts(self, uuid: str) -> Mapping[str, int]: ...
 

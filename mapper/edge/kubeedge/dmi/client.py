@@ -18,8 +18,8 @@ EdgeCore answers again (within ~1-2 s of it coming back), and anyway every ``rer
 
 ``DmiReporter`` sits in front of the report RPCs: callers ``offer_status`` / ``offer_state`` whenever they
 like, ``prompt=True`` for a change to show at once; it keeps only the latest value per device and sends within
-the node-wide token bucket (see ``mapper.edge.kubeedge.dmi.ratelimit``): prompt reports first, periodic ones only while the
-bucket keeps a reserve of tokens for prompt ones, devices round-robin.
+the node-wide token bucket (see ``mapper.edge.kubeedge.dmi.ratelimit``): prompt reports first, periodic ones only while
+the bucket keeps a reserve of tokens for prompt ones, devices round-robin.
 """
 
 from __future__ import annotations
