@@ -140,7 +140,7 @@ def test_a_state_without_a_desired_power_limit_or_xids_writes_the_state_alone() 
 def test_the_naming_table_is_the_only_place_names_come_from() -> None:
     # metrics.py and the bridge read the table: no series name literal left in either module.
     root = Path(__file__).resolve().parents[1] / "mapper"
-    for module in ("metrics.py", "bridge.py", "bridgecore.py"):
+    for module in ("edge/status/metrics.py", "bridge/app.py", "bridge/core.py"):
         text = (root / module).read_text()
         for ps in naming.PROPERTY_SERIES:
             assert f'"{ps.family.name}"' not in text, f"{module} spells {ps.family.name} itself"

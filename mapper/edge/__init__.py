@@ -1,1 +1,10 @@
-"""TODO package docstring."""
+"""The edge side: the mapper process (``gpu-mapper run``), one per edge node.
+
+Owns: the composition root (``app``: builds every part from the settings, runs and supervises the tasks),
+which GPU family serves the node (``backends``), the mapper's settings (``config``), and one package per concern,
+top to bottom (each imports only the ones below it; import-linter checks it):
+``status`` (snapshot, ``/metrics`` ``/status``, housekeeping) > ``processes`` (who uses each GPU) >
+``kubeedge`` (DMI, EventBus, Device files, bindings, twin reports) | ``outbox`` (where a batch or ack goes) |
+``storage`` (SQLite buffer and store, the data dir) > ``control`` (collect, desired state, reconcile, policies,
+the health loop) | ``gpu`` (NVML, Jetson, simulators) > ``health`` (results, XIDs, host checks) > ``config``.
+Must not import: ``mapper.bridge``, ``mapper.tools``, ``mapper.cli``."""

@@ -1,1 +1,5 @@
-"""TODO package docstring."""
+"""Network adapters both processes use.
+
+Owns: the MQTT session (``mqtt``: one paho session driven from the event loop), the bounded HTTP server core with
+liveness (``http``), the exporter-toolkit web config (``webconfig``: TLS, client certificates, basic auth).
+Must not import: ``mapper.edge``, ``mapper.bridge``, ``mapper.wire``."""
