@@ -4,7 +4,7 @@ a real Prometheus; the bridge's CPU seconds per million samples and its peak RSS
 Workload: 8 simulated H100s (SimNvml through NvmlBackend, mixed scenarios, seed 41: not a seed the tests use)
 sampled every second, every property, for ``--minutes`` (default 30), cut into 10 s batches per device as the
 mapper cuts them. A "sample" is one (series, timestamp, value) the bridge writes (``Converter.add`` counts them),
-as Prometheus counts samples. Each device's retained state message (``mapper.edge.status.stats.device_state_payload``)
+as Prometheus counts samples. Each device's retained state message (``GpuSnapshot.state_message``)
 gives its GPU's identity: every series carries the ``gpu`` label as the bridge writes it; end to end, the bridge also
 writes the status series of those messages (a few samples per device, counted in ``want``).
 
@@ -41,14 +41,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mapper.bridge.core import Converter, GpuIdentity, PendingRequest, bridged_series_names, parse_state  # noqa: E402
+from mapper.bridge.core import Converter, PendingRequest, bridged_series_names  # noqa: E402
 from mapper.bridge.remotewrite import compress, encode_v1  # noqa: E402
 from mapper.clock import FakeClock  # noqa: E402
 from mapper.edge.gpu.nvml import NvmlBackend  # noqa: E402
 from mapper.edge.gpu.simnvml import SimNvml  # noqa: E402
-from mapper.edge.status.stats import GpuSnapshot, device_state_payload  # noqa: E402
+from mapper.edge.status.stats import GpuSnapshot  # noqa: E402
 from mapper.tools.discover import device_name  # noqa: E402
-from mapper.wire.telemetry import BatchCodec, BatchEncoder, decode_batch, default_topic, state_topic  # noqa: E402
+from mapper.wire.state import GpuIdentity, parse_state  # noqa: E402
+from mapper.wire.telemetry import BatchCodec, BatchEncoder, decode_batch  # noqa: E402
+from mapper.wire.topics import state_topic, telemetry_topic  # noqa: E402
 
 GPUS = 8
 NODE = "bench-node"
@@ -86,17 +88,17 @@ def workload(minutes: float) -> tuple[list[tuple[str, bytes]], list[tuple[str, b
                 enc.add(sample)
                 b = enc.flush_due(sample.ts_ms)
                 if b is not None:
-                    out.append((default_topic(NODE, enc.device), b.payload))
+                    out.append((telemetry_topic(NODE, enc.device), b.payload))
         for enc in encoders.values():
             b = enc.flush()
             if b is not None:
-                out.append((default_topic(NODE, enc.device), b.payload))
+                out.append((telemetry_topic(NODE, enc.device), b.payload))
     finally:
         backend.shutdown()
     states = []
     for dev, s in last.items():
         snap = GpuSnapshot(info=info[dev], device=dev, sample=s, state="online")
-        states.append((state_topic(NODE, dev), device_state_payload(dev, snap, driver_version=driver, at_ms=s.ts_ms)))
+        states.append((state_topic(NODE, dev), snap.state_message(dev, driver_version=driver, at_ms=s.ts_ms)))
     return out, states
 
 

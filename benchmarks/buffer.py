@@ -60,7 +60,8 @@ from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample, Value
 from mapper.tools.discover import device_name
 from mapper.wire import telemetry
-from mapper.wire.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch, default_topic
+from mapper.wire.telemetry import BatchCodec, BatchEncoder, EncodedBatch, body_parts, decode_batch
+from mapper.wire.topics import telemetry_topic
 
 GPUS = 8
 WINDOW_S = 10.0
@@ -265,7 +266,7 @@ class Offline:
             seq=b.seq,
             ts_first_ms=b.ts_first_ms,
             ts_last_ms=b.ts_last_ms,
-            topic=default_topic(NODE, device),
+            topic=telemetry_topic(NODE, device),
             payload=b.payload,
         )
         self.stored += 1

@@ -605,7 +605,7 @@ async def measure_reloads(app: Any, sim: Any, reloads: int, rng: random.Random) 
 
 
 async def eventbus_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    from mapper.edge.config import MqttSettings
+    from mapper.shared.settings import MqttSettings
     from tests.apphelpers import running_app
 
     sim = new_sim()
@@ -634,7 +634,7 @@ async def eventbus_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> tu
 
 
 async def dmi_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from mapper.edge.config import MqttSettings
+    from mapper.shared.settings import MqttSettings
     from tests.apphelpers import running_app
     from tests.fake_edgecore import FakeEdgeCore
 
@@ -757,7 +757,7 @@ async def live_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[s
     """Standalone with ``telemetry.live`` on: each sample's live message to the subscriber in the client process,
     from the sample's read time (its ``ts_ms``, taken at the end of the NVML read on the backend's thread; wall
     clock, 1 ms resolution) and from the moment the collector hands it to the publisher (perf_counter, precise)."""
-    from mapper.edge.config import MqttSettings
+    from mapper.shared.settings import MqttSettings
     from tests.apphelpers import running_app
 
     sim = new_sim()

@@ -1,6 +1,10 @@
 """Command line: ``gpu-mapper run | discover | model | decode | status | buffer | bridge``.
 
 argv + environment + config file -> Settings; logging; ``asyncio.run(app.run(settings))``.
+
+Each command imports what it runs when it runs: ``gpu-mapper bridge`` loads no ``mapper.edge`` module and
+``gpu-mapper run`` no ``mapper.bridge`` module (``tests/test_sides.py``). Building the parser imports neither
+side: the help texts name the environment variables by the rule of ``mapper.shared.settings``.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mapper import __version__
-from mapper.edge.config import ENV_KEYS, SECRET_FLAGS, Settings, load_settings
 from mapper.errors import ConfigError, MapperError
+from mapper.shared.settings import BRIDGE_ENV_PREFIX, MAPPER_ENV_PREFIX, env_variable, read_config_file
+
+if TYPE_CHECKING:
+    from mapper.edge.config import Settings
 
 log = logging.getLogger("mapper")
 
@@ -57,7 +64,8 @@ def setup_logging(fmt: str, level: str) -> None:
 
 
 def _env(name: str) -> str:
-    return ENV_KEYS[name]
+    """The mapper's variable of setting ``name`` (``mapper.edge.config.ENV_KEYS``'s value)."""
+    return env_variable(MAPPER_ENV_PREFIX, name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,8 +214,6 @@ _BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
 
 
 def _add_bridge_parser(sub: Any) -> None:
-    from mapper.bridge.config import BRIDGE_ENV_KEYS
-
     br = sub.add_parser(
         "bridge",
         help="cloud side: the MQTT telemetry stream into Prometheus remote write",
@@ -222,7 +228,8 @@ def _add_bridge_parser(sub: Any) -> None:
     )
     br.add_argument("--output", "-o", metavar="FILE", help="export: write here instead of standard output")
     for flag, name, metavar, text in _BRIDGE_FLAGS:
-        br.add_argument(flag, dest="bridge_" + name, metavar=metavar, help=f"{text} (env {BRIDGE_ENV_KEYS[name]})")
+        env = env_variable(BRIDGE_ENV_PREFIX, name)  # mapper.bridge.config.BRIDGE_ENV_KEYS's value
+        br.add_argument(flag, dest="bridge_" + name, metavar=metavar, help=f"{text} (env {env})")
 
 
 def _add_sim_flags(p: argparse.ArgumentParser) -> None:
@@ -243,6 +250,8 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    from mapper.edge.config import load_settings
+
     flags = {k: v for k, v in vars(args).items() if k != "command"}
     if flags.get("sim") and flags.get("print_interval_s") is None and sys.stdout.isatty():
         flags["print_interval_s"] = 2.0
@@ -325,6 +334,8 @@ def _run(args: argparse.Namespace) -> int:
     # Every file the mapper creates (SQLite files and their journals, status.json) is private to its user; the
     # DMI socket is chmod-ed 0660 after it is made. mapper.edge.storage.datadir tightens what an earlier run left wider.
     os.umask(0o077)
+    from mapper.edge.config import SECRET_FLAGS
+
     warn_secrets_on_command_line(vars(args), SECRET_FLAGS)
     from mapper.edge.app import run
 
@@ -351,6 +362,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _discover(args: argparse.Namespace) -> int:
     from mapper.edge.app import build_backend
+    from mapper.edge.config import load_settings
     from mapper.tools.discover import device_yaml, probe_all
 
     settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
@@ -420,9 +432,7 @@ def _bridge(args: argparse.Namespace) -> int:
 
 
 def _spool_dir_of(config_file: str) -> str | None:
-    from mapper.edge.config import read_file
-
-    section = read_file(config_file).get("bridge") or {}
+    section = read_config_file(config_file).get("bridge") or {}
     value = section.get("spoolDir") if isinstance(section, dict) else None
     return str(value) if value else None
 

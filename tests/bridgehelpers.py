@@ -25,10 +25,12 @@ from mapper.edge.processes.leak import LeakConfig
 from mapper.edge.processes.loop import telemetry_values
 from mapper.edge.processes.monitor import ProcessMonitor
 from mapper.edge.processes.workloads import PodInfo, ProcessOwner
-from mapper.edge.status.stats import GpuSnapshot, device_state_payload
+from mapper.edge.status.stats import GpuSnapshot
 from mapper.shared.model import GpuInfo, Sample
+from mapper.shared.settings import MqttSettings
 from mapper.tools.discover import device_name
-from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch, default_topic, state_topic
+from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch
+from mapper.wire.topics import state_topic, telemetry_topic
 from tests.apphelpers import wait_for
 
 NODE = "edge-1"
@@ -94,12 +96,12 @@ def stream(
                     enc.add(Sample(g.uuid, procs.ts_ms, telemetry_values(report)))
                 b = enc.flush_due(sample.ts_ms)
                 if b is not None:
-                    out.append(Published(default_topic(node, dev), b.payload, decode_batch(b.payload), g, driver))
+                    out.append(Published(telemetry_topic(node, dev), b.payload, decode_batch(b.payload), g, driver))
         for dev, enc in encoders.items():
             b = enc.flush()
             if b is not None:
                 out.append(
-                    Published(default_topic(node, dev), b.payload, decode_batch(b.payload), by_device[dev], driver)
+                    Published(telemetry_topic(node, dev), b.payload, decode_batch(b.payload), by_device[dev], driver)
                 )
     finally:
         backend.shutdown()
@@ -112,7 +114,7 @@ XID, XID_EVERY_S, DESIRED_W = 48, 300, 300.0
 
 
 def state_message(p: Published, sample: Sample, uuid: str, since_ms: int) -> tuple[str, bytes]:
-    """The state message the mapper would publish for ``p``'s device at ``sample`` (``device_state_payload``):
+    """The state message the mapper would publish for ``p``'s device at ``sample`` (``GpuSnapshot.state_message``):
     GPU 0 online with a desired power limit and XIDs counted since ``since_ms``, the others online."""
     assert p.gpu is not None, "a batch of stream() says its GPU"
     first = p.gpu.index == 0
@@ -124,7 +126,7 @@ def state_message(p: Published, sample: Sample, uuid: str, since_ms: int) -> tup
         xid_errors={XID: 1 + (sample.ts_ms - since_ms) // (XID_EVERY_S * 1000)} if first else {},
         desired_power_limit_w=DESIRED_W if first else None,
     )
-    payload = device_state_payload(p.batch.device, gpu, driver_version=p.driver_version, at_ms=sample.ts_ms)
+    payload = gpu.state_message(p.batch.device, driver_version=p.driver_version, at_ms=sample.ts_ms)
     return state_topic(p.batch.node, p.batch.device), payload
 
 
@@ -204,10 +206,13 @@ def publish_states(url: str, messages: list[tuple[str, bytes]]) -> None:
         pub.close()
 
 
-def bridge_settings(broker_url: str, write_url: str, tmp: Path, **overrides: Any) -> BridgeSettings:
+def bridge_settings(
+    broker_url: str, write_url: str, tmp: Path, client_id: str = "bridge-test-1", **overrides: Any
+) -> BridgeSettings:
+    """Fast settings of a bridge on ``broker_url`` as ``client_id`` writing to ``write_url``; ``overrides``: other
+    fields."""
     base = BridgeSettings(
-        mqtt_url=broker_url,
-        mqtt_client_id="bridge-test-1",
+        mqtt=MqttSettings(url=broker_url, client_id=client_id),
         remote_write=write_url,
         metrics_addr="127.0.0.1:0",
         spool_dir=str(tmp / "spool"),
@@ -237,7 +242,8 @@ async def running_bridge(settings: BridgeSettings) -> AsyncIterator[Bridge]:
 def expected_samples(batches: list[Published], *, with_states: bool = True) -> int:
     """Samples the bridge writes for ``batches`` (its own conversion, counted without writing), with those of
     the state messages ``publish_all`` sends before them (``with_states``)."""
-    from mapper.bridge.core import Converter, PendingRequest, parse_state
+    from mapper.bridge.core import Converter, PendingRequest
+    from mapper.wire.state import parse_state
 
     conv = Converter()
     req = PendingRequest(0.0)

@@ -172,7 +172,7 @@ async def test_an_edge_application_sets_the_power_limit_through_an_eventbus_delt
 
 
 def _mqtt(url: str):
-    from mapper.edge.config import MqttSettings
+    from mapper.shared.settings import MqttSettings
 
     return MqttSettings(url=url)
 
@@ -199,7 +199,7 @@ def devicetwin_accepts(twin_type: str, value: str) -> bool:
 async def test_dmi_and_eventbus_twins_never_conflict_in_type(mosquitto, tmp_path: Path, eventbus: str):
     import tempfile
 
-    from mapper.edge.config import MqttSettings
+    from mapper.shared.settings import MqttSettings
     from tests.fake_edgecore import FakeEdgeCore, pb_device, pb_model
 
     sock_dir = tempfile.mkdtemp(prefix="dmi-", dir="/tmp")

@@ -16,9 +16,10 @@ import pytest
 
 from mapper.edge.app import MapperApp, build_backend
 from mapper.edge.backends import wants_jetson
-from mapper.edge.config import MqttSettings, Settings
+from mapper.edge.config import Settings
 from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.errors import ConfigError
+from mapper.shared.settings import MqttSettings
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import fast_settings, wait_for
 from tests.test_app_eventbus import Listener, matching

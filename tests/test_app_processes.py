@@ -20,12 +20,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mapper.edge.app import build_backend
-from mapper.edge.config import MqttSettings, Settings
+from mapper.edge.config import Settings
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.processes.loop import telemetry_values
 from mapper.edge.processes.workloads import PodDirs
 from mapper.shared.naming import parse_pod_series, pod_series
+from mapper.shared.settings import MqttSettings
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.test_app_eventbus import Listener

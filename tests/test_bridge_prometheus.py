@@ -99,8 +99,8 @@ async def test_two_replicas_in_one_group_each_take_part_and_together_write_every
 ) -> None:
     batches = stream(gpus=4, seconds=300)
     want = expected_samples(batches)
-    a = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "a", mqtt_client_id="bridge-a")
-    b = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "b", mqtt_client_id="bridge-b")
+    a = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "a", client_id="bridge-a")
+    b = bridge_settings(mosquitto.url, prometheus.write_url, tmp_path / "b", client_id="bridge-b")
     async with running_bridge(a) as ra, running_bridge(b) as rb:
         await wait_for(lambda: ra.session.connected and rb.session.connected, what="both replicas connected")
         publish_all(mosquitto.url, batches)
@@ -313,8 +313,8 @@ def persistent_mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
 async def test_a_mapper_offline_for_a_while_is_backfilled_in_place_with_no_gap_and_no_duplicate(
     tmp_path: Path, persistent_mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
-    from mapper.edge.config import MqttSettings
     from mapper.edge.gpu.simnvml import SimNvml
+    from mapper.shared.settings import MqttSettings
     from tests.apphelpers import fast_settings, running_app
 
     mosquitto = persistent_mosquitto
@@ -516,8 +516,8 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
     series, labels and values of the mapper's own /metrics, and the unhealthy alert's expression is true."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mapper.edge.config import MqttSettings
     from mapper.edge.gpu.simnvml import SimNvml
+    from mapper.shared.settings import MqttSettings
     from tests.apphelpers import fast_settings, running_app
 
     sim = SimNvml(1, "H100", seed=0, scenario="steady")
@@ -577,7 +577,8 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
 async def test_without_a_state_message_a_devices_batches_wait_once_then_go_without_the_identity_labels(
     tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
-    from mapper.wire.telemetry import state_payload, state_topic
+    from mapper.wire.state import state_payload
+    from mapper.wire.topics import state_topic
     from tests.bridgehelpers import NODE, Publisher
 
     batches = stream(gpus=2, seconds=60)

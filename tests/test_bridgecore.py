@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 
 from mapper.bridge.config import BRIDGE_ENV_KEYS, BRIDGE_KEYS, load_bridge_settings
-from mapper.bridge.core import Converter, GpuIdentity, PendingRequest, SeqDedup, bridged_series_names, parse_state
+from mapper.bridge.core import Converter, PendingRequest, SeqDedup, bridged_series_names
 from mapper.clock import FakeClock
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.status.metrics import snapshot_metrics
-from mapper.edge.status.stats import GpuSnapshot, MapperSnapshot, device_state_payload
+from mapper.edge.status.stats import GpuSnapshot, MapperSnapshot
 from mapper.errors import ConfigError
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES, GpuInfo
-from mapper.wire.telemetry import decode_batch, encode_batch, state_payload
+from mapper.wire.state import GpuIdentity, parse_state, state_payload
+from mapper.wire.telemetry import decode_batch, encode_batch
 
 
 def a_sample():  # type: ignore[no-untyped-def]
@@ -65,7 +66,7 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
         encode_batch([sample], node="edge-1", device=device, uuid=info.uuid, boot_id="ab12cd34", seq=0).payload
     )
     at_ms = sample.ts_ms + 700
-    status = parse_state(device_state_payload(device, gpu, driver_version="550.54.15", at_ms=at_ms))
+    status = parse_state(gpu.state_message(device, driver_version="550.54.15", at_ms=at_ms))
     assert status.identity == GpuIdentity("3", "00000000:17:00.0", "550.54.15") and status.has_samples
     req = PendingRequest(0.0)
     conv = Converter()
@@ -129,7 +130,7 @@ def test_a_bad_state_message_is_refused_saying_what_is_wrong(payload: bytes, err
 
 def test_a_state_without_a_desired_power_limit_or_xids_writes_the_state_alone() -> None:
     gpu = GpuSnapshot(info=GpuInfo("GPU-1", 0, "x"), device="default/g", state="online")
-    status = parse_state(device_state_payload("default/g", gpu, driver_version="", at_ms=5000))
+    status = parse_state(gpu.state_message("default/g", driver_version="", at_ms=5000))
     assert status.identity == GpuIdentity("0", "", "")
     req = PendingRequest(0.0)
     assert Converter().add_status(req, "n", status, "GPU-1", status.identity) == len(DEVICE_STATES)
@@ -138,9 +139,9 @@ def test_a_state_without_a_desired_power_limit_or_xids_writes_the_state_alone() 
 
 
 def test_the_naming_table_is_the_only_place_names_come_from() -> None:
-    # metrics.py and the bridge read the table: no series name literal left in either module.
+    # The mapper's metrics and the bridge read the table: no series name literal left in any of their modules.
     root = Path(__file__).resolve().parents[1] / "mapper"
-    for module in ("edge/status/metrics.py", "bridge/app.py", "bridge/core.py"):
+    for module in ("edge/status/metrics.py", "bridge/app.py", "bridge/core.py", "bridge/metrics.py"):
         text = (root / module).read_text()
         for ps in naming.PROPERTY_SERIES:
             assert f'"{ps.family.name}"' not in text, f"{module} spells {ps.family.name} itself"
@@ -219,7 +220,7 @@ def test_settings_come_from_the_file_then_the_environment_then_flags(tmp_path: P
         "  group: g1\n  batch: {maxSamples: 500, maxDelay: 250ms}\n  spoolDir: /spool\n"
     )
     s = load_bridge_settings(str(cfg), env={}, flags={})
-    assert (s.mqtt_url, s.mqtt_session_expiry_s, s.remote_write_version, s.group) == (
+    assert (s.mqtt.url, s.mqtt_session_expiry_s, s.remote_write_version, s.group) == (
         "mqtt://broker:1883",
         7200,
         2,

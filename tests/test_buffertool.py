@@ -24,7 +24,8 @@ from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample, Value
 from mapper.tools import buffer as buffertool
-from mapper.wire.telemetry import BatchEncoder, default_topic
+from mapper.wire.telemetry import BatchEncoder
+from mapper.wire.topics import telemetry_topic
 
 REPO = Path(__file__).resolve().parent.parent
 NODE = "edge-1"
@@ -86,7 +87,7 @@ def _row(b: object) -> dict[str, object]:
         "seq": b.seq,  # type: ignore[attr-defined]
         "ts_first_ms": b.ts_first_ms,  # type: ignore[attr-defined]
         "ts_last_ms": b.ts_last_ms,  # type: ignore[attr-defined]
-        "topic": default_topic(NODE, b.device),  # type: ignore[attr-defined]
+        "topic": telemetry_topic(NODE, b.device),  # type: ignore[attr-defined]
         "payload": b.payload,  # type: ignore[attr-defined]
     }
 

@@ -212,3 +212,27 @@ def test_freezing_the_start_up_heap_moves_live_objects_out_of_the_collectors_way
         del later
     finally:
         gc.unfreeze()
+
+
+def test_every_variable_the_help_names_is_one_the_settings_read():
+    """The parser spells the variables itself (building it must not import either process's settings): each
+    one a flag's help names is a variable ``mapper.edge.config`` or ``mapper.bridge.config`` reads."""
+    import argparse
+    import re
+
+    from mapper.bridge.config import BRIDGE_ENV_KEYS, CONFIG_ENV
+    from mapper.cli import build_parser
+    from mapper.edge.config import ENV_KEYS
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for command, known in (
+        ("run", {*ENV_KEYS.values(), "GPU_MAPPER_CONFIG"}),
+        ("bridge", {*BRIDGE_ENV_KEYS.values(), CONFIG_ENV}),
+    ):
+        named = {
+            name
+            for action in commands[command]._actions
+            for name in re.findall(r"\b(GPU_MAPPER_[A-Z_]+)", action.help or "")
+        }
+        assert len(named) > 10, f"{command}: the help names only {sorted(named)}"
+        assert named <= known, f"{command}: the help names {sorted(named - known)}, which no setting reads"

@@ -11,7 +11,8 @@ from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample
-from mapper.wire.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch, default_topic
+from mapper.wire.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch
+from mapper.wire.topics import telemetry_topic
 
 NODE = "edge-1"
 UUID = "GPU-12345678-1234-1234-1234-123456789abc"
@@ -46,7 +47,7 @@ def _store(buf: Buffer, batches: list[EncodedBatch], topic: str | None = None) -
             seq=b.seq,
             ts_first_ms=b.ts_first_ms,
             ts_last_ms=b.ts_last_ms,
-            topic=topic or default_topic(NODE, b.device),
+            topic=topic or telemetry_topic(NODE, b.device),
             payload=b.payload,
         )
         for b in batches
@@ -301,7 +302,7 @@ def _row_of(b: EncodedBatch) -> dict[str, object]:
         "seq": b.seq,
         "ts_first_ms": b.ts_first_ms,
         "ts_last_ms": b.ts_last_ms,
-        "topic": default_topic(NODE, b.device),
+        "topic": telemetry_topic(NODE, b.device),
         "payload": b.payload,
     }
 

@@ -3,8 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from mapper.edge.config import load_settings, parse_duration_s, parse_size_bytes
+from mapper.bridge.config import load_bridge_settings
+from mapper.edge.config import FILE_SECTIONS, load_settings
 from mapper.errors import ConfigError
+from mapper.shared.settings import CONFIG_SECTIONS, parse_duration_s, parse_size_bytes
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -106,3 +108,19 @@ def test_compaction_is_on_by_default_and_set_or_turned_off_in_the_buffer_section
     assert (s.buffer_compact_after_s, s.buffer_compact_slot_s, s.buffer_compact_cold_slot_s) == (300.0, 1800.0, 7200.0)
     off = load_settings(None, env={"GPU_MAPPER_BUFFER_COMPACT_AFTER_S": "0s"})
     assert off.buffer_compact_after_s == 0
+
+
+def test_the_config_files_sections_are_the_mappers_its_policies_and_the_bridges() -> None:
+    assert FILE_SECTIONS | {"policies", "bridge"} == CONFIG_SECTIONS
+
+
+def test_both_processes_refuse_a_config_file_with_a_section_neither_knows(tmp_path):
+    cfg = write(tmp_path, "nodeName: n\nbridge: {group: g}\nnodename: typo\n")
+    bridge_flags = {"mqtt_url": "mqtt://b:1883", "remote_write": "http://p:9090/api/v1/write"}
+    with pytest.raises(ConfigError, match=re.escape("unknown key(s) nodename")):
+        load_settings(cfg, env={})
+    with pytest.raises(ConfigError, match=re.escape("unknown key(s) nodename")):
+        load_bridge_settings(cfg, env={}, flags=bridge_flags)
+    cfg = write(tmp_path, "nodeName: n\nbridge: {group: g}\npolicies: {}\n")
+    assert load_settings(cfg, env={}).node_name == "n"
+    assert load_bridge_settings(cfg, env={}, flags=bridge_flags).group == "g"

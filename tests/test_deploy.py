@@ -18,7 +18,8 @@ import yaml
 from mapper.edge import config as mapper_config
 from mapper.edge.config import load_settings
 from mapper.edge.control.policy import parse_policies
-from mapper.edge.status.metrics import metric_names, parse_metrics_addr
+from mapper.edge.status.metrics import metric_names
+from mapper.net.http import parse_metrics_addr
 from tests.test_device_models import assert_valid_kubeedge, needs_crds
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mapper.bridge.config import BRIDGE_KEYS, load_bridge_settings
-from mapper.edge.status.metrics import parse_metrics_addr
+from mapper.net.http import parse_metrics_addr
 from tests.test_deploy import K8S_VERSIONS
 
 BRIDGE = Path(__file__).resolve().parents[1] / "deploy" / "bridge"
@@ -94,7 +94,7 @@ def test_the_configmap_loads_as_the_bridge_settings_and_the_probes_hit_its_port(
     (tmp_path / "password").write_text("p\n")
     env = {"GPU_MAPPER_BRIDGE_MQTT_USERNAME": "u", "GPU_MAPPER_BRIDGE_MQTT_PASSWORD_FILE": str(tmp_path / "password")}
     settings = load_bridge_settings(str(BRIDGE / "configmap.yaml"), env=env, flags={})
-    assert settings.mqtt_password == "p"
+    assert settings.mqtt.password == "p"
     assert settings.group == "gpu-mapper-bridge" and settings.remote_write_version == 1
     assert settings.shared_filter == "$share/gpu-mapper-bridge/gpu-mapper/+/+/+/telemetry"
     _, port = parse_metrics_addr(settings.metrics_addr)

@@ -3,15 +3,13 @@ import json
 import pytest
 
 from mapper.wire.eventbus import (
-    DELTA_FILTER,
     MAX_TIMESTAMP_MS,
-    device_of_topic,
     parse_delta,
     parse_membership,
     state_update_payload,
     twin_update_payload,
-    twin_update_topic,
 )
+from mapper.wire.topics import DELTA_FILTER, device_of_topic, twin_update_topic
 
 
 def test_twin_update_follows_kubeedge_json():

@@ -21,7 +21,8 @@ from mapper.edge.gpu.simnvml import SimHost, SimNvml, sim_health_tools
 from mapper.edge.health.checks import HealthTools, ProbeResult
 from mapper.edge.kubeedge.report import device_twins
 from mapper.edge.status.metrics import snapshot_metrics
-from mapper.edge.status.stats import MapperSnapshot, gpu_snapshot
+from mapper.edge.status.source import gpu_snapshot
+from mapper.edge.status.stats import MapperSnapshot
 from mapper.edge.status.view import render_status
 from mapper.shared.model import DeviceConfig, DeviceProperty, GpuEvent
 from tests.cuda_standin import build_library

@@ -17,24 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mapper.edge.status.metrics import (
-    MetricsServer,
-    fetch_status,
-    parse_metrics_addr,
-    read_status_file,
-    write_status_file,
-)
-from mapper.edge.status.stats import (
-    DurationHistogram,
-    GpuSnapshot,
-    LoopHeartbeat,
-    MapperSnapshot,
-    Readiness,
-    SnapshotFormatError,
-    check_liveness,
-)
+from mapper.bridge.core import BridgeStats
+from mapper.bridge.metrics import BridgeMetricsServer
+from mapper.edge.status.metrics import MetricsServer, fetch_status, read_status_file, write_status_file
+from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot, Readiness, SnapshotFormatError
 from mapper.edge.status.view import render_status
 from mapper.errors import ConfigError, NotFoundError, TransientError
+from mapper.net.http import TEXT, Answer, HttpServer, LoopHeartbeat, check_liveness, parse_metrics_addr
 from mapper.shared.model import GpuInfo, Sample
 from tests.test_metrics import H100, T4, make_snapshot
 
@@ -151,6 +140,52 @@ def test_an_unknown_path_is_404(server: MetricsServer) -> None:
     status, _, body = get(server.url + "/nope")
     assert status == 404
     assert "/nope" in body
+
+
+def test_the_root_lists_the_mappers_endpoints(server: MetricsServer) -> None:
+    assert get(server.url + "/") == (200, TEXT, "gpu-mapper: /metrics /healthz /readyz /status\n")
+
+
+class _Echo(HttpServer):
+    """The core server with one route of its own, which reads through ``call``."""
+
+    name = "probe"
+    paths = ("/healthz", "/echo")
+
+    def route(self, path: str, query: dict[str, list[str]]) -> Answer | None:
+        if path == "/echo":
+            return 200, TEXT, self.call(lambda: query.get("x", [""])[0]).encode()
+        return None
+
+
+def test_the_core_server_answers_liveness_its_subclasses_routes_and_nothing_else() -> None:
+    beat = LoopHeartbeat("loop", 100.0, 1.0)
+    with _Echo("127.0.0.1:0", heartbeats=lambda: [beat], monotonic=lambda: 100.5) as srv:
+        assert get(srv.url + "/echo?x=hi") == (200, TEXT, "hi")
+        assert get(srv.url + "/") == (200, TEXT, "probe: /healthz /echo\n")
+        status, _, body = get(srv.url + "/healthz")
+        assert status == 200 and body.startswith("ok\nloop: last beat 0.5 s ago")
+        assert get(srv.url + "/metrics")[0] == 404
+        assert get(srv.url + "/status")[0] == 404
+
+
+def test_the_bridges_server_serves_its_counters_liveness_and_readiness_and_no_status() -> None:
+    stats = BridgeStats(batches_received=3, mqtt_connected=False)
+    problems = ["not connected to the broker mqtt://broker:1883"]
+    beats = [LoopHeartbeat("write", 50.0, 1.0)]
+    with BridgeMetricsServer(
+        "127.0.0.1:0", stats=lambda: stats, heartbeats=lambda: beats, problems=lambda: problems, monotonic=lambda: 51.0
+    ) as srv:
+        status, ctype, body = get(srv.url + "/metrics")
+        assert status == 200 and ctype.startswith("text/plain")
+        assert "gpu_mapper_bridge_batches_received_total 3.0\n" in body
+        assert "gpu_mapper_bridge_mqtt_connected 0.0\n" in body
+        assert get(srv.url + "/readyz") == (503, TEXT, "not ready: not connected to the broker mqtt://broker:1883\n")
+        problems.clear()
+        assert get(srv.url + "/readyz") == (200, TEXT, "ready\n")
+        assert get(srv.url + "/healthz")[0] == 200
+        assert get(srv.url + "/") == (200, TEXT, "gpu-mapper bridge: /metrics /healthz /readyz\n")
+        assert get(srv.url + "/status")[0] == 404
 
 
 def test_fetch_status_reads_a_running_mapper(server: MetricsServer) -> None:

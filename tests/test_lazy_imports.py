@@ -29,7 +29,7 @@ APP_CHILD = textwrap.dedent(
     from pathlib import Path
 
     import mapper.edge.app, mapper.cli
-    from mapper.edge.config import MqttSettings
+    from mapper.shared.settings import MqttSettings
     from mapper.tools.discover import device_yaml, model_yaml
     from mapper.edge.gpu.nvml import NvmlBackend
     from mapper.edge.gpu.simnvml import SimNvml

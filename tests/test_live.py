@@ -13,11 +13,12 @@ import paho.mqtt.client as paho
 import pytest
 import yaml
 
-from mapper.edge.config import MqttSettings, Settings, load_settings
+from mapper.edge.config import Settings, load_settings
 from mapper.edge.gpu.simnvml import SimNvml
-from mapper.edge.outbox.publish import live_payload
 from mapper.shared.model import GpuInfo, Sample
+from mapper.shared.settings import MqttSettings
 from mapper.tools.discover import device_doc
+from mapper.wire.payloads import live_payload
 from tests.apphelpers import fast_settings, running_app, wait_for
 
 

@@ -14,6 +14,8 @@ import trustme
 
 from mapper.errors import ConfigError, TransientError
 from mapper.net.mqtt import MqttSession, MqttSessions, parse_broker_url
+from mapper.wire import topics
+from mapper.wire.payloads import STATUS_OFFLINE
 from tests.brokers import Mosquitto
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,6 +169,36 @@ async def test_the_last_will_marks_the_mapper_offline_when_its_process_dies_uncl
     await newcomer.start()
     await _until(lambda: late == [b"offline"])
     await newcomer.stop(2)
+
+
+async def test_the_mappers_session_leaves_the_status_topics_offline_as_its_last_will(
+    mosquitto: Mosquitto, listener: tuple[MqttSession, list[tuple[str, bytes]]]
+) -> None:
+    """``mapper_session`` spells its last will itself (net does not import wire): it is the wire's ``offline``."""
+    _, got = listener
+    status = topics.status_topic("n2")
+    script = textwrap.dedent(
+        f"""
+        import asyncio
+        from mapper.net.mqtt import mapper_session
+        from mapper.shared.settings import MqttSettings
+        async def main():
+            s = mapper_session({mosquitto.url!r}, MqttSettings(url={mosquitto.url!r}), "n2", {status!r})
+            await s.start()
+            assert await s.wait_connected(5)
+            print("up", flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+        """
+    )
+    proc = _spawn(script)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"up"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(10)
+    await _until(lambda: (status, STATUS_OFFLINE) in got)
 
 
 async def test_a_clean_stop_does_not_fire_the_last_will(

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import trustme
 
-from mapper.edge.config import MqttSettings, load_settings
+from mapper.edge.config import load_settings
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.errors import ConfigError
 from mapper.net.mqtt import MqttSession, mapper_session
+from mapper.shared.settings import MqttSettings
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.brokers import Mosquitto, password_file
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
-from mapper.edge.config import MqttSettings
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.shared.model import GpuInfo
+from mapper.shared.settings import MqttSettings
 from mapper.tools.discover import DEFAULT_REPORT_CYCLE_MS, device_doc, model_doc, probe_all
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.fake_edgecore import FakeEdgeCore, pb_from_doc, pb_model_from_doc

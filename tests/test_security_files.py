@@ -186,7 +186,7 @@ def test_every_secret_of_the_bridge_comes_from_a_file_too(tmp_path: Path) -> Non
         "GPU_MAPPER_BRIDGE_MQTT_KEY_PASSWORD_FILE": str(key_pw),
     }
     s = load_bridge_settings(env=env)
-    assert (s.mqtt_password, s.remote_write_password, s.mqtt_key_password) == ("mqtt secret", "rw-secret", "key-secret")
+    assert (s.mqtt.password, s.remote_write_password, s.mqtt.key_password) == ("mqtt secret", "rw-secret", "key-secret")
     assert not {"mqtt secret", "rw-secret", "key-secret"} & set(repr(s).split("'"))
     # The same from the config file's keys and from flags.
     config = tmp_path / "config.yaml"
@@ -194,9 +194,9 @@ def test_every_secret_of_the_bridge_comes_from_a_file_too(tmp_path: Path) -> Non
         f"bridge:\n  mqtt:\n    passwordFile: {mqtt_pw}\n  remoteWrite:\n    username: rw\n    passwordFile: {rw_pw}\n"
     )
     s = load_bridge_settings(str(config), env=base)
-    assert (s.mqtt_password, s.remote_write_password) == ("mqtt secret", "rw-secret")
+    assert (s.mqtt.password, s.remote_write_password) == ("mqtt secret", "rw-secret")
     s = load_bridge_settings(env=base, flags={"mqtt_password_file": str(mqtt_pw)})
-    assert s.mqtt_password == "mqtt secret"
+    assert s.mqtt.password == "mqtt secret"
     # A value and a file for one secret, a missing file, a key passphrase with no key: refused by name.
     with pytest.raises(ConfigError, match=r"bridge\.mqtt\.password and bridge\.mqtt\.passwordFile are both set"):
         load_bridge_settings(env={**base, "GPU_MAPPER_BRIDGE_MQTT_PASSWORD": "x"}, flags={"mqtt_password_file": "f"})

@@ -32,7 +32,6 @@ from mapper.wire.telemetry import (
     encode_batch,
     encode_file,
     records_equal,
-    state_payload,
 )
 
 T0 = 1_780_000_000_000
@@ -469,11 +468,6 @@ def test_properties_with_their_own_push_method_get_their_own_batches_and_topic()
     assert [b.seq for _, b in out] == [0, 1]
     assert dict(decode_batch(out[0][1].payload).samples[0].values) == {"temperature": 60, "clock_sm": 1980}
     assert dict(decode_batch(out[1][1].payload).samples[0].values) == {"power_usage": 100.5}
-
-
-def test_the_state_snapshot_is_one_json_object_of_the_latest_values() -> None:
-    doc = json.loads(state_payload("default/gpu0", Sample(UUID, T0, {"temperature": 61})))
-    assert doc == {"device": "default/gpu0", "uuid": UUID, "ts_ms": T0, "values": {"temperature": 61}}
 
 
 def test_a_hex_boot_id_and_a_canonical_gpu_uuid_travel_packed_and_come_back_exactly() -> None:

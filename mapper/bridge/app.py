@@ -21,7 +21,7 @@ bridge falls back to 1.0 for good on a 415, or on a 2xx without ``X-Prometheus-R
 (a 1.0 receiver that read nothing from a 2.0 body).
 
 Its own ``/metrics`` (``gpu_mapper_bridge_*``), ``/healthz`` (the write loop beats) and ``/readyz`` (broker
-connected, writes not failing for long) come from ``mapper.edge.status.metrics.BridgeMetricsServer``.
+connected, writes not failing for long) come from ``mapper.bridge.metrics.BridgeMetricsServer``.
 """
 
 from __future__ import annotations
@@ -48,22 +48,13 @@ from urllib.parse import urlsplit
 from mapper import __version__
 from mapper.bridge import remotewrite
 from mapper.bridge.config import BridgeSettings
-from mapper.bridge.core import (
-    NO_IDENTITY,
-    BridgeStats,
-    Converter,
-    DeviceStatus,
-    GpuIdentity,
-    PendingRequest,
-    SeqDedup,
-    StreamKey,
-    parse_state,
-    series_types,
-)
-from mapper.edge.status.metrics import BridgeMetricsServer
-from mapper.edge.status.stats import LoopHeartbeat
+from mapper.bridge.core import BridgeStats, Converter, PendingRequest, SeqDedup, StreamKey, series_types
+from mapper.bridge.metrics import BridgeMetricsServer
 from mapper.errors import ConfigError, TransientError
-from mapper.net.mqtt import MqttSession, ReceivedMessage
+from mapper.net.http import LoopHeartbeat
+from mapper.net.mqtt import ReceivedMessage, session_from_settings
+from mapper.wire import topics
+from mapper.wire.state import NO_IDENTITY, DeviceStatus, GpuIdentity, parse_state
 from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 
 log = logging.getLogger(__name__)
@@ -308,7 +299,7 @@ class Bridge:
         self.settings = settings
         self.stats = BridgeStats(remote_write_version=settings.remote_write_version)
         self.version = settings.remote_write_version
-        assert settings.remote_write is not None and settings.mqtt_url is not None
+        assert settings.remote_write is not None and settings.mqtt.url is not None
         self.client = client or RemoteWriteClient(
             settings.remote_write,
             timeout_s=settings.remote_write_timeout_s,
@@ -323,16 +314,11 @@ class Bridge:
         self.codec = BatchCodec(dictionary_id=0)
         self._rng = rng or random.Random()
         self._now = monotonic
-        client_id = settings.mqtt_client_id or f"{settings.group}-{socket.gethostname()}"
-        self.session = MqttSession(
-            settings.mqtt_url,
+        client_id = settings.mqtt.client_id or f"{settings.group}-{socket.gethostname()}"
+        self.session = session_from_settings(
+            settings.mqtt.url,
+            settings.mqtt,
             client_id,
-            username=settings.mqtt_username,
-            password=settings.mqtt_password,
-            ca_file=settings.mqtt_ca_file,
-            cert_file=settings.mqtt_cert_file,
-            key_file=settings.mqtt_key_file,
-            key_password=settings.mqtt_key_password,
             mqtt5=True,
             session_expiry_s=round(settings.mqtt_session_expiry_s),
             receive_maximum=settings.mqtt_receive_maximum,
@@ -422,17 +408,14 @@ class Bridge:
         """A (retained) state message: remember the device's GPU uuid and identity; its status samples are
         written like a batch's (and the message acknowledged after)."""
         self.stats.state_messages += 1
-        parts = message.topic.split("/")
         try:
-            if len(parts) < 4:
-                raise ValueError("the topic names no node")
+            node = topics.node_of(message.topic)
             status = parse_state(message.payload)
         except ValueError as exc:
             self.stats.bad_state_messages += 1
             self._log_once("bad-state", f"bridge: a message on {message.topic} is not a state message: {exc}")
             self.session.ack(message)
             return
-        node = parts[-4]
         if status.uuid:
             # A state message names the GPU's identity, or none (a mapper before it: its series have no gpu label).
             self._learn(node, status.device, status.uuid, status.identity or NO_IDENTITY)

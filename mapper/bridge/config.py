@@ -13,30 +13,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from mapper.edge.config import _convert, _lookup, key_password_from_file, read_file, read_secret_file
 from mapper.errors import ConfigError
-
-DEFAULT_TOPIC = "gpu-mapper/+/+/+/telemetry"
+from mapper.shared.settings import (
+    BRIDGE_ENV_PREFIX,
+    MQTT_KEYS,
+    MqttSettings,
+    env_variable,
+    layered_values,
+    read_config_file,
+    read_secret_file,
+    take_mqtt_settings,
+)
+from mapper.wire import topics
 
 
 @dataclass(frozen=True)
 class BridgeSettings:
-    #: The cloud-side broker (mqtt:// or mqtts://).
-    mqtt_url: str | None = None
-    mqtt_username: str | None = None
-    #: Secrets are never shown by repr; each can come from a file (``...passwordFile``, ``mqtt.keyPasswordFile``).
-    mqtt_password: str | None = field(default=None, repr=False)
-    mqtt_ca_file: str | None = None
-    mqtt_cert_file: str | None = None
-    mqtt_key_file: str | None = None
-    #: The passphrase of an encrypted ``mqtt_key_file`` (from ``mqtt.keyPasswordFile`` only).
-    mqtt_key_password: str | None = field(default=None, repr=False)
-    #: Stable per replica: the broker keeps the session (and its share of the stream) under this id.
-    mqtt_client_id: str = ""
+    #: The cloud-side broker (``mqtt.url``: mqtt:// or mqtts://), its credentials and TLS files. Secrets are
+    #: never shown by repr; each can come from a file (``...passwordFile``, ``mqtt.keyPasswordFile``).
+    #: ``mqtt.client_id`` is stable per replica: the broker keeps the session (and its share of the stream)
+    #: under it. (``eventbus`` and ``qos`` are the mapper's: the bridge has no such keys.)
+    mqtt: MqttSettings = field(default_factory=MqttSettings)
     mqtt_session_expiry_s: float = 3600.0
     mqtt_receive_maximum: int = 1000
     mqtt_reconnect_max_s: float = 30.0
-    topic: str = DEFAULT_TOPIC
+    topic: str = topics.TELEMETRY_FILTER
     #: Retained state messages (they carry the GPU uuid); "" derives it from ``topic`` (".../state").
     state_topic: str = ""
     group: str = "gpu-mapper-bridge"
@@ -62,27 +63,17 @@ class BridgeSettings:
     @property
     def shared_filter(self) -> str:
         """The shared subscription: ``$share/<group>/<topic>``."""
-        return f"$share/{self.group}/{self.topic}"
+        return topics.shared_subscription(self.group, self.topic)
 
     @property
     def state_filter(self) -> str:
-        if self.state_topic:
-            return self.state_topic
-        head, sep, last = self.topic.rpartition("/")
-        return f"{head}/state" if sep and last == "telemetry" else ""
+        """``state_topic``, else the state messages beside ``topic``'s telemetry ("" when it names none)."""
+        return self.state_topic or topics.state_filter_beside(self.topic)
 
 
 #: flag/env name -> (file key path under ``bridge.``, kind)
 BRIDGE_KEYS: dict[str, tuple[str, str]] = {
-    "mqtt_url": ("mqtt.url", "str"),
-    "mqtt_username": ("mqtt.username", "str"),
-    "mqtt_password": ("mqtt.password", "str"),
-    "mqtt_password_file": ("mqtt.passwordFile", "str"),
-    "mqtt_ca_file": ("mqtt.caFile", "str"),
-    "mqtt_cert_file": ("mqtt.certFile", "str"),
-    "mqtt_key_file": ("mqtt.keyFile", "str"),
-    "mqtt_key_password_file": ("mqtt.keyPasswordFile", "str"),
-    "mqtt_client_id": ("mqtt.clientId", "str"),
+    **MQTT_KEYS,
     "mqtt_session_expiry_s": ("mqtt.sessionExpiry", "duration"),
     "mqtt_receive_maximum": ("mqtt.receiveMaximum", "int"),
     "mqtt_reconnect_max_s": ("mqtt.reconnectMaxBackoff", "duration"),
@@ -110,7 +101,7 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
 }
 
 #: Environment variables read (each overrides the file and is overridden by its flag).
-BRIDGE_ENV_KEYS: dict[str, str] = {name: "GPU_MAPPER_BRIDGE_" + name.upper() for name in BRIDGE_KEYS}
+BRIDGE_ENV_KEYS: dict[str, str] = {name: env_variable(BRIDGE_ENV_PREFIX, name) for name in BRIDGE_KEYS}
 CONFIG_ENV = "GPU_MAPPER_BRIDGE_CONFIG"
 
 #: Secrets that may be given as values, by flag name -> the name of the flag that reads the same from a file.
@@ -121,20 +112,18 @@ BRIDGE_SECRET_FLAGS: dict[str, str] = {
 }
 
 
-def _secrets_from_files(values: dict[str, Any]) -> None:
-    """Replace each ``..._password_file`` of ``values`` by the secret it holds (in place)."""
-    for name, file_name in BRIDGE_SECRET_FLAGS.items():
-        path = values.pop(file_name, None)
-        if path is None:
-            continue
-        key = "bridge." + BRIDGE_KEYS[file_name][0]
-        if values.get(name) is not None:
-            both = f"bridge.{BRIDGE_KEYS[name][0]} and {key}"
-            raise ConfigError(f"{both} are both set (file, environment or flags): keep one")
-        values[name] = read_secret_file(path, key)
-    key_password = key_password_from_file(values, "bridge.")
-    if key_password is not None:
-        values["mqtt_key_password"] = key_password
+def _remote_write_password_from_file(values: dict[str, Any]) -> None:
+    """Replace ``remote_write_password_file`` of ``values`` by the secret it holds (in place). (The broker's
+    secrets are read by ``take_mqtt_settings``.)"""
+    name, file_name = "remote_write_password", BRIDGE_SECRET_FLAGS["remote_write_password"]
+    path = values.pop(file_name, None)
+    if path is None:
+        return
+    key = "bridge." + BRIDGE_KEYS[file_name][0]
+    if values.get(name) is not None:
+        both = f"bridge.{BRIDGE_KEYS[name][0]} and {key}"
+        raise ConfigError(f"{both} are both set (file, environment or flags): keep one")
+    values[name] = read_secret_file(path, key)
 
 
 def _known_paths(node: Any, prefix: str = "") -> list[str]:
@@ -157,7 +146,7 @@ def load_bridge_settings(
         file_path = flags.get("config") or env.get(CONFIG_ENV)
     section: Mapping[str, Any] = {}
     if file_path:
-        data = read_file(file_path)
+        data = read_config_file(file_path)
         raw = data.get("bridge") or {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config file {file_path}: bridge: must be a mapping")
@@ -166,29 +155,23 @@ def load_bridge_settings(
         unknown = sorted(set(_known_paths(section)) - valid)
         if unknown:
             raise ConfigError(f"config file {file_path}: unknown key(s) bridge.{', bridge.'.join(unknown)}")
-    values: dict[str, Any] = {}
-    for name, (key_path, kind) in BRIDGE_KEYS.items():
-        raw_value = _lookup(section, key_path)
-        if raw_value is not None:
-            values[name] = _convert(kind, raw_value, "bridge." + key_path)
-        env_name = BRIDGE_ENV_KEYS[name]
-        if env.get(env_name, "") != "":
-            values[name] = _convert(kind, env[env_name], env_name)
-        if flags.get(name) is not None:
-            values[name] = _convert(kind, flags[name], "--" + name.replace("_", "-"))
-    _secrets_from_files(values)
+    values = layered_values(BRIDGE_KEYS, section, env, BRIDGE_ENV_KEYS, flags, key_prefix="bridge.")
+    mqtt = take_mqtt_settings(values, key_prefix="bridge.")
+    _remote_write_password_from_file(values)
     known = {f.name for f in fields(BridgeSettings)}
-    settings = replace(BridgeSettings(), config_file=file_path, **{k: v for k, v in values.items() if k in known})
+    settings = replace(
+        BridgeSettings(), mqtt=mqtt, config_file=file_path, **{k: v for k, v in values.items() if k in known}
+    )
     validate_bridge(settings)
     return settings
 
 
 def validate_bridge(s: BridgeSettings) -> None:
     """Raise ``ConfigError`` naming the first bad setting."""
-    if not s.mqtt_url:
+    if not s.mqtt.url:
         raise ConfigError("bridge.mqtt.url (--mqtt, GPU_MAPPER_BRIDGE_MQTT_URL): a broker is required")
-    if not re.match(r"^(mqtt|mqtts|tcp|ssl)://[^/:]+(:\d+)?/?$", s.mqtt_url):
-        raise ConfigError(f"bridge.mqtt.url: expected mqtt://host:port or mqtts://host:port, got {s.mqtt_url!r}")
+    if not re.match(r"^(mqtt|mqtts|tcp|ssl)://[^/:]+(:\d+)?/?$", s.mqtt.url):
+        raise ConfigError(f"bridge.mqtt.url: expected mqtt://host:port or mqtts://host:port, got {s.mqtt.url!r}")
     if not s.remote_write:
         raise ConfigError("bridge.remoteWrite.url (--remote-write, GPU_MAPPER_BRIDGE_REMOTE_WRITE): required")
     if not re.match(r"^https?://[^/]+(/.*)?$", s.remote_write):

@@ -7,8 +7,9 @@ the bridge's counters.
   ``compute_mode`` as ``gpu_compute_mode{mode}``; ``product_name`` as ``gpu_info{product_name}`` 1;
   ``policy_state`` as ``gpu_mapper_policy_state{state}`` 1. Labels ``uuid``, ``device`` (the Device name
   without its namespace, as ``/metrics``), ``node``, and from the GPU's ``GpuIdentity`` (the retained state
-  message, ``parse_state``) ``gpu`` (the NVML index) and ``gpu_info``'s ``driver_version`` and ``pci_bus_id``;
-  a label the identity does not give is left out. Non-finite values are skipped (as ``/metrics`` does).
+  message, ``mapper.wire.state.parse_state``) ``gpu`` (the NVML index) and ``gpu_info``'s ``driver_version`` and
+  ``pci_bus_id``; a label the identity does not give is left out. Non-finite values are skipped (as ``/metrics``
+  does).
 * ``Converter.add_status`` turns the status a state message carries (``DeviceStatus``) into samples at the time
   the snapshot was taken: ``gpu_mapper_device_state{state}`` 0/1 for every state, ``gpu_xid_errors_total{xid}``
   and ``gpu_power_limit_desired_watts``.
@@ -23,7 +24,6 @@ the bridge's counters.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import struct
 from collections import OrderedDict
@@ -33,7 +33,7 @@ from typing import Any
 from mapper.bridge.remotewrite import MetricType, SeriesBuf, label_bytes, sample_affixes, sorted_labels
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES
-from mapper.wire import telemetry
+from mapper.wire.state import NO_IDENTITY, DeviceStatus, GpuIdentity
 from mapper.wire.telemetry import DecodedBatch
 
 _PACK_DOUBLE = struct.Struct("<d").pack
@@ -42,88 +42,6 @@ _PACK_DOUBLE = struct.Struct("<d").pack
 _PLAIN, _REASONS, _MODE, _INFO, _POLICY, _STATE, _XID, _DESIRED = range(8)
 # Table keys of the status series (no property has a name like these).
 _STATE_KEY, _XID_KEY, _DESIRED_KEY = "@device_state", "@xid_errors", "@power_limit_desired"
-
-
-@dataclass(frozen=True)
-class GpuIdentity:
-    """What a GPU's series are labelled with beyond uuid, device and node (from its retained state message):
-    ``gpu`` (the NVML index as text), and ``gpu_info``'s ``driver_version`` and ``pci_bus_id``. "" = not known,
-    the label is left out."""
-
-    gpu: str = ""
-    pci_bus_id: str = ""
-    driver_version: str = ""
-
-
-#: The identity of a GPU whose state message names none (a mapper before it) or that has no state message.
-NO_IDENTITY = GpuIdentity()
-
-
-@dataclass(frozen=True)
-class DeviceStatus:
-    """A retained state message as the bridge reads it (``parse_state``). ``identity`` None, ``at_ms`` None:
-    the message has none (a mapper before them sent only device, uuid, ts_ms and values)."""
-
-    device: str
-    uuid: str
-    identity: GpuIdentity | None = None
-    at_ms: int | None = None
-    #: One of ``mapper.shared.model.DEVICE_STATES``, or "" when not given.
-    state: str = ""
-    #: (XID code as text, events seen) by code.
-    xid_errors: tuple[tuple[str, int], ...] = ()
-    power_limit_desired_w: float | None = None
-
-    @property
-    def has_samples(self) -> bool:
-        """It carries a status to write (and the time to write it at)."""
-        return self.at_ms is not None and bool(self.state or self.xid_errors or self.power_limit_desired_w is not None)
-
-
-def parse_state(payload: bytes) -> DeviceStatus:
-    """A state message (``mapper.wire.telemetry.state_payload``, ``mapper.edge.status.stats.device_state_payload``);
-    ValueError saying what is wrong when it is not one."""
-    try:
-        doc = json.loads(payload)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ValueError("not a JSON object")
-    device, uuid = doc.get("device"), doc.get("uuid") or ""
-    if not isinstance(device, str) or not device or not isinstance(uuid, str):
-        raise ValueError("no device name (or a uuid that is not a string)")
-    identity = None
-    gpu = doc.get(telemetry.STATE_GPU)
-    if gpu is not None:
-        if not isinstance(gpu, dict):
-            raise ValueError(f"{telemetry.STATE_GPU!r} is not an object")
-        index = gpu.get("index")
-        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
-            raise ValueError(f"{telemetry.STATE_GPU}.index {index!r} is not a GPU index")
-        pci, driver = gpu.get("pci_bus_id") or "", gpu.get("driver_version") or ""
-        if not isinstance(pci, str) or not isinstance(driver, str):
-            raise ValueError(f"{telemetry.STATE_GPU}.pci_bus_id and .driver_version must be strings")
-        identity = GpuIdentity("" if index is None else str(index), pci, driver)
-    at_ms = doc.get(telemetry.STATE_AT_MS)
-    if at_ms is not None and (isinstance(at_ms, bool) or not isinstance(at_ms, int) or at_ms <= 0):
-        raise ValueError(f"{telemetry.STATE_AT_MS} {at_ms!r} is not a time in ms")
-    state = doc.get(telemetry.STATE_STATE) or ""
-    if not isinstance(state, str) or (state and state not in DEVICE_STATES):
-        raise ValueError(f"{telemetry.STATE_STATE} {state!r} is not one of {', '.join(DEVICE_STATES)}")
-    xids_doc = doc.get(telemetry.STATE_XID_ERRORS) or {}
-    if not isinstance(xids_doc, dict):
-        raise ValueError(f"{telemetry.STATE_XID_ERRORS!r} is not an object")
-    xids = []
-    for code, n in xids_doc.items():
-        if not code.isdigit() or isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{telemetry.STATE_XID_ERRORS}: {code!r}: {n!r} is not an XID code and a count")
-        xids.append((str(int(code)), n))
-    desired = doc.get(telemetry.STATE_POWER_LIMIT_DESIRED_W)
-    if desired is not None and (
-        isinstance(desired, bool) or not isinstance(desired, int | float) or not math.isfinite(desired)
-    ):
-        raise ValueError(f"{telemetry.STATE_POWER_LIMIT_DESIRED_W} {desired!r} is not a number of W")
-    return DeviceStatus(device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired))
 
 
 @dataclass(frozen=True)

@@ -38,14 +38,15 @@ from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.status.housekeeping import Housekeeping
 from mapper.edge.status.metrics import MetricsServer, write_status_file
 from mapper.edge.status.source import StatusSource, run_console
-from mapper.edge.status.stats import LoopHeartbeat, MapperSnapshot, Readiness
+from mapper.edge.status.stats import MapperSnapshot, Readiness
 from mapper.edge.storage.buffer import Buffer
 from mapper.edge.storage.datadir import require_data_dir
 from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
+from mapper.net.http import LoopHeartbeat
 from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.shared.model import GpuInfo, Sample
-from mapper.wire.eventbus import DELTA_FILTER, membership_topic
+from mapper.wire.topics import DELTA_FILTER, membership_topic
 
 if TYPE_CHECKING:
     # Imported in ``start`` only when DMI is on: grpc, protobuf and the generated stubs add ~12 MB to the

@@ -8,95 +8,25 @@ The file uses the camelCase keys of ``deploy/configmap.yaml``; the environment a
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mapper.errors import ConfigError
-
-_BARE_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", re.IGNORECASE)
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-_SIZE_UNITS = {
-    "b": 1,
-    "kb": 1000,
-    "kib": 1024,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    None: 1,
-}
-
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
-_DURATION_HINT = "a duration with a unit such as 30s, 5m, 1h, 1m30s or 250ms"
-
-
-def parse_duration_s(value: Any, path: str, *, bare_seconds: bool = True) -> float:
-    """``"30s"`` / ``"5m"`` / ``"1m30s"`` / ``"250ms"`` / ``"2d"`` -> seconds; a bare number means seconds
-    unless ``bare_seconds`` is False (the policies insist on a unit). Errors name ``path``."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
-    text = str(value).strip()
-    if isinstance(value, int | float) or _BARE_NUMBER_RE.fullmatch(text):
-        if not bare_seconds:
-            raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
-        seconds = float(value)
-    else:
-        pos, seconds = 0, 0.0
-        for m in _DURATION_PART.finditer(text):
-            if m.start() != pos:
-                break
-            seconds += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-            pos = m.end()
-        if pos == 0 or pos != len(text):
-            raise ConfigError(f"{path}: expected {_DURATION_HINT}, got {value!r}")
-    if seconds < 0 or not math.isfinite(seconds):
-        raise ConfigError(f"{path}: must be a finite duration, not negative, got {value!r}")
-    return seconds
-
-
-def parse_size_bytes(value: Any, path: str) -> int:
-    """``1048576`` / ``"256MiB"`` / ``"1GB"`` -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{path}: expected a size such as 256MiB, got {value!r}")
-    if isinstance(value, int | float):
-        size = float(value)
-    else:
-        match = _SIZE_RE.match(str(value))
-        if not match:
-            raise ConfigError(f"{path}: expected a size such as 256MiB or 1GB, got {value!r}")
-        unit = match.group(2).lower() if match.group(2) else None
-        size = float(match.group(1)) * _SIZE_UNITS[unit]
-    if size < 0 or not math.isfinite(size):
-        raise ConfigError(f"{path}: must be a finite size, not negative, got {value!r}")
-    return int(size)
-
-
-@dataclass(frozen=True)
-class MqttSettings:
-    #: ``mqtt://host:port`` or ``mqtts://host:port``; None = no broker (telemetry is buffered only).
-    url: str | None = None
-    username: str | None = None
-    #: Never shown by repr (a settings object in a log line or a traceback must not carry it).
-    password: str | None = field(default=None, repr=False)
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    #: The passphrase of an encrypted ``key_file``, read from ``mqtt.keyPasswordFile`` (never a plain value).
-    key_password: str | None = field(default=None, repr=False)
-    client_id: str = ""
-    #: Publish KubeEdge EventBus twin/state updates. "auto": only when DMI is off (standalone mode).
-    eventbus: str = "auto"
-    qos: int = 1
+from mapper.shared.settings import (
+    MAPPER_ENV_PREFIX,
+    MQTT_KEYS,
+    MqttSettings,
+    convert,
+    env_variable,
+    layered_values,
+    lookup,
+    read_config_file,
+    take_mqtt_settings,
+)
 
 
 @dataclass(frozen=True)
@@ -211,15 +141,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "jetson_allow_reboot": ("jetson.allowReboot", "bool"),
     "edgecore_socket": ("edgecoreSocket", "str"),
     "socket": ("socket", "str"),
-    "mqtt_url": ("mqtt.url", "str"),
-    "mqtt_username": ("mqtt.username", "str"),
-    "mqtt_password": ("mqtt.password", "str"),
-    "mqtt_password_file": ("mqtt.passwordFile", "str"),
-    "mqtt_ca_file": ("mqtt.caFile", "str"),
-    "mqtt_cert_file": ("mqtt.certFile", "str"),
-    "mqtt_key_file": ("mqtt.keyFile", "str"),
-    "mqtt_key_password_file": ("mqtt.keyPasswordFile", "str"),
-    "mqtt_client_id": ("mqtt.clientId", "str"),
+    **MQTT_KEYS,
     "mqtt_eventbus": ("mqtt.eventbus", "str"),
     "mqtt_qos": ("mqtt.qos", "int"),
     "data_dir": ("dataDir", "str"),
@@ -260,119 +182,16 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
 }
 
 #: Environment variables read (each overrides the file, and is overridden by the flag of the same name).
-ENV_KEYS: dict[str, str] = {name: "GPU_MAPPER_" + name.upper() for name in _FILE_KEYS}
+ENV_KEYS: dict[str, str] = {name: env_variable(MAPPER_ENV_PREFIX, name) for name in _FILE_KEYS}
 
-#: ``bridge`` is the section of ``gpu-mapper bridge`` (mapper.bridge.config); the mapper ignores it.
-_TOP_LEVEL_KEYS = {"policies", "bridge"} | {path.split(".")[0] for path, _ in _FILE_KEYS.values()}
-
-
-def _convert(kind: str, value: Any, path: str) -> Any:
-    if value is None:
-        return None
-    if kind == "str":
-        if isinstance(value, dict | list):
-            raise ConfigError(f"{path}: expected a string, got {type(value).__name__}")
-        return str(value)
-    if kind in ("int", "float"):
-        if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
-        if number < 0 or not math.isfinite(number):
-            raise ConfigError(f"{path}: must be a finite number, not negative, got {value!r}")
-        return int(number) if kind == "int" else number
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
-    if kind == "duration":
-        return parse_duration_s(value, path)
-    if kind == "ms":
-        return round(parse_duration_s(value, path) * 1000) if isinstance(value, str) else _convert("int", value, path)
-    if kind == "size":
-        return parse_size_bytes(value, path)
-    raise AssertionError(kind)
-
-
-def _lookup(mapping: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = mapping
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
-def read_file(path: str | Path) -> dict[str, Any]:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
-    # A ConfigMap manifest holds the config as text under data["config.yaml"].
-    if data.get("kind") == "ConfigMap" and isinstance(data.get("data"), dict):
-        inner = data["data"].get("config.yaml")
-        if inner is None:
-            raise ConfigError(f"config file {path}: ConfigMap has no data.config.yaml")
-        if not isinstance(inner, str):
-            raise ConfigError(f"config file {path}: ConfigMap data.config.yaml must be text")
-        try:
-            data = yaml.safe_load(inner) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path}: data.config.yaml is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: data.config.yaml must be a mapping, got {type(data).__name__}")
-    unknown = sorted(str(key) for key in set(data) - _TOP_LEVEL_KEYS)
-    if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
-    return data
+#: The top-level keys of the mapper's settings in the config file (``mapper.shared.settings.CONFIG_SECTIONS``
+#: holds them, with ``policies`` and the bridge's ``bridge``: a test checks that they agree).
+FILE_SECTIONS = frozenset(path.split(".")[0] for path, _ in _FILE_KEYS.values())
 
 
 #: Settings that hold a secret, by the name of their flag: given on the command line they are visible to every
 #: local user in the process list (``ps``, ``/proc/<pid>/cmdline``).
 SECRET_FLAGS: dict[str, str] = {"mqtt_password": "mqtt_password_file"}
-
-
-def read_secret_file(path: str, key: str) -> str:
-    """A secret from a file (a Kubernetes Secret mounted as a volume): its text without the trailing newline.
-    The error names the key and the path, never the content."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{key}: {path} is not UTF-8 text") from None
-    secret = text.rstrip("\r\n")
-    if secret == "":
-        raise ConfigError(f"{key}: {path} is empty")
-    return secret
-
-
-def key_password_from_file(values: dict[str, Any], key_prefix: str = "") -> str | None:
-    """Take ``mqtt_key_password_file`` out of ``values``: the passphrase that file holds, None where it is not
-    set; a ConfigError where ``values`` has no ``mqtt_key_file`` for it to unlock. ``key_prefix``: what the keys
-    are named below in errors (``bridge.`` for the bridge's)."""
-    path = values.pop("mqtt_key_password_file", None)
-    if path is None:
-        return None
-    key = f"{key_prefix}mqtt.keyPasswordFile"
-    if values.get("mqtt_key_file") is None:
-        raise ConfigError(f"{key}: set, but there is no {key_prefix}mqtt.keyFile for it to unlock")
-    return read_secret_file(path, key)
 
 
 def load_settings(
@@ -385,39 +204,12 @@ def load_settings(
     flags = flags or {}
     if file_path is None:
         file_path = flags.get("config") or env.get("GPU_MAPPER_CONFIG")
-    file_data = read_file(file_path) if file_path else {}
+    file_data = read_config_file(file_path) if file_path else {}
 
-    values: dict[str, Any] = {}
-    for name, (key_path, kind) in _FILE_KEYS.items():
-        raw = _lookup(file_data, key_path)
-        if raw is not None:
-            values[name] = _convert(kind, raw, key_path)
-        env_name = ENV_KEYS[name]
-        if env.get(env_name, "") != "":
-            values[name] = _convert(kind, env[env_name], env_name)
-        if flags.get(name) is not None:
-            values[name] = _convert(kind, flags[name], "--" + name.replace("_", "-"))
-
+    values = layered_values(_FILE_KEYS, file_data, env, ENV_KEYS, flags)
     given = frozenset(values)
-    password = values.pop("mqtt_password", None)
-    password_file = values.pop("mqtt_password_file", None)
-    if password_file is not None:
-        if password is not None:
-            raise ConfigError("mqtt.password and mqtt.passwordFile are both set (file, environment or flags): keep one")
-        # MQTT sends a password only with a user name: without one a missing file (an optional Secret that
-        # was not created) means no credentials at all. With a user name the file must be there.
-        if values.get("mqtt_username") is not None or Path(password_file).exists():
-            password = read_secret_file(password_file, "mqtt.passwordFile")
-    key_password = key_password_from_file(values)
-    mqtt = MqttSettings(
-        url=values.pop("mqtt_url", None),
-        username=values.pop("mqtt_username", None),
-        password=password,
-        ca_file=values.pop("mqtt_ca_file", None),
-        cert_file=values.pop("mqtt_cert_file", None),
-        key_file=values.pop("mqtt_key_file", None),
-        key_password=key_password,
-        client_id=values.pop("mqtt_client_id", None) or "",
+    mqtt = replace(
+        take_mqtt_settings(values, password_file_may_be_missing=True),
         eventbus=(values.pop("mqtt_eventbus", None) or "auto").lower(),
         qos=values.pop("mqtt_qos", None) if values.get("mqtt_qos") is not None else 1,
     )
@@ -425,7 +217,7 @@ def load_settings(
     policies = file_data.get("policies") or {}
     if not isinstance(policies, Mapping):
         raise ConfigError("policies: must be a mapping")
-    idle_power = _idle_power(_lookup(file_data, "processes.idlePower"))
+    idle_power = _idle_power(lookup(file_data, "processes.idlePower"))
     settings = replace(
         Settings(),
         mqtt=mqtt,
@@ -447,7 +239,7 @@ def _idle_power(raw: Any) -> dict[str, float]:
         raise ConfigError(f"processes.idlePower: expected a mapping of GPU UUID or product name to watts, got {raw!r}")
     out: dict[str, float] = {}
     for key, value in raw.items():
-        watts = _convert("float", value, f"processes.idlePower.{key}")
+        watts = convert("float", value, f"processes.idlePower.{key}")
         if not watts:
             raise ConfigError(f"processes.idlePower.{key}: must be more than 0 W, got {value!r}")
         out[str(key)] = watts

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import paho.mqtt.client as paho
 
 from mapper.clock import next_on_grid, sleep_or_wake
-from mapper.edge.config import MqttSettings
 from mapper.errors import ConfigError, TransientError
+from mapper.shared.settings import MqttSettings
 
 log = logging.getLogger(__name__)
 
@@ -803,18 +803,30 @@ class MqttSessions:
         await asyncio.gather(*(s.stop(timeout_s) for s in sessions), return_exceptions=True)
 
 
-def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str) -> MqttSession:
-    """The default broker's session of the mapper on ``node`` (``mqtt:`` settings: credentials, TLS, client id,
-    by default ``gpu-mapper-<node>``): its last will marks the mapper offline on ``will_topic``."""
+def session_from_settings(url: str, settings: MqttSettings, client_id: str, **session_kwargs: Any) -> MqttSession:
+    """A session to ``url`` with the credentials and TLS files of ``settings`` (the ``mqtt:`` settings of the
+    mapper or of the bridge); ``session_kwargs``: the rest of ``MqttSession``'s (last will, MQTT 5, ...)."""
     return MqttSession(
         url,
-        settings.client_id or f"gpu-mapper-{node}",
-        will_topic=will_topic,
-        will_payload=b"offline",
+        client_id,
         username=settings.username,
         password=settings.password,
         ca_file=settings.ca_file,
         cert_file=settings.cert_file,
         key_file=settings.key_file,
         key_password=settings.key_password,
+        **session_kwargs,
+    )
+
+
+def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str) -> MqttSession:
+    """The default broker's session of the mapper on ``node`` (``mqtt:`` settings: credentials, TLS, client id,
+    by default ``gpu-mapper-<node>``): its last will marks the mapper offline on ``will_topic``."""
+    return session_from_settings(
+        url,
+        settings,
+        settings.client_id or f"gpu-mapper-{node}",
+        will_topic=will_topic,
+        # mapper.wire.payloads.STATUS_OFFLINE (a test checks they agree): net does not import wire.
+        will_payload=b"offline",
     )

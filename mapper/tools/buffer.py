@@ -1,7 +1,9 @@
 """``gpu-mapper buffer stats|export|compact|vacuum``: the operator's tool for the telemetry buffer file.
 
 Built on sqlite-utils (the design card's choice for operator-side SQLite work). The running mapper never
-imports this module: its hot path keeps the stdlib ``sqlite3`` (``mapper.edge.storage.buffer``).
+imports this module: its hot path keeps the stdlib ``sqlite3`` (``mapper.edge.storage.buffer``). The CLI's
+parser imports it for ``add_parser``, for every command (``gpu-mapper bridge`` too): the mapper's buffer and
+compaction are imported by the commands that use them, not here.
 
 * ``stats`` and ``export`` read the file in ONE read transaction (a consistent snapshot) through SQLite's WAL:
   on the live file of a running mapper they block none of its writes. They say when the file is in use.
@@ -37,8 +39,6 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from mapper.clock import SystemClock
-from mapper.edge.outbox.compact import CompactionSettings, Compactor
-from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.errors import MapperError
 from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
 
@@ -135,6 +135,8 @@ def _rows(db: sqlite_utils.Database) -> Iterator[tuple[int, dict[str, Any], byte
 def stats(path: Path, out: IO[str], err: IO[str], *, as_json: bool = False) -> int:
     """Per stream: rows, batches held (a merged row holds several), samples, values, bytes, oldest and newest
     sample, and the compaction ratio (batches per row)."""
+    from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES
+
     _say_in_use(path, err, writing=False)
     db = _open_ro(path)
     codec = BatchCodec()
@@ -365,6 +367,9 @@ def compact(
     path: Path, out: IO[str], err: IO[str], *, min_age_s: float, slot_s: float, cold_slot_s: float = 3600.0
 ) -> int:
     """Merge every batch due (as the mapper's compaction would, now) and report what it did."""
+    from mapper.edge.outbox.compact import CompactionSettings, Compactor
+    from mapper.edge.storage.buffer import Buffer
+
     _say_in_use(path, err, writing=True)
     if not path.exists():
         raise BufferToolError(f"buffer file {path} does not exist")

@@ -1,4 +1,4 @@
-"""KubeEdge EventBus (MQTT) device-twin protocol: topics and JSON payloads, pure.
+"""KubeEdge EventBus (MQTT) device-twin protocol: its JSON payloads, pure (its topics: ``mapper.wire.topics``).
 
 Twin updates go to ``$hw/events/device/{namespace}/{name}/twin/update`` with KubeEdge's JSON (``event_id``,
 ``timestamp`` in integer milliseconds, ``twin.{property}.actual.value`` as a string, ``metadata.type``);
@@ -15,15 +15,13 @@ path creates a twin first, the other path's values stay valid.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from mapper.errors import short_repr
 from mapper.shared.model import DEVICE_STATES, TWIN_KEY_RE, TWIN_VALUE_RE
+from mapper.wire.topics import device_of_delta_topic
 
-DEVICE_PREFIX = "$hw/events/device"
-NODE_PREFIX = "$hw/events/node"
 #: Largest EventBus payload we parse (a twin delta for every catalog property is a few KiB).
 MAX_PAYLOAD_BYTES = 64 * 1024
 TWIN_TYPE = "string"
@@ -32,25 +30,6 @@ _TYPED = {"type": TWIN_TYPE}
 #: one would not fit SQLite's 64-bit INTEGER where the desired value's version is stored, and, as the newest
 #: version ever seen, would make every later change to the property look stale.
 MAX_TIMESTAMP_MS = 253_402_300_799_999
-
-_SEGMENT_RE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-
-
-def twin_update_topic(namespace: str, name: str) -> str:
-    return f"{DEVICE_PREFIX}/{namespace}/{name}/twin/update"
-
-
-def state_update_topic(namespace: str, name: str) -> str:
-    return f"{DEVICE_PREFIX}/{namespace}/{name}/state/update"
-
-
-DELTA_FILTER = f"{DEVICE_PREFIX}/+/+/twin/update/delta"
-TWIN_RESULT_FILTER = f"{DEVICE_PREFIX}/+/+/twin/update/result"
-
-
-def membership_topic(node: str) -> str:
-    return f"{NODE_PREFIX}/{node}/membership/updated"
-
 
 #: The twin metadata of a property the GPU cannot read (next to ``type``; EdgeCore keeps only ``type``, an edge
 #: application subscribed to ``twin/update`` sees both).
@@ -89,22 +68,9 @@ class Delta:
     values: Mapping[str, str]
 
 
-def device_of_topic(topic: str) -> tuple[str, str]:
-    """``$hw/events/device/{ns}/{name}/...`` -> (ns, name); ValueError for anything else."""
-    parts = topic.split("/")
-    if len(parts) < 6 or "/".join(parts[:3]) != DEVICE_PREFIX:
-        raise ValueError(f"topic {topic!r} is not a two-segment KubeEdge device topic")
-    namespace, name = parts[3], parts[4]
-    if not _SEGMENT_RE.fullmatch(namespace) or not _SEGMENT_RE.fullmatch(name):
-        raise ValueError(f"topic {topic!r}: {namespace}/{name} is not a valid namespace/name")
-    return namespace, name
-
-
 def parse_delta(topic: str, payload: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> Delta:
     """Parse a ``twin/update/delta`` message of at most ``max_bytes``. Raises ValueError naming what is wrong."""
-    if len(topic.split("/")) != 8 or not topic.endswith("/twin/update/delta"):
-        raise ValueError(f"topic {topic!r} is not a two-segment KubeEdge twin/update/delta topic")
-    namespace, name = device_of_topic(topic)
+    namespace, name = device_of_delta_topic(topic)
     if len(payload) > max_bytes:
         raise ValueError(f"delta for {namespace}/{name}: payload of {len(payload)} bytes exceeds {max_bytes}")
     doc = load_json(payload, f"delta for {namespace}/{name}")

@@ -48,6 +48,7 @@ import zstandard
 
 from mapper.shared.model import DeviceConfig, Sample, Value
 from mapper.wire.dictionaries import CURRENT_DICTIONARY_ID, DICTIONARIES
+from mapper.wire.topics import telemetry_topic
 
 Format = Literal["binary", "json"]
 
@@ -2158,21 +2159,6 @@ class BatchEncoder:
 # --------------------------------------------------------------------------------------------------
 
 
-def default_topic(node: str, device: str) -> str:
-    """``gpu-mapper/{node}/{namespace}/{name}/telemetry`` (the device key keeps its slash)."""
-    return f"gpu-mapper/{node}/{device}/telemetry"
-
-
-def state_topic(node: str, device: str) -> str:
-    """Where the latest values of a device are published, retained, first on every reconnect."""
-    return f"gpu-mapper/{node}/{device}/state"
-
-
-def status_topic(node: str) -> str:
-    """The mapper's online/offline topic (the MQTT last will)."""
-    return f"gpu-mapper/{node}/status"
-
-
 @dataclass(frozen=True)
 class Route:
     """Where one group of a device's properties goes. ``address`` "" = the mapper's default broker;
@@ -2199,7 +2185,7 @@ def routes_for(device: DeviceConfig, node: str, *, default_qos: int = 1) -> list
         if push.qos not in (0, 1, 2):
             raise ValueError(f"device {device.key} property {p.name}: pushMethod.mqtt.qos must be 0, 1 or 2")
         groups.setdefault((push.address, push.topic, push.qos, push.retained), set()).add(p.name)
-    routes = [Route("", default_topic(node, device.key), default_qos, False, None)]
+    routes = [Route("", telemetry_topic(node, device.key), default_qos, False, None)]
     routes += [Route(a, t, q, r, frozenset(names)) for (a, t, q, r), names in groups.items()]
     return routes
 
@@ -2263,23 +2249,6 @@ class DeviceTelemetry:
                 self.next_seq = enc.next_seq
                 out.append((route, batch))
         return out
-
-
-#: The status keys of a state message after ``device``, ``uuid``, ``ts_ms`` and ``values`` (all optional: a
-#: reader takes a message without them, as mappers before them sent): when the snapshot was taken (ms), the
-#: device state, the GPU's identity (``{"index", "pci_bus_id", "driver_version"}``), the XID events seen by code
-#: (``{"79": 1}``) and the desired power limit in W.
-STATE_AT_MS, STATE_STATE, STATE_GPU = "at_ms", "state", "gpu"
-STATE_XID_ERRORS, STATE_POWER_LIMIT_DESIRED_W = "xid_errors", "power_limit_desired_w"
-
-
-def state_payload(device: str, sample: Sample, extra: Mapping[str, Any] | None = None) -> bytes:
-    """The retained 'current state' message of a device: its latest values as one JSON object, with ``extra``
-    keys after them (the mapper's status: ``mapper.edge.status.stats.device_state_payload``)."""
-    doc: dict[str, Any] = {"device": device, "uuid": sample.uuid, "ts_ms": sample.ts_ms, "values": dict(sample.values)}
-    if extra:
-        doc.update(extra)
-    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,11 +31,11 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from mapper.edge.config import parse_duration_s
 from mapper.edge.health.checks import HEALTHY_REPORT, CheckResult, HealthReport, HealthStatus, ProbeResult, build_report
 from mapper.edge.health.xid import DEFAULT_FATAL_XIDS, XidPolicy
 from mapper.errors import ConfigError
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
+from mapper.shared.settings import parse_duration_s
 
 log = logging.getLogger(__name__)
 

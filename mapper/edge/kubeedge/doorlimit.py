@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from mapper.wire.eventbus import DEVICE_PREFIX, device_of_topic
+from mapper.wire.topics import DEVICE_PREFIX, device_of_topic
 
 log = logging.getLogger(__name__)
 

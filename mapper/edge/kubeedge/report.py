@@ -41,8 +41,9 @@ from typing import Protocol
 from mapper.clock import Clock, sleep_or_wake
 from mapper.edge.control.collect import GpuWorker, TickResult, worker_sample
 from mapper.shared.model import PROPERTY_BY_NAME, UNSUPPORTED_TWIN, DeviceConfig, Twin, format_value
-from mapper.wire.eventbus import state_update_payload, state_update_topic, twin_update_payload, twin_update_topic
-from mapper.wire.telemetry import state_payload
+from mapper.wire.eventbus import state_update_payload, twin_update_payload
+from mapper.wire.state import state_payload
+from mapper.wire.topics import state_update_topic, twin_update_topic
 
 log = logging.getLogger("mapper.edge.kubeedge.report")
 
@@ -131,7 +132,8 @@ class Reporter:
     reporter, or None without DMI. ``eventbus``: the EventBus publish, or None when EventBus reporting is off.
     ``device_state``: called with (device key, state JSON) on every periodic twin report (the shipper's
     retained state snapshot), or None; ``state_snapshot(device key, worker)`` makes that JSON when set (the app's
-    adds the GPU's status: ``mapper.edge.status.stats.device_state_payload``), else it holds the values alone.
+    adds the GPU's status: ``mapper.edge.status.source.StatusSource.state_message``), else it holds the values
+    alone (both written by ``mapper.wire.state.state_payload``).
     ``beat``: the loop's heartbeat (name, period s)."""
 
     def __init__(

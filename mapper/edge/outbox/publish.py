@@ -3,7 +3,8 @@
 ``Publisher`` owns the default broker's side of those messages:
 
 * ``publish_step`` turns one GPU step's acks and policy events into JSON on
-  ``gpu-mapper/{node}/{namespace}/{name}/desired/ack`` and ``.../events`` (logged, policy events counted);
+  ``gpu-mapper/{node}/{namespace}/{name}/desired/ack`` and ``.../events`` (logged, policy events counted; the
+  topics are ``mapper.wire.topics``', the payloads ``mapper.wire.payloads``' and the reconciler's);
 * ``publish_or_keep``: acks and events are published at once while the broker is up; while it is down (or when
   that publish fails) they are stored in the telemetry buffer (``TelemetryShipper.submit_message``) and sent in
   order with the telemetry when it is back. They record what the mapper did on its own, which the cloud must
@@ -19,7 +20,6 @@ Pure loop logic over Protocols: it sees an MQTT session (``Link``) and the shipp
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol
@@ -30,27 +30,13 @@ from mapper.edge.control.reconcile import Ack, ack_to_json
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.errors import MapperError, TransientError
 from mapper.shared.model import Sample
+from mapper.wire import topics
+from mapper.wire.payloads import STATUS_OFFLINE, event_payload, live_payload
 
 log = logging.getLogger("mapper.edge.outbox.publish")
 
 #: How long a fire-and-forget publish or an ack waits for its PUBACK.
 PUBLISH_TIMEOUT_S = 5.0
-
-
-def live_topic(node: str, device_key: str) -> str:
-    """``gpu-mapper/{node}/{namespace}/{name}/live``."""
-    return f"gpu-mapper/{node}/{device_key}/live"
-
-
-def live_payload(sample: Sample) -> bytes:
-    """One sample as compact JSON: ``{"ts_ms": <read time>, "uuid": ..., "values": {property: value}}``, values
-    in catalog units as JSON numbers, booleans and strings (only what this sample read)."""
-    return json.dumps(
-        {"ts_ms": sample.ts_ms, "uuid": sample.uuid, "values": sample.values},
-        separators=(",", ":"),
-        ensure_ascii=True,
-        allow_nan=False,
-    ).encode()
 
 
 class Link(Protocol):
@@ -93,7 +79,7 @@ class Publisher:
 
     @property
     def status_topic(self) -> str:
-        return f"gpu-mapper/{self.node}/status"
+        return topics.status_topic(self.node)
 
     def tasks(self) -> list[asyncio.Task[None]]:
         """The publishes still in flight (shutdown cancels them: an ack cancelled before its PUBACK is kept)."""
@@ -110,16 +96,13 @@ class Publisher:
         for ack in acks:
             text = ack_to_json(ack)
             log.info("desired %s on %s: %s", ack.property, device_key, text)
-            self.publish_or_keep(f"gpu-mapper/{self.node}/{device_key}/desired/ack", text.encode(), device_key, uuid)
+            self.publish_or_keep(topics.ack_topic(self.node, device_key), text.encode(), device_key, uuid)
         for event in events:
             key = (event.policy, event.action)
             self.policy_events[key] = self.policy_events.get(key, 0) + 1
-            payload = event.to_payload()
-            payload.update(node=self.node, device=device_key, ts_ms=self.clock.wall_ms())
+            payload = event_payload(event.to_payload(), node=self.node, device=device_key, ts_ms=self.clock.wall_ms())
             log.warning("policy %s %s on %s (GPU %s): %s", event.policy, event.action, device_key, uuid, event.reason)
-            self.publish_or_keep(
-                f"gpu-mapper/{self.node}/{device_key}/events", json.dumps(payload).encode(), device_key, uuid
-            )
+            self.publish_or_keep(topics.events_topic(self.node, device_key), payload, device_key, uuid)
 
     def publish_or_keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
         """Published at once while the broker is up; kept in the buffer while it is down or when the publish
@@ -182,7 +165,7 @@ class Publisher:
         except ValueError as exc:  # a value JSON cannot carry (NaN): that sample is not sent live
             log.debug("live sample of %s not sent: %s", device_key, exc)
             return
-        self.publish_soon(live_topic(self.node, device_key), payload, qos=0)
+        self.publish_soon(topics.live_topic(self.node, device_key), payload, qos=0)
 
     async def publish_telemetry(
         self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
@@ -197,6 +180,6 @@ class Publisher:
         session = self.session
         if session is not None and session.connected:
             try:
-                await session.publish(self.status_topic, b"offline", qos=1, retain=True, timeout_s=timeout_s)
+                await session.publish(self.status_topic, STATUS_OFFLINE, qos=1, retain=True, timeout_s=timeout_s)
             except MapperError as exc:
                 log.debug("could not publish offline: %s", exc)

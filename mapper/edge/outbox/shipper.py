@@ -24,7 +24,8 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from mapper.clock import Clock
 from mapper.errors import MapperError, PermanentError, TransientError
-from mapper.wire.telemetry import EncodedBatch, Route, default_topic, state_topic
+from mapper.wire.telemetry import EncodedBatch, Route
+from mapper.wire.topics import state_topic, telemetry_topic
 
 _T = TypeVar("_T")
 
@@ -220,7 +221,7 @@ class TelemetryShipper:
                 batch.seq,
                 batch.ts_first_ms,
                 batch.ts_last_ms,
-                default_topic(node, batch.device) if route is None else route.topic,
+                telemetry_topic(node, batch.device) if route is None else route.topic,
                 batch.payload,
                 1 if route is None else route.qos,
                 False if route is None else route.retain,

@@ -14,10 +14,10 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 
-from mapper.edge.config import read_file
 from mapper.edge.control.policy import PolicyEngine, parse_policies
 from mapper.edge.status.stats import MapperSnapshot
 from mapper.errors import ConfigError, MapperError
+from mapper.shared.settings import read_config_file
 
 log = logging.getLogger("mapper.edge.app")
 
@@ -82,7 +82,7 @@ class Housekeeping:
             return
         self.config_mtime = mtime
         try:
-            data = read_file(path)
+            data = read_config_file(path)
             config = parse_policies(data.get("policies") or {})
             self.policies.configure(config, dict(self.overrides()))
         except ConfigError as exc:

@@ -1,19 +1,19 @@
-"""Prometheus metrics and the health endpoints: the only module that imports prometheus_client.
+"""Prometheus metrics and the mapper's HTTP endpoints.
 
 ``GpuCollector`` builds every metric at scrape time from one ``MapperSnapshot`` (a callable the composition
 root provides): no NVML call per scrape, and a GPU that left the snapshot leaves no stale series. It lives in
 a fresh ``CollectorRegistry`` (``build_registry``), never in the global one.
 
-``MetricsServer`` serves, from a daemon thread (stdlib ``http.server``):
+``MetricsServer`` (the bounded server of ``mapper.net.http``, with its ``/healthz``) serves:
 
 * ``/metrics``  Prometheus text format
 * ``/healthz``  200 while every registered loop beats; 503 naming the stalled loop (liveness probe)
 * ``/readyz``   200 when NVML is initialised and the mapper is registered with EdgeCore or standalone
 * ``/status``   the snapshot as JSON (``?format=text``: the ``gpu-mapper status`` table)
 
-Every request is bounded: the socket has a timeout, and the callables are run on the app's event loop (when
-one is given, so they read the app's state from its own thread) or on a worker thread, and waited for at most
-``snapshot_timeout_s``; a callable that does not answer in time gives 503, never a hung scrape.
+The snapshot and readiness callables are run on the app's event loop (when one is given, so they read the
+app's state from its own thread) or on a worker thread, and waited for at most ``snapshot_timeout_s``; a
+callable that does not answer in time gives 503, never a hung scrape.
 
 Also here: reading a snapshot back for ``gpu-mapper status`` (``fetch_status`` over HTTP, or
 ``read_status_file``/``write_status_file`` in the data directory).
@@ -22,23 +22,14 @@ Also here: reading a snapshot back for ``gpu-mapper status`` (``fetch_status`` o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
-import selectors
-import socket
-import ssl
 import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlsplit
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -52,22 +43,12 @@ from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_n
 from prometheus_client.samples import Sample as PromSample
 from prometheus_client.utils import floatToGoString
 
-from mapper.bridge.core import BridgeStats
-from mapper.bridge.core import Histogram as BridgeHistogram
 from mapper.edge.health.checks import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
-from mapper.edge.status.stats import (
-    STATUS_FILE_NAME,
-    GpuSnapshot,
-    LoopHeartbeat,
-    MapperSnapshot,
-    Readiness,
-    SnapshotFormatError,
-    check_liveness,
-)
+from mapper.edge.status.stats import STATUS_FILE_NAME, GpuSnapshot, MapperSnapshot, Readiness, SnapshotFormatError
 from mapper.edge.status.view import render_status
 from mapper.errors import ConfigError, NotFoundError, TransientError
-from mapper.net.webconfig import WebAuth, WebConfig, client_allowed
+from mapper.net.http import TEXT, Answer, HttpServer, LoopHeartbeat
 from mapper.shared import naming
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample
 
@@ -562,128 +543,11 @@ def _FULL_EXAMPLE() -> MapperSnapshot:
 
 
 # --------------------------------------------------------------------------------------------------
-# Address parsing
+# The HTTP endpoints
 # --------------------------------------------------------------------------------------------------
 
 
-def parse_metrics_addr(addr: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> (host, port). ``:9100`` binds every interface; ``[::1]:9100`` is IPv6; port 0 lets
-    the OS choose (tests). Raises ``ConfigError`` naming the bad part."""
-    text = addr.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ConfigError(f"metrics addr {addr!r}: expected [IPV6]:PORT")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raise ConfigError(f"metrics addr {addr!r}: expected HOST:PORT (e.g. 0.0.0.0:9100 or :9100)")
-        if ":" in host:
-            raise ConfigError(f"metrics addr {addr!r}: write an IPv6 host in brackets, e.g. [::1]:9100")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f"metrics addr {addr!r}: port {port_text!r} is not a number from 0 to 65535")
-    return (host or "0.0.0.0", int(port_text))
-
-
-# --------------------------------------------------------------------------------------------------
-# The HTTP server
-# --------------------------------------------------------------------------------------------------
-
-_R = TypeVar("_R")
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    #: ``handle_request`` waits at most this long for the connection it was woken for.
-    timeout = 1.0
-    owner: MetricsServer
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that fails the TLS handshake or hangs up mid-request: not the mapper's error (the default
-        # prints a traceback to stderr).
-        log.debug("http %s: connection failed", client_address[0] if client_address else "?", exc_info=True)
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    web_config: WebConfig | None = None
-    protocol_version = "HTTP/1.1"
-    server_version = "gpu-mapper"
-
-    def setup(self) -> None:
-        # Every read and write on the connection is bounded (a stuck client cannot hold a thread forever).
-        self.request.settimeout(self.server.owner.request_timeout_s)
-        web = self.server.owner.web
-        self.web_config = web.config if web is not None else None
-        if self.web_config is not None and self.web_config.context is not None:
-            # The handshake runs here, on this connection's thread (bounded by the timeout above), not on the
-            # accept loop.
-            self.request = self.web_config.context.wrap_socket(self.request, server_side=True)
-            if not client_allowed(self.web_config, self.request.getpeercert()):
-                log.info("http %s: client certificate not in client_allowed_sans; closed", self.client_address[0])
-                self.request.close()
-                raise ConnectionAbortedError("client certificate not allowed")
-        super().setup()
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            # The server closes the plain socket it accepted, which the TLS one has taken over (detached).
-            if isinstance(self.request, ssl.SSLSocket):
-                self.request.close()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("http %s " + format, self.client_address[0], *args)
-
-    def do_GET(self) -> None:
-        owner = self.server.owner
-        url = urlsplit(self.path)
-        web = self.web_config
-        if (
-            web is not None
-            and owner.web is not None
-            and not owner.web.authorized(web, self.headers.get("Authorization"))
-        ):
-            body = b"unauthorized\n"
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", 'Basic realm="gpu-mapper"')
-            self.send_header("Content-Type", _TEXT)
-            self.send_header("Content-Length", str(len(body)))
-            self._extra_headers()
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        try:
-            status, ctype, body = owner.handle(url.path, parse_qs(url.query))
-        except Exception:
-            log.exception("http %s failed", url.path)
-            status, ctype, body = 500, "text/plain; charset=utf-8", b"internal error\n"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self._extra_headers()
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _extra_headers(self) -> None:
-        if self.web_config is not None:
-            for name, value in self.web_config.headers.items():
-                self.send_header(name, value)
-
-
-_TEXT = "text/plain; charset=utf-8"
-#: The accept loop's longest wait (s): it wakes for a connection or for ``stop``, and at least this often.
-_IDLE_WAIT_S = 60.0
-
-
-class MetricsServer:
+class MetricsServer(HttpServer):
     """``/metrics``, ``/healthz``, ``/readyz`` and ``/status`` on ``addr`` (``HOST:PORT``), in a daemon thread.
 
     ``snapshot`` builds the current ``MapperSnapshot``; ``heartbeats`` lists the loops' last beats (monotonic
@@ -691,6 +555,10 @@ class MetricsServer:
     With ``loop`` given, the three callables run on that asyncio loop (thread-safe reads of the app's state;
     an event loop that does not answer within ``snapshot_timeout_s`` fails ``/healthz``).
     """
+
+    name = "gpu-mapper"
+    paths = ("/metrics", "/healthz", "/readyz", "/status")
+    callable_name = "the snapshot callable"
 
     def __init__(
         self,
@@ -707,180 +575,47 @@ class MetricsServer:
         min_stall_s: float = 10.0,
         web_config_file: str | None = None,
     ) -> None:
-        self.host, self._port = parse_metrics_addr(addr)
-        #: TLS and basic auth from an exporter-toolkit web config file (``mapper.net.webconfig``); None: plain HTTP.
-        self.web = WebAuth(web_config_file) if web_config_file else None
+        super().__init__(
+            addr,
+            heartbeats=heartbeats,
+            loop=loop,
+            monotonic=monotonic,
+            request_timeout_s=request_timeout_s,
+            call_timeout_s=snapshot_timeout_s,
+            stall_periods=stall_periods,
+            min_stall_s=min_stall_s,
+            web_config_file=web_config_file,
+        )
         self._snapshot = snapshot
-        self._heartbeats = heartbeats
         self._readiness = readiness
-        self._loop = loop
-        self._monotonic = monotonic or _monotonic
-        self.request_timeout_s = request_timeout_s
-        self.snapshot_timeout_s = snapshot_timeout_s
-        self.stall_periods = stall_periods
-        self.min_stall_s = min_stall_s
-        self._registry = build_registry(lambda: self._call(self._snapshot))
+        self._registry = build_registry(lambda: self.call(self._snapshot))
         self._renderer = TextRenderer()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="metrics-call")
-        self._httpd: _Server | None = None
-        self._thread: threading.Thread | None = None
 
-    # --- lifecycle ---
-
-    def start(self) -> None:
-        if self._httpd is not None:
-            return
-        cls = _Server6 if ":" in self.host else _Server
-        try:
-            httpd = cls((self.host, self._port), _Handler, bind_and_activate=False)
-            httpd.owner = self
-            httpd.allow_reuse_address = True
-            httpd.server_bind()
-            httpd.server_activate()
-        except OSError as exc:
-            raise ConfigError(f"metrics addr {self.host}:{self._port}: cannot listen ({exc.strerror or exc})") from None
-        self._httpd = httpd
-        self._port = httpd.server_address[1]
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._thread = threading.Thread(
-            target=self._serve, args=(httpd, self._wake_r), name="metrics-http", daemon=True
-        )
-        self._thread.start()
-        web = self.web.config if self.web is not None else None
-        log.info(
-            "metrics: serving /metrics /healthz /readyz /status on %s%s",
-            self.url,
-            ""
-            if web is None
-            else f" (web config {self.web.path if self.web else ''}: "
-            f"{len(web.users)} basic-auth user(s), client certificates "
-            f"{web.tls.client_auth_type if web.tls else 'n/a'})",
-        )
-
-    def _serve(self, httpd: _Server, wake: socket.socket) -> None:
-        """Accept connections until ``stop`` writes to ``wake``. Unlike ``serve_forever`` it does not poll: an
-        idle server costs no wake-ups between scrapes (one a minute, the bound on the wait)."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(httpd, selectors.EVENT_READ)
-            selector.register(wake, selectors.EVENT_READ)
-            while True:
-                ready = selector.select(timeout=_IDLE_WAIT_S)
-                if any(key.fileobj is wake for key, _ in ready):
-                    return
-                if ready:
-                    httpd.handle_request()  # readable: accepts at once (httpd.timeout bounds a vanished client)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        httpd, self._httpd = self._httpd, None
-        if httpd is None:
-            return
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        httpd.server_close()
-        self._wake_r.close()
-        self._wake_w.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def __enter__(self) -> MetricsServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        """The bound port (the OS's choice when started with port 0)."""
-        return self._port
-
-    @property
-    def url(self) -> str:
-        host = self.host
-        if host in ("0.0.0.0", ""):
-            host = "127.0.0.1"
-        elif host == "::":
-            host = "::1"
-        if ":" in host:
-            host = f"[{host}]"
-        tls = self.web is not None and self.web.config.tls is not None
-        return f"{'https' if tls else 'http'}://{host}:{self._port}"
-
-    # --- requests (run on the server's threads) ---
-
-    def _call(self, fn: Callable[[], _R]) -> _R:
-        """Run ``fn`` on the app's loop (or a worker thread) and wait at most ``snapshot_timeout_s``."""
-        fut: concurrent.futures.Future[_R]
-        if self._loop is not None:
-            fut = concurrent.futures.Future()
-
-            def run() -> None:
-                if not fut.set_running_or_notify_cancel():
-                    return
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:
-                    fut.set_exception(exc)
-
-            try:
-                self._loop.call_soon_threadsafe(run)
-            except RuntimeError as exc:  # loop closed
-                raise TransientError(f"the event loop is not running ({exc})") from None
-        else:
-            fut = self._pool.submit(fn)
-        try:
-            return fut.result(timeout=self.snapshot_timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            where = "the event loop" if self._loop is not None else "the snapshot callable"
-            raise TransientError(f"{where} did not answer within {self.snapshot_timeout_s:g} s") from None
-
-    def handle(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        """Answer one GET: (status, content type, body)."""
+    def route(self, path: str, query: dict[str, list[str]]) -> Answer | None:
         if path == "/metrics":
             try:
                 return 200, CONTENT_TYPE_LATEST, render_metrics(self._registry, self._renderer)
             except TransientError as exc:
-                return 503, _TEXT, f"metrics unavailable: {exc}\n".encode()
-        if path == "/healthz":
-            try:
-                beats = list(self._call(self._heartbeats))
-            except TransientError as exc:
-                return 503, _TEXT, f"unhealthy: {exc}\n".encode()
-            live = check_liveness(
-                beats, self._monotonic(), stall_periods=self.stall_periods, min_stall_s=self.min_stall_s
-            )
-            head = "ok" if live.ok else "unhealthy: stalled loop(s): " + ", ".join(live.stalled)
-            body = "\n".join((head, *live.lines)) + "\n"
-            return (200 if live.ok else 503), _TEXT, body.encode()
+                return 503, TEXT, f"metrics unavailable: {exc}\n".encode()
         if path == "/readyz":
             try:
-                ready = self._call(self._readiness)
+                ready = self.call(self._readiness)
             except TransientError as exc:
-                return 503, _TEXT, f"not ready: {exc}\n".encode()
+                return 503, TEXT, f"not ready: {exc}\n".encode()
             problems = ready.problems()
             if problems:
-                return 503, _TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
+                return 503, TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
             mode = "standalone" if ready.standalone else "registered with EdgeCore"
-            return 200, _TEXT, f"ready ({mode})\n".encode()
+            return 200, TEXT, f"ready ({mode})\n".encode()
         if path == "/status":
             try:
-                snap = self._call(self._snapshot)
+                snap = self.call(self._snapshot)
             except TransientError as exc:
-                return 503, _TEXT, f"status unavailable: {exc}\n".encode()
+                return 503, TEXT, f"status unavailable: {exc}\n".encode()
             if query.get("format", [""])[0] == "text":
-                return 200, _TEXT, render_status(snap).encode()
+                return 200, TEXT, render_status(snap).encode()
             return 200, "application/json", snap.to_json().encode()
-        if path == "/":
-            return 200, _TEXT, b"gpu-mapper: /metrics /healthz /readyz /status\n"
-        return int(HTTPStatus.NOT_FOUND), _TEXT, f"not found: {path}\n".encode()
-
-
-def _monotonic() -> float:
-    return time.monotonic()
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -940,135 +675,6 @@ def read_status_file(data_dir: str | os.PathLike[str]) -> MapperSnapshot:
         return MapperSnapshot.from_json(text)
     except SnapshotFormatError as exc:
         raise SnapshotFormatError(f"{path}: {exc}") from None
-
-
-# --------------------------------------------------------------------------------------------------
-# gpu-mapper bridge: its own /metrics, /healthz, /readyz
-# --------------------------------------------------------------------------------------------------
-
-
-def _histogram(name: str, doc: str, h: BridgeHistogram) -> HistogramMetricFamily:
-    fam = HistogramMetricFamily(name, doc)
-    fam.add_metric([], [(floatToGoString(le), float(n)) for le, n in h.cumulative()], sum_value=h.sum)
-    return fam
-
-
-def bridge_metrics(s: BridgeStats) -> list[Metric]:
-    """The bridge's families (``gpu_mapper_bridge_*``) from its stats."""
-    p = "gpu_mapper_bridge_"
-    return [
-        _counter(p + "batches_received", "telemetry batches received from the broker", s.batches_received),
-        _counter(p + "samples_received", "property values in the batches received", s.samples_received),
-        _counter(p + "batches_written", "batches whose samples the receiver accepted", s.batches_written),
-        _counter(p + "samples_written", "samples the receiver accepted", s.samples_written),
-        _counter(p + "requests_written", "remote-write requests the receiver accepted", s.requests_written),
-        _counter(
-            p + "duplicate_batches",
-            "batches dropped as already written (node, device, boot id, seq range)",
-            s.duplicate_batches,
-        ),
-        _counter(p + "duplicate_samples", "property values in the duplicate batches dropped", s.duplicate_samples),
-        _counter(p + "decode_errors", "messages that are not telemetry batches (kept in the spool)", s.decode_errors),
-        _counter(
-            p + "uuid_unknown_batches",
-            "batches written without a uuid label (no uuid known in time)",
-            s.uuid_unknown_batches,
-        ),
-        _counter(
-            p + "identity_unknown_batches",
-            "batches written without the gpu, driver_version and pci_bus_id labels (no state message in time)",
-            s.identity_unknown_batches,
-        ),
-        _counter(p + "state_messages", "device state messages received from the broker", s.state_messages),
-        _counter(
-            p + "state_messages_written",
-            "state messages whose status samples the receiver accepted",
-            s.state_messages_written,
-        ),
-        _counter(
-            p + "bad_state_messages", "messages on the state topic that are not state messages", s.bad_state_messages
-        ),
-        _labelled(
-            CounterMetricFamily,
-            p + "refused_requests",
-            "requests refused with a 4xx (not retried), by reason",
-            ("reason",),
-            _keyed(s.refused_requests),
-        ),
-        _labelled(
-            CounterMetricFamily,
-            p + "refused_samples",
-            "samples in refused requests (kept in the spool)",
-            ("reason",),
-            _keyed(s.refused_samples),
-        ),
-        _labelled(
-            CounterMetricFamily,
-            p + "retries",
-            "remote-write attempts retried (5xx, 429, network), by reason",
-            ("reason",),
-            _keyed(s.retries),
-        ),
-        _counter(p + "spooled_requests", "refused requests written to the spool directory", s.spooled_requests),
-        _counter(
-            p + "spool_failures", "refused requests or messages the spool could not keep (dropped)", s.spool_failures
-        ),
-        _counter(p + "version_fallbacks", "falls back from remote write 2.0 to 1.0", s.version_fallbacks),
-        _histogram(p + "write_duration_seconds", "time of one remote-write POST", s.write_duration),
-        _histogram(p + "sample_lag_seconds", "age of a batch's newest sample when it was written", s.lag),
-        _gauge(p + "last_write_lag_seconds", "age of the newest sample of the last batch written", s.last_write_lag_s),
-        _gauge(p + "pending_batches", "batches received and not yet written or refused", s.pending_batches),
-        _gauge(p + "pending_samples", "samples waiting in requests not yet written", s.pending_samples),
-        _gauge(p + "mqtt_connected", "1 while the MQTT session is up", 1 if s.mqtt_connected else 0),
-        _gauge(p + "remote_write_version", "remote-write protocol version in use (1 or 2)", s.remote_write_version),
-        _gauge(p + "dedup_streams", "streams (node, device, boot id, topic) the dedup remembers", s.dedup_streams),
-    ]
-
-
-class _BridgeCollector:
-    def __init__(self, families: Callable[[], list[Metric]]) -> None:
-        self._families = families
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._families()
-
-
-class BridgeMetricsServer(MetricsServer):
-    """``/metrics``, ``/healthz`` and ``/readyz`` of ``gpu-mapper bridge`` (the mapper server's loop and bounds).
-    ``problems()`` lists why it is not ready (empty: ready)."""
-
-    def __init__(
-        self,
-        addr: str,
-        *,
-        stats: Callable[[], BridgeStats],
-        heartbeats: Callable[[], Iterable[LoopHeartbeat]],
-        problems: Callable[[], list[str]],
-        loop: asyncio.AbstractEventLoop | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(addr, snapshot=lambda: MapperSnapshot(node=""), heartbeats=heartbeats, loop=loop, **kwargs)
-        self._problems = problems
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_BridgeCollector(lambda: bridge_metrics(self._call(stats))))
-
-    def handle(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, bytes]:
-        if path == "/readyz":
-            try:
-                problems = self._call(self._problems)
-            except TransientError as exc:
-                return 503, _TEXT, f"not ready: {exc}\n".encode()
-            if problems:
-                return 503, _TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
-            return 200, _TEXT, b"ready\n"
-        if path in ("/metrics", "/healthz"):
-            return super().handle(path, query)
-        if path == "/":
-            return 200, _TEXT, b"gpu-mapper bridge: /metrics /healthz /readyz\n"
-        return int(HTTPStatus.NOT_FOUND), _TEXT, f"not found: {path}\n".encode()
 
 
 def read_status(url: str | None = None, data_dir: str | None = None) -> MapperSnapshot:

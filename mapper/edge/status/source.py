@@ -1,6 +1,7 @@
 """The running mapper's snapshot (``mapper.edge.status.stats.MapperSnapshot``), built on demand from the parts that hold
 each figure: the GPU workers, the collector, the publisher, the door's limiter, and (once started) the
-buffer, the shipper, the MQTT session and the DMI client and server.
+buffer, the shipper, the MQTT session and the DMI client and server. What reads the GPU workers is here
+(``gpu_snapshot``, ``worker_totals``): the snapshot's module holds values only.
 
 ``StatusSource.snapshot`` is what ``/metrics``, ``/status`` and the status file read; nothing in it touches
 the hardware or the network. It sees the adapters through the small Protocols below only (``mapper.edge.app``
@@ -13,22 +14,17 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, TextIO
 
 from mapper.clock import Clock
 from mapper.edge.config import Settings
-from mapper.edge.control.collect import Collector, GpuWorker
+from mapper.edge.control.collect import Collector, GpuWorker, worker_sample
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.processes.monitor import GpuWorkloads
-from mapper.edge.status.stats import (
-    DurationHistogram,
-    MapperSnapshot,
-    device_state_payload,
-    gpu_snapshot,
-    worker_totals,
-)
+from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.edge.status.view import console_table
 
 
@@ -154,10 +150,11 @@ class StatusSource:
         return self.buffer.stats().batches if self.buffer is not None else 0
 
     def state_message(self, device_key: str, worker: GpuWorker) -> bytes:
-        """A device's retained state message: its latest values and its GPU's status (``device_state_payload``)."""
+        """A device's retained state message: its latest values and its GPU's status
+        (``GpuSnapshot.state_message``)."""
         probes = self.health.probe_counts(worker.uuid) if self.health is not None else None
         g = gpu_snapshot(worker, self.node, self.collector.xids.get(worker.uuid, {}), probes)
-        return device_state_payload(device_key, g, driver_version=self.driver_version, at_ms=self.clock.wall_ms())
+        return g.state_message(device_key, driver_version=self.driver_version, at_ms=self.clock.wall_ms())
 
     def snapshot(self) -> MapperSnapshot:
         xids = self.collector.xids
@@ -202,6 +199,59 @@ class StatusSource:
             workloads=self.processes.workloads() if self.processes is not None else (),
             process_errors=dict(self.processes.errors) if self.processes is not None else {},
         )
+
+
+def gpu_snapshot(
+    worker: GpuWorker, node: str, xids: Mapping[int, int], probes: Mapping[str, int] | None = None
+) -> GpuSnapshot:
+    """One GPU's part of the snapshot, from its worker (``xids``: the XIDs seen on it, by number; ``probes``: the
+    CUDA probes run on it, by outcome)."""
+    state = worker.state if worker.state in ("online", "offline", "unhealthy") else "unknown"
+    desired_pl = worker.desired.effective().get("power_limit")
+    return GpuSnapshot(
+        info=worker.info,
+        device=worker.device.key if worker.device is not None else "",
+        node=node,
+        sample=worker_sample(worker) if worker.values else None,
+        desired_status=worker.desired_status,
+        policy_state=worker.policy_state,
+        state=state,
+        xid_errors=dict(xids),
+        desired_power_limit_w=float(desired_pl.value)
+        if desired_pl is not None and desired_pl.valid and desired_pl.value is not None
+        else None,
+        health=worker.health,
+        health_probe=worker.last_probe,
+        probes=dict(probes or {}),
+    )
+
+
+@dataclass
+class WorkerTotals:
+    """The reconcilers' and policies' counts summed over every GPU."""
+
+    actions: dict[tuple[str, str], int] = field(default_factory=dict)
+    drift: dict[str, int] = field(default_factory=dict)
+    rejections: dict[str, int] = field(default_factory=dict)
+    #: GPUs each policy overrides now.
+    overrides: dict[str, int] = field(default_factory=dict)
+
+
+def worker_totals(workers: Iterable[GpuWorker]) -> WorkerTotals:
+    totals = WorkerTotals()
+    for worker in workers:
+        counters = worker.reconciler.counters
+        for k, v in counters.actions.items():
+            totals.actions[k] = totals.actions.get(k, 0) + v
+        for k2, v in counters.drift_reapplies.items():
+            totals.drift[k2] = totals.drift.get(k2, 0) + v
+        for k2, v in counters.rejections.items():
+            totals.rejections[k2] = totals.rejections.get(k2, 0) + v
+        for part in worker.policy_state.removeprefix("dry-run:").split(","):
+            policy = part.split(":", 1)[0]
+            if policy and policy != "normal":
+                totals.overrides[policy] = totals.overrides.get(policy, 0) + 1
+    return totals
 
 
 def summed_rpc_counts(sources: Iterable[Mapping[str, Mapping[str, int]]]) -> dict[tuple[str, str], int]:

@@ -1,11 +1,13 @@
 """What the running mapper looks like right now: plain, frozen values, no I/O.
 
-The composition root builds a ``MapperSnapshot`` on demand (a callable handed to ``mapper.edge.status.metrics``); the
-Prometheus collector, the ``/status`` endpoint, the data-dir status file and ``gpu-mapper status`` all read it.
-Every self-metric the mapper exports has a field here, so nothing is ever read twice from the hardware.
+``mapper.edge.status.source`` builds a ``MapperSnapshot`` on demand from the running parts (a callable handed
+to ``mapper.edge.status.metrics``); the Prometheus collector, the ``/status`` endpoint, the data-dir status file
+and ``gpu-mapper status`` all read it. Every self-metric the mapper exports has a field here, so nothing is ever
+read twice from the hardware. This module knows the values only, not the loops that make them.
 
-Also here, because they are pure decisions on plain values: the liveness rule (``check_liveness``: a loop
-that has not beaten for N times its period is stalled) and the readiness rule (``Readiness.problems``).
+Also here, because it is a pure decision on plain values: the readiness rule (``Readiness.problems``; the
+liveness rule is the HTTP server's, ``mapper.net.http.check_liveness``). A GPU's part of the snapshot gives its
+device's retained state message (``GpuSnapshot.state_message``, written by ``mapper.wire.state``).
 
 JSON (``to_json``/``from_json``) is the wire format of ``/status`` and the at-rest format of the status file.
 Counters keyed by a tuple (``dmi_rpcs[(method, result)]``) are written as lists ``[method, result, count]``.
@@ -16,15 +18,14 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper.edge.control.collect import GpuWorker, worker_sample
 from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
-from mapper.wire import telemetry
+from mapper.wire.state import GpuStatus, state_payload
 
 #: Version of the JSON layout written by ``MapperSnapshot.to_json``.
 SNAPSHOT_FORMAT = 1
@@ -130,6 +131,24 @@ class GpuSnapshot:
         if self.sample is None:
             return None
         return self.sample.values.get(name)
+
+    def state_message(self, device: str, *, driver_version: str, at_ms: int) -> bytes:
+        """The retained state message of ``device`` with this GPU's status (``mapper.wire.state``): what the
+        bridge turns into ``gpu_mapper_device_state``, ``gpu_xid_errors_total``, ``gpu_power_limit_desired_watts``
+        and the ``gpu``, ``driver_version`` and ``pci_bus_id`` labels, as the mapper's ``/metrics`` shows them.
+        ``driver_version``: the node's, for a GPU that does not say its own; ``at_ms``: when the snapshot was
+        taken."""
+        i = self.info
+        status = GpuStatus(
+            at_ms=at_ms,
+            state=self.state,
+            index=i.index,
+            pci_bus_id=i.pci_bus_id,
+            driver_version=i.driver_version or driver_version,
+            xid_errors=self.xid_errors,
+            power_limit_desired_w=self.desired_power_limit_w,
+        )
+        return state_payload(device, self.sample if self.sample is not None else Sample(i.uuid, 0, {}), status)
 
 
 @dataclass(frozen=True)
@@ -656,51 +675,8 @@ def _is_number(v: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# Liveness and readiness (pure rules; mapper.edge.status.metrics serves them)
+# Readiness (a pure rule; mapper.edge.status.metrics serves it)
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoopHeartbeat:
-    """A long-lived loop's last sign of life: ``last_beat_s`` on the monotonic clock, expected every
-    ``period_s`` seconds."""
-
-    name: str
-    last_beat_s: float
-    period_s: float
-
-
-@dataclass(frozen=True)
-class Liveness:
-    ok: bool
-    #: Human-readable lines, one per loop: ``collect: last beat 0.4 s ago (period 1 s)``.
-    lines: tuple[str, ...] = ()
-    #: Names of the stalled loops.
-    stalled: tuple[str, ...] = ()
-
-
-def check_liveness(
-    beats: Iterable[LoopHeartbeat],
-    now_s: float,
-    *,
-    stall_periods: float = 5.0,
-    min_stall_s: float = 10.0,
-) -> Liveness:
-    """A loop is stalled when its last beat is older than ``max(stall_periods * period_s, min_stall_s)``.
-
-    No loops at all is alive (the process answered); the app registers its loops as it starts them.
-    """
-    lines: list[str] = []
-    stalled: list[str] = []
-    for b in sorted(beats, key=lambda b: b.name):
-        age = now_s - b.last_beat_s
-        limit = max(stall_periods * b.period_s, min_stall_s)
-        line = f"{b.name}: last beat {age:.1f} s ago (period {b.period_s:g} s, stalled after {limit:g} s)"
-        if age > limit:
-            stalled.append(b.name)
-            line = "STALLED " + line
-        lines.append(line)
-    return Liveness(ok=not stalled, lines=tuple(lines), stalled=tuple(stalled))
 
 
 @dataclass(frozen=True)
@@ -722,78 +698,3 @@ class Readiness:
     @property
     def ready(self) -> bool:
         return not self.problems()
-
-
-def gpu_snapshot(
-    worker: GpuWorker, node: str, xids: Mapping[int, int], probes: Mapping[str, int] | None = None
-) -> GpuSnapshot:
-    """One GPU's part of the snapshot, from its worker (``xids``: the XIDs seen on it, by number; ``probes``: the
-    CUDA probes run on it, by outcome)."""
-    state = worker.state if worker.state in ("online", "offline", "unhealthy") else "unknown"
-    desired_pl = worker.desired.effective().get("power_limit")
-    return GpuSnapshot(
-        info=worker.info,
-        device=worker.device.key if worker.device is not None else "",
-        node=node,
-        sample=worker_sample(worker) if worker.values else None,
-        desired_status=worker.desired_status,
-        policy_state=worker.policy_state,
-        state=state,
-        xid_errors=dict(xids),
-        desired_power_limit_w=float(desired_pl.value)
-        if desired_pl is not None and desired_pl.valid and desired_pl.value is not None
-        else None,
-        health=worker.health,
-        health_probe=worker.last_probe,
-        probes=dict(probes or {}),
-    )
-
-
-def device_state_payload(device: str, g: GpuSnapshot, *, driver_version: str, at_ms: int) -> bytes:
-    """The retained state message of a device (``mapper.wire.telemetry.state_payload``) with the mapper's status of its
-    GPU: what the bridge turns into ``gpu_mapper_device_state``, ``gpu_xid_errors_total``,
-    ``gpu_power_limit_desired_watts`` and the ``gpu``, ``driver_version`` and ``pci_bus_id`` labels, as the
-    mapper's ``/metrics`` shows them. ``driver_version``: the node's, for a GPU that does not say its own."""
-    i = g.info
-    extra: dict[str, Any] = {
-        telemetry.STATE_AT_MS: at_ms,
-        telemetry.STATE_STATE: g.state,
-        telemetry.STATE_GPU: {
-            "index": i.index,
-            "pci_bus_id": i.pci_bus_id,
-            "driver_version": i.driver_version or driver_version,
-        },
-        telemetry.STATE_XID_ERRORS: {str(k): v for k, v in sorted(g.xid_errors.items())},
-    }
-    if g.desired_power_limit_w is not None:
-        extra[telemetry.STATE_POWER_LIMIT_DESIRED_W] = g.desired_power_limit_w
-    sample = g.sample if g.sample is not None else Sample(i.uuid, 0, {})
-    return telemetry.state_payload(device, sample, extra)
-
-
-@dataclass
-class WorkerTotals:
-    """The reconcilers' and policies' counts summed over every GPU."""
-
-    actions: dict[tuple[str, str], int] = field(default_factory=dict)
-    drift: dict[str, int] = field(default_factory=dict)
-    rejections: dict[str, int] = field(default_factory=dict)
-    #: GPUs each policy overrides now.
-    overrides: dict[str, int] = field(default_factory=dict)
-
-
-def worker_totals(workers: Iterable[GpuWorker]) -> WorkerTotals:
-    totals = WorkerTotals()
-    for worker in workers:
-        counters = worker.reconciler.counters
-        for k, v in counters.actions.items():
-            totals.actions[k] = totals.actions.get(k, 0) + v
-        for k2, v in counters.drift_reapplies.items():
-            totals.drift[k2] = totals.drift.get(k2, 0) + v
-        for k2, v in counters.rejections.items():
-            totals.rejections[k2] = totals.rejections.get(k2, 0) + v
-        for part in worker.policy_state.removeprefix("dry-run:").split(","):
-            policy = part.split(":", 1)[0]
-            if policy and policy != "normal":
-                totals.overrides[policy] = totals.overrides.get(policy, 0) + 1
-    return totals

@@ -1,0 +1,153 @@
+"""A device's retained state message: its one writer (``state_payload``) and its one reader (``parse_state``).
+
+The mapper publishes it on ``mapper.wire.topics.state_topic`` with every periodic twin report, retained, so
+that a consumer that starts listening learns at once which GPU a device is and how it stands; the bridge reads
+it for the GPU uuid of batches whose header omits it, the GPU's identity labels and the status series.
+
+One JSON object: ``device``, ``uuid``, ``ts_ms`` and ``values`` (the latest sample, catalog units), then the
+mapper's status of the GPU (``GpuStatus``; all optional: a reader takes a message without them, as mappers
+before them sent): when the snapshot was taken (``at_ms``), the device ``state``, the GPU's identity (``gpu``:
+``{"index", "pci_bus_id", "driver_version"}``), the XID events seen by code (``xid_errors``: ``{"79": 1}``) and
+the desired power limit in W (``power_limit_desired_w``, only when one is set).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mapper.shared.model import DEVICE_STATES, Sample
+
+#: The status keys of a state message, after ``device``, ``uuid``, ``ts_ms`` and ``values``.
+STATE_AT_MS, STATE_STATE, STATE_GPU = "at_ms", "state", "gpu"
+STATE_XID_ERRORS, STATE_POWER_LIMIT_DESIRED_W = "xid_errors", "power_limit_desired_w"
+
+
+# --------------------------------------------------------------------------------------------------
+# The writer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    """The mapper's status of a device's GPU, as the state message carries it after the values."""
+
+    #: When the mapper's snapshot was taken (ms since the epoch): the time of the status samples.
+    at_ms: int
+    #: One of ``mapper.shared.model.DEVICE_STATES``.
+    state: str
+    #: The GPU's identity: its NVML index, PCI bus id and driver version.
+    index: int
+    pci_bus_id: str
+    driver_version: str
+    #: XID events seen on the GPU since the mapper started, by XID code.
+    xid_errors: Mapping[int, int] = field(default_factory=dict)
+    #: The power cap asked for (W); None when none is.
+    power_limit_desired_w: float | None = None
+
+
+def state_payload(device: str, sample: Sample, status: GpuStatus | None = None) -> bytes:
+    """The retained state message of ``device``: its latest values as one JSON object, and the GPU's
+    ``status`` after them when given (without it: the values alone)."""
+    doc: dict[str, Any] = {"device": device, "uuid": sample.uuid, "ts_ms": sample.ts_ms, "values": dict(sample.values)}
+    if status is not None:
+        doc[STATE_AT_MS] = status.at_ms
+        doc[STATE_STATE] = status.state
+        doc[STATE_GPU] = {
+            "index": status.index,
+            "pci_bus_id": status.pci_bus_id,
+            "driver_version": status.driver_version,
+        }
+        doc[STATE_XID_ERRORS] = {str(k): v for k, v in sorted(status.xid_errors.items())}
+        if status.power_limit_desired_w is not None:
+            doc[STATE_POWER_LIMIT_DESIRED_W] = status.power_limit_desired_w
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+# --------------------------------------------------------------------------------------------------
+# The reader
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """What a GPU's series are labelled with beyond uuid, device and node (from its retained state message):
+    ``gpu`` (the NVML index as text), and ``gpu_info``'s ``driver_version`` and ``pci_bus_id``. "" = not known,
+    the label is left out."""
+
+    gpu: str = ""
+    pci_bus_id: str = ""
+    driver_version: str = ""
+
+
+#: The identity of a GPU whose state message names none (a mapper before it) or that has no state message.
+NO_IDENTITY = GpuIdentity()
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """A retained state message as the bridge reads it (``parse_state``). ``identity`` None, ``at_ms`` None:
+    the message has none (a mapper before them sent only device, uuid, ts_ms and values)."""
+
+    device: str
+    uuid: str
+    identity: GpuIdentity | None = None
+    at_ms: int | None = None
+    #: One of ``mapper.shared.model.DEVICE_STATES``, or "" when not given.
+    state: str = ""
+    #: (XID code as text, events seen) by code.
+    xid_errors: tuple[tuple[str, int], ...] = ()
+    power_limit_desired_w: float | None = None
+
+    @property
+    def has_samples(self) -> bool:
+        """It carries a status to write (and the time to write it at)."""
+        return self.at_ms is not None and bool(self.state or self.xid_errors or self.power_limit_desired_w is not None)
+
+
+def parse_state(payload: bytes) -> DeviceStatus:
+    """A state message (``state_payload``); ValueError saying what is wrong when it is not one."""
+    try:
+        doc = json.loads(payload)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    device, uuid = doc.get("device"), doc.get("uuid") or ""
+    if not isinstance(device, str) or not device or not isinstance(uuid, str):
+        raise ValueError("no device name (or a uuid that is not a string)")
+    identity = None
+    gpu = doc.get(STATE_GPU)
+    if gpu is not None:
+        if not isinstance(gpu, dict):
+            raise ValueError(f"{STATE_GPU!r} is not an object")
+        index = gpu.get("index")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+            raise ValueError(f"{STATE_GPU}.index {index!r} is not a GPU index")
+        pci, driver = gpu.get("pci_bus_id") or "", gpu.get("driver_version") or ""
+        if not isinstance(pci, str) or not isinstance(driver, str):
+            raise ValueError(f"{STATE_GPU}.pci_bus_id and .driver_version must be strings")
+        identity = GpuIdentity("" if index is None else str(index), pci, driver)
+    at_ms = doc.get(STATE_AT_MS)
+    if at_ms is not None and (isinstance(at_ms, bool) or not isinstance(at_ms, int) or at_ms <= 0):
+        raise ValueError(f"{STATE_AT_MS} {at_ms!r} is not a time in ms")
+    state = doc.get(STATE_STATE) or ""
+    if not isinstance(state, str) or (state and state not in DEVICE_STATES):
+        raise ValueError(f"{STATE_STATE} {state!r} is not one of {', '.join(DEVICE_STATES)}")
+    xids_doc = doc.get(STATE_XID_ERRORS) or {}
+    if not isinstance(xids_doc, dict):
+        raise ValueError(f"{STATE_XID_ERRORS!r} is not an object")
+    xids = []
+    for code, n in xids_doc.items():
+        if not code.isdigit() or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{STATE_XID_ERRORS}: {code!r}: {n!r} is not an XID code and a count")
+        xids.append((str(int(code)), n))
+    desired = doc.get(STATE_POWER_LIMIT_DESIRED_W)
+    if desired is not None and (
+        isinstance(desired, bool) or not isinstance(desired, int | float) or not math.isfinite(desired)
+    ):
+        raise ValueError(f"{STATE_POWER_LIMIT_DESIRED_W} {desired!r} is not a number of W")
+    return DeviceStatus(device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired))
