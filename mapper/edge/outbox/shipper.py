@@ -20,34 +20,16 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from mapper.clock import Clock
+from mapper.edge.outbox.records import StoredBatch
 from mapper.errors import MapperError, PermanentError, TransientError
 from mapper.wire.telemetry import EncodedBatch, Route, default_topic, state_topic
 
 _T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
-
-
-class StoredBatchLike(Protocol):
-    @property
-    def id(self) -> int: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def topic(self) -> str: ...
-    @property
-    def qos(self) -> int: ...
-    @property
-    def retain(self) -> bool: ...
-    @property
-    def payload(self) -> bytes: ...
-    @property
-    def address(self) -> str: ...
 
 
 class BufferStatsLike(Protocol):
@@ -57,42 +39,12 @@ class BufferStatsLike(Protocol):
     def batches(self) -> int: ...
 
 
-class BatchToStore(NamedTuple):
-    """One item of ``BufferLike.put_many``: the keyword arguments of ``BufferLike.put``."""
-
-    device: str
-    uuid: str
-    boot_id: str
-    seq: int
-    ts_first_ms: int
-    ts_last_ms: int
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = False
-    address: str = ""
-
-
 class BufferLike(Protocol):
     """What the shipper needs from ``mapper.edge.storage.buffer.Buffer``."""
 
-    def put(
-        self,
-        *,
-        device: str,
-        uuid: str,
-        boot_id: str,
-        seq: int,
-        ts_first_ms: int,
-        ts_last_ms: int,
-        topic: str,
-        payload: bytes,
-        qos: int = 1,
-        retain: bool = False,
-        address: str = "",
-    ) -> int: ...
-    def put_many(self, items: Sequence[BatchToStore]) -> list[int]: ...
-    def pending(self, limit: int = 100, after_id: int | None = None) -> Sequence[StoredBatchLike]: ...
+    def put(self, batch: StoredBatch) -> int: ...
+    def put_many(self, items: Sequence[StoredBatch]) -> list[int]: ...
+    def pending(self, limit: int = 100, after_id: int | None = None) -> Sequence[StoredBatch]: ...
     def ack(self, batch_id: int) -> None: ...
     def put_latest(self, device: str, payload: bytes, ts_ms: int | None = None) -> None: ...
     def latest(self) -> Mapping[str, bytes]: ...
@@ -213,7 +165,7 @@ class TelemetryShipper:
             return []
         node = self.node
         items = [
-            BatchToStore(
+            StoredBatch(
                 batch.device,
                 batch.uuid,
                 batch.boot_id,
@@ -245,15 +197,17 @@ class TelemetryShipper:
         message_id = self._store(
             f"status message for {device} on {topic}",
             lambda: self.buffer.put(
-                device=device,
-                uuid=uuid,
-                boot_id="",
-                seq=-1,
-                ts_first_ms=ts_ms,
-                ts_last_ms=ts_ms,
-                topic=topic,
-                payload=payload,
-                qos=qos,
+                StoredBatch(
+                    device=device,
+                    uuid=uuid,
+                    boot_id="",
+                    seq=-1,
+                    ts_first_ms=ts_ms,
+                    ts_last_ms=ts_ms,
+                    topic=topic,
+                    payload=payload,
+                    qos=qos,
+                )
             ),
         )
         if message_id is not None:
@@ -385,7 +339,7 @@ class TelemetryShipper:
             self._publishers[address] = pub
         return pub
 
-    async def _send(self, row: StoredBatchLike) -> None:
+    async def _send(self, row: StoredBatch) -> None:
         try:
             publish = await self._publisher(row.address)
             await publish(row.topic, row.payload, row.qos, row.retain, self.publish_timeout_s)
