@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from mapper.clock import Clock
+from mapper.clock import Clock, TokenBucket
 from mapper.edge.outbox.records import StoredBatch
 from mapper.errors import MapperError, PermanentError, TransientError
 from mapper.wire.telemetry import EncodedBatch, Route, default_topic, state_topic
@@ -125,7 +125,11 @@ class TelemetryShipper:
         self._cursor: int | None = None
         self._page: set[int] = set()
         self._closing = False
-        self._next_send_at = 0.0
+        #: The byte-rate cap: burst 1, taken from in debt by each message, so each waits until the one before it
+        #: is paid for (even pacing; idle time saves up nothing).
+        self._pace = (
+            None if rate_limit_bytes_per_s is None else TokenBucket(clock, rate_per_s=rate_limit_bytes_per_s, burst=1)
+        )
         # counters
         self.submitted_batches = 0
         #: Status messages (acks, policy events) stored to go out with the telemetry.
@@ -425,14 +429,12 @@ class TelemetryShipper:
     # ------------------------------------------------------------------------------------------ pacing, progress
 
     async def _throttle(self, nbytes: int) -> None:
-        rate = self.rate_limit_bytes_per_s
-        if rate is None:
+        if self._pace is None:
             return
-        now = self.clock.monotonic()
-        if self._next_send_at > now:
-            await self._sleep(self._next_send_at - now)
-            now = self.clock.monotonic()
-        self._next_send_at = max(now, self._next_send_at) + nbytes / rate
+        wait_s = self._pace.wait_s()
+        if wait_s > 0:
+            await self._sleep(wait_s)
+        self._pace.take_forced(nbytes)
 
     def _backlog(self) -> int:
         try:
