@@ -56,6 +56,7 @@ from pathlib import Path
 
 from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.records import StoredBatch
 from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample, Value
 from mapper.tools.discover import device_name
@@ -260,14 +261,16 @@ class Offline:
 
     def _store(self, device: str, b: EncodedBatch) -> None:
         self.buf.put(
-            device=b.device,
-            uuid=b.uuid,
-            boot_id=b.boot_id,
-            seq=b.seq,
-            ts_first_ms=b.ts_first_ms,
-            ts_last_ms=b.ts_last_ms,
-            topic=telemetry_topic(NODE, device),
-            payload=b.payload,
+            StoredBatch(
+                device=b.device,
+                uuid=b.uuid,
+                boot_id=b.boot_id,
+                seq=b.seq,
+                ts_first_ms=b.ts_first_ms,
+                ts_last_ms=b.ts_last_ms,
+                topic=telemetry_topic(NODE, device),
+                payload=b.payload,
+            )
         )
         self.stored += 1
         if self.compactor is None:

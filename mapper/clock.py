@@ -1,4 +1,5 @@
-"""Time, injected. Loops take a ``Clock`` so tests run on fake time instead of real sleeps."""
+"""Time, injected. Loops take a ``Clock`` so tests run on fake time instead of real sleeps; ``TokenBucket``, the one
+rate limit over it (EdgeCore's call budget, the per-device door on inbound messages, the replay's byte-rate cap)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,65 @@ class FakeClock:
         if seconds < 0:
             raise ValueError("time does not run backwards")
         self.now_s += seconds
+
+
+class TokenBucket:
+    """``rate_per_s`` tokens a second, holding at most ``burst`` (>= 1); starts full; time from ``clock``.
+
+    ``try_take(n, keep)`` takes ``n`` tokens when that leaves at least ``keep``. ``take_forced(n)`` takes them
+    even into debt: later takes wait until it is repaid, so the average rate holds (a call that must not wait,
+    or a message of ``n`` bytes against a byte rate). ``wait_s(n, keep)``: seconds until ``try_take(n, keep)``
+    would succeed. A bucket of ``burst`` 1 that is taken from with ``take_forced(nbytes)`` after ``wait_s()``
+    paces evenly: each message waits until the one before it is paid for, and idle time saves up nothing."""
+
+    __slots__ = ("_at", "_clock", "_tokens", "burst", "rate_per_s")
+
+    def __init__(self, clock: Clock, *, rate_per_s: float, burst: int) -> None:
+        if not rate_per_s > 0:
+            raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+        if not burst >= 1:
+            raise ValueError(f"burst must be >= 1, got {burst}")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock.monotonic()
+
+    def _refill(self) -> None:
+        now = self._clock.monotonic()
+        if now > self._at:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate_per_s)
+            self._at = now
+
+    @property
+    def tokens(self) -> float:
+        """The tokens now (negative while in debt)."""
+        self._refill()
+        return self._tokens
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def try_take(self, n: float = 1.0, keep: float = 0.0) -> bool:
+        """Take ``n`` tokens if that leaves ``keep`` tokens in the bucket; whether it did."""
+        self._refill()
+        if self._tokens >= n + keep:
+            self._tokens -= n
+            return True
+        return False
+
+    def take_forced(self, n: float = 1.0) -> None:
+        """Take ``n`` tokens even if that leaves the bucket in debt."""
+        self._refill()
+        self._tokens -= n
+
+    def wait_s(self, n: float = 1.0, keep: float = 0.0) -> float:
+        """Seconds until ``n`` tokens are there that leave ``keep`` (0 when they are now)."""
+        self._refill()
+        if self._tokens >= n + keep:
+            return 0.0
+        return (n + keep - self._tokens) / self.rate_per_s
 
 
 async def sleep_or_wake(event: asyncio.Event, timeout_s: float) -> None:

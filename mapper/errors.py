@@ -6,6 +6,8 @@ Loops decide what to do from the type alone:
 * ``TransientError``: try again later (capped backoff); ``retry_after_s`` is a hint.
 * ``PermanentError``: report it and stop retrying that action until the input changes.
 * ``UnsupportedError``: the capability is absent on this GPU/driver; mark it absent and log once.
+* ``ReadBackMismatchError``: a setter reported success but the GPU reads another value; keep the value pending
+  and try again after a backoff.
 
 Messages name what failed: the GPU (by UUID), the call and the value.
 """
@@ -60,6 +62,14 @@ class InvalidValueError(PermanentError):
     """
 
     reason = "invalid"
+
+
+class ReadBackMismatchError(PermanentError):
+    """A setter reported success but reading the value back right after shows another one (a power limit that
+    did not take, a devfreq range or power mode the GPU reads otherwise). The reconciler keeps the value pending
+    and retries after a backoff; other callers see a ``PermanentError``, as before this had a type."""
+
+    reason = "read-back-mismatch"
 
 
 class GpuLostError(TransientError):

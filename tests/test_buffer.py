@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.edge.outbox.shipper import BatchToStore
+from mapper.edge.outbox.records import StoredBatch
 from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.shared.model import Sample
@@ -16,7 +16,7 @@ from mapper.wire.telemetry import encode_batch
 
 
 def _put(buf: Buffer, clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200) -> int:
-    return buf.put(**_item(clock, seq, device=device, size=size)._asdict())
+    return buf.put(_item(clock, seq, device=device, size=size))
 
 
 def _open(path: Path, clock: FakeClock, **kw: object) -> Buffer:
@@ -163,7 +163,11 @@ def test_bad_settings_and_bad_batches_are_refused_with_a_clear_error(tmp_path: P
         _open(tmp_path / "b.db", fake_clock, max_age_s=-1)
     buf = _open(tmp_path / "b.db", fake_clock)
     with pytest.raises(ValueError, match="qos"):
-        buf.put(device="d", uuid="u", boot_id="b", seq=0, ts_first_ms=0, ts_last_ms=0, topic="t", payload=b"", qos=3)
+        buf.put(
+            StoredBatch(
+                device="d", uuid="u", boot_id="b", seq=0, ts_first_ms=0, ts_last_ms=0, topic="t", payload=b"", qos=3
+            )
+        )
     buf.close()
     with pytest.raises(PermanentError, match="closed"):
         buf.pending(1)
@@ -175,14 +179,16 @@ def test_stored_time_ranges_and_seq_come_back_exactly_across_a_reopen(tmp_path: 
     samples = [Sample("GPU-1", start - 123_456, {"temperature": 61}), Sample("GPU-1", start + 7, {"temperature": 62})]
     batch = encode_batch(samples, node="n", device="d", uuid="GPU-1", boot_id="0badf00d", seq=41)
     buf.put(
-        device="d",
-        uuid="GPU-1",
-        boot_id="0badf00d",
-        seq=41,
-        ts_first_ms=batch.ts_first_ms,
-        ts_last_ms=batch.ts_last_ms,
-        topic="t",
-        payload=batch.payload,
+        StoredBatch(
+            device="d",
+            uuid="GPU-1",
+            boot_id="0badf00d",
+            seq=41,
+            ts_first_ms=batch.ts_first_ms,
+            ts_last_ms=batch.ts_last_ms,
+            topic="t",
+            payload=batch.payload,
+        )
     )
     buf.close()
     fake_clock.advance(3600)
@@ -197,7 +203,11 @@ def test_a_payload_that_is_not_a_batch_has_no_seq_and_its_last_time_as_first(
 ) -> None:
     buf = _open(tmp_path / "b.db", fake_clock)
     now = fake_clock.wall_ms()
-    buf.put(device="d", uuid="u", boot_id="b", seq=3, ts_first_ms=now - 5, ts_last_ms=now, topic="t", payload=b"x")
+    buf.put(
+        StoredBatch(
+            device="d", uuid="u", boot_id="b", seq=3, ts_first_ms=now - 5, ts_last_ms=now, topic="t", payload=b"x"
+        )
+    )
     (row,) = buf.pending(10)
     assert (row.seq, row.ts_first_ms, row.ts_last_ms) == (-1, now, now)
 
@@ -266,19 +276,29 @@ def test_a_schema_2_file_is_converted_in_place_and_keeps_its_batches(tmp_path: P
 
 
 def _item(
-    clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200, age_s: float = 0.0
-) -> BatchToStore:
+    clock: FakeClock,
+    seq: int,
+    *,
+    device: str = "default/gpu0",
+    size: int = 200,
+    age_s: float = 0.0,
+    **fields: object,
+) -> StoredBatch:
+    """A batch of ``size`` bytes whose first byte is ``seq % 256`` (r.payload[0] == seq % 256), its last sample
+    ``age_s`` old; ``fields``: other values for the record's own fields (topic, qos, ts_first_ms, ...)."""
     last = clock.wall_ms() - round(age_s * 1000)
-    return BatchToStore(
-        device=device,
-        uuid="GPU-1",
-        boot_id="boot-a",
-        seq=seq,
-        ts_first_ms=last - 10_000,
-        ts_last_ms=last,
-        topic=f"gpu-mapper/n/{device}/telemetry",
-        payload=bytes([seq % 256]) * size,  # the first byte marks the batch: r.payload[0] == seq % 256
-    )
+    values: dict[str, object] = {
+        "device": device,
+        "uuid": "GPU-1",
+        "boot_id": "boot-a",
+        "seq": seq,
+        "ts_first_ms": last - 10_000,
+        "ts_last_ms": last,
+        "topic": f"gpu-mapper/n/{device}/telemetry",
+        "payload": bytes([seq % 256]) * size,
+    }
+    values.update(fields)
+    return StoredBatch(**values)  # type: ignore[arg-type]
 
 
 def _contents(buf: Buffer) -> tuple[object, ...]:
@@ -291,7 +311,7 @@ def test_put_many_stores_a_round_in_order_with_increasing_ids(tmp_path: Path, fa
     buf = _open(tmp_path / "b.db", fake_clock)
     first = _put(buf, fake_clock, 0)
     items = [_item(fake_clock, seq, device=f"default/gpu{seq % 8}") for seq in range(1, 9)]
-    other = BatchToStore(
+    other = StoredBatch(
         "default/gpu3", "GPU-3", "boot-a", 9, 5, 6, "site/power", b"\x09", qos=0, retain=True, address="tcp://b:1883"
     )
     ids = buf.put_many([*items, other])
@@ -328,9 +348,9 @@ def test_a_bad_item_stores_nothing_of_its_put_many(tmp_path: Path, fake_clock: F
     before = _put(buf, fake_clock, 0)
     good = [_item(fake_clock, seq, device="default/gpu7") for seq in (1, 2)]  # a device the file does not know yet
     bad = {
-        "empty topic": _item(fake_clock, 3)._replace(topic=""),
-        "qos": _item(fake_clock, 3)._replace(qos=3),
-        "before ts_first_ms": _item(fake_clock, 3)._replace(ts_first_ms=fake_clock.wall_ms() + 1),
+        "empty topic": _item(fake_clock, 3, topic=""),
+        "qos": _item(fake_clock, 3, qos=3),
+        "before ts_first_ms": _item(fake_clock, 3, ts_first_ms=fake_clock.wall_ms() + 1),
     }
     for why, item in bad.items():
         with pytest.raises(ValueError, match=f"default/gpu0 seq 3 \\(item 2 of 3\\): .*{why}"):
@@ -364,7 +384,7 @@ def test_put_many_enforces_the_bounds_exactly_as_the_same_puts_one_by_one(
                     _item(fake_clock, seq, device=f"default/gpu{seq % 3}", size=rng.choice([20, 200, 450]), age_s=age_s)
                 )
                 seq += 1
-            ids_one = [one.put(**item._asdict()) for item in items]
+            ids_one = [one.put(item) for item in items]
             assert many.put_many(items) == ids_one
             assert _contents(many) == _contents(one)
             if rng.random() < 0.3 and ids_one:

@@ -21,6 +21,7 @@ import pytest
 from mapper.cli import main
 from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.records import StoredBatch
 from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample, Value
 from mapper.tools import buffer as buffertool
@@ -54,7 +55,7 @@ def _fill(path: Path, seconds: int = 1500, gpus: int = 2) -> list[tuple[int, str
         for g, enc in enumerate(encoders):
             b = enc.flush_due(ts)
             if b is not None:
-                buf.put(**_row(b))
+                buf.put(StoredBatch(**_row(b)))
             values = _values(i, g)
             enc.add(Sample(UUID, ts, values))
             stored += [(ts, enc.device, k, v) for k, v in values.items()]
@@ -62,16 +63,18 @@ def _fill(path: Path, seconds: int = 1500, gpus: int = 2) -> list[tuple[int, str
     for enc in encoders:
         b = enc.flush()
         assert b is not None
-        buf.put(**_row(b))
+        buf.put(StoredBatch(**_row(b)))
     buf.put(
-        device="default/gpu0",
-        uuid=UUID,
-        boot_id="",
-        seq=-1,
-        ts_first_ms=clock.wall_ms(),
-        ts_last_ms=clock.wall_ms(),
-        topic="gpu-mapper/edge-1/default/gpu0/events",
-        payload=b'{"event":"cap"}',
+        StoredBatch(
+            device="default/gpu0",
+            uuid=UUID,
+            boot_id="",
+            seq=-1,
+            ts_first_ms=clock.wall_ms(),
+            ts_last_ms=clock.wall_ms(),
+            topic="gpu-mapper/edge-1/default/gpu0/events",
+            payload=b'{"event":"cap"}',
+        )
     )
     clock.advance(700)
     Compactor(buf, clock, CompactionSettings(cold_slot_s=600)).compact_all(max_merges=3)  # some merged, some not
@@ -191,6 +194,7 @@ def test_an_openmetrics_export_makes_a_promtool_block_that_holds_every_sample(tm
 WRITER = textwrap.dedent(
     """
     import sys, time
+    from mapper.edge.outbox.records import StoredBatch
     from mapper.edge.storage.buffer import Buffer
     from mapper.shared.model import Sample
     from mapper.wire.telemetry import encode_batch
@@ -201,8 +205,8 @@ WRITER = textwrap.dedent(
     while True:
         b = encode_batch([Sample("", 1_790_000_000_000 + seq, {"temperature": 60})], node="n", device="default/gpu9",
                          uuid="", boot_id="feedf00d", seq=seq)
-        buf.put(device=b.device, uuid="", boot_id=b.boot_id, seq=seq, ts_first_ms=b.ts_first_ms,
-                ts_last_ms=b.ts_last_ms, topic="t", payload=b.payload)
+        buf.put(StoredBatch(device=b.device, uuid="", boot_id=b.boot_id, seq=seq, ts_first_ms=b.ts_first_ms,
+                ts_last_ms=b.ts_last_ms, topic="t", payload=b.payload))
         seq += 1
         print(seq, flush=True)
         time.sleep(0.002)

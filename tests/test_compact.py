@@ -9,6 +9,7 @@ import pytest
 
 from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
+from mapper.edge.outbox.records import StoredBatch
 from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import BatchEncoder, BatchPart, EncodedBatch, decode_batch
@@ -41,14 +42,16 @@ def _batches(
 def _store(buf: Buffer, batches: list[EncodedBatch], topic: str | None = None) -> list[int]:
     return [
         buf.put(
-            device=b.device,
-            uuid=b.uuid,
-            boot_id=b.boot_id,
-            seq=b.seq,
-            ts_first_ms=b.ts_first_ms,
-            ts_last_ms=b.ts_last_ms,
-            topic=topic or telemetry_topic(NODE, b.device),
-            payload=b.payload,
+            StoredBatch(
+                device=b.device,
+                uuid=b.uuid,
+                boot_id=b.boot_id,
+                seq=b.seq,
+                ts_first_ms=b.ts_first_ms,
+                ts_last_ms=b.ts_last_ms,
+                topic=topic or telemetry_topic(NODE, b.device),
+                payload=b.payload,
+            )
         )
         for b in batches
     ]
@@ -130,14 +133,16 @@ def test_streams_devices_boots_and_status_messages_never_mix(tmp_path: Path) -> 
         _store(buf, [c[i]])
         if i % 5 == 0:
             buf.put(
-                device="default/gpu0",
-                uuid=UUID,
-                boot_id="",
-                seq=-1,
-                ts_first_ms=a[i].ts_first_ms,
-                ts_last_ms=a[i].ts_last_ms,
-                topic="gpu-mapper/edge-1/default/gpu0/events",
-                payload=b'{"event":"x"}',
+                StoredBatch(
+                    device="default/gpu0",
+                    uuid=UUID,
+                    boot_id="",
+                    seq=-1,
+                    ts_first_ms=a[i].ts_first_ms,
+                    ts_last_ms=a[i].ts_last_ms,
+                    topic="gpu-mapper/edge-1/default/gpu0/events",
+                    payload=b'{"event":"x"}',
+                )
             )
     clock.advance(700)
     Compactor(buf, clock).compact_all()
@@ -278,7 +283,7 @@ def test_a_row_that_does_not_decode_is_left_as_it_is_and_tried_once(tmp_path: Pa
     batches = _batches(clock, "default/gpu0", 300)
     ids = _store(buf, batches[:10])
     broken = batches[10]
-    bad_id = buf.put(**{**_row_of(broken), "payload": b"G\x02\x00" + b"\xff" * 40})
+    bad_id = buf.put(StoredBatch(**{**_row_of(broken), "payload": b"G\x02\x00" + b"\xff" * 40}))
     ids += _store(buf, batches[11:])
     clock.advance(700)
     comp = Compactor(buf, clock)

@@ -27,6 +27,7 @@ TRIALS = 24
 CHILD = textwrap.dedent(
     """
     import sys
+    from mapper.edge.outbox.records import StoredBatch
     from mapper.edge.storage.buffer import Buffer
     from mapper.clock import SystemClock
     from mapper.edge.outbox.compact import CompactionSettings, Compactor
@@ -41,8 +42,8 @@ CHILD = textwrap.dedent(
     print("ready", start, flush=True)
     for seq in range(start, start + 100000):
         b = encode_batch(samples_of(seq), node="n1", device="default/gpu0", uuid="", boot_id="0badf00d", seq=seq)
-        buf.put(device=b.device, uuid="", boot_id=b.boot_id, seq=seq, ts_first_ms=b.ts_first_ms,
-                ts_last_ms=b.ts_last_ms, topic="gpu-mapper/n1/default/gpu0/telemetry", payload=b.payload)
+        buf.put(StoredBatch(device=b.device, uuid="", boot_id=b.boot_id, seq=seq, ts_first_ms=b.ts_first_ms,
+                ts_last_ms=b.ts_last_ms, topic="gpu-mapper/n1/default/gpu0/telemetry", payload=b.payload))
         print("put", seq, flush=True)
         if seq % 3 == 2:
             comp.compact_all(max_merges=2)

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mapper.clock import FakeClock
 from mapper.edge.config import load_settings
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.edge.kubeedge.dmi.server import DmiServer
@@ -29,28 +30,20 @@ from tests.test_app_eventbus import Listener, standalone
 __all__ = ["sock_dir"]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_each_device_gets_its_burst_then_its_rate_and_the_rest_is_dropped_and_counted() -> None:
-    clock = Clock()
+    clock = FakeClock()
     limiter = InboundLimiter("deltas", 2.0, 5, clock=clock)
     assert [limiter.allow("default/gpu0") for _ in range(7)] == [True] * 5 + [False] * 2
     assert limiter.allow("default/gpu1")  # another device has its own bucket
-    clock.now += 1.0  # two tokens back
+    clock.advance(1.0)  # two tokens back
     assert [limiter.allow("default/gpu0") for _ in range(3)] == [True, True, False]
-    clock.now += 100.0  # never more than the burst
+    clock.advance(100.0)  # never more than the burst
     assert sum(limiter.allow("default/gpu0") for _ in range(10)) == 5
     assert limiter.dropped == {"rate-limited": 2 + 1 + 5}
 
 
 def test_drops_are_logged_at_once_then_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = FakeClock()
     limiter = InboundLimiter("deltas", 1.0, 1, clock=clock, log_interval_s=60)
     caplog.set_level(logging.WARNING, logger="mapper.edge.kubeedge.doorlimit")
     for _ in range(50):
@@ -58,10 +51,10 @@ def test_drops_are_logged_at_once_then_at_most_once_per_interval(caplog: pytest.
     assert len(caplog.records) == 1
     assert "default/gpu0 rate-limited x1" in caplog.records[0].getMessage()
     assert "at most once per 60s" in caplog.records[0].getMessage()
-    clock.now += 30
+    clock.advance(30)
     limiter.drop("default/gpu1", "too-large")
     assert len(caplog.records) == 1
-    clock.now += 31
+    clock.advance(31)
     limiter.allow("default/gpu0")
     limiter.allow("default/gpu0")
     assert len(caplog.records) == 2
@@ -72,7 +65,7 @@ def test_drops_are_logged_at_once_then_at_most_once_per_interval(caplog: pytest.
 
 
 def test_a_flood_of_made_up_device_names_cannot_grow_the_buckets_without_bound() -> None:
-    limiter = InboundLimiter("deltas", 1.0, 1, clock=Clock(), max_keys=100)
+    limiter = InboundLimiter("deltas", 1.0, 1, clock=FakeClock(), max_keys=100)
     for i in range(10_000):
         limiter.allow(f"default/fake-{i}")
     assert len(limiter._buckets) == 100

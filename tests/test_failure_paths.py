@@ -91,7 +91,7 @@ def _buffer(path, clock: FakeClock, **kw: object):
 def _put(buf, clock: FakeClock, seq: int, size: int = 200) -> int:
     from tests.test_buffer import _item
 
-    return buf.put(**_item(clock, seq, size=size)._asdict())
+    return buf.put(_item(clock, seq, size=size))
 
 
 def test_a_database_another_process_holds_locked_refuses_the_write_as_transient_and_loses_nothing(

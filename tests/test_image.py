@@ -11,6 +11,7 @@ did, and the image's size.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -33,6 +34,7 @@ import paho.mqtt.client as paho
 import pytest
 import yaml
 
+from mapper.wire.dictionaries import DICTIONARY_SHA256
 from mapper.wire.telemetry import decode_batch
 from tests.brokers import Mosquitto, free_port
 
@@ -122,6 +124,10 @@ def test_the_image_has_the_entrypoint_the_labels_and_no_build_or_test_tools(imag
     root = image.rootfs
     site = root / "usr/local/lib/python3.11/dist-packages"
     assert (site / "mapper" / "cli.py").exists() and (site / "mapper" / "py.typed").exists()
+    # The telemetry batches' zstd dictionaries, package data with the bytes their hashes in the code name.
+    for dict_id, digest in DICTIONARY_SHA256.items():
+        shipped = site / "mapper" / "wire" / "dicts" / f"{dict_id}.zdict"
+        assert hashlib.sha256(shipped.read_bytes()).hexdigest() == digest, shipped
     for name in ("paho", "grpc", "zstandard", "prometheus_client", "yaml", "bcrypt", "pynvml.py"):
         assert (site / name).exists(), name
     # Nothing to compile, build or test with, and not the tests themselves.

@@ -197,6 +197,22 @@ def test_an_unknown_mode_a_failing_nvpmodel_and_a_missing_one_are_rejected_with_
     assert missing.cycle().desired_status == "power_mode:rejected-not-supported"
 
 
+def test_a_power_mode_nvpmodel_accepts_but_the_status_does_not_show_is_pending_and_retried(tmp_path: Path) -> None:
+    # An nvpmodel that exits 0, says nothing about a reboot and changes nothing: a read-back mismatch.
+    board = make_board(tmp_path, nvpmodel=["sh", "-c", "echo done", "nvpmodel"])
+    board.state.set("power_mode", "0", "cloud", 1_000)
+    result = board.cycle()
+    assert [o.outcome for o in result.actions] == ["readback-mismatch"]
+    assert "succeeded but the status reads mode 2" in result.actions[0].error
+    assert result.desired_status == "power_mode:pending"
+    assert [(a.result, a.reason) for a in result.acks] == [("pending", "")]
+    assert result.counters.actions[("power_mode", "readback-mismatch")] == 1
+    # Each cycle is 1 s: the first backoff (1 s) has passed, the second (2 s) has not.
+    assert [o.outcome for o in board.cycle().actions] == ["readback-mismatch"], "retried after the backoff"
+    assert board.cycle().actions == (), "the second backoff is 2 s"
+    assert [o.outcome for o in board.cycle().actions] == ["readback-mismatch"]
+
+
 def test_nvml_setters_on_a_jetson_and_jetson_setters_on_an_nvml_gpu_are_not_supported(orin: Board) -> None:
     orin.state.set("power_limit", "20", "cloud", 1_000)
     assert orin.cycle().desired_status == "power_limit:rejected-not-supported"

@@ -33,6 +33,7 @@ from mapper.errors import (
     NoPermissionError,
     NotFoundError,
     PermanentError,
+    ReadBackMismatchError,
     TransientError,
     UnsupportedError,
 )
@@ -364,8 +365,9 @@ def test_a_power_limit_that_does_not_read_back_is_an_error(fake_clock: FakeClock
     sim = SilentSim(1, clock=fake_clock.monotonic)
     backend = NvmlBackend(sim, clock=fake_clock)
     backends.append(backend)
-    with pytest.raises(PermanentError, match="reads back as 700000 mW") as info:
+    with pytest.raises(ReadBackMismatchError, match="reads back as 700000 mW") as info:
         backend.set_power_limit(sim.gpus[0].uuid, 300)
+    assert isinstance(info.value, PermanentError), "callers other than the reconciler see a PermanentError"
     assert info.value.reason == "read-back-mismatch"
 
 

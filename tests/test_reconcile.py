@@ -629,6 +629,44 @@ def test_a_lost_gpu_keeps_the_value_pending(rig: Rig) -> None:
     assert [o.outcome for o in result.actions] == ["transient"]
 
 
+def test_a_reapply_the_gpu_does_not_take_is_a_read_back_mismatch_pending_and_retried_with_backoff(rig: Rig) -> None:
+    rig.state.set("power_limit", "450", "cloud", 1_000)
+    assert rig.cycle().statuses["power_limit"].text == "applied"
+    # Another tool sets 300 W, and the driver now says yes to every power limit and changes nothing.
+    rig.gpu.power_limit_mw = 300_000
+    real = rig.sim.nvmlDeviceSetPowerManagementLimit
+    calls: list[tuple[object, ...]] = []
+    rig.sim.nvmlDeviceSetPowerManagementLimit = lambda *args: calls.append(args)  # type: ignore[method-assign]
+    rig.clock.advance(1.0)
+    result = rig.cycle()
+    (outcome,) = result.actions
+    assert (outcome.outcome, outcome.drift) == ("readback-mismatch", True)
+    assert "reads back as 300000 mW" in outcome.error
+    # Not a rejection: pending, and the cloud hears so with the value the GPU really has.
+    assert result.statuses["power_limit"].text == "pending"
+    assert result.desired_status == "power_limit:pending"
+    (ack,) = result.acks
+    assert (ack.result, ack.reason, ack.applied_at_ms) == ("pending", "", None)
+    assert (ack.effective_value, ack.reported_value) == ("450", "300")
+    assert result.counters.actions[("power_limit", "readback-mismatch")] == 1
+    assert ("power_limit", "rejected") not in result.counters.actions
+    assert result.counters.drift_reapplies == {"power_limit": 1}
+    # Backed off like a transient error (1 s, then 2 s), not parked for unsupported_retry_s (300 s).
+    assert rig.cycle().actions == () and len(calls) == 1
+    rig.clock.advance(1.0)
+    again = rig.cycle()
+    assert [(o.outcome, o.drift) for o in again.actions] == [("readback-mismatch", False)] and len(calls) == 2
+    assert again.acks == (), "still pending: nothing new to say"
+    assert again.counters.drift_reapplies == {"power_limit": 1}, "one drift episode, counted once"
+    rig.sim.nvmlDeviceSetPowerManagementLimit = real  # type: ignore[method-assign]
+    rig.clock.advance(1.0)
+    assert rig.cycle().actions == (), "the second backoff is 2 s"
+    rig.clock.advance(1.0)
+    healed = rig.cycle()
+    assert healed.statuses["power_limit"].text == "applied" and rig.gpu.power_limit_mw == 450_000
+    assert [a.result for a in healed.acks] == ["applied"]
+
+
 def test_drift_after_a_simulated_driver_reload_is_reapplied_within_one_step_and_counted(rig: Rig) -> None:
     rig.state.sync_source(
         "cloud",

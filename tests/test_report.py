@@ -470,7 +470,8 @@ class BudgetSink(Sink):
     reporter's task does, it sends after the report loop's pass (``Rig.run_for`` drains it), not in the offer."""
 
     def __post_init__(self) -> None:
-        from mapper.edge.kubeedge.dmi.ratelimit import ReportScheduler, TokenBucket
+        from mapper.clock import TokenBucket
+        from mapper.edge.kubeedge.dmi.ratelimit import ReportScheduler
 
         self.scheduler = ReportScheduler(TokenBucket(self.clock, rate_per_s=0.8, burst=10))
 

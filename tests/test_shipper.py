@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock, SystemClock
-from mapper.edge.outbox.shipper import BatchToStore, PublishFn, TelemetryShipper
+from mapper.edge.outbox.records import StoredBatch
+from mapper.edge.outbox.shipper import PublishFn, TelemetryShipper
 from mapper.edge.storage.buffer import Buffer
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
@@ -262,7 +263,7 @@ def _spawn_offline_mapper(db: Path, url: str, count: int) -> subprocess.Popen[by
         from mapper.edge.storage.buffer import Buffer
         from mapper.clock import SystemClock
         from mapper.net.mqtt import MqttSession
-        from mapper.edge.outbox.shipper import BatchToStore, PublishFn, TelemetryShipper
+        from mapper.edge.outbox.shipper import PublishFn, TelemetryShipper
         from mapper.wire.telemetry import BatchEncoder
         from mapper.shared.model import Sample
 
@@ -357,11 +358,11 @@ class _CountingBuffer:
         self.buf = buf
         self.calls: list[int] = []
 
-    def put(self, **kw: object) -> int:
+    def put(self, batch: StoredBatch) -> int:
         self.calls.append(1)
-        return self.buf.put(**kw)  # type: ignore[arg-type]
+        return self.buf.put(batch)
 
-    def put_many(self, items: Sequence[BatchToStore]) -> list[int]:
+    def put_many(self, items: Sequence[StoredBatch]) -> list[int]:
         self.calls.append(len(items))
         return self.buf.put_many(items)
 

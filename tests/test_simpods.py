@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.edge.backends import sim_process_roots
+from mapper.edge.backends import SimulatedNode, sim_process_roots, simulated_node
 from mapper.edge.config import Settings, load_settings
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml, SimPods, scenario_pid
@@ -129,14 +129,15 @@ def test_pod_uids_and_container_ids_have_the_kubelets_forms() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def sim_backend() -> NvmlBackend:
-    return NvmlBackend(SimNvml(1, "H100", seed=0, scenario="steady"))
+def sim_node() -> SimulatedNode | None:
+    """The simulated node as the composition root finds it under an NVML backend over the simulator."""
+    return simulated_node(NvmlBackend(SimNvml(1, "H100", seed=0, scenario="steady")))
 
 
 def test_over_the_simulator_with_the_default_roots_the_process_loop_reads_the_simulated_host(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     settings = load_settings(env={}, flags={"sim": 1, "data_dir": str(tmp_path / "data")})
-    got, prepare = sim_process_roots(settings, sim_backend(), tmp_path / "data")
+    got, prepare = sim_process_roots(settings, sim_node(), tmp_path / "data")
     host = tmp_path / "data" / "sim-host"
     assert (got.proc_root, got.pod_files_root) == (str(host / "proc"), str(host))
     assert prepare is not None and not host.exists()
@@ -156,7 +157,7 @@ def test_over_the_simulator_with_the_default_roots_the_process_loop_reads_the_si
 )
 def test_a_root_the_user_set_is_kept(tmp_path: Path, env: dict[str, str], overrides: dict[str, str]) -> None:
     settings = replace(load_settings(env=env, flags={"sim": 1}), **overrides)
-    got, prepare = sim_process_roots(settings, sim_backend(), tmp_path)
+    got, prepare = sim_process_roots(settings, sim_node(), tmp_path)
     assert got is settings and prepare is None
 
 
@@ -164,7 +165,8 @@ def test_real_gpus_keep_the_hosts_roots(tmp_path: Path) -> None:
     import pynvml  # (the backend is only built: nothing is called on the binding)
 
     settings = Settings()
-    got, prepare = sim_process_roots(settings, NvmlBackend(pynvml), tmp_path)
+    assert simulated_node(NvmlBackend(pynvml)) is None
+    got, prepare = sim_process_roots(settings, None, tmp_path)
     assert got is settings and prepare is None
     assert (got.proc_root, got.pod_files_root) == ("/proc", "/")
 
@@ -174,7 +176,7 @@ def test_an_unwritable_data_dir_leaves_the_pods_unnamed_and_the_loop_running(
 ) -> None:
     data = tmp_path / "data"
     data.write_text("a file where the data dir should be")
-    _, prepare = sim_process_roots(Settings(), sim_backend(), data)
+    _, prepare = sim_process_roots(Settings(), sim_node(), data)
     assert prepare is not None
     prepare()  # no exception: the warning says why the pods have no names
     assert "their pods are not named" in caplog.text

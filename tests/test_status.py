@@ -78,7 +78,7 @@ def rig() -> Iterator[Rig]:
     }
     collector = Collector(workers, backend, clock=clock, on_step=lambda w, r: None)
     publisher = Publisher("edge-1", None, clock=clock)
-    inbound = InboundLimiter("EventBus messages", 5.0, 10, clock=clock.monotonic)
+    inbound = InboundLimiter("EventBus messages", 5.0, 10, clock=clock)
     settings = Settings(node_name="edge-1", buffer_max_bytes=1 << 20)
     status = StatusSource(settings, "9.9.9", workers, collector, publisher, inbound, clock)
     yield Rig(clock, workers, collector, publisher, inbound, status)

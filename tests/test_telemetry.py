@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mapper.shared.model import DeviceConfig, DeviceProperty, PushMqtt, Sample, Value
 from mapper.wire import telemetry
-from mapper.wire.dictionaries import CURRENT_DICTIONARY_ID, DICTIONARIES
+from mapper.wire.dictionaries import CURRENT_DICTIONARY_ID, DICTIONARY_SHA256, load_dictionary
 from mapper.wire.telemetry import (
     FORMAT_VERSION,
     BatchCodec,
@@ -523,8 +523,11 @@ def test_the_committed_dictionary_is_what_the_generator_builds() -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.module_text(module.build()) == module.TARGET.read_text()
-    assert DICTIONARIES[CURRENT_DICTIONARY_ID][:4] == b"\x37\xa4\x30\xec"  # a trained zstd dictionary
+    built = module.build()
+    assert module.DICTIONARY_ID == CURRENT_DICTIONARY_ID
+    assert built == module.target().read_bytes() == load_dictionary(CURRENT_DICTIONARY_ID)
+    assert hashlib.sha256(built).hexdigest() == DICTIONARY_SHA256[CURRENT_DICTIONARY_ID]
+    assert load_dictionary(CURRENT_DICTIONARY_ID)[:4] == b"\x37\xa4\x30\xec"  # a trained zstd dictionary
 
 
 def test_encoders_sharing_one_codec_make_the_same_bytes_as_encoders_with_their_own() -> None:

@@ -170,7 +170,7 @@ class MapperApp:
         self.bindings.max_delta_bytes = settings.inbound_max_bytes
         #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).
         self.inbound = InboundLimiter(
-            "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock.monotonic
+            "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock
         )
         parts = (self.workers, self.collector, self.publisher, self.inbound, self.clock)
         self.status = StatusSource(settings, __version__, *parts, processes=self.processes)

@@ -9,6 +9,8 @@ simulated sysfs tree and runs the real ``JetsonBackend`` over it, any other prof
 A simulated NVML has a simulated host in ``<data dir>/sim-host`` (0700): the driver's traces for the health loop,
 and its processes' ``proc/<pid>/cgroup`` and the kubelet's pod files, which the process loop reads there instead
 of ``/proc`` and ``/`` unless ``processes.procRoot`` or ``processes.podFilesRoot`` is set (docs/processes.md).
+What it offers is the ``SimulatedNode`` protocol, checked by type in one place (``simulated_node``); nothing
+outside the composition root asks whether the GPUs are simulated.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mapper.clock import Clock, SystemClock
 from mapper.edge.config import Settings
@@ -36,7 +38,36 @@ from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.processes.loop import ProcessLoop, process_loop
 from mapper.errors import ConfigError
 
+if TYPE_CHECKING:
+    from mapper.edge.gpu.simnvml import SimNvml
+
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class SimulatedNode(Protocol):
+    """What a simulated NVML offers the composition root in place of the node's own parts: the health loop's
+    tools over a simulated host, and the processes' host tree (``/proc`` and the kubelet's pod files)."""
+
+    def health_tools(self, host_root: Path) -> HealthTools:
+        """The CUDA probe, the driver's traces written under ``host_root``, the NVIDIA tools."""
+        ...
+
+    def pod_tree(self, root: Path) -> Path:
+        """Write the processes' host tree under ``root`` and keep it up to date; the root."""
+        ...
+
+
+if TYPE_CHECKING:
+
+    def _simnvml_is_a_simulated_node(sim: SimNvml) -> SimulatedNode:
+        return sim  # mypy: the simulator keeps to the protocol (a renamed method is a type error here)
+
+
+def simulated_node(backend: NvmlBackend) -> SimulatedNode | None:
+    """The simulated node under ``backend`` (its NVML binding is the simulator), else None (the real ``pynvml``)."""
+    nvml = backend.nvml
+    return nvml if isinstance(nvml, SimulatedNode) else None
 
 
 def wants_jetson(settings: Settings) -> bool:
@@ -132,19 +163,17 @@ def make_sim_host(host: Path) -> None:
     host.chmod(0o700)
 
 
-def build_health_tools(backend: NvmlBackend, data_dir: Path) -> HealthTools:
-    """The CUDA probe, host root and NVIDIA tools of the health loop: the simulator's own where the backend's nvml
-    is the simulator (it offers ``health_tools``), else the node's."""
-    offered = getattr(getattr(backend, "nvml", None), "health_tools", None)
-    if offered is not None:
+def build_health_tools(node: SimulatedNode | None, data_dir: Path) -> HealthTools:
+    """The CUDA probe, host root and NVIDIA tools of the health loop: the simulated node's own (its host tree in
+    ``<data dir>/sim-host``) over a simulated NVML, else the node's."""
+    if node is not None:
         host = sim_host_dir(data_dir)
         try:
             make_sim_host(host)
         except OSError as exc:  # (start-up then says what is wrong with the data dir itself)
             log.warning("cannot use %s for the simulated host (%s): a temporary directory instead", host, exc)
             host = Path(tempfile.mkdtemp(prefix="gpu-mapper-sim-host-"))
-        tools: HealthTools = offered(host)
-        return tools
+        return node.health_tools(host)
     from mapper.edge.gpu.tools import host_health_tools
 
     return host_health_tools()
@@ -163,7 +192,7 @@ def health_monitor(
     if not isinstance(backend, NvmlBackend):
         return None
     nvml = backend
-    tools = build_health_tools(nvml, data_dir)
+    tools = build_health_tools(simulated_node(nvml), data_dir)
     count = lambda uuid: len(nvml.processes(uuid).processes)  # noqa: E731
     return HealthMonitor(workers, policies, nvml, tools, clock=clock, emit=emit, processes=count)
 
@@ -179,33 +208,32 @@ def build_process_loop(
     clock: Clock,
 ) -> ProcessLoop | None:
     """The process loop (``processloop.process_loop``) over an NVML backend; None on a Jetson (its per-process use
-    is not read: docs/jetson.md) and when ``processes.interval`` is 0. Over a simulated NVML (one that offers
-    ``pod_tree``) it reads the simulator's host tree in ``<data dir>/sim-host``, written before the first cycle,
+    is not read: docs/jetson.md) and when ``processes.interval`` is 0. Over a simulated NVML (a
+    ``SimulatedNode``) it reads the simulator's host tree in ``<data dir>/sim-host``, written before the first cycle,
     where the settings keep the host's defaults (``sim_process_roots``)."""
     if not isinstance(backend, NvmlBackend):
         return None
-    settings, prepare = sim_process_roots(settings, backend, data_dir)
+    settings, prepare = sim_process_roots(settings, simulated_node(backend), data_dir)
     return process_loop(settings, backend, workers, publisher, streams, clock=clock, prepare=prepare)
 
 
 def sim_process_roots(
-    settings: Settings, backend: NvmlBackend, data_dir: Path
+    settings: Settings, node: SimulatedNode | None, data_dir: Path
 ) -> tuple[Settings, Callable[[], None] | None]:
     """``settings`` with ``processes.procRoot`` and ``processes.podFilesRoot`` in the simulated host's tree, and
-    what writes the tree, where the backend's nvml is the simulator and neither setting was given (in the file,
+    what writes the tree, over a simulated node (``node``, else None) where neither setting was given (in the file,
     the environment or a flag, or in code to a value of its own); else ``settings`` as they are and None. The
     simulated processes then have a pod each (``SimPods``); on real GPUs the host's ``/proc`` and ``/`` stay."""
-    writer = getattr(backend.nvml, "pod_tree", None)
     defaults = Settings()
     own = [
         name
         for name in ("proc_root", "pod_files_root")
         if name in settings.given or getattr(settings, name) != getattr(defaults, name)
     ]
-    if writer is None or own:
+    if node is None or own:
         return settings, None
     host = sim_host_dir(data_dir)
-    write: Callable[[Path], Path] = writer
+    write = node.pod_tree
 
     def prepare() -> None:
         try:

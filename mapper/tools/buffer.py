@@ -126,35 +126,29 @@ class _StreamStats:
     undecodable: int = 0
 
 
-def _rows(db: sqlite_utils.Database) -> Iterator[tuple[int, dict[str, Any], bytes]]:
-    streams = {int(r["id"]): r for r in db["streams"].rows}
-    for row in db.query("SELECT id, stream, payload FROM batches ORDER BY id"):
-        yield int(row["id"]), streams[int(row["stream"])], bytes(row["payload"])
-
-
 def stats(path: Path, out: IO[str], err: IO[str], *, as_json: bool = False) -> int:
     """Per stream: rows, batches held (a merged row holds several), samples, values, bytes, oldest and newest
     sample, and the compaction ratio (batches per row)."""
-    from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES
+    from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES, read_batches
 
     _say_in_use(path, err, writing=False)
     db = _open_ro(path)
     codec = BatchCodec()
-    per: dict[int, _StreamStats] = {}
+    per: dict[tuple[object, ...], _StreamStats] = {}
     try:
         db.execute("BEGIN")
-        for _, stream, payload in _rows(db):
-            key = int(stream["id"])
+        for row in read_batches(db.conn):
+            key = (row.device, row.uuid, row.boot_id, row.topic, row.qos, row.retain, row.address)  # its stream
             st = per.get(key)
             if st is None:
-                st = per[key] = _StreamStats(stream["device"], stream["boot_id"], stream["topic"])
+                st = per[key] = _StreamStats(row.device, row.boot_id, row.topic)
             st.rows += 1
-            st.bytes += len(payload) + ROW_OVERHEAD_BYTES
-            if not stream["boot_id"]:  # a status message
+            st.bytes += len(row.payload) + ROW_OVERHEAD_BYTES
+            if not row.boot_id:  # a status message
                 st.batches += 1
                 continue
             try:
-                b = decode_batch(payload, codec)
+                b = decode_batch(row.payload, codec)
             except BatchFormatError:
                 st.undecodable += 1
                 continue
@@ -311,14 +305,16 @@ def export(
 def _decoded(
     db: sqlite_utils.Database, codec: BatchCodec, device: str | None, bar: _Progress, err: IO[str]
 ) -> Iterator[DecodedBatch]:
-    for row_id, stream, payload in _rows(db):
+    from mapper.edge.storage.buffer import read_batches
+
+    for row in read_batches(db.conn):
         bar.step()
-        if not stream["boot_id"] or (device is not None and stream["device"] != device):
+        if not row.boot_id or (device is not None and row.device != device):
             continue
         try:
-            yield decode_batch(payload, codec)
+            yield decode_batch(row.payload, codec)
         except BatchFormatError as exc:
-            err.write(f"\nwarning: row {row_id} ({stream['device']}) does not decode, skipped: {exc}\n")
+            err.write(f"\nwarning: row {row.id} ({row.device}) does not decode, skipped: {exc}\n")
 
 
 def _openmetrics(batches: Iterator[DecodedBatch], out: IO[str]) -> None:

@@ -47,7 +47,7 @@ from typing import IO, Any, Literal, NamedTuple, cast
 import zstandard
 
 from mapper.shared.model import DeviceConfig, Sample, Value
-from mapper.wire.dictionaries import CURRENT_DICTIONARY_ID, DICTIONARIES
+from mapper.wire.dictionaries import CURRENT_DICTIONARY_ID, DICTIONARY_SHA256, load_dictionary
 from mapper.wire.topics import telemetry_topic
 
 Format = Literal["binary", "json"]
@@ -238,16 +238,17 @@ class DecodedBatch:
 
 
 class BatchCodec:
-    """The zstd contexts of one encoder or decode loop, with the static dictionaries loaded once.
+    """The zstd contexts of one encoder or decode loop, with the static dictionaries loaded once each, when first
+    needed (``mapper.wire.dictionaries.load_dictionary``: the package data file, checked against its SHA-256).
 
     ``dictionary_id`` selects the dictionary new batches are compressed with (0: none); decoding reads the id
-    from each batch's flags and accepts every dictionary in ``mapper.wire.dictionaries.DICTIONARIES``.
+    from each batch's flags and accepts every dictionary in ``mapper.wire.dictionaries.DICTIONARY_SHA256``.
     """
 
     def __init__(self, level: int = DEFAULT_ZSTD_LEVEL, dictionary_id: int | None = None) -> None:
         dict_id = CURRENT_DICTIONARY_ID if dictionary_id is None else dictionary_id
-        if dict_id != 0 and dict_id not in DICTIONARIES:
-            raise ValueError(f"telemetry dictionary id {dict_id} is unknown (known: 0, {sorted(DICTIONARIES)})")
+        if dict_id != 0 and dict_id not in DICTIONARY_SHA256:
+            raise ValueError(f"telemetry dictionary id {dict_id} is unknown (known: 0, {sorted(DICTIONARY_SHA256)})")
         self.level = level
         self.dictionary_id = dict_id
         self._compressor: zstandard.ZstdCompressor | None = None
@@ -258,7 +259,7 @@ class BatchCodec:
     def _dict(dict_id: int) -> zstandard.ZstdCompressionDict | None:
         if dict_id == 0:
             return None
-        return zstandard.ZstdCompressionDict(DICTIONARIES[dict_id], dict_type=zstandard.DICT_TYPE_AUTO)
+        return zstandard.ZstdCompressionDict(load_dictionary(dict_id), dict_type=zstandard.DICT_TYPE_AUTO)
 
     def _new_compressor(self, dict_id: int) -> zstandard.ZstdCompressor:
         params = zstandard.ZstdCompressionParameters.from_level(
@@ -295,7 +296,7 @@ class BatchCodec:
         dict_id = flags >> _DICT_SHIFT
         dctx = self._decompressors.get(dict_id)
         if dctx is None:
-            if dict_id != 0 and dict_id not in DICTIONARIES:
+            if dict_id != 0 and dict_id not in DICTIONARY_SHA256:
                 raise BatchFormatError(f"batch needs telemetry dictionary {dict_id}, which this reader lacks")
             dctx = zstandard.ZstdDecompressor(dict_data=self._dict(dict_id), format=zstandard.FORMAT_ZSTD1_MAGICLESS)
             self._decompressors[dict_id] = dctx

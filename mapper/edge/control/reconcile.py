@@ -34,6 +34,7 @@ from mapper.errors import (
     MapperError,
     NoPermissionError,
     PermanentError,
+    ReadBackMismatchError,
     TransientError,
     UnsupportedError,
 )
@@ -1108,11 +1109,11 @@ class Reconciler:
             self._fail(group, target.value, Status("rejected", reason), now_s, self.unsupported_retry_s)
             self._count(group, "rejected")
             return ActionOutcome(action, "rejected", str(exc))
+        except ReadBackMismatchError as exc:  # the setter said yes, the GPU says no: pending, backed off
+            self._fail(group, target.value, Status("pending"), now_s, self._backoff_s(group))
+            self._count(group, "readback-mismatch")
+            return ActionOutcome(action, "readback-mismatch", str(exc))
         except PermanentError as exc:
-            if exc.reason in ("read-back-mismatch", "readback-mismatch"):  # the setter said yes, the GPU says no
-                self._fail(group, target.value, Status("pending"), now_s, self._backoff_s(group))
-                self._count(group, "readback-mismatch")
-                return ActionOutcome(action, "readback-mismatch", str(exc))
             self._fail(group, target.value, Status("rejected", _reason(exc.reason)), now_s, self.unsupported_retry_s)
             self._count(group, "rejected")
             return ActionOutcome(action, "rejected", str(exc))

@@ -58,6 +58,7 @@ from mapper.errors import (
     NoPermissionError,
     NotFoundError,
     PermanentError,
+    ReadBackMismatchError,
     TransientError,
     UnsupportedError,
 )
@@ -399,10 +400,9 @@ class JetsonBackend:
             got_lo = self._read_required(devfreq / "min_freq", "gpu_min_freq")
             got_hi = self._read_required(devfreq / "max_freq", "gpu_max_freq")
             if abs(got_lo - lo_hz) > FREQ_TOLERANCE_HZ or abs(got_hi - hi_hz) > FREQ_TOLERANCE_HZ:
-                raise PermanentError(
+                raise ReadBackMismatchError(
                     f"GPU {uuid}: devfreq range set to {_mhz(lo_hz)}-{_mhz(hi_hz)} MHz reads "
-                    f"{_mhz(got_lo)}-{_mhz(got_hi)} MHz",
-                    reason="read-back-mismatch",
+                    f"{_mhz(got_lo)}-{_mhz(got_hi)} MHz"
                 )
             return _mhz(got_lo), _mhz(got_hi)
 
@@ -448,10 +448,7 @@ class JetsonBackend:
                     "(jetson.allowReboot)",
                     reason="needs-reboot",
                 )
-            raise PermanentError(
-                f"GPU {uuid}: nvpmodel -m {mode_id} succeeded but the status reads mode {now}",
-                reason="read-back-mismatch",
-            )
+            raise ReadBackMismatchError(f"GPU {uuid}: nvpmodel -m {mode_id} succeeded but the status reads mode {now}")
 
     def set_power_limit(self, uuid: str, watts: float) -> float:
         raise UnsupportedError(f"GPU {uuid}: a Jetson has no power cap (use gpu_max_freq or power_mode)")

@@ -48,6 +48,7 @@ from mapper.errors import (
     NoPermissionError,
     NotFoundError,
     PermanentError,
+    ReadBackMismatchError,
     TransientError,
     UnsupportedError,
 )
@@ -1423,9 +1424,8 @@ class NvmlBackend:
             raise InvalidValueError(f"{exc}{self._power_range(h, uuid)}", reason=exc.reason) from exc
         got_mw = int(self._nv("nvmlDeviceGetPowerManagementLimit", h, uuid=uuid))
         if abs(got_mw - limit_mw) > _READ_BACK_TOLERANCE_MW:
-            raise PermanentError(
-                f"GPU {uuid}: {call}({limit_mw} mW) reported success but the limit reads back as {got_mw} mW",
-                reason="read-back-mismatch",
+            raise ReadBackMismatchError(
+                f"GPU {uuid}: {call}({limit_mw} mW) reported success but the limit reads back as {got_mw} mW"
             )
         return got_mw / 1000.0
 

@@ -1463,7 +1463,8 @@ class SimNvml:
         return root
 
     def health_tools(self, host_root: Path) -> HealthTools:
-        """The simulated node's health parts (``sim_health_tools``): the composition root takes them from here."""
+        """The simulated node's health parts (``sim_health_tools``): the composition root takes them from here, as
+        it does ``pod_tree`` (both: ``mapper.edge.backends.SimulatedNode``)."""
         return sim_health_tools(self, host_root)
 
 

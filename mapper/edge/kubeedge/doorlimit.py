@@ -1,4 +1,5 @@
-"""Rate limits at the doors: a token bucket per key (a device, for deltas from the broker), pure.
+"""Rate limits at the doors: a token bucket per key (a device, for deltas from the broker), pure (time from a
+``Clock``, the buckets ``mapper.clock.TokenBucket``).
 
 Whoever may publish on the node's broker may send deltas, and each delta may change a GPU setting and costs a
 parse, a store write and an NVML call: ``InboundLimiter`` lets each device have ``rate_per_s`` messages per
@@ -15,17 +16,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from mapper.clock import Clock, TokenBucket
 from mapper.wire.topics import DEVICE_PREFIX, device_of_topic
 
 log = logging.getLogger(__name__)
-
-
-class _Bucket:
-    __slots__ = ("tokens", "updated_s")
-
-    def __init__(self, tokens: float, now_s: float) -> None:
-        self.tokens = tokens
-        self.updated_s = now_s
 
 
 class InboundLimiter:
@@ -37,7 +31,7 @@ class InboundLimiter:
         rate_per_s: float,
         burst: int,
         *,
-        clock: Callable[[], float],
+        clock: Clock,
         log_interval_s: float = 60.0,
         max_keys: int = 4096,
     ) -> None:
@@ -51,7 +45,7 @@ class InboundLimiter:
         self.log_interval_s = log_interval_s
         self.max_keys = max_keys
         self._clock = clock
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
         #: Messages dropped since start, by reason (``rate-limited``, ``too-large``, ``malformed``, ...).
         self.dropped: dict[str, int] = {}
         self._pending: dict[tuple[str, str], int] = {}
@@ -75,18 +69,14 @@ class InboundLimiter:
 
     def allow(self, key: str) -> bool:
         """Take a token from ``key``'s bucket; False (and the drop counted) when it is empty."""
-        now = self._clock()
         bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) >= self.max_keys:
                 self._buckets.popitem(last=False)
-            bucket = self._buckets[key] = _Bucket(float(self.burst), now)
+            bucket = self._buckets[key] = TokenBucket(self._clock, rate_per_s=self.rate_per_s, burst=self.burst)
         else:
             self._buckets.move_to_end(key)
-            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.updated_s) * self.rate_per_s)
-            bucket.updated_s = now
-        if bucket.tokens >= 1.0:
-            bucket.tokens -= 1.0
+        if bucket.try_take():
             return True
         self.drop(key, "rate-limited")
         return False
@@ -95,7 +85,7 @@ class InboundLimiter:
         """Count a message dropped for ``reason`` and log, at most once per interval, what was dropped."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         self._pending[(key, reason)] = self._pending.get((key, reason), 0) + 1
-        now = self._clock()
+        now = self._clock.monotonic()
         if self._last_log_s is not None and now - self._last_log_s < self.log_interval_s:
             return
         first = self._last_log_s is None

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mapper.clock import Clock
+from mapper.edge.outbox.records import CompactionRow
 from mapper.errors import ConfigError, MapperError
 from mapper.wire.telemetry import (
     MERGED_FORMAT_VERSION,
@@ -49,27 +50,10 @@ from mapper.wire.telemetry import (
 log = logging.getLogger(__name__)
 
 
-class CompactionRowLike(Protocol):
-    @property
-    def id(self) -> int: ...
-    @property
-    def stream(self) -> int: ...
-    @property
-    def ts_last_ms(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def merged(self) -> bool: ...
-    @property
-    def cold(self) -> bool: ...
-
-
 class CompactableBuffer(Protocol):
     """What compaction needs from ``mapper.edge.storage.buffer.Buffer``."""
 
-    def compaction_rows(
-        self, *, before_ms: int, after_id: int = 0, limit: int = 20000
-    ) -> Sequence[CompactionRowLike]: ...
+    def compaction_rows(self, *, before_ms: int, after_id: int = 0, limit: int = 20000) -> Sequence[CompactionRow]: ...
     def payloads(self, ids: Sequence[int]) -> Mapping[int, bytes]: ...
     def replace(self, originals: Mapping[int, bytes], payload: bytes, ts_last_ms: int) -> bool: ...
 
@@ -190,7 +174,7 @@ class Compactor:
             return 1, ts_last_ms // cold_ms
         return 0, ts_last_ms // max(1, round(st.slot_s * 1000))
 
-    def closed(self, group: Sequence[CompactionRowLike]) -> bool:
+    def closed(self, group: Sequence[CompactionRow]) -> bool:
         """Whether nothing more will join the group before its merge: its slot (or its cold slot) is over and every
         batch of it is a candidate."""
         st = self.settings
@@ -201,14 +185,14 @@ class Compactor:
         slot_ms = max(1, round(st.slot_s * 1000))
         return (slot + 1) * slot_ms + round(st.min_age_s * 1000) <= now
 
-    def due_groups(self) -> list[list[CompactionRowLike]]:
+    def due_groups(self) -> list[list[CompactionRow]]:
         """The groups to merge now, oldest first (each at least two consecutive rows of one stream and slot, or one
         merged row of an open slot's form (format 3) whose slot is over, to be put in its cold form)."""
         st = self.settings
         now = self.clock.wall_ms()
         min_age_ms = round(st.min_age_s * 1000)
         rows = self.buffer.compaction_rows(before_ms=now - min_age_ms, after_id=self._done_through)
-        runs: dict[int, list[tuple[tuple[int, int], list[CompactionRowLike]]]] = {}
+        runs: dict[int, list[tuple[tuple[int, int], list[CompactionRow]]]] = {}
         for row in rows:
             stream_runs = runs.setdefault(row.stream, [])
             if row.id in self._failed:  # a row that did not merge: left as it is, and it parts its neighbours
@@ -220,7 +204,7 @@ class Compactor:
             else:
                 stream_runs.append((slot, [row]))
         busy = set(self._busy())
-        due: list[list[CompactionRowLike]] = []
+        due: list[list[CompactionRow]] = []
         unfinished: list[int] = []
         for stream_runs in runs.values():
             for (level, _), group in stream_runs:
@@ -275,7 +259,7 @@ class Compactor:
             return _Merged(originals, None, 0, time.thread_time() - t0, str(exc), frozenset(originals))
         return _Merged(originals, merged.payload, merged.ts_last_ms, time.thread_time() - t0)
 
-    def _originals(self, group: Sequence[CompactionRowLike]) -> dict[int, bytes]:
+    def _originals(self, group: Sequence[CompactionRow]) -> dict[int, bytes]:
         ids = [r.id for r in group]
         found = self.buffer.payloads(ids)
         return dict(found) if len(found) == len(ids) else {}

@@ -20,9 +20,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-from mapper.clock import Clock
+from mapper.clock import Clock, TokenBucket
+from mapper.edge.outbox.records import StoredBatch
 from mapper.errors import MapperError, PermanentError, TransientError
 from mapper.wire.telemetry import EncodedBatch, Route
 from mapper.wire.topics import state_topic, telemetry_topic
@@ -32,25 +33,6 @@ _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
-class StoredBatchLike(Protocol):
-    @property
-    def id(self) -> int: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def topic(self) -> str: ...
-    @property
-    def qos(self) -> int: ...
-    @property
-    def retain(self) -> bool: ...
-    @property
-    def payload(self) -> bytes: ...
-    @property
-    def address(self) -> str: ...
-
-
 class BufferStatsLike(Protocol):
     @property
     def bytes(self) -> int: ...
@@ -58,42 +40,12 @@ class BufferStatsLike(Protocol):
     def batches(self) -> int: ...
 
 
-class BatchToStore(NamedTuple):
-    """One item of ``BufferLike.put_many``: the keyword arguments of ``BufferLike.put``."""
-
-    device: str
-    uuid: str
-    boot_id: str
-    seq: int
-    ts_first_ms: int
-    ts_last_ms: int
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = False
-    address: str = ""
-
-
 class BufferLike(Protocol):
     """What the shipper needs from ``mapper.edge.storage.buffer.Buffer``."""
 
-    def put(
-        self,
-        *,
-        device: str,
-        uuid: str,
-        boot_id: str,
-        seq: int,
-        ts_first_ms: int,
-        ts_last_ms: int,
-        topic: str,
-        payload: bytes,
-        qos: int = 1,
-        retain: bool = False,
-        address: str = "",
-    ) -> int: ...
-    def put_many(self, items: Sequence[BatchToStore]) -> list[int]: ...
-    def pending(self, limit: int = 100, after_id: int | None = None) -> Sequence[StoredBatchLike]: ...
+    def put(self, batch: StoredBatch) -> int: ...
+    def put_many(self, items: Sequence[StoredBatch]) -> list[int]: ...
+    def pending(self, limit: int = 100, after_id: int | None = None) -> Sequence[StoredBatch]: ...
     def ack(self, batch_id: int) -> None: ...
     def put_latest(self, device: str, payload: bytes, ts_ms: int | None = None) -> None: ...
     def latest(self) -> Mapping[str, bytes]: ...
@@ -174,7 +126,11 @@ class TelemetryShipper:
         self._cursor: int | None = None
         self._page: set[int] = set()
         self._closing = False
-        self._next_send_at = 0.0
+        #: The byte-rate cap: burst 1, taken from in debt by each message, so each waits until the one before it
+        #: is paid for (even pacing; idle time saves up nothing).
+        self._pace = (
+            None if rate_limit_bytes_per_s is None else TokenBucket(clock, rate_per_s=rate_limit_bytes_per_s, burst=1)
+        )
         # counters
         self.submitted_batches = 0
         #: Status messages (acks, policy events) stored to go out with the telemetry.
@@ -214,7 +170,7 @@ class TelemetryShipper:
             return []
         node = self.node
         items = [
-            BatchToStore(
+            StoredBatch(
                 batch.device,
                 batch.uuid,
                 batch.boot_id,
@@ -246,15 +202,17 @@ class TelemetryShipper:
         message_id = self._store(
             f"status message for {device} on {topic}",
             lambda: self.buffer.put(
-                device=device,
-                uuid=uuid,
-                boot_id="",
-                seq=-1,
-                ts_first_ms=ts_ms,
-                ts_last_ms=ts_ms,
-                topic=topic,
-                payload=payload,
-                qos=qos,
+                StoredBatch(
+                    device=device,
+                    uuid=uuid,
+                    boot_id="",
+                    seq=-1,
+                    ts_first_ms=ts_ms,
+                    ts_last_ms=ts_ms,
+                    topic=topic,
+                    payload=payload,
+                    qos=qos,
+                )
             ),
         )
         if message_id is not None:
@@ -386,7 +344,7 @@ class TelemetryShipper:
             self._publishers[address] = pub
         return pub
 
-    async def _send(self, row: StoredBatchLike) -> None:
+    async def _send(self, row: StoredBatch) -> None:
         try:
             publish = await self._publisher(row.address)
             await publish(row.topic, row.payload, row.qos, row.retain, self.publish_timeout_s)
@@ -472,14 +430,12 @@ class TelemetryShipper:
     # ------------------------------------------------------------------------------------------ pacing, progress
 
     async def _throttle(self, nbytes: int) -> None:
-        rate = self.rate_limit_bytes_per_s
-        if rate is None:
+        if self._pace is None:
             return
-        now = self.clock.monotonic()
-        if self._next_send_at > now:
-            await self._sleep(self._next_send_at - now)
-            now = self.clock.monotonic()
-        self._next_send_at = max(now, self._next_send_at) + nbytes / rate
+        wait_s = self._pace.wait_s()
+        if wait_s > 0:
+            await self._sleep(wait_s)
+        self._pace.take_forced(nbytes)
 
     def _backlog(self) -> int:
         try:

@@ -2,5 +2,5 @@
 
 Owns: the SQLite telemetry buffer (``buffer``), the desired-state store (``store``), the data directory's
 creation and modes (``datadir``), moving a corrupt SQLite file aside (``sqlitefiles``). The only edge package
-that imports sqlite3.
-Must not import: KubeEdge, the outbox, processes, status, the root."""
+that imports sqlite3. It implements the outbox's Protocols over the outbox's record type (``outbox.records``).
+Must not import: KubeEdge, processes, status, the root."""

@@ -22,16 +22,16 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
 from mapper.clock import Clock, SystemClock
+from mapper.edge.outbox.records import CompactionRow, StoredBatch, peek_header
 from mapper.edge.storage.sqlitefiles import move_aside
 from mapper.errors import ConfigError, PermanentError, TransientError
-from mapper.wire.telemetry import MERGED_FORMAT_VERSION, MERGED_VERSIONS, BatchFormatError, decode_batch
+from mapper.wire.telemetry import MERGED_FORMAT_VERSION, MERGED_VERSIONS
 
 log = logging.getLogger(__name__)
 
@@ -52,65 +52,10 @@ _SQLITE_NOTADB = 26
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True)
-class StoredBatch:
-    """One stored batch. ``seq`` and ``ts_first_ms`` are not stored in the row (the payload carries them): they
-    are read from the payload the first time they are asked for (a decode of this one batch)."""
-
-    id: int
-    device: str
-    uuid: str
-    boot_id: str
-    ts_last_ms: int
-    topic: str
-    qos: int
-    retain: bool
-    payload: bytes
-    size: int
-    #: Broker URL for a property's own ``pushMethod.mqtt.address``; "" = the mapper's default broker.
-    address: str = ""
-
-    @cached_property
-    def _header(self) -> tuple[int, int]:
-        return _peek(self.payload, self.ts_last_ms)
-
-    @property
-    def seq(self) -> int:
-        """The batch's sequence number, from its payload; -1 when the payload is not a batch this mapper reads."""
-        return self._header[0]
-
-    @property
-    def ts_first_ms(self) -> int:
-        """The batch's first sample time, from its payload; ``ts_last_ms`` when the payload is not a batch."""
-        return self._header[1]
-
-
-def _peek(payload: bytes, ts_last_ms: int) -> tuple[int, int]:
-    try:
-        decoded = decode_batch(payload)
-    except (BatchFormatError, ValueError):
-        return -1, ts_last_ms
-    return decoded.seq, decoded.ts_first_ms
-
-
 #: The version bytes of a merged batch (mapper.wire.telemetry.MERGED_VERSIONS: formats 3 and 4).
 MERGED_VERSION_BYTES = frozenset(bytes((v,)) for v in MERGED_VERSIONS)
 #: The version byte of a merged batch in its cold form (mapper.wire.telemetry.MERGED_FORMAT_VERSION).
 COLD_VERSION = bytes((MERGED_FORMAT_VERSION,))
-
-
-@dataclass(frozen=True)
-class CompactionRow:
-    """What compaction needs of a stored batch without reading its payload."""
-
-    id: int
-    stream: int
-    ts_last_ms: int
-    size: int
-    #: A merged batch already (format version 3 or 4).
-    merged: bool
-    #: In its cold form already: a merged batch of the format compaction writes when a slot is over (version 4).
-    cold: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,34 +68,9 @@ class BufferStats:
     files_moved_aside: int = 0
 
 
-class BatchFields(Protocol):
-    """What ``Buffer.put_many`` reads from each item: the keyword arguments of ``Buffer.put``."""
-
-    @property
-    def device(self) -> str: ...
-    @property
-    def uuid(self) -> str: ...
-    @property
-    def boot_id(self) -> str: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def ts_first_ms(self) -> int: ...
-    @property
-    def ts_last_ms(self) -> int: ...
-    @property
-    def topic(self) -> str: ...
-    @property
-    def payload(self) -> bytes: ...
-    @property
-    def qos(self) -> int: ...
-    @property
-    def retain(self) -> bool: ...
-    @property
-    def address(self) -> str: ...
-
-
 _StreamKey = tuple[str, str, str, str, int, bool, str]
+#: A stored batch's columns (``_stored`` makes the record of them), over ``batches b JOIN streams s``.
+_BATCH_COLUMNS = "b.id, s.device, s.uuid, s.boot_id, b.ts_last_rel_ms, s.topic, s.qos, s.retain, b.payload, s.address"
 
 
 def _table_names(conn: sqlite3.Connection) -> set[str]:
@@ -173,19 +93,30 @@ def _is_full(exc: sqlite3.DatabaseError) -> bool:
 
 
 def _stored(r: Sequence[Any], epoch_ms: int) -> StoredBatch:
+    """A ``_BATCH_COLUMNS`` row as the record (its seq and first sample time are in its payload only)."""
     return StoredBatch(
-        id=int(r[0]),
         device=r[1],
         uuid=r[2],
         boot_id=r[3],
+        seq=None,
+        ts_first_ms=None,
         ts_last_ms=int(r[4]) + epoch_ms,
         topic=r[5],
+        payload=bytes(r[8]),
         qos=int(r[6]),
         retain=bool(r[7]),
-        payload=bytes(r[8]),
-        size=int(r[9]),
-        address=r[10],
+        address=r[9],
+        id=int(r[0]),
     )
+
+
+def read_batches(conn: sqlite3.Connection) -> Iterator[StoredBatch]:
+    """Every stored batch of a buffer file (schema 3) open on ``conn``, oldest id first: what the buffer tool
+    reads, on its own read-only connection, in the transaction it holds."""
+    epoch_ms = int(conn.execute("SELECT value FROM meta WHERE key = 'epoch_ms'").fetchone()[0])
+    rows = conn.execute(f"SELECT {_BATCH_COLUMNS} FROM batches b JOIN streams s ON s.id = b.stream ORDER BY b.id")
+    for r in rows:
+        yield _stored(r, epoch_ms)
 
 
 #: A checked batch ready to insert: (stream key, ts_last_ms, payload).
@@ -198,30 +129,18 @@ def _batches(n: int) -> str:
     return "batch" if n == 1 else f"{n} batches"
 
 
-def _checked_row(
-    device: str,
-    uuid: str,
-    boot_id: str,
-    seq: int,
-    ts_first_ms: int,
-    ts_last_ms: int,
-    topic: str,
-    payload: bytes,
-    qos: int,
-    retain: bool,
-    address: str,
-    where: str,
-) -> _Row:
+def _checked_row(batch: StoredBatch, where: str) -> _Row:
     """A batch as ``_store`` inserts it; ValueError naming the batch (``where``: its place in a call) and its
     fault when it has an empty topic, a QoS other than 0, 1, 2, or ``ts_last_ms`` before ``ts_first_ms``."""
-    if topic and qos in (0, 1, 2) and ts_last_ms >= ts_first_ms:
-        return (device, uuid, boot_id, topic, qos, bool(retain), address), ts_last_ms, payload
-    what = f"batch {device} seq {seq}{where}"
-    if not topic:
+    b = batch
+    if b.topic and b.qos in (0, 1, 2) and b.ts_last_ms >= b.ts_first_ms:
+        return (b.device, b.uuid, b.boot_id, b.topic, b.qos, bool(b.retain), b.address), b.ts_last_ms, b.payload
+    what = f"batch {b.device} seq {b.seq}{where}"
+    if not b.topic:
         raise ValueError(f"{what}: empty topic")
-    if qos not in (0, 1, 2):
-        raise ValueError(f"{what}: qos must be 0, 1 or 2, got {qos}")
-    raise ValueError(f"{what}: ts_last_ms {ts_last_ms} is before ts_first_ms {ts_first_ms}")
+    if b.qos not in (0, 1, 2):
+        raise ValueError(f"{what}: qos must be 0, 1 or 2, got {b.qos}")
+    raise ValueError(f"{what}: ts_last_ms {b.ts_last_ms} is before ts_first_ms {b.ts_first_ms}")
 
 
 def _extend(runs: list[tuple[int, str]], row_id: int, reason: str) -> None:
@@ -468,29 +387,12 @@ class Buffer:
 
     # ------------------------------------------------------------------------------------------ writes
 
-    def put(
-        self,
-        *,
-        device: str,
-        uuid: str,
-        boot_id: str,
-        seq: int,
-        ts_first_ms: int,
-        ts_last_ms: int,
-        topic: str,
-        payload: bytes,
-        qos: int = 1,
-        retain: bool = False,
-        address: str = "",
-    ) -> int:
+    def put(self, batch: StoredBatch) -> int:
         """Store one batch (committed when this returns) and return its id; the bounds are enforced in the same
         transaction. ``put_many`` with one item."""
-        row = _checked_row(
-            device, uuid, boot_id, seq, ts_first_ms, ts_last_ms, topic, payload, qos, retain, address, ""
-        )
-        return self._store((row,))
+        return self.put_many((batch,))[0]
 
-    def put_many(self, items: Sequence[BatchFields]) -> list[int]:
+    def put_many(self, items: Sequence[StoredBatch]) -> list[int]:
         """Store several batches in ONE transaction (committed when this returns) and return their ids, in order.
 
         The same as ``put`` for each item in turn, at the cost of one commit: every item is checked first (a bad
@@ -500,23 +402,7 @@ class Buffer:
         dropping, or nothing left to drop) means none of them was stored, each counted as a ``disk_full`` drop.
         """
         n = len(items)
-        rows = [
-            _checked_row(
-                it.device,
-                it.uuid,
-                it.boot_id,
-                it.seq,
-                it.ts_first_ms,
-                it.ts_last_ms,
-                it.topic,
-                it.payload,
-                it.qos,
-                it.retain,
-                it.address,
-                f" (item {i} of {n})" if n > 1 else "",
-            )
-            for i, it in enumerate(items)
-        ]
+        rows = [_checked_row(it, f" (item {i} of {n})" if n > 1 else "") for i, it in enumerate(items)]
         if not rows:
             return []
         first_id = self._store(rows)
@@ -811,9 +697,7 @@ class Buffer:
 
         def select(conn: sqlite3.Connection) -> list[StoredBatch]:
             rows = conn.execute(
-                "SELECT b.id, s.device, s.uuid, s.boot_id, b.ts_last_rel_ms, s.topic, "
-                f"s.qos, s.retain, b.payload, length(b.payload) + {ROW_OVERHEAD_BYTES}, s.address "
-                "FROM batches b JOIN streams s ON s.id = b.stream "
+                f"SELECT {_BATCH_COLUMNS} FROM batches b JOIN streams s ON s.id = b.stream "
                 "WHERE b.id > ? ORDER BY b.id LIMIT ?",
                 (after_id if after_id is not None else -1, limit),
             ).fetchall()
@@ -831,7 +715,7 @@ class Buffer:
             lambda conn: conn.execute("SELECT ts_last_rel_ms, payload FROM batches ORDER BY id LIMIT 1").fetchone()
         )
         # The first sample time of the oldest batch is in its payload (one decode).
-        oldest = None if row is None else _peek(bytes(row[1]), int(row[0]) + self._epoch_ms)[1]
+        oldest = None if row is None else peek_header(bytes(row[1]), int(row[0]) + self._epoch_ms)[1]
         age = None if oldest is None else max(0.0, (self.clock.wall_ms() - oldest) / 1000)
         return BufferStats(
             bytes=self._bytes,

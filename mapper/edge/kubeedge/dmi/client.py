@@ -36,11 +36,11 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from mapper.clock import Clock, SystemClock, sleep_or_wake
+from mapper.clock import Clock, SystemClock, TokenBucket, sleep_or_wake
 from mapper.edge.kubeedge.dmi import convert
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
-from mapper.edge.kubeedge.dmi.ratelimit import ReportScheduler, StateReport, StatusReport, TokenBucket
+from mapper.edge.kubeedge.dmi.ratelimit import ReportScheduler, StateReport, StatusReport
 from mapper.errors import InvalidValueError, MapperError, PermanentError, TransientError
 from mapper.shared.model import DEVICE_STATES, DeviceConfig, DeviceModelConfig, Twin
 

@@ -1,4 +1,5 @@
-"""Node-wide budget for calls to EdgeCore, and the coalescing queue of reports. Pure: time comes from a Clock.
+"""Node-wide budget for calls to EdgeCore, and the coalescing queue of reports. Pure: time comes from a Clock,
+the budget is a ``mapper.clock.TokenBucket``.
 
 EdgeCore keeps ONE token bucket (1 token per second, burst 100) shared by MapperRegister, ReportDeviceStatus,
 ReportDeviceStates and every mapper on the node; over it a call fails with "too many request". We spend our
@@ -30,62 +31,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from mapper.clock import Clock
+from mapper.clock import TokenBucket
 from mapper.shared.model import Twin
 
 #: A periodic report pending this long counts as prompt (it no longer leaves the reserve alone).
 PROMOTE_AFTER_S = 30.0
-
-
-class TokenBucket:
-    """``rate_per_s`` tokens a second up to ``burst``; starts full."""
-
-    def __init__(self, clock: Clock, *, rate_per_s: float = 0.8, burst: int = 10) -> None:
-        if rate_per_s <= 0:
-            raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
-        if burst < 1:
-            raise ValueError(f"burst must be >= 1, got {burst}")
-        self.rate_per_s = rate_per_s
-        self.burst = burst
-        self._clock = clock
-        self._tokens = float(burst)
-        self._at = clock.monotonic()
-
-    def _refill(self) -> None:
-        now = self._clock.monotonic()
-        if now > self._at:
-            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate_per_s)
-        self._at = max(self._at, now)
-
-    @property
-    def tokens(self) -> float:
-        self._refill()
-        return self._tokens
-
-    @property
-    def clock(self) -> Clock:
-        return self._clock
-
-    def try_take(self, keep: float = 0.0) -> bool:
-        """Take one token if there is one that leaves ``keep`` tokens in the bucket."""
-        self._refill()
-        if self._tokens >= 1.0 + keep:
-            self._tokens -= 1.0
-            return True
-        return False
-
-    def take_forced(self) -> None:
-        """Take one token even if that leaves the bucket in debt (MapperRegister must not wait behind reports);
-        later reports wait until the debt is paid, so the average rate still holds."""
-        self._refill()
-        self._tokens -= 1.0
-
-    def wait_s(self, keep: float = 0.0) -> float:
-        """Seconds until a token is available that leaves ``keep`` tokens (0 when one is)."""
-        self._refill()
-        if self._tokens >= 1.0 + keep:
-            return 0.0
-        return (1.0 + keep - self._tokens) / self.rate_per_s
 
 
 @dataclass(frozen=True)
