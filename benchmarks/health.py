@@ -69,7 +69,7 @@ async def scenario(name: str, folder: Path) -> dict[str, Any]:
     policies = PolicyEngine(parse_policies({"health": {"recovery": {"allowReset": allow}}}))
     worker = GpuWorker(info, backend, Reconciler(backend, info.uuid, clock=clock), policies, clock)
     worker.bind(DeviceConfig("default", "gpu-0", "gpu-model", info.uuid, properties=(DeviceProperty("temperature"),)))
-    collector = Collector({info.uuid: worker}, backend, clock=clock, on_step=lambda _w, _r: None)
+    collector = Collector({info.uuid: worker}, backend, clock=clock)
     worker.notify = collector.wake.set
     monitor = HealthMonitor(
         {info.uuid: worker},

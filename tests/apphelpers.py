@@ -38,8 +38,7 @@ async def running_app(
     settings: Settings, sim: SimNvml, *, housekeeping_interval_s: float = 5.0
 ) -> AsyncIterator[MapperApp]:
     backend = NvmlBackend(sim)
-    app = MapperApp(settings, backend)
-    app.housekeeping.interval_s = housekeeping_interval_s
+    app = MapperApp(settings, backend, housekeeping_interval_s=housekeeping_interval_s)
     stop = asyncio.Event()
     task = asyncio.create_task(app.run(stop))
     try:

@@ -177,19 +177,21 @@ async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_
     from tests.apphelpers import wait_for
 
     app = MapperApp(fast_settings(str(tmp_path), devices_dir=None), NvmlBackend(SimNvml(2, "H100", seed=4)))
-    after_tick = app.collector.on_step
     cut: list[tuple[str, int]] = []
-
-    def crashing(worker, result):  # type: ignore[no-untyped-def]
-        after_tick(worker, result)
-        if not cut and app.streams.round_batches and worker is list(app.workers.values())[-1]:
-            cut.extend((batch.uuid, batch.seq) for batch, _ in app.streams.round_batches)
-            raise RuntimeError("a bug in publishing a step")
-
-    app.collector.on_step = crashing
     stored: list[tuple[str, int]] = []
 
     def started() -> None:
+        # The last of the collector's consumers (the reporter) raises once, after the whole step was handed on.
+        assert app.collector.consumers[-1] is app.reporter
+        after_step = app.reporter.after_step
+
+        def crashing(worker, result):  # type: ignore[no-untyped-def]
+            after_step(worker, result)
+            if not cut and app.streams.round_batches and worker is list(app.workers.values())[-1]:
+                cut.extend((batch.uuid, batch.seq) for batch, _ in app.streams.round_batches)
+                raise RuntimeError("a bug in publishing a step")
+
+        app.reporter.after_step = crashing  # type: ignore[method-assign]
         assert app.shipper is not None
         submit_many = app.shipper.submit_many
 

@@ -1,20 +1,28 @@
-"""GpuWorker's schedule: every property on its own collect cycle, sampled together when due together."""
+"""GpuWorker's schedule: every property on its own collect cycle, sampled together when due together; the
+Collector handing each step to its consumers."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
 
-from mapper.clock import FakeClock
-from mapper.edge.control.collect import DUE_SLACK_S, GpuWorker
+from mapper.clock import FakeClock, SystemClock
+from mapper.edge.control.collect import DUE_SLACK_S, Collector, GpuWorker, TickResult, unbound_device
 from mapper.edge.control.policy import PolicyEngine
 from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.outbox.streams import TelemetryStreams
+from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import NVML_PROPERTIES, PROPERTY_BY_NAME, DeviceConfig, DeviceProperty, GpuEvent, Sample
+from tests.apphelpers import wait_for
 
 
 class Recording:
@@ -369,3 +377,62 @@ async def test_the_policies_see_each_event_once_and_every_change_of_desired_cap_
     clock.advance(1.0)
     await worker.tick()
     assert worker.lost and seen.contexts[-1].gpu_lost is True
+
+
+async def test_each_step_goes_to_the_collectors_consumers_in_order_and_a_raising_one_costs_that_step_only(
+    tmp_path: Path,
+) -> None:
+    """A sample reaches its telemetry stream straight from the collector (the streams are its first consumer, the
+    round's batches stored by ``on_round``); the next consumers get each step after it, in the order given; one
+    that raises for a GPU costs that GPU's step (the consumers after it skip it, it is counted), not the
+    others'."""
+    clock = SystemClock()
+    backend = NvmlBackend(SimNvml(2, "H100", seed=0, scenario="steady"))
+    backend.init()
+    buf = Buffer(tmp_path / "t.db", max_bytes=10_000_000, max_age_s=10**9, clock=clock)
+
+    async def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nothing is published here")
+
+    streams = TelemetryStreams(
+        "edge1", "0badf00d", TelemetryShipper(buf, never, node="edge1", clock=clock), clock=clock, window_s=0.3
+    )
+    failing, healthy = (info.uuid for info in backend.list_gpus())
+    seen: list[tuple[str, str]] = []
+
+    class Consumer:
+        def __init__(self, name: str, raise_for: str = "") -> None:
+            self.name, self.raise_for = name, raise_for
+
+        def after_step(self, worker: GpuWorker, result: TickResult) -> None:
+            seen.append((self.name, worker.uuid))
+            if worker.uuid == self.raise_for:
+                raise RuntimeError("a bug in a consumer")
+
+    workers: dict[str, GpuWorker] = {}
+    collector = Collector(
+        workers,
+        backend,
+        clock=clock,
+        consumers=(streams, Consumer("first", raise_for=failing), Consumer("second")),
+        on_round=streams.store_round,
+    )
+    for info in backend.list_gpus():
+        reconciler = Reconciler(backend, info.uuid, clock=clock)
+        workers[info.uuid] = GpuWorker(info, backend, reconciler, PolicyEngine(), clock, notify=collector.wake.set)
+        streams.bind(info.uuid, unbound_device(info))
+    expected = {f"_unbound/{uuid.lower()}" for uuid in workers}
+    task = asyncio.create_task(collector.run())
+    try:
+        await wait_for(lambda: {r.device for r in buf.pending(limit=1000)} == expected, what="batches of both GPUs")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    firsts = [i for i, (name, _) in enumerate(seen) if name == "first"]
+    assert firsts and all(seen[i + 1] == ("second", healthy) for i in firsts if seen[i][1] == healthy)
+    assert ("second", failing) not in seen, "the consumers after the raising one skip that GPU's step"
+    assert collector.errors["step-failed"] == sum(1 for s in seen if s == ("first", failing)) >= 1
+    assert workers[failing].state == "unhealthy" and workers[healthy].state == "online"
+    buf.close()
+    backend.shutdown()

@@ -480,7 +480,7 @@ async def test_a_reset_of_one_gpu_reapplies_its_settings_and_leaves_the_other_gp
     )
     monitor.attach()
 
-    collector = Collector(workers, backend, clock=clock, on_step=lambda _w, _r: None)
+    collector = Collector(workers, backend, clock=clock)
 
     async def step_all() -> None:
         clock.advance(1.0)

@@ -50,8 +50,7 @@ APP_CHILD = textwrap.dedent(
     before = "grpc" in sys.modules
 
     async def main():
-        app = mapper.edge.app.MapperApp(settings, NvmlBackend(sim))
-        app.housekeeping.interval_s = 0.2
+        app = mapper.edge.app.MapperApp(settings, NvmlBackend(sim), housekeeping_interval_s=0.2)
         stop = asyncio.Event()
         task = asyncio.create_task(app.run(stop))
         def bound():

@@ -16,6 +16,7 @@ from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.control.reconcile import Ack
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.storage.buffer import Buffer
 from mapper.net.mqtt import MqttSession
 from tests.brokers import Mosquitto
@@ -93,10 +94,11 @@ async def test_acks_and_events_are_published_at_once_and_kept_while_the_broker_i
 
     shipper = TelemetryShipper(buf, gated, node="edge1", clock=clock, retry_s=0.2)
     session.add_on_connect(shipper.notify_connected)
+    streams = TelemetryStreams("edge1", "0badf00d", shipper, clock=clock, window_s=2.0)
     rounds: list[int] = []
-    publisher = Publisher(
-        "edge1", session, clock=clock, shipper=shipper, before_keep=lambda: rounds.append(len(rounds))
-    )
+    store_round = streams.store_round
+    streams.store_round = lambda: rounds.append(len(rounds)) or store_round()  # type: ignore[method-assign]
+    publisher = Publisher("edge1", session, clock=clock, outbox=streams)
     task = asyncio.create_task(shipper.run())
     try:
         assert await session.wait_connected(5)
@@ -143,7 +145,8 @@ async def test_without_a_broker_nothing_is_published_or_kept(tmp_path: Path) -> 
         raise AssertionError("no publish without a broker")
 
     shipper = TelemetryShipper(buf, never, node="edge1", clock=clock)
-    publisher = Publisher("edge1", None, clock=clock, shipper=shipper)
+    streams = TelemetryStreams("edge1", "0badf00d", shipper, clock=clock, window_s=2.0)
+    publisher = Publisher("edge1", None, clock=clock, outbox=streams)
     publisher.publish_step("default/gpu0", "GPU-1", [ack(400, 1)], [])
     publisher.publish_soon("gpu-mapper/edge1/status", b"online")
     assert shipper.submitted_messages == 0 and publisher.tasks() == []

@@ -7,6 +7,7 @@ import asyncio
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,12 @@ class Rig:
     publisher: Publisher
     inbound: InboundLimiter
     status: StatusSource
+    settings: Settings
+
+    def started(self, **parts: Any) -> StatusSource:
+        """The status of the same parts with those made at start-up (``driver_version``, ``buffer``, ...)."""
+        rig_parts = (self.workers, self.collector, self.publisher, self.inbound, self.clock)
+        return StatusSource(self.settings, "9.9.9", *rig_parts, **parts)
 
 
 @pytest.fixture
@@ -76,12 +83,12 @@ def rig() -> Iterator[Rig]:
         )
         for info in backend.list_gpus()
     }
-    collector = Collector(workers, backend, clock=clock, on_step=lambda w, r: None)
+    collector = Collector(workers, backend, clock=clock)
     publisher = Publisher("edge-1", None, clock=clock)
     inbound = InboundLimiter("EventBus messages", 5.0, 10, clock=clock)
     settings = Settings(node_name="edge-1", buffer_max_bytes=1 << 20)
     status = StatusSource(settings, "9.9.9", workers, collector, publisher, inbound, clock)
-    yield Rig(clock, workers, collector, publisher, inbound, status)
+    yield Rig(clock, workers, collector, publisher, inbound, status, settings)
     backend.shutdown()
 
 
@@ -107,13 +114,19 @@ async def test_each_part_made_at_start_up_shows_in_the_snapshot_and_it_survives_
     rig.collector.errors["gpu-lost"] = 1
     rig.inbound.dropped["too-large"] = 5
     rig.publisher.policy_events[("thermal", "started")] = 1
-    rig.status.observe_round(0.003)
-    rig.status.observe_round(0.004)
     client = FakeDmi({"ReportDeviceStatus": {"ok": 7, "rate_limited": 1}, "MapperRegister": {"ok": 1}})
     server = FakeDmi({"ReportDeviceStatus": {"ok": 2}, "GetDevice": {"ok": 3}}, registered=False)
-    rig.status.attach("550.54.15", FakeBuffer(), None, FakeSession(connected=False), client, server)
+    status = rig.started(
+        driver_version="550.54.15",
+        buffer=FakeBuffer(),
+        session=FakeSession(connected=False),
+        dmi_client=client,
+        dmi_server=server,
+    )
+    status.observe_round(0.003)
+    status.observe_round(0.004)
 
-    snap = rig.status.snapshot()
+    snap = status.snapshot()
     assert snap.driver_version == "550.54.15"
     assert (snap.buffer_bytes, snap.buffer_batches, snap.buffer_oldest_age_s, snap.buffer_drops) == (
         4096,
@@ -122,7 +135,7 @@ async def test_each_part_made_at_start_up_shows_in_the_snapshot_and_it_survives_
         {"full": 2},
     )
     assert snap.mqtt_enabled and not snap.mqtt_connected and snap.mqtt_reconnects == 4
-    assert rig.status.mqtt_state() == "down" and rig.status.buffer_batches() == 3
+    assert status.mqtt_state() == "down" and status.buffer_batches() == 3
     assert snap.dmi_registered, "the client's registration, not the server's"
     assert snap.dmi_rpcs == {
         ("ReportDeviceStatus", "ok"): 9,
@@ -149,10 +162,10 @@ def test_rpc_counts_of_client_and_server_add_up_by_method_and_result() -> None:
 
 
 async def test_the_console_prints_a_line_per_gpu_with_the_buffer_and_mqtt_and_beats(rig: Rig) -> None:
-    rig.status.attach("550.54.15", FakeBuffer(), None, FakeSession(connected=True), None, None)
+    status = rig.started(driver_version="550.54.15", buffer=FakeBuffer(), session=FakeSession(connected=True))
     out = io.StringIO()
     beats: list[tuple[str, float]] = []
-    task = asyncio.create_task(run_console(rig.status, 0.01, lambda n, p: beats.append((n, p)), out))
+    task = asyncio.create_task(run_console(status, 0.01, lambda n, p: beats.append((n, p)), out))
     try:
         await wait_for(lambda: out.getvalue().count("node edge-1") >= 2, what="two tables")
     finally:

@@ -1,13 +1,14 @@
 """TelemetryStreams with a real SQLite buffer behind the shipper: a GPU streams as ``_unbound/<uuid>`` until a
 Device names it; a round's batches are stored in one call; a rebind flushes the old stream and keeps the
-sequence only for the same Device; whatever is left is stored at shutdown."""
+sequence only for the same Device; whatever is left is stored at shutdown; a message kept goes after the batches
+cut before it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from mapper.clock import FakeClock
-from mapper.edge.kubeedge.binding import unbound_device
+from mapper.edge.control.collect import unbound_device
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.storage.buffer import Buffer
@@ -24,7 +25,7 @@ def rig(tmp_path: Path) -> tuple[TelemetryStreams, TelemetryShipper, Buffer, Fak
     clock = FakeClock()
     buf = Buffer(tmp_path / "t.db", max_bytes=10_000_000, max_age_s=10**9, clock=clock)
     shipper = TelemetryShipper(buf, never, node="edge1", clock=clock)
-    streams = TelemetryStreams("edge1", "0badf00d", window_s=2.0, shipper=shipper)
+    streams = TelemetryStreams("edge1", "0badf00d", shipper, clock=clock, window_s=2.0)
     return streams, shipper, buf, clock
 
 
@@ -75,4 +76,36 @@ def test_a_refused_push_method_falls_back_to_the_default_route(tmp_path: Path) -
     streams.bind(GPU.uuid, device)
     routes = streams.by_uuid[GPU.uuid].routes
     assert len(routes) == 1 and routes[0].properties is None, "only the default route"
+    buf.close()
+
+
+def test_a_message_kept_in_a_round_goes_after_the_batches_that_round_cut_before_it(tmp_path: Path) -> None:
+    """The outbox's ordering rule, on the object that owns it: an ack kept while the broker is down, in the middle
+    of a collect round, is stored after the batches the round cut before it and before those cut after it. The
+    shipper sends in buffer id order, so that is the order the broker gets them in."""
+    streams, shipper, buf, clock = rig(tmp_path)
+    streams.bind(GPU.uuid, unbound_device(GPU))
+    ack_topic = "gpu-mapper/edge1/_unbound/x/desired/ack"
+
+    def sample() -> None:
+        streams.add(GPU.uuid, Sample(GPU.uuid, clock.wall_ms(), {"temperature": 60}), clock.wall_ms())
+        clock.advance(1.0)
+
+    while not streams.round_batches:  # one round's samples, until the 2 s window is cut (not stored yet)
+        sample()
+    cut_before = [batch.seq for batch, _ in streams.round_batches]
+    message_id = streams.keep_message(
+        device="_unbound/x", uuid=GPU.uuid, topic=ack_topic, payload=b"{}", ts_ms=clock.wall_ms()
+    )
+    assert message_id is not None and streams.round_batches == []
+    while not streams.round_batches:  # the same round goes on and cuts the next window
+        sample()
+    cut_after = [batch.seq for batch, _ in streams.round_batches]
+    streams.store_round()
+
+    rows = buf.pending(limit=100)
+    assert [r.id for r in rows] == sorted(r.id for r in rows)
+    in_order = [("message" if r.topic == ack_topic else r.seq) for r in rows]
+    assert in_order == [*cut_before, "message", *cut_after], in_order
+    assert shipper.submitted_messages == 1
     buf.close()

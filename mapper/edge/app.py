@@ -14,27 +14,29 @@ import os
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from mapper import __version__
 from mapper.clock import Clock, SystemClock
 from mapper.edge.backends import build_process_loop, health_monitor
 from mapper.edge.config import Settings
-from mapper.edge.control.collect import Collector, GpuWorker, TickResult
+from mapper.edge.control.collect import CollectCounts, Collector, GpuWorker, unbound_device
 from mapper.edge.control.healthloop import HealthMonitor
 from mapper.edge.control.policy import PolicyEngine, parse_policies
 from mapper.edge.control.reconcile import Reconciler
 from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
-from mapper.edge.kubeedge.binding import Bindings, unbound_device
+from mapper.edge.kubeedge.binding import Bindings
 from mapper.edge.kubeedge.devicefiles import watch_folder
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.edge.kubeedge.registry import Registry
-from mapper.edge.kubeedge.report import Reporter
+from mapper.edge.kubeedge.report import Reporter, twins_of
 from mapper.edge.outbox.compact import Compactor, compaction_settings
-from mapper.edge.outbox.publish import Publisher
+from mapper.edge.outbox.publish import Publisher, telemetry_publish
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.outbox.streams import TelemetryStreams
+from mapper.edge.processes.loop import ProcessLoop
+from mapper.edge.status.housekeeping import DEFAULT_INTERVAL_S as HOUSEKEEPING_INTERVAL_S
 from mapper.edge.status.housekeeping import Housekeeping
 from mapper.edge.status.metrics import MetricsServer, write_status_file
 from mapper.edge.status.source import StatusSource, run_console
@@ -45,11 +47,11 @@ from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.net.http import LoopHeartbeat
 from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
-from mapper.shared.model import GpuInfo, Sample
-from mapper.wire.topics import DELTA_FILTER, membership_topic
+from mapper.shared.model import DeviceConfig, DeviceModelConfig, GpuInfo
+from mapper.wire.topics import DELTA_FILTER, membership_topic, status_topic
 
 if TYPE_CHECKING:
-    # Imported in ``start`` only when DMI is on: grpc, protobuf and the generated stubs add ~12 MB to the
+    # Imported in ``_build`` only when DMI is on: grpc, protobuf and the generated stubs add ~12 MB to the
     # process's RSS, which a standalone mapper (devices folder, no EdgeCore) would carry for nothing.
     from mapper.edge.kubeedge.dmi.client import DmiClient, DmiReporter
     from mapper.edge.kubeedge.dmi.server import DmiServer
@@ -94,172 +96,78 @@ def build_backend(
 
 
 class MapperApp:
-    """One mapper process: the GPUs of this node, their Devices, and every way in and out."""
+    """One mapper process: the GPUs of this node, their Devices, and every way in and out.
 
-    def __init__(self, settings: Settings, backend: NvmlBackend | JetsonBackend, *, clock: Clock | None = None) -> None:
+    ``__init__`` keeps what needs no file, no broker and no GPU. ``start`` checks the data directory, waits for
+    NVML, builds every other part (``_build``: each is given what it needs when it is made, so the order there
+    is what needs what), then opens the ways in and out (``_open``). ``run`` supervises the loops, ``shutdown``
+    stops them in order."""
+
+    # Made by ``_build`` (they exist once ``start`` has built them):
+    shipper: TelemetryShipper
+    streams: TelemetryStreams
+    publisher: Publisher
+    status: StatusSource
+    reporter: Reporter
+    bindings: Bindings
+    collector: Collector
+    housekeeping: Housekeeping
+
+    def __init__(
+        self,
+        settings: Settings,
+        backend: NvmlBackend | JetsonBackend,
+        *,
+        clock: Clock | None = None,
+        housekeeping_interval_s: float = HOUSEKEEPING_INTERVAL_S,
+    ) -> None:
         self.settings = settings
         self.backend = backend
         self.clock: Clock = clock or SystemClock()
         self.node = settings.node_name
         self.boot_id = uuidlib.uuid4().hex[:8]  # 8 hex digits: 4 bytes in every batch (docs/telemetry.md)
         self.data_dir = Path(settings.data_dir)
+        #: How often the status file is written and the config file looked at.
+        self.housekeeping_interval_s = housekeeping_interval_s
         self.policies = PolicyEngine(parse_policies(settings.policies))
-        self.registry = Registry(node_gpus=lambda: self.workers.keys())
+        #: Every GPU's worker by UUID, shared by the parts that read them; filled by ``_build``.
         self.workers: dict[str, GpuWorker] = {}
-        self.streams = TelemetryStreams(
-            self.node,
-            self.boot_id,
-            window_s=settings.telemetry_window_s,
-            fmt="json" if settings.telemetry_format == "json" else "binary",
-            qos=settings.mqtt.qos,
-        )
-        self.gpus: list[GpuInfo] = []
-        self.driver_version = ""
-        self.nvml_ready = False
-        self.buffer: Buffer | None = None
-        self.store: DesiredStore | None = None
-        self.shipper: TelemetryShipper | None = None
-        self.compactor: Compactor | None = None
+        self.registry = Registry(node_gpus=self.workers.keys)
         self.sessions = MqttSessions(settings.mqtt.client_id or f"gpu-mapper-{settings.node_name}")
-        self.session: MqttSession | None = None
-        self.dmi_client: DmiClient | None = None
-        self.dmi_reporter: DmiReporter | None = None
-        self.dmi_server: DmiServer | None = None
-        self.metrics: MetricsServer | None = None
-        self.health: HealthMonitor | None = None
-        self.exit_code = 0
-        self._stop: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._beats: dict[str, LoopHeartbeat] = {}
-        self.collector = Collector(
-            self.workers,
-            backend,
-            clock=self.clock,
-            on_step=self._after_tick,
-            on_round=self.streams.store_round,
-            beat=self._beat,
-            observe=lambda duration_s: self.status.observe_round(duration_s),
-            on_sample=self._live if settings.telemetry_live else None,
-        )
-        self.publisher = Publisher(
-            self.node, None, clock=self.clock, qos=settings.mqtt.qos, before_keep=self.streams.store_round
-        )
-        self.reporter = Reporter(
-            self.workers,
-            clock=self.clock,
-            report_cycle_ms=settings.report_cycle_ms,
-            state_report_cycle_ms=settings.state_report_cycle_ms,
-            beat=self._beat,
-        )
-        self.bindings = Bindings(
-            self.workers,
-            self.registry,
-            self.policies,
-            self.reporter,
-            clock=self.clock,
-            source="cloud" if settings.dmi_enabled else "file",
-            node=self.node,
-            rebind=lambda worker, device: self.streams.bind(worker.uuid, device),
-        )
-        self.registry.subscribe(self.bindings.on_device_change)
-        #: Who uses each GPU (docs/processes.md); None when ``processes.interval`` is 0, and on a Jetson (its
-        #: per-process use is not read: docs/jetson.md).
-        self.processes = build_process_loop(
-            settings, backend, self.workers, self.publisher, self.streams, data_dir=self.data_dir, clock=self.clock
-        )
-        self.bindings.max_delta_bytes = settings.inbound_max_bytes
         #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).
         self.inbound = InboundLimiter(
             "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock
         )
-        parts = (self.workers, self.collector, self.publisher, self.inbound, self.clock)
-        self.status = StatusSource(settings, __version__, *parts, processes=self.processes)
-        #: The status file and config reloads (its ``interval_s``: how often).
-        write_status = functools.partial(write_status_file, settings.data_dir)
-        overrides = self.bindings.policy_overrides
-        self.housekeeping = Housekeeping(
-            self.snapshot, write_status, settings.config_file, self.policies, overrides, self._beat
-        )
+        self.gpus: list[GpuInfo] = []
+        self.driver_version = ""
+        self.nvml_ready = False
+        # Made by ``_build`` too; None until then, or for good where not configured (no broker, no DMI, no
+        # compaction, no health loop or process loop on a Jetson) or not made (the metrics server, by ``_open``).
+        self.buffer: Buffer | None = None
+        self.store: DesiredStore | None = None
+        self.session: MqttSession | None = None
+        self.compactor: Compactor | None = None
+        self.health: HealthMonitor | None = None
+        self.processes: ProcessLoop | None = None
+        self.dmi_server: DmiServer | None = None
+        self.dmi_client: DmiClient | None = None
+        self.dmi_reporter: DmiReporter | None = None
+        self.metrics: MetricsServer | None = None
+        self.exit_code = 0
+        self._built = False
+        self._stop: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._beats: dict[str, LoopHeartbeat] = {}
 
     # ==============================================================================================
-    # start-up and shutdown
+    # start-up: NVML, the parts, the ways in and out
     # ==============================================================================================
     async def start(self) -> None:
         require_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
         await self._init_nvml()
-        self.buffer = Buffer(
-            self.data_dir / "telemetry.db",
-            max_bytes=self.settings.buffer_max_bytes,
-            max_age_s=self.settings.buffer_max_age_s,
-            clock=self.clock,
-        )
-        self.store = DesiredStore(self.data_dir / "desired.db", now_ms=self.clock.wall_ms)
-        self.bindings.store = self.store
+        self._build()
         self.bindings.restore_desired()
-        if self.settings.mqtt.url:
-            self.session = mapper_session(
-                self.settings.mqtt.url, self.settings.mqtt, self.node, self.publisher.status_topic
-            )
-            self.sessions.add(self.session)
-            self.publisher.session = self.session
-            if self.settings.eventbus_enabled:
-                self.reporter.eventbus = self.publisher.publish_soon
-        self.shipper = TelemetryShipper(
-            self.buffer,
-            self.publisher.publish_telemetry,
-            node=self.node,
-            clock=self.clock,
-            rate_limit_bytes_per_s=self.settings.replay_rate_bytes_per_s,
-            publish_to=self._publisher_for,
-        )
-        self.publisher.shipper = self.shipper
-        self.streams.shipper = self.shipper
-        self.reporter.device_state = self.shipper.update_state
-        self.reporter.state_snapshot = self.status.state_message
-        s = self.settings
-        compaction = compaction_settings(
-            s.buffer_compact_after_s, s.buffer_compact_slot_s, s.buffer_compact_cold_slot_s
-        )
-        if compaction is not None:
-            busy, compacted = self.shipper.busy_ids, self.shipper.note_compacted
-            self.compactor = Compactor(self.buffer, self.clock, compaction, busy=busy, on_compacted=compacted)
-        if self.session is not None:
-            self.session.add_on_connect(self._on_mqtt_connect)
-            if self.settings.eventbus_enabled:
-                # Behind the door's limits: size, then a token of the message's device (docs/security.md).
-                limit = self.settings.inbound_max_bytes
-                self.session.subscribe(DELTA_FILTER, self.inbound.gate(self.bindings.on_delta, limit))
-                self.session.subscribe(
-                    membership_topic(self.node), self.inbound.gate(self.bindings.on_membership, limit)
-                )
-            await self.session.start()
-        if self.settings.dmi_enabled:
-            from mapper.edge.kubeedge.dmi.parts import start_dmi
-
-            twins, registered = self.reporter.twins_of_device, self.bindings.on_registered
-            n = len(self.workers)
-            dmi = await start_dmi(self.settings, __version__, self.registry, twins, registered, self.clock, devices=n)
-            self.dmi_server, self.dmi_client, self.dmi_reporter = dmi
-            self.reporter.dmi = self.dmi_reporter
-        made = (self.buffer, self.shipper, self.session, self.dmi_client, self.dmi_server)
-        self.status.attach(self.driver_version, *made)
-        self.metrics = MetricsServer(
-            self.settings.metrics_addr,
-            snapshot=self.snapshot,
-            heartbeats=lambda: list(self._beats.values()),
-            readiness=self.readiness,
-            loop=asyncio.get_running_loop(),
-            web_config_file=self.settings.web_config_file,
-        )
-        self.metrics.start()
-        log.info(
-            "gpu-mapper %s on node %s: %d GPU(s), %s, metrics on %s",
-            __version__,
-            self.node,
-            len(self.workers),
-            "DMI via " + self.settings.edgecore_socket if self.settings.dmi_enabled else "standalone",
-            self.metrics.url,
-        )
+        await self._open()
 
     async def _init_nvml(self) -> None:
         """NVML initialised and the GPUs listed, retried with backoff while NVML is not ready; a stop meanwhile
@@ -278,31 +186,196 @@ class MapperApp:
                 await self._unless_stopped(asyncio.sleep(delay_s), "the wait for NVML")
                 delay_s = min(delay_s * 2, 30.0)
         self.nvml_ready = True
-        for info in self.gpus:
-            reconciler = Reconciler(
-                self.backend,
-                info.uuid,
-                clock=self.clock,
-                clamp=self.settings.clamp,
-                restore_modes=self.settings.restore_modes,
+        log.info("NVML driver %s: %s", self.driver_version, ", ".join(f"{g.uuid} ({g.name})" for g in self.gpus))
+
+    def _build(self) -> None:
+        """Every part, each given what it needs when it is made: read top to bottom, this is what needs what."""
+        s, clock, node, workers = self.settings, self.clock, self.node, self.workers
+
+        # The files: the telemetry buffer and the desired store.
+        self.buffer = Buffer(
+            self.data_dir / "telemetry.db", max_bytes=s.buffer_max_bytes, max_age_s=s.buffer_max_age_s, clock=clock
+        )
+        self.store = DesiredStore(self.data_dir / "desired.db", now_ms=clock.wall_ms)
+
+        # The way out. The default broker's session (its last will on the status topic; None: no broker), the
+        # shipper (buffer -> MQTT, in id order), the streams (samples -> batches -> shipper: the one way into the
+        # buffer, so an ack or event kept there goes after the batches cut before it), the publisher (acks and
+        # policy events, kept through the streams while the broker is down; fire-and-forget messages).
+        if s.mqtt.url:
+            self.session = mapper_session(s.mqtt.url, s.mqtt, node, status_topic(node))
+            self.sessions.add(self.session)
+        self.shipper = TelemetryShipper(
+            self.buffer,
+            telemetry_publish(self.session),
+            node=node,
+            clock=clock,
+            rate_limit_bytes_per_s=s.replay_rate_bytes_per_s,
+            publish_to=self._publisher_for,
+        )
+        fmt: Literal["binary", "json"] = "json" if s.telemetry_format == "json" else "binary"
+        self.streams = TelemetryStreams(
+            node, self.boot_id, self.shipper, clock=clock, window_s=s.telemetry_window_s, fmt=fmt, qos=s.mqtt.qos
+        )
+        self.publisher = Publisher(node, self.session, clock=clock, qos=s.mqtt.qos, outbox=self.streams)
+        compaction = compaction_settings(
+            s.buffer_compact_after_s, s.buffer_compact_slot_s, s.buffer_compact_cold_slot_s
+        )
+        if compaction is not None:
+            busy, compacted = self.shipper.busy_ids, self.shipper.note_compacted
+            self.compactor = Compactor(self.buffer, clock, compaction, busy=busy, on_compacted=compacted)
+
+        # The GPUs' other loops: health (its recovery's policy events through the publisher) and who uses each
+        # GPU (docs/processes.md; leak events through the publisher, a telemetry row per GPU into the streams).
+        # Neither runs on a Jetson; the process loop not when ``processes.interval`` is 0.
+        events = self.publisher.publish_events
+        self.health = health_monitor(self.backend, workers, self.policies, self.data_dir, clock, events, self._beat)
+        self.processes = build_process_loop(
+            s, self.backend, workers, self.publisher, self.streams, data_dir=self.data_dir, clock=clock, beat=self._beat
+        )
+
+        # DMI, when on: the mapper's server (GetDevice answers with the workers' twins), the client that registers
+        # with EdgeCore, the rate-limited reporter over it. grpc and the stubs are imported only here: ~12 MB of
+        # RSS a standalone mapper does not carry.
+        if s.dmi_enabled:
+            from mapper.edge.kubeedge.dmi.parts import build_dmi
+
+            self.dmi_server, self.dmi_client, self.dmi_reporter = build_dmi(
+                s, __version__, self.registry, twins_of(workers), self._on_registered, clock, devices=len(self.gpus)
             )
-            self.workers[info.uuid] = GpuWorker(
+
+        # The snapshot (/metrics, /status, the status file, the state messages), from the parts that hold each
+        # figure; the collector's counts are made here, before the collector, which comes last.
+        counts = CollectCounts()
+        self.status = StatusSource(
+            s,
+            __version__,
+            workers,
+            counts,
+            self.publisher,
+            self.inbound,
+            clock,
+            self.processes,
+            health=self.health,
+            driver_version=self.driver_version,
+            buffer=self.buffer,
+            shipper=self.shipper,
+            session=self.session,
+            dmi_client=self.dmi_client,
+            dmi_server=self.dmi_server,
+        )
+
+        # Reporting: each bound Device's twins and state over DMI and/or EventBus; with each periodic twin report
+        # its retained state message (the snapshot's) to the shipper.
+        eventbus = self.publisher.publish_soon if self.session is not None and s.eventbus_enabled else None
+        self.reporter = Reporter(
+            workers,
+            clock=clock,
+            report_cycle_ms=s.report_cycle_ms,
+            state_report_cycle_ms=s.state_report_cycle_ms,
+            dmi=self.dmi_reporter,
+            eventbus=eventbus,
+            device_state=self.shipper.update_state,
+            state_snapshot=self.status.state_message,
+            beat=self._beat,
+        )
+
+        # Devices on their GPUs and the desired values that reach them (saved in the store); a GPU's new Device
+        # takes over its telemetry stream.
+        streams = self.streams
+        self.bindings = Bindings(
+            workers,
+            self.registry,
+            self.policies,
+            self.reporter,
+            clock=clock,
+            source="cloud" if s.dmi_enabled else "file",
+            node=node,
+            rebind=lambda worker, device: streams.bind(worker.uuid, device),
+            store=self.store,
+            max_delta_bytes=s.inbound_max_bytes,
+        )
+        self.registry.subscribe(self.bindings.on_device_change)
+
+        # The collector: each GPU's finished step goes to its consumers, in this order: its sample into its
+        # stream, its acks and policy events out (or kept), the desired state it acked saved, its twins reported.
+        # The round's batches are stored once it is done.
+        self.collector = Collector(
+            workers,
+            self.backend,
+            clock=clock,
+            consumers=(self.streams, self.publisher, self.bindings, self.reporter),
+            on_round=self.streams.store_round,
+            beat=self._beat,
+            observe=self.status.observe_round,
+            on_sample=self.publisher.live_sample if s.telemetry_live else None,
+            counts=counts,
+        )
+        # One worker per GPU, its wake running the collector; it streams as ``_unbound/<uuid>`` until a Device
+        # names it.
+        for info in self.gpus:
+            reconciler = Reconciler(self.backend, info.uuid, clock=clock, clamp=s.clamp, restore_modes=s.restore_modes)
+            workers[info.uuid] = GpuWorker(
                 info=info,
                 backend=self.backend,
                 reconciler=reconciler,
                 policies=self.policies,
-                clock=self.clock,
-                min_collect_cycle_ms=self.settings.collect_cycle_ms,
+                clock=clock,
+                min_collect_cycle_ms=s.collect_cycle_ms,
                 notify=self.collector.wake.set,
             )
             self.streams.bind(info.uuid, unbound_device(info))
-        emit = lambda w, events: self.publisher.publish_step(self._device_key(w), w.uuid, (), events)  # noqa: E731
-        self.health = health_monitor(self.backend, self.workers, self.policies, self.data_dir, self.clock, emit)
-        self.status.health = self.health
-        if self.health is not None:
-            self.health.beat = self._beat
-        log.info("NVML driver %s: %s", self.driver_version, ", ".join(f"{g.uuid} ({g.name})" for g in self.gpus))
 
+        # The status file and config reloads (policies; each bound GPU's own policy set stays).
+        write_status = functools.partial(write_status_file, s.data_dir)
+        self.housekeeping = Housekeeping(
+            self.status.snapshot,
+            write_status,
+            s.config_file,
+            self.policies,
+            self.bindings.policy_overrides,
+            self._beat,
+            self.housekeeping_interval_s,
+        )
+        self._built = True
+
+    async def _open(self) -> None:
+        """The ways in and out: the default broker (its subscriptions behind the door's limits, then the
+        session), the DMI server listening, the metrics endpoint."""
+        s = self.settings
+        if self.session is not None:
+            self.session.add_on_connect(self._on_mqtt_connect)
+            if s.eventbus_enabled:
+                # Behind the door's limits: size, then a token of the message's device (docs/security.md).
+                limit = s.inbound_max_bytes
+                self.session.subscribe(DELTA_FILTER, self.inbound.gate(self.bindings.on_delta, limit))
+                self.session.subscribe(
+                    membership_topic(self.node), self.inbound.gate(self.bindings.on_membership, limit)
+                )
+            await self.session.start()
+        if self.dmi_server is not None:
+            await self.dmi_server.start()
+        self.metrics = metrics = MetricsServer(
+            s.metrics_addr,
+            snapshot=self.status.snapshot,
+            heartbeats=lambda: list(self._beats.values()),
+            readiness=self.readiness,
+            loop=asyncio.get_running_loop(),
+            web_config_file=s.web_config_file,
+        )
+        metrics.start()
+        log.info(
+            "gpu-mapper %s on node %s: %d GPU(s), %s, metrics on %s",
+            __version__,
+            self.node,
+            len(self.workers),
+            "DMI via " + s.edgecore_socket if s.dmi_enabled else "standalone",
+            metrics.url,
+        )
+
+    # ==============================================================================================
+    # running, supervision and shutdown
+    # ==============================================================================================
     async def run(self, stop: asyncio.Event, on_started: Callable[[], None] | None = None) -> int:
         """Start, run every loop until ``stop`` is set, shut down; the exit code. ``on_started`` is called once
         everything has started (the CLI freezes the start-up heap for the garbage collector there)."""
@@ -323,12 +396,11 @@ class MapperApp:
         self._spawn("report", self.reporter.run())
         if self.session is not None:
             # Without a broker the batches only accumulate in the buffer, bounded by its caps.
-            self._spawn("shipper", self._run_shipper())
+            self._spawn("shipper", self.shipper.run())
         if self.compactor is not None:
             self._spawn("compactor", self.compactor.run())
         self._spawn("housekeeping", self.housekeeping.run())
         if self.processes is not None:
-            self.processes.beat = self._beat
             self._spawn("processes", self.processes.run())
         if self.dmi_client is not None and self.dmi_reporter is not None:
             self._spawn("dmi-client", self.dmi_client.run())
@@ -377,6 +449,7 @@ class MapperApp:
         return job.result()
 
     async def shutdown(self) -> None:
+        """Everything stopped in order; what start made, whether or not it got that far."""
         log.info("shutting down")
         if self.compactor is not None:
             self.compactor.stop()
@@ -384,7 +457,7 @@ class MapperApp:
             self.dmi_reporter.stop()
         if self.dmi_client is not None:
             self.dmi_client.stop()
-        tasks = self._tasks + self.publisher.tasks()
+        tasks = self._tasks + (self.publisher.tasks() if self._built else [])
         for task in tasks:
             task.cancel()
         if tasks:
@@ -393,13 +466,13 @@ class MapperApp:
             for task in stragglers:
                 log.error("task %s did not stop within %.0f s; leaving it", task.get_name(), SHUTDOWN_TASKS_TIMEOUT_S)
         self._tasks.clear()
-        # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
-        # stored yet (a collector that crashed in the middle of publishing its round).
-        self.streams.flush_all()
-        if self.shipper is not None:
+        if self._built:
+            # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
+            # stored yet (a collector that crashed in the middle of publishing its round).
+            self.streams.flush_all()
             with contextlib.suppress(Exception):
                 await self.shipper.stop(timeout_s=2.0)
-        await self.publisher.publish_offline(timeout_s=2.0)
+            await self.publisher.publish_offline(timeout_s=2.0)
         with contextlib.suppress(Exception):
             await self.sessions.close(timeout_s=3.0)
         if self.dmi_server is not None:
@@ -418,56 +491,36 @@ class MapperApp:
             await asyncio.to_thread(self.backend.shutdown)
 
     # ==============================================================================================
-    # the collector's steps: telemetry, acks and events, reports
+    # callbacks the parts were handed when they were made
     # ==============================================================================================
-    def _live(self, worker: GpuWorker, sample: Sample) -> None:
-        if worker.device is not None:
-            self.publisher.publish_live(worker.device.key, sample)
+    async def _on_registered(self, devices: list[DeviceConfig], models: list[DeviceModelConfig]) -> None:
+        """EdgeCore's registration reply (the DMI client's callback), to the bindings. The one part reached
+        through the root: the bindings report through the reporter, which sends through the DMI client, so the
+        client is made before the bindings; it first registers once it runs, after ``start``."""
+        await self.bindings.on_registered(devices, models)
 
-    @staticmethod
-    def _device_key(worker: GpuWorker) -> str:
-        return worker.device.key if worker.device is not None else unbound_device(worker.info).key
-
-    def _after_tick(self, worker: GpuWorker, result: TickResult) -> None:
-        if result.sample is not None:
-            self.streams.add(worker.uuid, result.sample, self.clock.wall_ms())
-        acks = result.reconcile.acks if result.reconcile is not None else ()
-        events = result.decision.events if result.decision is not None else ()
-        if acks or events:  # (most steps publish neither: the device key is worked out only when one does)
-            device_key = self._device_key(worker)
-            self.publisher.publish_step(device_key, worker.uuid, acks, events)
-            if acks:
-                self.bindings.save_desired(worker, device_key)
-        self.reporter.after_step(worker, result)
-
-    # ==============================================================================================
-    # MQTT
-    # ==============================================================================================
     async def _publisher_for(self, address: str) -> Callable[..., Awaitable[None]]:
-        """A property's ``pushMethod.mqtt.address``: its own long-lived session, made once."""
+        """A property's ``pushMethod.mqtt.address`` (the shipper's ``publish_to``): its own long-lived session,
+        made once; the shipper resumes that broker's backlog whenever it (re)connects."""
         new = address not in self.sessions
         session = await self.sessions.get(address)
         if new:
-            session.add_on_connect(lambda: self.shipper.notify_connected(address) if self.shipper else None)
+            session.add_on_connect(lambda: self.shipper.notify_connected(address))
         return session.publish
 
     def _on_mqtt_connect(self) -> None:
-        if self.shipper is not None:
-            self.shipper.notify_connected("")
+        """The default broker (re)connected: the shipper's state messages and backlog, the online status, and
+        every Device's twins and state again (current state first)."""
+        self.shipper.notify_connected("")
         self.publisher.publish_soon(self.publisher.status_topic, b"online", retain=True)
-        # Current state first: every device's twins and state go out again on reconnect.
         self.reporter.resend_all()
 
-    async def _run_shipper(self) -> None:
-        assert self.shipper is not None
-        await self.shipper.run()
-
-    # ==============================================================================================
-    # health, metrics, status, housekeeping
-    # ==============================================================================================
     def _beat(self, name: str, period_s: float) -> None:
         self._beats[name] = LoopHeartbeat(name, self.clock.monotonic(), period_s)
 
+    # ==============================================================================================
+    # what the endpoints read
+    # ==============================================================================================
     def readiness(self) -> Readiness:
         registered = self.dmi_client.registered if self.dmi_client is not None else False
         return Readiness(

@@ -186,15 +186,16 @@ def health_monitor(
     data_dir: Path,
     clock: Clock,
     emit: Callable[[GpuWorker, Sequence[PolicyEvent]], None],
+    beat: Callable[[str, float], None] | None = None,
 ) -> HealthMonitor | None:
-    """The health loop over an NVML backend (``emit``: its policy events); None on a Jetson, which has no NVML
-    checks, XIDs or CUDA probe by NVML identity here (docs/jetson.md)."""
+    """The health loop over an NVML backend (``emit``: its policy events; ``beat``: its heartbeat); None on a
+    Jetson, which has no NVML checks, XIDs or CUDA probe by NVML identity here (docs/jetson.md)."""
     if not isinstance(backend, NvmlBackend):
         return None
     nvml = backend
     tools = build_health_tools(simulated_node(nvml), data_dir)
     count = lambda uuid: len(nvml.processes(uuid).processes)  # noqa: E731
-    return HealthMonitor(workers, policies, nvml, tools, clock=clock, emit=emit, processes=count)
+    return HealthMonitor(workers, policies, nvml, tools, clock=clock, emit=emit, beat=beat, processes=count)
 
 
 def build_process_loop(
@@ -206,15 +207,16 @@ def build_process_loop(
     *,
     data_dir: Path,
     clock: Clock,
+    beat: Callable[[str, float], None] | None = None,
 ) -> ProcessLoop | None:
-    """The process loop (``processloop.process_loop``) over an NVML backend; None on a Jetson (its per-process use
-    is not read: docs/jetson.md) and when ``processes.interval`` is 0. Over a simulated NVML (a
-    ``SimulatedNode``) it reads the simulator's host tree in ``<data dir>/sim-host``, written before the first cycle,
-    where the settings keep the host's defaults (``sim_process_roots``)."""
+    """The process loop (``processes.loop.process_loop``; ``beat``: its heartbeat) over an NVML backend; None on a
+    Jetson (its per-process use is not read: docs/jetson.md) and when ``processes.interval`` is 0. Over a simulated
+    NVML (a ``SimulatedNode``) it reads the simulator's host tree in ``<data dir>/sim-host``, written before the
+    first cycle, where the settings keep the host's defaults (``sim_process_roots``)."""
     if not isinstance(backend, NvmlBackend):
         return None
     settings, prepare = sim_process_roots(settings, simulated_node(backend), data_dir)
-    return process_loop(settings, backend, workers, publisher, streams, clock=clock, prepare=prepare)
+    return process_loop(settings, backend, workers, publisher, streams, clock=clock, beat=beat, prepare=prepare)
 
 
 def sim_process_roots(

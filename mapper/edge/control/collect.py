@@ -1,9 +1,10 @@
 """The per-GPU loop body: sample what is due, let the policies decide, reconcile the desired state.
 
 One ``GpuWorker`` per GPU of the node (by UUID), whether or not a KubeEdge Device is bound to it (an unbound
-GPU is still sampled for metrics and telemetry, but has no twins and no desired state). ``tick`` is called by
-the composition root on every due time and whenever a desired value arrives (``wake``); it returns what
-happened so the caller can publish it. It sees only domain types and Protocols.
+GPU is still sampled for metrics and telemetry, as ``_unbound/<uuid>``, but has no twins and no desired state).
+The ``Collector`` runs every GPU's step on each due time and whenever a desired value arrives (``wake``), and
+hands what happened (``TickResult``) to the consumers it was built with: the telemetry stream, the publisher,
+the bindings, the reporter. It sees only domain types and Protocols.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 DUE_SLACK_S = 0.05
 #: NVML's events (XID, ECC, GPU lost, driver reload) are polled this often, in the collector's NVML job.
 EVENTS_POLL_S = 1.0
+
+
+def unbound_device(info: GpuInfo) -> DeviceConfig:
+    """The telemetry identity of a GPU no Device names: ``_unbound/<uuid>``."""
+    return DeviceConfig(namespace="_unbound", name=info.uuid.lower(), model="", uuid=info.uuid)
 
 
 @dataclass
@@ -133,6 +139,12 @@ class GpuWorker:
     @property
     def uuid(self) -> str:
         return self.info.uuid
+
+    @property
+    def device_key(self) -> str:
+        """The bound Device's key, else the GPU's unbound identity (``_unbound/<uuid>``): where its acks, policy
+        events and telemetry go."""
+        return self.device.key if self.device is not None else unbound_device(self.info).key
 
     # --- schedule ----------------------------------------------------------------------------------
     def cycle_ms(self, name: str) -> int:
@@ -483,6 +495,24 @@ class RoundBackend(Protocol):
     def sample_many(self, requests: Sequence[tuple[str, Sequence[str]]], events: bool = False) -> RoundLike: ...
 
 
+class StepConsumer(Protocol):
+    """One of the parts a ``Collector`` hands each GPU's finished step to (the telemetry stream, the publisher,
+    the bindings, the reporter). Never blocking; an exception is that GPU's failed step, not the round's."""
+
+    def after_step(self, worker: GpuWorker, result: TickResult) -> None: ...
+
+
+@dataclass
+class CollectCounts:
+    """What the collector counts, read by the snapshot (``mapper.edge.status.source``): failed steps by reason
+    (``gpu-lost``, ``step-failed``, ``error``) and the XIDs seen per GPU (uuid -> {xid: count}). Made apart from
+    the collector so that the snapshot can be built before it (the reporter it hands steps to reads the
+    snapshot's state messages)."""
+
+    errors: dict[str, int] = field(default_factory=dict)
+    xids: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
 class _FailedRound(NamedTuple):
     samples: list[Sample | MapperError]
     events: list[GpuEvent]
@@ -492,10 +522,11 @@ class _FailedRound(NamedTuple):
 class Collector:
     """Every GPU in one task: at each due time (the collect cycles lie on a shared grid, see
     ``GpuWorker._reschedule``) or ``wake``, the due GPUs' samples are read as one NVML job, then each GPU's step
-    is finished and handed to ``on_step`` in turn, and ``on_round`` is called once the round is done. NVML's
-    events (XID, ECC, GPU lost, driver reload) are polled in the same job on the whole second and routed to
-    their GPU's next step. One task, one timer and one thread hop per round instead of one per GPU and one for
-    the events: on a small edge node the wake-ups and task switches cost more CPU than the work."""
+    is finished and handed to each of ``consumers`` in their order (``StepConsumer.after_step``), GPU by GPU,
+    and ``on_round`` is called once the round is done. NVML's events (XID, ECC, GPU lost, driver reload) are
+    polled in the same job on the whole second and routed to their GPU's next step. One task, one timer and one
+    thread hop per round instead of one per GPU and one for the events: on a small edge node the wake-ups and
+    task switches cost more CPU than the work. ``counts``: where failed steps and XIDs are counted."""
 
     def __init__(
         self,
@@ -503,16 +534,17 @@ class Collector:
         backend: RoundBackend,
         *,
         clock: Clock,
-        on_step: Callable[[GpuWorker, TickResult], None],
+        consumers: Sequence[StepConsumer] = (),
         on_round: Callable[[], None] | None = None,
         beat: Callable[[str, float], None] | None = None,
         observe: Callable[[float], None] | None = None,
         on_sample: Callable[[GpuWorker, Sample], None] | None = None,
+        counts: CollectCounts | None = None,
     ) -> None:
         self.workers = workers
         self.backend = backend
         self.clock = clock
-        self.on_step = on_step
+        self.consumers = tuple(consumers)
         self.on_round = on_round
         self.beat = beat
         #: Called with the wall duration (s) of each round that sampled a GPU.
@@ -521,10 +553,11 @@ class Collector:
         self.on_sample = on_sample
         #: Set by a GPU's ``wake`` (wire it to ``GpuWorker.notify``): the collector runs at once.
         self.wake = asyncio.Event()
-        #: Failed steps by reason (``gpu-lost``, ``error``).
-        self.errors: dict[str, int] = {}
+        self.counts = counts if counts is not None else CollectCounts()
+        #: Failed steps by reason (``gpu-lost``, ``step-failed``, ``error``).
+        self.errors = self.counts.errors
         #: XIDs seen per GPU: uuid -> {xid: count}.
-        self.xids: dict[str, dict[int, int]] = {}
+        self.xids = self.counts.xids
 
     async def run(self) -> None:
         workers = list(self.workers.values())
@@ -541,7 +574,8 @@ class Collector:
                         reason = "gpu-lost" if worker.lost else "step-failed" if result.step_failed else "error"
                         self.errors[reason] = self.errors.get(reason, 0) + 1
                     try:
-                        self.on_step(worker, result)
+                        for consumer in self.consumers:
+                            consumer.after_step(worker, result)
                     except Exception as exc:  # one GPU's failing step must not stop the others (counted, logged)
                         worker.step_failed("publishing its step", exc)
                         self.errors["step-failed"] = self.errors.get("step-failed", 0) + 1

@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from mapper.clock import Clock
-from mapper.edge.control.collect import GpuWorker
+from mapper.edge.control.collect import GpuWorker, TickResult, unbound_device
 from mapper.edge.control.desired import DesiredState, Source
 from mapper.edge.control.policy import PolicyEngine
 from mapper.edge.kubeedge.devicefiles import FolderContents
 from mapper.edge.kubeedge.registry import DeviceChange, PreconditionError, Registry
 from mapper.errors import ConfigError, MapperError
-from mapper.shared.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig, GpuInfo
+from mapper.shared.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig
 from mapper.wire.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
 
 log = logging.getLogger("mapper.edge.kubeedge.binding")
@@ -57,11 +57,6 @@ class Reports(Protocol):
     def offer_state(self, namespace: str, name: str, state: str) -> None: ...
 
 
-def unbound_device(info: GpuInfo) -> DeviceConfig:
-    """The telemetry identity of a GPU no Device names: ``_unbound/<uuid>``."""
-    return DeviceConfig(namespace="_unbound", name=info.uuid.lower(), model="", uuid=info.uuid)
-
-
 def policy_override(device: DeviceConfig | None) -> str | None:
     """The Device's own policy set (``protocol.configData.policy``), or None."""
     if device is None:
@@ -75,7 +70,8 @@ class Bindings:
 
     ``source``: the desired source of the registry's Devices (``cloud`` with DMI, ``file`` standalone).
     ``rebind(worker, device)``: called when a GPU's Device changes (its telemetry identity and routes).
-    ``store``: the desired store, or None (set it once it is open)."""
+    ``store``: the desired store, or None (nothing persisted). ``max_delta_bytes``: the largest EventBus delta
+    parsed (``mqtt.inboundMaxBytes``; the app's door drops bigger ones before this)."""
 
     def __init__(
         self,
@@ -89,6 +85,7 @@ class Bindings:
         node: str,
         rebind: Callable[[GpuWorker, DeviceConfig], None],
         store: DesiredStoreLike | None = None,
+        max_delta_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
         self.workers = workers
         self.registry = registry
@@ -99,8 +96,7 @@ class Bindings:
         self.node = node
         self.rebind = rebind
         self.store = store
-        #: The largest delta parsed (``mqtt.inboundMaxBytes``; the app's door drops bigger ones before this).
-        self.max_delta_bytes = MAX_PAYLOAD_BYTES
+        self.max_delta_bytes = max_delta_bytes
 
     # --- the registry -------------------------------------------------------------------------------------------
     def on_device_change(self, change: DeviceChange) -> None:
@@ -209,6 +205,12 @@ class Bindings:
         log.info("EventBus membership of %s: added %s, removed %s", self.node, list(update.added), list(update.removed))
 
     # --- the desired store ------------------------------------------------------------------------------------
+    def after_step(self, worker: GpuWorker, result: TickResult) -> None:
+        """A GPU's step is done (a ``Collector`` consumer): a step that acked desired values saves its desired
+        state (what was applied, rejected or restored is what the next start enforces again)."""
+        if result.reconcile is not None and result.reconcile.acks:
+            self.save_desired(worker, worker.device_key)
+
     def save_desired(self, worker: GpuWorker, device_key: str) -> None:
         if self.store is None:
             return

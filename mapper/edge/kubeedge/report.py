@@ -113,6 +113,17 @@ def device_twins(worker: GpuWorker, names: Iterable[str] | None = None) -> list[
     return twins
 
 
+def twins_of(workers: Mapping[str, GpuWorker]) -> Callable[[DeviceConfig], list[Twin]]:
+    """The current twins of a Device, by its GPU among ``workers`` (the DMI server's GetDevice): those of
+    ``device_twins``, none for a GPU not on this node."""
+
+    def twins(device: DeviceConfig) -> list[Twin]:
+        worker = workers.get(device.uuid)
+        return device_twins(worker) if worker is not None else []
+
+    return twins
+
+
 def control_twins(device: DeviceConfig) -> tuple[str, ...]:
     """The twins whose change is reported promptly: the Device's reported writable properties and the status
     twins (a read-only value changes every sample and waits for its cycle)."""
@@ -131,7 +142,7 @@ class Reporter:
     ``workers``: every GPU's worker by UUID (the reporter reads them, never changes them). ``dmi``: the DMI
     reporter, or None without DMI. ``eventbus``: the EventBus publish, or None when EventBus reporting is off.
     ``device_state``: called with (device key, state JSON) on every periodic twin report (the shipper's
-    retained state snapshot), or None; ``state_snapshot(device key, worker)`` makes that JSON when set (the app's
+    retained state snapshot), or None; ``state_snapshot(device key, worker)`` makes that JSON when given (the app's
     adds the GPU's status: ``mapper.edge.status.source.StatusSource.state_message``), else it holds the values
     alone (both written by ``mapper.wire.state.state_payload``).
     ``beat``: the loop's heartbeat (name, period s)."""
@@ -146,6 +157,7 @@ class Reporter:
         dmi: StatusSink | None = None,
         eventbus: Publish | None = None,
         device_state: Callable[[str, bytes], None] | None = None,
+        state_snapshot: Callable[[str, GpuWorker], bytes] | None = None,
         beat: Callable[[str, float], None] | None = None,
     ) -> None:
         self.workers = workers
@@ -155,7 +167,7 @@ class Reporter:
         self.dmi = dmi
         self.eventbus = eventbus
         self.device_state = device_state
-        self.state_snapshot: Callable[[str, GpuWorker], bytes] | None = None
+        self.state_snapshot = state_snapshot
         self.beat = beat
         #: Next periodic twin report per Device (monotonic s); 0: at once (just bound).
         self._next_report_s: dict[str, float] = {}
@@ -226,8 +238,8 @@ class Reporter:
         self.wake.set()
 
     def after_step(self, worker: GpuWorker, result: TickResult) -> None:
-        """A GPU's step is done: a change of state, or of what its control twins say, or an ack or a policy
-        event, is reported promptly (see the module's docstring)."""
+        """A GPU's step is done (a ``Collector`` consumer): a change of state, or of what its control twins say,
+        or an ack or a policy event, is reported promptly (see the module's docstring)."""
         device = worker.device
         if device is None:
             return
@@ -275,11 +287,6 @@ class Reporter:
         """The state of a Device no GPU serves (its GPU is missing: ``offline``), over DMI."""
         if self.dmi is not None:
             self.dmi.offer_state(namespace, name, state)
-
-    def twins_of_device(self, device: DeviceConfig) -> list[Twin]:
-        """The current twins of ``device`` (the DMI server's GetDevice)."""
-        worker = self.workers.get(device.uuid)
-        return device_twins(worker) if worker is not None else []
 
     # --- cycles -----------------------------------------------------------------------------------------------
     def report_cycle_s(self, device: DeviceConfig) -> float:

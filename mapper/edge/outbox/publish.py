@@ -6,28 +6,33 @@
   ``gpu-mapper/{node}/{namespace}/{name}/desired/ack`` and ``.../events`` (logged, policy events counted; the
   topics are ``mapper.wire.topics``', the payloads ``mapper.wire.payloads``' and the reconciler's);
 * ``publish_or_keep``: acks and events are published at once while the broker is up; while it is down (or when
-  that publish fails) they are stored in the telemetry buffer (``TelemetryShipper.submit_message``) and sent in
-  order with the telemetry when it is back. They record what the mapper did on its own, which the cloud must
-  learn even after hours offline;
+  that publish fails) they are kept in the telemetry buffer through the outbox (``TelemetryStreams.keep_message``,
+  which stores them after the batches cut before them) and sent in order with the telemetry when it is back.
+  They record what the mapper did on its own, which the cloud must learn even after hours offline;
 * ``publish_soon``: EventBus twins and states and the status topic. Never buffered (each is sent again,
   current, on reconnect; an old one replayed later would only mislead), never blocking;
 * ``publish_live``: one sample as compact JSON on ``gpu-mapper/{node}/{namespace}/{name}/live`` (QoS 0, not
   retained, never buffered: a live value is worth nothing later), when ``telemetry.live`` is on.
 
-Pure loop logic over Protocols: it sees an MQTT session (``Link``) and the shipper, never paho.
+``after_step`` takes a GPU's finished step from the collector (its acks and policy events), ``live_sample`` its
+fresh sample, ``publish_events`` the health loop's events. ``telemetry_publish`` is the shipper's publish on the
+default broker.
+
+Pure loop logic over Protocols: it sees an MQTT session (``Link``) and the outbox, never paho.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, Protocol
 
 from mapper.clock import Clock
+from mapper.edge.control.collect import GpuWorker, TickResult
 from mapper.edge.control.policy import PolicyEvent
 from mapper.edge.control.reconcile import Ack, ack_to_json
-from mapper.edge.outbox.shipper import TelemetryShipper
+from mapper.edge.outbox.shipper import PublishFn
 from mapper.errors import MapperError, TransientError
 from mapper.shared.model import Sample
 from mapper.wire import topics
@@ -50,12 +55,34 @@ class Link(Protocol):
     ) -> None: ...
 
 
+class Outbox(Protocol):
+    """Where a message is kept while the broker is down: ``mapper.edge.outbox.streams.TelemetryStreams``, which
+    stores it after the telemetry batches cut before it (raises ``MapperError`` when the buffer is broken)."""
+
+    def keep_message(
+        self, *, device: str, uuid: str, topic: str, payload: bytes, ts_ms: int, qos: int = 1
+    ) -> int | None: ...
+
+
+def telemetry_publish(session: Link | None) -> PublishFn:
+    """The shipper's publish on the default broker (resolves on PUBACK): the session's, or, with no broker
+    configured, one that raises ``TransientError`` (the telemetry stays in the buffer)."""
+    if session is not None:
+        return session.publish
+
+    async def no_broker(
+        topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
+    ) -> None:
+        raise TransientError("no MQTT broker configured (--mqtt): telemetry stays in the buffer")
+
+    return no_broker
+
+
 class Publisher:
     """Acks, policy events and fire-and-forget messages on the default broker (``session``; None: no broker).
 
-    ``shipper`` keeps acks and events while the broker is down (set it once it exists); ``before_keep`` runs
-    before a message is kept, so that it goes after the telemetry batches cut before it (the collector's
-    round). ``qos`` is the QoS of every message but the live topic's."""
+    ``outbox`` keeps acks and events while the broker is down, in order with the telemetry (None: nothing is
+    kept). ``qos`` is the QoS of every message but the live topic's."""
 
     def __init__(
         self,
@@ -64,15 +91,13 @@ class Publisher:
         *,
         clock: Clock,
         qos: int = 1,
-        shipper: TelemetryShipper | None = None,
-        before_keep: Callable[[], None] | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.node = node
         self.session = session
         self.clock = clock
         self.qos = qos
-        self.shipper = shipper
-        self.before_keep = before_keep
+        self.outbox = outbox
         #: Policy events published (or kept) by (policy, action).
         self.policy_events: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -91,6 +116,18 @@ class Publisher:
         task.add_done_callback(self._tasks.discard)
 
     # --- acks and events ---------------------------------------------------------------------------------
+    def after_step(self, worker: GpuWorker, result: TickResult) -> None:
+        """A GPU's step is done (a ``Collector`` consumer): its acks and policy events, if any, go out or are
+        kept (most steps have neither: the device key is worked out only when one does)."""
+        acks = result.reconcile.acks if result.reconcile is not None else ()
+        events = result.decision.events if result.decision is not None else ()
+        if acks or events:
+            self.publish_step(worker.device_key, worker.uuid, acks, events)
+
+    def publish_events(self, worker: GpuWorker, events: Sequence[PolicyEvent]) -> None:
+        """Policy events of a GPU made outside its step (the health loop's recovery flow), as ``publish_step``."""
+        self.publish_step(worker.device_key, worker.uuid, (), events)
+
     def publish_step(self, device_key: str, uuid: str, acks: Iterable[Ack], events: Iterable[PolicyEvent]) -> None:
         """The acks and policy events of one GPU step: logged, published or kept."""
         for ack in acks:
@@ -127,12 +164,10 @@ class Publisher:
         self._background(send())
 
     def _keep(self, topic: str, payload: bytes, device: str, uuid: str) -> None:
-        if self.shipper is None:
+        if self.outbox is None:
             return
-        if self.before_keep is not None:
-            self.before_keep()  # a message kept during a round goes after the batches cut before it
         try:
-            self.shipper.submit_message(
+            self.outbox.keep_message(
                 device=device, uuid=uuid, topic=topic, payload=payload, ts_ms=self.clock.wall_ms(), qos=self.qos
             )
         except MapperError as exc:  # the buffer is closed or broken: the message is logged, not kept
@@ -155,6 +190,12 @@ class Publisher:
 
         self._background(send())
 
+    def live_sample(self, worker: GpuWorker, sample: Sample) -> None:
+        """A GPU's fresh sample (the collector's ``on_sample``, with ``telemetry.live`` on): on its Device's live
+        topic when a Device is bound (an unbound GPU has none)."""
+        if worker.device is not None:
+            self.publish_live(worker.device.key, sample)
+
     def publish_live(self, device_key: str, sample: Sample) -> None:
         """One sample on the Device's live topic: QoS 0, not retained, dropped while the broker is down."""
         session = self.session
@@ -166,14 +207,6 @@ class Publisher:
             log.debug("live sample of %s not sent: %s", device_key, exc)
             return
         self.publish_soon(topics.live_topic(self.node, device_key), payload, qos=0)
-
-    async def publish_telemetry(
-        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
-    ) -> None:
-        """The shipper's publish on the default broker (resolves on PUBACK); ``TransientError`` without one."""
-        if self.session is None:
-            raise TransientError("no MQTT broker configured (--mqtt): telemetry stays in the buffer")
-        await self.session.publish(topic, payload, qos=qos, retain=retain, timeout_s=timeout_s)
 
     async def publish_offline(self, timeout_s: float = 2.0) -> None:
         """The retained ``offline`` status at shutdown (the last will covers a crash)."""

@@ -1,10 +1,14 @@
-"""Each GPU's telemetry stream, from its samples to the shipper.
+"""Each GPU's telemetry stream, from its samples to the shipper, and the order of what is kept with them.
 
 ``TelemetryStreams`` keeps one ``DeviceTelemetry`` (the batch encoders of a device's routes) per GPU: a GPU no
 Device names streams as ``_unbound/<uuid>``; when its Device changes the old stream is flushed and a new one
 takes its routes (``pushMethod.mqtt``), keeping the sequence when the device stays the same. The batches the
 GPUs cut in one collect round are stored together at its end (``store_round``: one buffer transaction), and
 whatever is left is cut and stored at shutdown (``flush_all``).
+
+It is also the one way into the buffer for the status messages kept while the broker is down
+(``keep_message``), so the outbox's ordering rule lives here alone: a message goes out after the batches cut
+before it.
 
 Pure loop logic: it sees the shipper and the telemetry encoders, never the buffer or MQTT.
 """
@@ -15,6 +19,8 @@ import logging
 from dataclasses import replace
 from typing import Literal
 
+from mapper.clock import Clock
+from mapper.edge.control.collect import GpuWorker, TickResult
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.shared.model import DeviceConfig, Sample
 from mapper.wire.telemetry import BatchCodec, DeviceTelemetry, EncodedBatch, Route
@@ -23,25 +29,27 @@ log = logging.getLogger("mapper.edge.outbox.streams")
 
 
 class TelemetryStreams:
-    """One telemetry stream per GPU (by UUID). ``shipper``: where the batches go (set it once it exists; without
-    one, samples are not encoded at all)."""
+    """One telemetry stream per GPU (by UUID). ``shipper``: where the batches (and the kept messages) go, in the
+    order they were made. ``clock``: the wall time a sample is added at (when a window is due)."""
 
     def __init__(
         self,
         node: str,
         boot_id: str,
+        shipper: TelemetryShipper,
         *,
+        clock: Clock,
         window_s: float,
         fmt: Literal["binary", "json"] = "binary",
         qos: int = 1,
-        shipper: TelemetryShipper | None = None,
     ) -> None:
         self.node = node
         self.boot_id = boot_id
+        self.shipper = shipper
+        self.clock = clock
         self.window_s = window_s
         self.fmt: Literal["binary", "json"] = fmt
         self.qos = qos
-        self.shipper = shipper
         #: One zstd context (with its dictionary, ~2 MB) shared by every device's batches.
         self.codec = BatchCodec()
         self.by_uuid: dict[str, DeviceTelemetry] = {}
@@ -65,9 +73,8 @@ class TelemetryStreams:
         old = self.by_uuid.get(uuid)
         start_seq = 0
         if old is not None:
-            if self.shipper is not None:
-                for route, batch in old.flush():
-                    self.shipper.submit(batch, route)
+            for route, batch in old.flush():
+                self.shipper.submit(batch, route)
             if old.device.key == device.key:
                 start_seq = old.next_seq
         try:
@@ -76,10 +83,13 @@ class TelemetryStreams:
             log.error("device %s: pushMethod refused, default telemetry route used: %s", device.key, exc)
             self.by_uuid[uuid] = self._new(replace(device, properties=()), start_seq)
 
+    def after_step(self, worker: GpuWorker, result: TickResult) -> None:
+        """A GPU's step is done (a ``Collector`` consumer): its sample, if it read one, joins its stream."""
+        if result.sample is not None:
+            self.add(worker.uuid, result.sample, self.clock.wall_ms())
+
     def add(self, uuid: str, sample: Sample, now_ms: int) -> None:
         """A sample of GPU ``uuid``; the batches it completes wait for ``store_round``."""
-        if self.shipper is None:
-            return
         telemetry = self.by_uuid[uuid]
         telemetry.add(sample)
         for route, batch in telemetry.flush_due(now_ms):
@@ -87,15 +97,27 @@ class TelemetryStreams:
 
     def store_round(self) -> None:
         """The batches cut so far in this collect round into the buffer, in one transaction."""
-        if self.round_batches and self.shipper is not None:
+        if self.round_batches:
             pairs, self.round_batches = self.round_batches, []
             self.shipper.submit_many(pairs)
+
+    def keep_message(
+        self, *, device: str, uuid: str, topic: str, payload: bytes, ts_ms: int, qos: int = 1
+    ) -> int | None:
+        """Keep a status message (a desired-state ack, a policy event) to go out with the telemetry while the
+        broker is down; its buffer id, or None when the buffer could not store it.
+
+        The ordering rule of the outbox: **a message goes out after the batches cut before it.** The shipper
+        sends the buffer in id order, so the batches this round has cut so far (``round_batches``, otherwise
+        stored together only at the round's end) are stored first, then the message: an ack made in a collect
+        round follows the telemetry that round cut before it, as it happened. Every kept message comes through
+        here (``mapper.edge.outbox.publish.Publisher``); nothing else stores one."""
+        self.store_round()
+        return self.shipper.submit_message(device=device, uuid=uuid, topic=topic, payload=payload, ts_ms=ts_ms, qos=qos)
 
     def flush_all(self) -> None:
         """At shutdown: whatever was sampled but not yet cut is stored, after what a round cut and had not
         stored yet (a collector that crashed in the middle of publishing its round)."""
-        if self.shipper is None:
-            return
         for telemetry in self.by_uuid.values():
             self.round_batches.extend((batch, route) for route, batch in telemetry.flush())
         self.store_round()

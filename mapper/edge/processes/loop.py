@@ -34,7 +34,6 @@ from mapper.clock import Clock
 from mapper.edge.config import Settings
 from mapper.edge.control.collect import GpuWorker, call_backend, call_in_thread
 from mapper.edge.control.policy import PolicyEvent
-from mapper.edge.kubeedge.binding import unbound_device
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.processes.leak import LeakConfig, LeakEvent
@@ -267,7 +266,7 @@ class ProcessLoop:
         worker = self.workers.get(uuid)
         if worker is None:
             return f"_unbound/{uuid.lower()}"
-        return worker.device.key if worker.device is not None else unbound_device(worker.info).key
+        return worker.device_key
 
     def _failed(self, uuid: str, reason: str, message: str) -> None:
         self.errors[reason] = self.errors.get(reason, 0) + 1

@@ -1,11 +1,11 @@
 """The running mapper's snapshot (``mapper.edge.status.stats.MapperSnapshot``), built on demand from the parts that hold
-each figure: the GPU workers, the collector, the publisher, the door's limiter, and (once started) the
-buffer, the shipper, the MQTT session and the DMI client and server. What reads the GPU workers is here
-(``gpu_snapshot``, ``worker_totals``): the snapshot's module holds values only.
+each figure: the GPU workers, the collector's counts, the publisher, the door's limiter, the buffer, the
+shipper, the MQTT session, the DMI client and server, the health loop and the process loop. What reads the GPU
+workers is here (``gpu_snapshot``, ``worker_totals``): the snapshot's module holds values only.
 
 ``StatusSource.snapshot`` is what ``/metrics``, ``/status`` and the status file read; nothing in it touches
 the hardware or the network. It sees the adapters through the small Protocols below only (``mapper.edge.app``
-hands the concrete objects in as it builds them). ``run_console`` is the loop that prints the live table of
+hands the concrete objects to its constructor). ``run_console`` is the loop that prints the live table of
 ``gpu-mapper run --sim N`` (``mapper.edge.status.view.console_table``) every ``print_interval_s``.
 """
 
@@ -19,7 +19,7 @@ from typing import Protocol, TextIO
 
 from mapper.clock import Clock
 from mapper.edge.config import Settings
-from mapper.edge.control.collect import Collector, GpuWorker, worker_sample
+from mapper.edge.control.collect import GpuWorker, worker_sample
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
@@ -77,6 +77,16 @@ class WorkloadSource(Protocol):
     def workloads(self) -> tuple[GpuWorkloads, ...]: ...
 
 
+class CollectFigures(Protocol):
+    """What the snapshot reads of the collector (``mapper.edge.control.collect.CollectCounts``, or the
+    ``Collector`` itself): failed steps by reason, XIDs per GPU."""
+
+    @property
+    def errors(self) -> Mapping[str, int]: ...
+    @property
+    def xids(self) -> Mapping[str, Mapping[int, int]]: ...
+
+
 class ProbeCounting(Protocol):
     """What the snapshot reads of the health loop (``mapper.edge.control.healthloop.HealthMonitor``): probes by
     outcome."""
@@ -85,26 +95,33 @@ class ProbeCounting(Protocol):
 
 
 class StatusSource:
-    """The snapshot of one mapper, from its parts (``settings``: its node name, mode and buffer cap). The
-    parts made at start-up (``buffer``, ``shipper``, ``session``, ``dmi_client``, ``dmi_server``) and the
-    driver version are handed in by ``attach`` once they exist. ``observe_round`` is the collector's
-    per-round duration callback."""
+    """The snapshot of one mapper, from its parts (``settings``: its node name, mode and buffer cap). Of the
+    parts made at start-up, None is one not made (no broker: no ``session``; no DMI: no ``dmi_client`` or
+    ``dmi_server``; no ``health`` loop on a Jetson; no ``processes`` loop when it is off); its figures are
+    zero. ``observe_round`` is the collector's per-round duration callback."""
 
     def __init__(
         self,
         settings: Settings,
         version: str,
         workers: Mapping[str, GpuWorker],
-        collector: Collector,
+        collector: CollectFigures,
         publisher: Publisher,
         inbound: InboundLimiter,
         clock: Clock,
         processes: WorkloadSource | None = None,
+        *,
+        health: ProbeCounting | None = None,
+        driver_version: str = "",
+        buffer: BufferLike | None = None,
+        shipper: TelemetryShipper | None = None,
+        session: SessionLike | None = None,
+        dmi_client: DmiClientLike | None = None,
+        dmi_server: RpcCounting | None = None,
     ) -> None:
         self.node = settings.node_name
         self.processes = processes
-        #: The health loop, once NVML's GPUs are known (None: none runs, e.g. on a Jetson).
-        self.health: ProbeCounting | None = None
+        self.health = health
         self.version = version
         self.workers = workers
         self.collector = collector
@@ -113,31 +130,14 @@ class StatusSource:
         self.clock = clock
         self.dmi_enabled = settings.dmi_enabled
         self.buffer_max_bytes = settings.buffer_max_bytes
-        self.driver_version = ""
-        self.buffer: BufferLike | None = None
-        self.shipper: TelemetryShipper | None = None
-        self.session: SessionLike | None = None
-        self.dmi_client: DmiClientLike | None = None
-        self.dmi_server: RpcCounting | None = None
-        #: Durations of the collect rounds.
-        self.collect_duration = DurationHistogram()
-
-    def attach(
-        self,
-        driver_version: str,
-        buffer: BufferLike | None,
-        shipper: TelemetryShipper | None,
-        session: SessionLike | None,
-        dmi_client: DmiClientLike | None,
-        dmi_server: RpcCounting | None,
-    ) -> None:
-        """The parts made at start-up (None: not made, e.g. no broker or no DMI)."""
         self.driver_version = driver_version
         self.buffer = buffer
         self.shipper = shipper
         self.session = session
         self.dmi_client = dmi_client
         self.dmi_server = dmi_server
+        #: Durations of the collect rounds.
+        self.collect_duration = DurationHistogram()
 
     def observe_round(self, duration_s: float) -> None:
         self.collect_duration = self.collect_duration.observe(duration_s)

@@ -1,5 +1,6 @@
-"""The DMI side of one mapper, made from its settings: the mapper's own DMI server (started on its socket), the
-client that registers with EdgeCore, and the rate-limited reporter over that client."""
+"""The DMI side of one mapper, made from its settings: the mapper's own DMI server, the client that registers
+with EdgeCore, and the rate-limited reporter over that client. Made, not started: the composition root starts
+the server (``DmiServer.start``) and runs the client and the reporter as tasks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from mapper.edge.kubeedge.dmi.server import DmiServer, TwinsOf
 from mapper.edge.kubeedge.registry import Registry
 
 
-async def start_dmi(
+def build_dmi(
     settings: Settings,
     version: str,
     registry: Registry,
@@ -20,12 +21,12 @@ async def start_dmi(
     *,
     devices: int,
 ) -> tuple[DmiServer, DmiClient, DmiReporter]:
-    """The server (listening once this returns), the client and the reporter (``devices``: the node's GPUs, one
-    token each kept for prompt reports: one Device per GPU may change at once)."""
+    """The server (not listening yet), the client (EdgeCore's registration replies to ``on_registered``) and the
+    reporter (``devices``: the node's GPUs, one token each kept for prompt reports: one Device per GPU may
+    change at once)."""
     server = DmiServer(
         registry, twins_of, socket_path=settings.socket, max_message_bytes=settings.dmi_max_message_bytes
     )
-    await server.start()
     client = DmiClient(
         edgecore_socket=settings.edgecore_socket,
         mapper_socket=settings.socket,
