@@ -354,13 +354,26 @@ def _discover(args: argparse.Namespace) -> int:
     from mapper.tools.discover import device_yaml, probe_all
 
     settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
+    from mapper.edge.gpu.tegra import TegraBackend
+
     backend = build_backend(settings, one_shot=True)
     try:
         gpus = backend.list_gpus()
-        unsupported = probe_all(backend, gpus)  # each property read once per GPU: what it cannot read is left out
+        # A Jetson's: where each property comes from (sysfs, nvpmodel, NVML) and why; what nothing serves.
+        sources = {g.uuid: backend.property_sources(g.uuid) for g in gpus} if isinstance(backend, TegraBackend) else {}
+        unsupported = probe_all(
+            backend, gpus, sources
+        )  # each property read once per GPU: what it cannot read is left out
     finally:
         backend.shutdown()
-    text = device_yaml(gpus, settings.node_name, namespace=args.namespace, model=args.model, unsupported=unsupported)
+    text = device_yaml(
+        gpus,
+        settings.node_name,
+        namespace=args.namespace,
+        model=args.model,
+        unsupported=unsupported,
+        sources=sources,
+    )
     sys.stdout.write(text)
     return 0
 
