@@ -229,15 +229,17 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim", type=int, metavar="N", help="use N simulated GPUs instead of the real NVML")
     p.add_argument(
         "--sim-profile",
-        help="simulated GPU profile: H100, H200, A100, A10, L4, L40S or T4 (NVML); orin-agx, xavier-agx or "
-        "orin-nano (a Jetson: a simulated sysfs tree under the data directory)",
+        help="simulated GPU profile: H100, H200, A100, A10, L4, L40S or T4 (NVML); orin-agx, xavier-agx, "
+        "orin-nano, orin-agx-jp7 or thor (a Jetson: a simulated sysfs tree under the data directory, and a "
+        "simulated NVML beside it for the JetPack 7 ones)",
     )
     p.add_argument("--sim-seed", type=int, help="simulator seed (UUIDs and noise derive from it)")
     p.add_argument("--sim-scenario", help="simulated workload: idle, steady, inference, training, heat, oscillating")
     p.add_argument(
         "--backend",
         choices=["auto", "nvml", "jetson"],
-        help="GPU library: auto (default: NVML where it starts, else a Jetson's sysfs), nvml or jetson",
+        help="GPU library: auto (default: a Jetson where a Tegra GPU is found, its sysfs and nvpmodel with NVML for "
+        "what it serves there; else NVML), nvml or jetson",
     )
     p.add_argument("--jetson-root", help="Jetson: the root sysfs and /proc are read under (default /)")
 
