@@ -187,6 +187,8 @@ class TegraBackend(JetsonBackend):
         #: ``NVML_COMPUTED``), decided at ``init``.
         self._routes: dict[str, PropertySource] = {}
         self._via_nvml: frozenset[str] = frozenset()
+        #: The routes are decided (``init`` finished): until then a caller waits for the lock ``init`` holds.
+        self._planned = False
 
     # --- lifecycle -------------------------------------------------------------------------------
     def init(self) -> None:
@@ -199,6 +201,7 @@ class TegraBackend(JetsonBackend):
     def shutdown(self) -> None:
         with self._lock:
             super().shutdown()
+            self._planned = False
             nvml, self._nvml = self._nvml, None
         if nvml is not None:
             nvml.shutdown()
@@ -235,6 +238,7 @@ class TegraBackend(JetsonBackend):
                 routes[name] = PropertySource("", self._nvml_lacks(name))
         self._routes = routes
         self._via_nvml = frozenset(n for n, s in routes.items() if s.source == "nvml")
+        self._planned = True
         if self._via_nvml:
             self._nvml = nvml
         else:
@@ -249,6 +253,12 @@ class TegraBackend(JetsonBackend):
             where,
             "; ".join(lines).replace("nvml:", f"NVML (its GPU {service.uuid}) serves", 1),
         )
+
+    def _ensure(self) -> None:
+        if not (self._ready and self._planned):
+            with self._lock:  # (another thread's init holds it until the routes are decided)
+                if not self._ready:
+                    self.init()
 
     def _nvml_lacks(self, name: str) -> str:
         """Why NVML does not serve ``name`` here."""
