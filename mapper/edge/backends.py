@@ -1,5 +1,6 @@
 """Choosing the GPU backend family (part of the composition root, next to ``mapper.edge.app.build_backend``), and
-what hangs on the family: the health loop and its tools, and the process loop (NVML only).
+what hangs on the family: the health loop and its tools, and the process loop (NVML, or a Jetson whose NVML
+serves them).
 
 ``settings.backend``: ``nvml``; ``jetson``; ``auto`` (the default): a Jetson where a Tegra GPU is found under
 ``jetson.root``, else NVML (whose start-up error says what is missing). NVML initialising does not make a board an
