@@ -1,4 +1,5 @@
-"""JetsonBackend: the GpuBackend over a Jetson's sysfs, /proc and nvpmodel (NVML does not serve Jetson GPUs).
+"""JetsonBackend: the GpuBackend over a Jetson's sysfs, /proc and nvpmodel (what NVML does not serve on a Jetson; a
+Thor's NVML serves the rest: ``mapper.edge.gpu.tegra``).
 
 Everything is read from files under a filesystem root handed in (``/`` on a board, a directory in tests and in
 the simulator, ``mapper.edge.gpu.simjetson``), and power modes are switched with an nvpmodel command handed in, so
