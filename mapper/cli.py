@@ -236,15 +236,17 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim", type=int, metavar="N", help="use N simulated GPUs instead of the real NVML")
     p.add_argument(
         "--sim-profile",
-        help="simulated GPU profile: H100, H200, A100, A10, L4, L40S or T4 (NVML); orin-agx, xavier-agx or "
-        "orin-nano (a Jetson: a simulated sysfs tree under the data directory)",
+        help="simulated GPU profile: H100, H200, A100, A10, L4, L40S or T4 (NVML); orin-agx, xavier-agx, "
+        "orin-nano, orin-agx-jp7 or thor (a Jetson: a simulated sysfs tree under the data directory, and a "
+        "simulated NVML beside it for the JetPack 7 ones)",
     )
     p.add_argument("--sim-seed", type=int, help="simulator seed (UUIDs and noise derive from it)")
     p.add_argument("--sim-scenario", help="simulated workload: idle, steady, inference, training, heat, oscillating")
     p.add_argument(
         "--backend",
         choices=["auto", "nvml", "jetson"],
-        help="GPU library: auto (default: NVML where it starts, else a Jetson's sysfs), nvml or jetson",
+        help="GPU library: auto (default: a Jetson where a Tegra GPU is found, its sysfs and nvpmodel with NVML for "
+        "what it serves there; else NVML), nvml or jetson",
     )
     p.add_argument("--jetson-root", help="Jetson: the root sysfs and /proc are read under (default /)")
 
@@ -366,13 +368,26 @@ def _discover(args: argparse.Namespace) -> int:
     from mapper.tools.discover import device_yaml, probe_all
 
     settings = load_settings(None, flags={k: v for k, v in vars(args).items() if k not in ("command",)})
+    from mapper.edge.gpu.tegra import TegraBackend
+
     backend = build_backend(settings, one_shot=True)
     try:
         gpus = backend.list_gpus()
-        unsupported = probe_all(backend, gpus)  # each property read once per GPU: what it cannot read is left out
+        # A Jetson's: where each property comes from (sysfs, nvpmodel, NVML) and why; what nothing serves.
+        sources = {g.uuid: backend.property_sources(g.uuid) for g in gpus} if isinstance(backend, TegraBackend) else {}
+        unsupported = probe_all(
+            backend, gpus, sources
+        )  # each property read once per GPU: what it cannot read is left out
     finally:
         backend.shutdown()
-    text = device_yaml(gpus, settings.node_name, namespace=args.namespace, model=args.model, unsupported=unsupported)
+    text = device_yaml(
+        gpus,
+        settings.node_name,
+        namespace=args.namespace,
+        model=args.model,
+        unsupported=unsupported,
+        sources=sources,
+    )
     sys.stdout.write(text)
     return 0
 

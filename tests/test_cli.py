@@ -66,6 +66,27 @@ def test_discover_on_a_simulated_jetson_prints_its_one_valid_device_of_the_jetso
         assert "emc_freq" in names
 
 
+@pytest.mark.parametrize("profile", ["orin-agx-jp7", "thor"])
+def test_discover_on_a_simulated_jetpack7_board_says_where_each_property_comes_from(profile):
+    if not CRDS.is_dir():
+        pytest.skip(f"the KubeEdge CRD schemas are not at {CRDS} (shared/ is absent)")
+    out = gpu_mapper("discover", "--sim", "1", "--sim-profile", profile, "--node-name", "jetson-1")
+    assert out.returncode == 0, out.stderr
+    (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert_valid_kubeedge(doc, "discover")
+    names = [p["name"] for p in doc["spec"]["properties"]]
+    assert "# jetson-1-gpu0 (" in out.stdout and "where its properties come from" in out.stdout
+    assert "#   nvpmodel: power_mode, power_mode_name" in out.stdout
+    if profile == "thor":  # NVML serves what sysfs lacks: every property of the model is listed
+        assert "#   nvml: utilization_gpu (no load file for this GPU in sysfs)" in out.stdout
+        assert {"utilization_gpu", "memory_used", "processes", "health", "gpu_governor"} <= set(names)
+        assert "left out" not in out.stdout
+    else:  # NVML initialises and answers NotSupported: sysfs serves, what needs NVML is left out, and why
+        assert "#   nvml:" not in out.stdout and "utilization_gpu" in names
+        assert "#   processes: NVML answers NotSupported for its process lists" in out.stdout
+        assert "processes" not in names and "memory_used" not in names
+
+
 def test_discover_with_the_jetson_backend_reads_the_board_under_its_root_or_says_none_is_there(tmp_path):
     from mapper.edge.gpu.jetson import board_uuid
     from mapper.edge.gpu.simjetson import build_tree

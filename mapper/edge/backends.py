@@ -1,10 +1,15 @@
 """Choosing the GPU backend family (part of the composition root, next to ``mapper.edge.app.build_backend``), and
-what hangs on the family: the health loop and its tools, and the process loop (NVML only).
+what hangs on the family: the health loop and its tools, and the process loop (NVML, or a Jetson whose NVML
+serves them).
 
-``settings.backend``: ``nvml``; ``jetson``; ``auto`` (the default): NVML where it initialises, else a Jetson's
-sysfs where a Tegra GPU is found under ``jetson.root``, else NVML (whose start-up error says what is missing).
-With ``--sim N`` the simulator's profile decides: a Jetson profile (orin-agx, xavier-agx, orin-nano) builds a
-simulated sysfs tree and runs the real ``JetsonBackend`` over it, any other profile is a simulated NVML.
+``settings.backend``: ``nvml``; ``jetson``; ``auto`` (the default): a Jetson where a Tegra GPU is found under
+``jetson.root``, else NVML (whose start-up error says what is missing). NVML initialising does not make a board an
+NVML GPU: JetPack 7's NVML initialises on every Jetson but serves only parts of it, so a Jetson is always the
+``jetson`` family, and its ``TegraBackend`` takes each property from the source that answers for it (sysfs and
+nvpmodel, and NVML where it serves: a Thor's load, memory and processes; docs/jetson.md). With ``--sim N`` the
+simulator's profile decides: a Jetson profile (orin-agx, xavier-agx, orin-nano, orin-agx-jp7, thor) builds a
+simulated sysfs tree (and, for a JetPack 7 board, a simulated NVML beside it) and runs the real backends over
+them, any other profile is a simulated NVML.
 
 A simulated NVML has a simulated host in ``<data dir>/sim-host`` (0700): the driver's traces for the health loop,
 and its processes' ``proc/<pid>/cgroup`` and the kubelet's pod files, which the process loop reads there instead
@@ -31,7 +36,8 @@ from mapper.edge.control.healthloop import HealthMonitor
 from mapper.edge.control.policy import PolicyEngine, PolicyEvent
 from mapper.edge.gpu.jetson import JetsonBackend, tegra_gpu_present
 from mapper.edge.gpu.nvml import NvmlBackend
-from mapper.edge.gpu.simjetson import SimJetson, is_jetson_profile, nvpmodel_command
+from mapper.edge.gpu.simjetson import PROFILE_NAMES, SimJetson, is_jetson_profile, nvpmodel_command
+from mapper.edge.gpu.tegra import TegraBackend, board_health_tools
 from mapper.edge.health.checks import HealthTools
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.streams import TelemetryStreams
@@ -78,34 +84,22 @@ def wants_jetson(settings: Settings) -> bool:
         if settings.backend == "jetson" and not is_jetson_profile(settings.sim_profile):
             raise ConfigError(
                 f"sim.profile: {settings.sim_profile} is an NVML profile, but backend is jetson "
-                "(Jetson profiles: orin-agx, xavier-agx, orin-nano)"
+                f"(Jetson profiles: {', '.join(PROFILE_NAMES)})"
             )
         return is_jetson_profile(settings.sim_profile)
     if settings.backend != "auto":
         return settings.backend == "jetson"
     if not tegra_gpu_present(settings.jetson_root):
         return False
-    if _nvml_starts():
-        log.info("a Tegra GPU is here, but NVML initialises: using NVML (backend: jetson to read sysfs instead)")
-        return False
-    log.info("NVML does not initialise and a Tegra GPU is under %s: using the Jetson backend", settings.jetson_root)
+    log.info(
+        "a Tegra GPU is under %s: the Jetson backend, with NVML for what it serves on this board", settings.jetson_root
+    )
     return True
 
 
-def _nvml_starts() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-    except Exception:  # any failure (no library, no driver, no device) means: not NVML
-        return False
-    return True
-
-
-class _SimulatedJetsonBackend(JetsonBackend):
-    """The Jetson backend over a simulated board; its shutdown also stops the board's physics (and removes a
-    temporary tree)."""
+class _SimulatedJetsonBackend(TegraBackend):
+    """The Jetson backend over a simulated board (and its simulated NVML, if any); its shutdown also stops the
+    board's physics (and removes a temporary tree)."""
 
     def __init__(self, sim: SimJetson, remove: bool, **kwargs: Any) -> None:
         super().__init__(sim.root, **kwargs)
@@ -119,13 +113,25 @@ class _SimulatedJetsonBackend(JetsonBackend):
             shutil.rmtree(self._sim.root, ignore_errors=True)
 
 
-def build_jetson_backend(settings: Settings, clock: Clock | None = None, *, one_shot: bool = False) -> JetsonBackend:
-    """The Jetson backend over ``jetson.root`` or, with ``--sim``, over a simulated board whose tree lies in
-    ``<data dir>/sim-jetson`` (a temporary directory for one-shot commands or when the data dir cannot be made)."""
+def build_jetson_backend(
+    settings: Settings,
+    clock: Clock | None = None,
+    *,
+    one_shot: bool = False,
+    nvml_layer: Callable[[Any], Any] | None = None,
+) -> JetsonBackend:
+    """The Jetson backend (``TegraBackend``: sysfs, nvpmodel and the node's NVML where it serves) over
+    ``jetson.root`` or, with ``--sim``, over a simulated board whose tree lies in ``<data dir>/sim-jetson`` (a
+    temporary directory for one-shot commands or when the data dir cannot be made), with a simulated NVML beside a
+    JetPack 7 board's tree, driven by the board's load. ``nvml_layer``: what that simulated NVML is called through
+    (tests: the real pynvml over the stand-in library), by default the simulator itself."""
     clock = clock or SystemClock()
     options: dict[str, Any] = {"allow_reboot": settings.jetson_allow_reboot, "clock": clock}
     if not settings.sim:
-        return JetsonBackend(settings.jetson_root, nvpmodel=settings.jetson_nvpmodel.split(), **options)
+        import pynvml
+
+        nvml = NvmlBackend(pynvml, clock=clock, one_shot=one_shot)
+        return TegraBackend(settings.jetson_root, nvml=nvml, nvpmodel=settings.jetson_nvpmodel.split(), **options)
     if settings.sim != 1:
         raise ConfigError(f"sim.count: a Jetson has one GPU, got {settings.sim} with profile {settings.sim_profile}")
     root: Path | None = None
@@ -148,8 +154,31 @@ def build_jetson_backend(settings: Settings, clock: Clock | None = None, *, one_
         # As on a board: only root may write the devfreq limits and run nvpmodel (reads work for anyone).
         as_root=os.geteuid() == 0,
     )
+    board_nvml: NvmlBackend | None = None
+    if sim.prof.nvml_profile is not None:
+        from mapper.edge.gpu.simnvml import SimNvml
+
+        nvml_sim = SimNvml(
+            1,
+            sim.prof.nvml_profile,
+            seed=settings.sim_seed,
+            scenario=settings.sim_scenario,
+            clock=clock.monotonic,
+            as_root=os.geteuid() == 0,
+            driver_version=sim.prof.nvml_driver,
+        )
+        sim.on_load = lambda load: nvml_sim.set_utilization(None, round(100.0 * load, 1))
+        sim.step()
+        board_nvml = NvmlBackend(nvml_layer(nvml_sim) if nvml_layer else nvml_sim, clock=clock, one_shot=one_shot)
     sim.start()
-    return _SimulatedJetsonBackend(sim, remove, nvpmodel=nvpmodel_command(root), **options)
+    return _SimulatedJetsonBackend(
+        sim,
+        remove,
+        nvml=board_nvml,
+        no_nvml=f"the simulated {sim.prof.name} has no NVML (JetPack {sim.prof.jetpack})",
+        nvpmodel=nvpmodel_command(root),
+        **options,
+    )
 
 
 def sim_host_dir(data_dir: Path) -> Path:
@@ -188,14 +217,22 @@ def health_monitor(
     emit: Callable[[GpuWorker, Sequence[PolicyEvent]], None],
     beat: Callable[[str, float], None] | None = None,
 ) -> HealthMonitor | None:
-    """The health loop over an NVML backend (``emit``: its policy events; ``beat``: its heartbeat); None on a
-    Jetson, which has no NVML checks, XIDs or CUDA probe by NVML identity here (docs/jetson.md)."""
-    if not isinstance(backend, NvmlBackend):
+    """The health loop over an NVML backend (``emit``: its policy events; ``beat``: its heartbeat), or over a
+    Jetson whose NVML serves its driver checks (a Thor: the probe and the tools by NVML's identity of the GPU, no
+    reset); None on another Jetson, which has no NVML checks, XIDs or CUDA probe by NVML identity
+    (docs/jetson.md)."""
+    source: NvmlBackend | TegraBackend
+    if isinstance(backend, TegraBackend):
+        nvml = backend.nvml_serving("health")
+        if nvml is None:
+            return None
+        source, tools = backend, board_health_tools(build_health_tools(simulated_node(nvml), data_dir), backend)
+    elif isinstance(backend, NvmlBackend):
+        source, tools = backend, build_health_tools(simulated_node(backend), data_dir)
+    else:
         return None
-    nvml = backend
-    tools = build_health_tools(simulated_node(nvml), data_dir)
-    count = lambda uuid: len(nvml.processes(uuid).processes)  # noqa: E731
-    return HealthMonitor(workers, policies, nvml, tools, clock=clock, emit=emit, beat=beat, processes=count)
+    count = lambda uuid: len(source.processes(uuid).processes)  # noqa: E731
+    return HealthMonitor(workers, policies, source, tools, clock=clock, emit=emit, beat=beat, processes=count)
 
 
 def build_process_loop(
@@ -209,14 +246,23 @@ def build_process_loop(
     clock: Clock,
     beat: Callable[[str, float], None] | None = None,
 ) -> ProcessLoop | None:
-    """The process loop (``processes.loop.process_loop``; ``beat``: its heartbeat) over an NVML backend; None on a
-    Jetson (its per-process use is not read: docs/jetson.md) and when ``processes.interval`` is 0. Over a simulated
-    NVML (a ``SimulatedNode``) it reads the simulator's host tree in ``<data dir>/sim-host``, written before the
-    first cycle, where the settings keep the host's defaults (``sim_process_roots``)."""
-    if not isinstance(backend, NvmlBackend):
+    """The process loop (``processes.loop.process_loop``; ``beat``: its heartbeat) over an NVML backend, or over a
+    Jetson whose NVML lists its processes (a Thor); None on another Jetson (its per-process use is not read:
+    docs/jetson.md) and when ``processes.interval`` is 0. Over a simulated NVML (a ``SimulatedNode``) it reads the
+    simulator's host tree in ``<data dir>/sim-host``, written before the first cycle, where the settings keep the
+    host's defaults (``sim_process_roots``)."""
+    source: NvmlBackend | TegraBackend
+    if isinstance(backend, TegraBackend):
+        nvml = backend.nvml_serving("processes")
+        if nvml is None:
+            return None
+        source = backend
+    elif isinstance(backend, NvmlBackend):
+        source = nvml = backend
+    else:
         return None
-    settings, prepare = sim_process_roots(settings, simulated_node(backend), data_dir)
-    return process_loop(settings, backend, workers, publisher, streams, clock=clock, beat=beat, prepare=prepare)
+    settings, prepare = sim_process_roots(settings, simulated_node(nvml), data_dir)
+    return process_loop(settings, source, workers, publisher, streams, clock=clock, beat=beat, prepare=prepare)
 
 
 def sim_process_roots(

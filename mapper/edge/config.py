@@ -37,7 +37,8 @@ class Settings:
     sim_profile: str = "H100"
     sim_seed: int = 0
     sim_scenario: str = "inference"
-    #: Which GPU library: ``auto`` (NVML where it initialises, else a Jetson's sysfs), ``nvml`` or ``jetson``.
+    #: Which GPU library: ``auto`` (a Jetson where a Tegra GPU is found: sysfs, nvpmodel and NVML where it serves;
+    #: else NVML), ``nvml`` or ``jetson``.
     backend: str = "auto"
     #: Jetson: the filesystem root sysfs, /proc and the nvpmodel files are read under (a host mount in a pod).
     jetson_root: str = "/"

@@ -191,6 +191,15 @@ _JETSON: tuple[PropertySpec, ...] = (
         source="jetson",
     ),
     _p(
+        "gpu_governor",
+        "STRING",
+        "",
+        "the GPU's devfreq governor: nvhost_podgov scales with the load, performance holds max_freq",
+        "/sys/class/devfreq/<gpu>/governor",
+        collect_cycle_ms=10_000,
+        source="jetson",
+    ),
+    _p(
         "emc_freq",
         "FLOAT",
         "MHz",
@@ -230,7 +239,7 @@ _JETSON: tuple[PropertySpec, ...] = (
         "power_gpu_rail",
         "FLOAT",
         "W",
-        "power of the INA3221 rail that feeds the GPU (VDD_GPU_SOC, VDD_CPU_GPU_CV, GPU)",
+        "power of the INA3221 rail that feeds the GPU (VDD_GPU_SOC, VDD_CPU_GPU_CV, VDD_GPU, GPU)",
         "/sys/bus/i2c/devices/*/hwmon/hwmon*/in<N>_input x curr<N>_input (mV x mA)",
         prom_name="gpu_rail_power_watts",
         minimum="0",
@@ -762,8 +771,19 @@ JETSON_SHARED: tuple[str, ...] = (
 JETSON_PROPERTIES: tuple[PropertySpec, ...] = tuple(
     p for p in PROPERTIES if p.source == "jetson" or p.name in JETSON_SHARED
 )
+#: NVML-family properties a Jetson has only where its NVML serves them (a Thor: the GPU's memory in use, as NVML
+#: counts it); no sysfs file has them (docs/jetson.md).
+JETSON_NVML_ONLY: tuple[str, ...] = ("memory_used", "memory_total")
+#: Every property the backend of a Jetson reads (``mapper.edge.gpu.tegra.TegraBackend``: sysfs, nvpmodel and, where
+#: it answers, NVML), in catalog order.
+JETSON_FAMILY_PROPERTIES: tuple[PropertySpec, ...] = tuple(
+    p for p in PROPERTIES if p.source == "jetson" or p.name in JETSON_SHARED or p.name in JETSON_NVML_ONLY
+)
 #: GPU families (``GpuInfo.family``) and the properties each one's backend reads.
-BACKEND_PROPERTIES: Mapping[str, tuple[PropertySpec, ...]] = {"nvml": NVML_PROPERTIES, "jetson": JETSON_PROPERTIES}
+BACKEND_PROPERTIES: Mapping[str, tuple[PropertySpec, ...]] = {
+    "nvml": NVML_PROPERTIES,
+    "jetson": JETSON_FAMILY_PROPERTIES,
+}
 
 
 def family_properties(family: str) -> tuple[PropertySpec, ...]:
@@ -781,12 +801,13 @@ def family_properties(family: str) -> tuple[PropertySpec, ...]:
 
 
 #: Mapper-computed properties that only some families have (any other serves every family): the process cycle
-#: reads NVML's process lists, and the health loop NVML's checks and a CUDA probe by NVML's identity, which a Jetson
-#: does not offer (docs/jetson.md).
+#: reads NVML's process lists, and the health loop NVML's checks and a CUDA probe by NVML's identity. A Jetson has
+#: them where its NVML serves the GPU (a Thor); elsewhere (Xavier, Orin) ``gpu-mapper discover`` leaves them out of
+#: its Device and says why (docs/jetson.md).
 MAPPER_PROPERTY_FAMILIES: Mapping[str, tuple[str, ...]] = {
-    "processes": ("nvml",),
-    "health": ("nvml",),
-    "health_probe": ("nvml",),
+    "processes": ("nvml", "jetson"),
+    "health": ("nvml", "jetson"),
+    "health_probe": ("nvml", "jetson"),
 }
 
 
@@ -826,6 +847,17 @@ class Sample:
     values: Mapping[str, Value]
     #: Errors met while sampling, by property (absent properties that are not simply unsupported).
     errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PropertySource:
+    """Where one property of a GPU comes from on this node, and why (a Jetson's: ``TegraBackend.property_sources``):
+    ``source`` is ``sysfs`` (files under the board's root: sysfs, /proc, the device tree), ``nvpmodel``, ``nvml``,
+    ``mapper`` (computed from what those serve) or "" (nothing on this board serves it: ``why`` says what is
+    missing)."""
+
+    source: str
+    why: str = ""
 
 
 @dataclass(frozen=True)

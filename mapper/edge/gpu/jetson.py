@@ -1,13 +1,18 @@
-"""JetsonBackend: the GpuBackend over a Jetson's sysfs, /proc and nvpmodel (NVML does not serve Jetson GPUs).
+"""JetsonBackend: the GpuBackend over a Jetson's sysfs, /proc and nvpmodel (what NVML does not serve on a Jetson; a
+Thor's NVML serves the rest: ``mapper.edge.gpu.tegra``).
 
 Everything is read from files under a filesystem root handed in (``/`` on a board, a directory in tests and in
 the simulator, ``mapper.edge.gpu.simjetson``), and power modes are switched with an nvpmodel command handed in, so
 nothing here knows whether the board is real. The layouts (NVIDIA L4T documentation, jetson-stats 7.x):
 
 * The GPU: the devfreq device whose ``device/of_node/name`` is gv11b (Xavier), gp10b, ga10b (Orin), gb10b or
-  gpu, under ``sys/class/devfreq/*``; its ``cur_freq``, ``min_freq``, ``max_freq`` and
-  ``available_frequencies`` in Hz. Load (per mille) in ``device/load``, else ``sys/devices/gpu.0/load`` or
-  ``sys/devices/platform/gpu.0/load`` (Xavier).
+  gpu, under ``sys/class/devfreq/*``; on a Thor (JetPack 7), which has no ``of_node`` name, the GPC domain
+  ``gpu-gpc-0`` (with ``gpu-gpc-1`` ... where there are several, set together; ``gpu-nvd-0`` is the video
+  decoder, not the GPU). Its ``cur_freq``, ``min_freq``, ``max_freq`` and ``available_frequencies`` in Hz, and
+  its ``governor`` (``nvhost_podgov`` scales with the load, ``performance`` holds the maximum; it replaces
+  JetPack 7's removed ``enable_3d_scaling``). Load (per mille) in ``device/load``, else ``sys/devices/gpu.0/load``
+  or ``sys/devices/platform/gpu.0/load`` (Xavier); a Thor has no load file (its NVML serves the load:
+  ``mapper.edge.gpu.tegra``).
 * Temperatures: ``sys/devices/virtual/thermal/thermal_zone*/{type,temp}`` in millidegrees; -256000 (or -256)
   is an offline zone, left out. GPU: a zone typed gpu-thermal / GPU-therm; CPU: cpu-thermal / CPU-therm; Tj:
   tj-thermal, else (Xavier) the hottest online CPU, GPU, SOC, CV or AUX zone. The GPU zone's lowest ``passive``
@@ -15,12 +20,15 @@ nothing here knows whether the board is real. The layouts (NVIDIA L4T documentat
 * Power: the INA3221 monitors (``sys/bus/i2c/devices/*/name`` = ``ina3221``): JetPack 5+ hwmon channels
   ``in<N>_label``, ``in<N>_input`` (mV), ``curr<N>_input`` (mA), power = V x I; JetPack 4 iio
   ``rail_name_<N>`` and ``in_power<N>_input`` (mW). A channel labelled "sum of shunt voltages" or with an NC
-  token in its label is not a rail. ``power_usage`` is the module input (VDD_IN) or, on boards without that
-  rail (AGX Xavier, AGX Orin), the sum of the monitored rails, as jtop's total; ``power_gpu_rail`` is the first
-  rail with a GPU token in its label (VDD_GPU_SOC, VDD_CPU_GPU_CV, GPU). Both are integrated into energy
-  counters (trapezoids between this backend's own reads, from zero at ``init``).
+  token in its label is not a rail. The INA238 monitors (``name`` = ``ina238``; a Thor carrier board's input):
+  one rail per hwmon device, named by its ``label`` file, else ``VIN``; ``power1_input`` (uW), else
+  ``in1_input`` (bus mV) x ``curr1_input`` (mA). ``power_usage`` is the module or board input (VDD_IN, VIN) or,
+  on boards without such a rail (AGX Xavier, AGX Orin), the sum of the monitored rails, as jtop's total;
+  ``power_gpu_rail`` is the first rail with a GPU token in its label (VDD_GPU_SOC, VDD_CPU_GPU_CV, VDD_GPU, GPU).
+  Both are integrated into energy counters (trapezoids between this backend's own reads, from zero at ``init``).
 * Shared memory: ``proc/meminfo`` (MemTotal - MemAvailable). EMC: ``sys/kernel/debug/bpmp/debug/clk/emc/rate``
-  (debugfs, root only), else ``sys/kernel/debug/clk/emc/clk_rate``.
+  (debugfs, root only), else ``sys/kernel/debug/clk/emc/clk_rate``, else (a Thor) devfreq ``bwmgr``'s
+  ``cur_freq``.
 * Power modes: ``etc/nvpmodel.conf`` (``< POWER_MODEL ID=2 NAME=MODE_30W >``), the one in force in
   ``var/lib/nvpmodel/status`` (``pmode:0002``), switched with ``<nvpmodel> -m <id>``.
 * Identity: there is no GPU UUID. The board's ``proc/device-tree/model`` and ``serial-number`` (else
@@ -75,6 +83,20 @@ from mapper.shared.model import (
 
 #: ``device/of_node/name`` of a Tegra GPU's devfreq device (Pascal, Volta, Ampere, Blackwell; newer kernels "gpu").
 GPU_OF_NAMES = ("gv11b", "gp10b", "ga10b", "gb10b", "gpu")
+#: A Thor's GPU: its GPC domains' devfreq devices (no ``of_node`` name), ``gpu-gpc-0`` first.
+GPC_DEVFREQ_RE = re.compile(r"gpu-gpc-(\d+)")
+#: hwmon ``name`` of the INA238 family (one rail each; a Thor carrier board's input), and the label of one without
+#: a ``label`` file (jetson-stats reads a Thor's INA238 as the VIN rail).
+INA238_NAMES = ("ina238", "ina237")
+INA238_DEFAULT_LABEL = "VIN"
+#: Where the EMC clock is (Hz), first found: debugfs (root only), older debugfs, a Thor's devfreq ``bwmgr``.
+EMC_RATE_FILES = (
+    "sys/kernel/debug/bpmp/debug/clk/emc/rate",
+    "sys/kernel/debug/clk/emc/clk_rate",
+    "sys/class/devfreq/bwmgr/cur_freq",
+)
+#: Rails that are the whole module's or board's input: ``power_usage`` where present.
+INPUT_RAILS = ("VDD_IN", "VIN")
 #: Namespace of the board UUIDs (uuid5 over model and serial number); fixed forever: changing it renames GPUs.
 BOARD_UUID_NAMESPACE = uuidlib.UUID("6b0f2c1e-9d4a-5c3e-8f1b-2a7d4e6c9b10")
 #: Readings of an offline thermal zone.
@@ -94,6 +116,7 @@ _GROUP_PROPS: Mapping[str, frozenset[str]] = {
     "load": frozenset({"utilization_gpu"}),
     "devfreq": frozenset({"gpu_freq", "gpu_min_freq", "gpu_max_freq"}),
     "available": frozenset({"gpu_available_freqs"}),
+    "governor": frozenset({"gpu_governor"}),
     "emc": frozenset({"emc_freq"}),
     "thermal": frozenset({"temperature", "temperature_cpu", "temperature_tj"}),
     "trips": frozenset({"temperature_slowdown", "temperature_shutdown"}),
@@ -116,10 +139,12 @@ class Rail:
     """One INA3221 channel that is a rail: its label and where its readings are."""
 
     label: str
-    #: hwmon (JetPack 5+): voltage (mV) and current (mA) files; iio (JetPack 4): the power file (mW).
+    #: hwmon (JetPack 5+): voltage (mV) and current (mA) files; iio (JetPack 4): the power file (mW); INA238: its
+    #: power file (uW).
     voltage: Path | None = None
     current: Path | None = None
     power: Path | None = None
+    power_uw: Path | None = None
     #: A GPU token in the label (VDD_GPU_SOC, VDD_CPU_GPU_CV, GPU): the GPU's rail.
     gpu: bool = False
 
@@ -162,7 +187,8 @@ def _read_int(path: Path) -> int | None:
 
 
 def find_gpu_devfreq(root: Path) -> Path | None:
-    """The devfreq directory of the Tegra GPU under ``root`` (``sys/class/devfreq/<dev>``), or None."""
+    """The devfreq directory of the Tegra GPU under ``root`` (``sys/class/devfreq/<dev>``), or None: the device
+    whose ``of_node`` name is a GPU's, else one whose name ends with it, else a Thor's first GPC domain."""
     base = root / "sys/class/devfreq"
     try:
         entries = sorted(base.iterdir())
@@ -175,11 +201,18 @@ def find_gpu_devfreq(root: Path) -> Path | None:
     for entry in entries:  # no of_node link: the device's name ends with the GPU's (17000000.gv11b)
         if entry.name.rsplit(".", 1)[-1] in GPU_OF_NAMES:
             return entry
-    return None
+    gpcs = gpc_domains(entries)
+    return gpcs[0] if gpcs else None
+
+
+def gpc_domains(entries: Iterable[Path]) -> list[Path]:
+    """The GPC domains among devfreq devices (a Thor's ``gpu-gpc-<N>``), by N."""
+    found = [(int(m.group(1)), e) for e in entries if (m := GPC_DEVFREQ_RE.fullmatch(e.name))]
+    return [e for _, e in sorted(found)]
 
 
 def tegra_gpu_present(root: str | os.PathLike[str] = "/") -> bool:
-    """True when ``root`` has a Tegra GPU's devfreq device (what ``--backend auto`` asks after NVML fails)."""
+    """True when ``root`` has a Tegra GPU's devfreq device: ``--backend auto`` then serves it as a Jetson."""
     return find_gpu_devfreq(Path(root)) is not None
 
 
@@ -249,6 +282,8 @@ class JetsonBackend:
         self._arch = ""
         self._release = ""
         self._devfreq: Path | None = None
+        #: Every devfreq device the GPU's range is set on: the GPU's, or a Thor's GPC domains (the first is read).
+        self._domains: tuple[Path, ...] = ()
         self._load: Path | None = None
         self._zones: list[Zone] = []
         self._rails: list[Rail] = []
@@ -273,10 +308,14 @@ class JetsonBackend:
             if devfreq is None:
                 raise NotFoundError(
                     f"no Tegra GPU under {self.root}: no devfreq device in {self.root / 'sys/class/devfreq'} whose "
-                    f"of_node name is one of {', '.join(GPU_OF_NAMES)} (is this a Jetson, and is /sys mounted?)"
+                    f"of_node name is one of {', '.join(GPU_OF_NAMES)} and no GPC domain gpu-gpc-<N> "
+                    "(is this a Jetson, and is /sys mounted?)"
                 )
             self._devfreq = devfreq
-            self._arch = _read_text(devfreq / "device/of_node/name") or devfreq.name.rsplit(".", 1)[-1]
+            gpc = GPC_DEVFREQ_RE.fullmatch(devfreq.name) is not None
+            self._domains = tuple(gpc_domains(devfreq.parent.iterdir())) if gpc else (devfreq,)
+            # (a GPC domain names no architecture: a Thor's comes from its NVML, mapper.edge.gpu.tegra)
+            self._arch = _read_text(devfreq / "device/of_node/name") or ("" if gpc else devfreq.name.rsplit(".", 1)[-1])
             model = _read_text(self.root / "proc/device-tree/model") or ""
             serial = _read_text(self.root / "proc/device-tree/serial-number") or ""
             if not serial:
@@ -374,13 +413,13 @@ class JetsonBackend:
     # --- setting ---------------------------------------------------------------------------------
     def set_gpu_freq_range(self, uuid: str, min_mhz: float, max_mhz: float) -> tuple[float, float]:
         """Set devfreq ``min_freq`` / ``max_freq`` to two available frequencies (MHz), in the order the move
-        needs; the range read back (MHz). ``InvalidValueError`` for a frequency the GPU does not offer or min
-        above max, ``NoPermissionError`` when this user may not write them (not root)."""
+        needs, on every devfreq device of the GPU (a Thor's GPC domains, the first's frequencies); the range read
+        back (MHz). ``InvalidValueError`` for a frequency the GPU does not offer or min above max,
+        ``NoPermissionError`` when this user may not write them (not root)."""
         with self._lock:
             self._ensure()
             self._check(uuid)
-            devfreq = self._devfreq
-            assert devfreq is not None
+            assert self._domains
             lo_hz, hi_hz = self._step_hz("gpu_min_freq", min_mhz), self._step_hz("gpu_max_freq", max_mhz)
             if lo_hz > hi_hz:
                 raise InvalidValueError(
@@ -388,23 +427,27 @@ class JetsonBackend:
                     f"{format_number(max_mhz)} MHz",
                     reason="out-of-range",
                 )
-            cur_max = self._read_required(devfreq / "max_freq", "gpu_max_freq")
-            # Going up: max first; else min first: min <= max holds after each write.
-            order = (
-                [("max_freq", hi_hz), ("min_freq", lo_hz)]
-                if hi_hz > cur_max
-                else [("min_freq", lo_hz), ("max_freq", hi_hz)]
-            )
-            for name, hz in order:
-                self._write_sysfs(devfreq / name, str(hz), uuid)
-            got_lo = self._read_required(devfreq / "min_freq", "gpu_min_freq")
-            got_hi = self._read_required(devfreq / "max_freq", "gpu_max_freq")
-            if abs(got_lo - lo_hz) > FREQ_TOLERANCE_HZ or abs(got_hi - hi_hz) > FREQ_TOLERANCE_HZ:
-                raise ReadBackMismatchError(
-                    f"GPU {uuid}: devfreq range set to {_mhz(lo_hz)}-{_mhz(hi_hz)} MHz reads "
-                    f"{_mhz(got_lo)}-{_mhz(got_hi)} MHz"
+            for devfreq in self._domains:
+                cur_max = self._read_required(devfreq / "max_freq", "gpu_max_freq")
+                # Going up: max first; else min first: min <= max holds after each write.
+                order = (
+                    [("max_freq", hi_hz), ("min_freq", lo_hz)]
+                    if hi_hz > cur_max
+                    else [("min_freq", lo_hz), ("max_freq", hi_hz)]
                 )
-            return _mhz(got_lo), _mhz(got_hi)
+                for name, hz in order:
+                    self._write_sysfs(devfreq / name, str(hz), uuid)
+            got: list[tuple[int, int]] = []
+            for devfreq in self._domains:
+                got_lo = self._read_required(devfreq / "min_freq", "gpu_min_freq")
+                got_hi = self._read_required(devfreq / "max_freq", "gpu_max_freq")
+                if abs(got_lo - lo_hz) > FREQ_TOLERANCE_HZ or abs(got_hi - hi_hz) > FREQ_TOLERANCE_HZ:
+                    raise ReadBackMismatchError(
+                        f"GPU {uuid}: devfreq range set to {_mhz(lo_hz)}-{_mhz(hi_hz)} MHz reads "
+                        f"{_mhz(got_lo)}-{_mhz(got_hi)} MHz" + (f" on {devfreq.name}" if len(self._domains) > 1 else "")
+                    )
+                got.append((got_lo, got_hi))
+            return _mhz(got[0][0]), _mhz(got[0][1])
 
     def set_power_mode(self, uuid: str, mode_id: int) -> None:
         """``<nvpmodel> -m <mode_id>``, then the status file read back. Refusals: an id not in nvpmodel.conf
@@ -521,6 +564,17 @@ class JetsonBackend:
                         if _is_rail(label):
                             power = iio / f"in_power{_channel(name_file.name)}_input"
                             rails.append(Rail(label, power=power, gpu=_is_gpu_rail(label)))
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
+            for dev in sorted(base.iterdir()):
+                if _read_text(dev / "name") not in INA238_NAMES:
+                    continue
+                for hwmon in sorted(dev.glob("hwmon/hwmon*")):
+                    label = _read_text(hwmon / "label") or INA238_DEFAULT_LABEL
+                    if (hwmon / "power1_input").exists():
+                        rails.append(Rail(label, power_uw=hwmon / "power1_input", gpu=_is_gpu_rail(label)))
+                    else:
+                        voltage, current = hwmon / "in1_input", hwmon / "curr1_input"  # in0 is the shunt's
+                        rails.append(Rail(label, voltage=voltage, current=current, gpu=_is_gpu_rail(label)))
         return rails
 
     def _read_freqs(self) -> tuple[int, ...]:
@@ -669,8 +723,14 @@ class JetsonBackend:
         if self._freqs_hz:
             out["gpu_available_freqs"] = ",".join(format_number(_mhz(f)) for f in self._freqs_hz)
 
+    def _r_governor(self, out: dict[str, Value]) -> None:
+        assert self._devfreq is not None
+        governor = _read_text(self._devfreq / "governor")
+        if governor:
+            out["gpu_governor"] = governor
+
     def _r_emc(self, out: dict[str, Value]) -> None:
-        for rel in ("sys/kernel/debug/bpmp/debug/clk/emc/rate", "sys/kernel/debug/clk/emc/clk_rate"):
+        for rel in EMC_RATE_FILES:
             hz = _read_int(self.root / rel)
             if hz is not None:
                 out["emc_freq"] = _mhz(hz)
@@ -728,7 +788,10 @@ class JetsonBackend:
         watts: list[tuple[str, float]] = []
         gpu: float | None = None
         for rail in self._rails:
-            if rail.power is not None:
+            if rail.power_uw is not None:
+                uw = _read_int(rail.power_uw)
+                w = None if uw is None else uw / 1e6
+            elif rail.power is not None:
                 mw = _read_int(rail.power)
                 w = None if mw is None else mw / 1000
             else:
@@ -741,7 +804,7 @@ class JetsonBackend:
                     gpu = w
         if not watts:
             return
-        module = next((w for label, w in watts if label.upper() == "VDD_IN"), None)
+        module = next((w for label, w in watts if label.upper() in INPUT_RAILS), None)
         if module is None:
             module = sum(w for _, w in watts)
         now = self._clock.monotonic()

@@ -16,6 +16,8 @@ ARCH_TURING = 6
 ARCH_AMPERE = 7
 ARCH_ADA = 8
 ARCH_HOPPER = 9
+#: nvml.h's code (newer than the oldest binding we allow, so not in ``ARCH_NAMES``).
+ARCH_BLACKWELL = 10
 
 ARCH_NAMES: Mapping[int, str] = MappingProxyType(
     {ARCH_TURING: "turing", ARCH_AMPERE: "ampere", ARCH_ADA: "ada", ARCH_HOPPER: "hopper"}
@@ -63,6 +65,9 @@ class GpuProfile:
     pcie_max_kbs: int = 25_000_000
     #: Share of the framebuffer a full training workload occupies.
     memory_busy_fraction: float = 0.85
+    #: pynvml functions that answer NotSupported on this GPU whatever the arguments (the NVML of a Jetson board,
+    #: ``TEGRA_PROFILES``); empty for the datacenter and workstation cards.
+    not_supported: frozenset[str] = frozenset()
 
     @property
     def memory_reserved_bytes(self) -> int:
@@ -324,9 +329,146 @@ PROFILES: Mapping[str, GpuProfile] = MappingProxyType(
 )
 
 
+#: What the NVML of JetPack 7.2 on an AGX Orin answers NotSupported for: load, clocks, memory and processes
+#: (jetson-stats 7.x and its issues, shared/docs/nvml-facts.md section 9), and (assumed) every other reading but
+#: the identity: temperatures, power, energy, limits, clock reasons, P-state, ECC, PCIe, InfoROM, modes.
+_JETSON_NVML_CLOCKS = frozenset(
+    {
+        "nvmlDeviceGetClockInfo",
+        "nvmlDeviceGetMaxClockInfo",
+        "nvmlDeviceGetSupportedMemoryClocks",
+        "nvmlDeviceGetSupportedGraphicsClocks",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetSupportedClocksEventReasons",
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+        "nvmlDeviceGetPerformanceState",
+    }
+)
+_JETSON_NVML_POWER = frozenset(
+    {
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetTotalEnergyConsumption",
+        "nvmlDeviceGetFieldValues",
+        "nvmlDeviceGetPowerManagementLimit",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+        "nvmlDeviceGetPowerManagementDefaultLimit",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceSetPowerManagementLimit",
+        "nvmlDeviceSetGpuLockedClocks",
+        "nvmlDeviceResetGpuLockedClocks",
+        "nvmlDeviceSetMemoryLockedClocks",
+        "nvmlDeviceResetMemoryLockedClocks",
+    }
+)
+_JETSON_NVML_OTHER = frozenset(
+    {
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetTemperatureV",
+        "nvmlDeviceGetTemperatureThreshold",
+        "nvmlDeviceGetPcieThroughput",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetInforomImageVersion",
+        "nvmlDeviceGetInforomVersion",
+        "nvmlDeviceValidateInforom",
+        "nvmlDeviceGetPersistenceMode",
+        "nvmlDeviceGetComputeMode",
+        "nvmlDeviceSetPersistenceMode",
+        "nvmlDeviceSetComputeMode",
+    }
+)
+_JETSON_NVML_SERVED_BY_THOR = frozenset(
+    {
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetMemoryInfo",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+        "nvmlDeviceGetGraphicsRunningProcesses_v2",
+        "nvmlDeviceGetProcessUtilization",
+        "nvmlDeviceGetProcessesUtilizationInfo",
+    }
+)
+
+#: The NVML of a Jetson board (JetPack 7), which the simulated Jetson runs beside its sysfs tree
+#: (``mapper.edge.gpu.simjetson.JetsonProfile.nvml_profile``): kept apart from ``PROFILES``, whose every card
+#: serves the whole catalog. Memory is the board's unified RAM; the power and thermal figures only keep the
+#: physics going (nothing reads them: NotSupported) and are assumed.
+TEGRA_PROFILES: Mapping[str, GpuProfile] = MappingProxyType(
+    {
+        p.key: p
+        for p in (
+            GpuProfile(
+                # JetPack 7.2 on an AGX Orin 64GB: the nvgpu stack; NVML initialises and serves no reading.
+                key="ORIN-JP7",
+                name="Orin (nvgpu)",
+                architecture=ARCH_AMPERE,
+                memory_total_bytes=62_827 * _MIB,
+                idle_power_w=3.0,
+                load_power_w=30.0,
+                idle_pstate=0,
+                idle_sm_mhz=306,
+                sm_max_mhz=1300,
+                memory_clocks_mhz=(3199,),
+                power_limit_min_w=15.0,
+                power_limit_default_w=30.0,
+                power_limit_max_w=60.0,
+                shutdown_c=104,
+                slowdown_c=99,
+                max_operating_c=97,
+                memory_max_c=None,
+                idle_temp_c=35.0,
+                thermal_r_c_per_w=1.3,
+                thermal_tau_s=40.0,
+                power_averaged=False,
+                memory_locked_clocks=False,
+                remapped_rows=False,
+                ecc=False,
+                not_supported=_JETSON_NVML_SERVED_BY_THOR
+                | _JETSON_NVML_CLOCKS
+                | _JETSON_NVML_POWER
+                | _JETSON_NVML_OTHER,
+            ),
+            GpuProfile(
+                # A Jetson AGX Thor (Blackwell, the nvidia.ko stack): NVML serves load, memory and processes
+                # (jetson-stats reads them through pynvml there); clocks, power and temperatures come from sysfs
+                # (assumed NotSupported in NVML).
+                key="THOR",
+                name="NVIDIA Thor",
+                architecture=ARCH_BLACKWELL,
+                memory_total_bytes=128_567 * _MIB,
+                idle_power_w=6.0,
+                load_power_w=60.0,
+                idle_pstate=0,
+                idle_sm_mhz=306,
+                sm_max_mhz=1575,
+                memory_clocks_mhz=(4266,),
+                power_limit_min_w=40.0,
+                power_limit_default_w=120.0,
+                power_limit_max_w=130.0,
+                shutdown_c=104,
+                slowdown_c=99,
+                max_operating_c=97,
+                memory_max_c=None,
+                idle_temp_c=35.0,
+                thermal_r_c_per_w=0.55,
+                thermal_tau_s=40.0,
+                power_averaged=False,
+                memory_locked_clocks=False,
+                remapped_rows=False,
+                ecc=False,
+                memory_busy_fraction=0.3,
+                not_supported=_JETSON_NVML_CLOCKS | _JETSON_NVML_POWER | _JETSON_NVML_OTHER,
+            ),
+        )
+    }
+)
+
+
 def profile(key: str) -> GpuProfile:
-    """A profile by key (``H100``, ``A100``, ``T4``, ...), case-insensitive; a clear error for an unknown one."""
-    for name, prof in PROFILES.items():
+    """A profile by key (``H100``, ``A100``, ``T4``, ... or a Jetson board's NVML, ``TEGRA_PROFILES``),
+    case-insensitive; a clear error for an unknown one."""
+    for name, prof in (*PROFILES.items(), *TEGRA_PROFILES.items()):
         if name.lower() == key.lower():
             return prof
     raise ValueError(f"unknown GPU profile {key!r}; known profiles: {', '.join(PROFILES)}")

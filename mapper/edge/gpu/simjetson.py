@@ -6,7 +6,14 @@ the benchmarks.
 profile has): ``xavier-agx`` (JetPack 5: gv11b, load in ``sys/devices/gpu.0/load``, hwmon INA3221 channels GPU,
 CPU, SOC / CV, VDDRQ, SYS5V, no VDD_IN, the PMIC-Die zone's constant 100 C), ``orin-agx`` (JetPack 6: the GPU as
 ``platform/17000000.gpu``, VDD_GPU_SOC, VDD_CPU_CV, VIN_SYS_5V0, NC channels), ``orin-nano`` (JetPack 6, VDD_IN,
-VDD_CPU_GPU_CV, VDD_SOC, offline CV zones at -256000, no debugfs EMC, a 7 W mode that needs a reboot).
+VDD_CPU_GPU_CV, VDD_SOC, offline CV zones at -256000, no debugfs EMC, a 7 W mode that needs a reboot). The
+JetPack 7 boards (``JETPACK7_PROFILES``) ship an NVML, which the composition root simulates beside the tree
+(``JetsonProfile.nvml_profile``, a key of the simulated NVML's profiles): ``orin-agx-jp7`` (JetPack 7.2 on an AGX
+Orin: the JetPack 6 layout, a devfreq governor list instead of ``enable_3d_scaling``; its NVML answers
+NotSupported for every reading) and ``thor`` (a Jetson AGX Thor: the GPU as the GPC domain ``gpu-gpc-0`` beside
+the video decoder's ``gpu-nvd-0``, no ``of_node`` name, no load file, INA3221 rails VDD_GPU, VDD_CPU_SOC_MSS,
+VIN_SYS_5V0 and the carrier's INA238 VIN, the EMC clock in devfreq ``bwmgr``; its NVML serves load, memory and
+processes). ``on_load`` hands each step's GPU load to that NVML.
 
 ``SimJetson`` owns such a tree: ``step(now_s)`` advances the physics (a workload scenario drives the load; the
 governor picks a frequency inside the devfreq range the files say, so a lowered ``max_freq`` lowers the clock,
@@ -28,11 +35,11 @@ import random
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 #: The simulator's profiles, by ``--sim-profile`` name.
-PROFILE_NAMES = ("orin-agx", "xavier-agx", "orin-nano")
+PROFILE_NAMES = ("orin-agx", "xavier-agx", "orin-nano", "orin-agx-jp7", "thor")
 SCENARIOS = ("idle", "steady", "inference", "training", "heat", "oscillating")
 OFFLINE_MILLI_C = -256000
 
@@ -62,12 +69,13 @@ class JetsonProfile:
     model: str
     serial: str
     release: str
-    of_name: str
+    #: The GPU device's ``of_node/name``; None: the device has none (a Thor).
+    of_name: str | None
     devfreq_name: str
     #: The GPU device's directory under ``sys/devices`` (the devfreq ``device`` link points there).
     device_dir: str
-    #: Where ``load`` is, relative to the root.
-    load_path: str
+    #: Where ``load`` is, relative to the root; None: there is no load file (a Thor).
+    load_path: str | None
     freqs_hz: tuple[int, ...]
     emc_hz: int | None
     zones: tuple[ZoneSpec, ...]
@@ -87,6 +95,18 @@ class JetsonProfile:
     #: Kelvin per watt of module power, and the thermal time constant (s).
     thermal_k_per_w: float = 1.6
     tau_s: float = 40.0
+    #: JetPack 7: the devfreq governors the GPU offers (``available_governors``), the first in force; () writes no
+    #: such file (JetPack 5 and 6 trees have ``governor`` only).
+    governors: tuple[str, ...] = ()
+    #: Other devfreq devices that are not the GPU (a Thor's video decoder ``gpu-nvd-0``, the EMC's ``bwmgr``).
+    other_devfreq: tuple[str, ...] = ()
+    #: Where the EMC clock is (Hz): debugfs (JetPack 5 and 6, root only) or, on a Thor, devfreq ``bwmgr``.
+    emc_devfreq: bool = False
+    #: INA238 monitors: (i2c device name, the rail they measure); no ``label`` file is written.
+    ina238: tuple[tuple[str, str], ...] = ()
+    #: The simulated NVML's profile key beside this board (None: no NVML, JetPack 5 and 6) and its driver version.
+    nvml_profile: str | None = None
+    nvml_driver: str = ""
 
 
 def _orin_trips() -> tuple[tuple[str, int], ...]:
@@ -245,18 +265,94 @@ _ORIN_NANO = JetsonProfile(
     thermal_k_per_w=4.0,
 )
 
+#: JetPack 7.2 (L4T R39.2, kernel 6.8) on an AGX Orin: the nvgpu stack and JetPack 6's sysfs layout (the GPU as
+#: ``17000000.gpu``); ``enable_3d_scaling`` is gone, the devfreq governor list replaces it. Its NVML initialises
+#: and answers NotSupported (jetson-stats 7.x, shared/docs/nvml-facts.md section 9).
+_ORIN_AGX_JP7 = replace(
+    _ORIN_AGX,
+    name="orin-agx-jp7",
+    jetpack=7,
+    serial="1421122012346",
+    release="# R39 (release), REVISION: 2.0, GCID: 43300000, BOARD: generic, EABI: aarch64, DATE: Thu Jun 4 2026",
+    governors=("nvhost_podgov", "performance", "userspace", "simple_ondemand"),
+    nvml_profile="ORIN-JP7",
+    nvml_driver="595.78",
+)
+
+#: A Jetson AGX Thor with JetPack 7.2: the GPU behind the nvidia.ko stack as a PCI device (0000:01:00.0) whose GPC
+#: domain is devfreq ``gpu-gpc-0`` (no ``of_node`` name, no load file), the video decoder ``gpu-nvd-0`` beside it
+#: (jetson-stats #885, #820). The frequencies, rails' powers, modes' GPU maxima, trip points and physics are
+#: modelled, not measured.
+_THOR = JetsonProfile(
+    name="thor",
+    jetpack=7,
+    model="NVIDIA Jetson AGX Thor Developer Kit",
+    serial="1425025000123",
+    release="# R39 (release), REVISION: 2.0, GCID: 43300000, BOARD: generic, EABI: aarch64, DATE: Thu Jun 4 2026",
+    of_name=None,
+    devfreq_name="gpu-gpc-0",
+    device_dir="pci0000:00/0000:00:00.0/0000:01:00.0",
+    load_path=None,
+    freqs_hz=(
+        306000000,
+        459000000,
+        612000000,
+        765000000,
+        918000000,
+        1071000000,
+        1224000000,
+        1377000000,
+        1530000000,
+        1575000000,
+    ),
+    emc_hz=4266000000,
+    zones=(
+        ZoneSpec("cpu-thermal", -2.0, trips=_orin_trips()),
+        ZoneSpec("gpu-thermal", 0.0, trips=_orin_trips()),
+        ZoneSpec("soc0-thermal", -3.0),
+        ZoneSpec("soc1-thermal", -3.5),
+        ZoneSpec("tj-thermal", 1.0, trips=_orin_trips()),
+    ),
+    ina=(("1-0040", ("VDD_GPU", "VDD_CPU_SOC_MSS", "VIN_SYS_5V0")),),
+    gpu_rail="VDD_GPU",
+    cpu_rail="VDD_CPU_SOC_MSS",
+    input_rail="VIN",
+    modes=(
+        Mode(0, "MAXN"),
+        Mode(1, "120W", 1377000000),
+        Mode(2, "90W", 1071000000),
+        Mode(3, "70W", 918000000),
+    ),
+    default_mode=1,
+    mem_total_kb=131_652_608,
+    gpu_max_w=60.0,
+    base_w=20.0,
+    thermal_k_per_w=0.55,
+    governors=("nvhost_podgov", "performance", "userspace", "simple_ondemand"),
+    other_devfreq=("gpu-nvd-0", "bwmgr"),
+    emc_devfreq=True,
+    ina238=(("2-0044", "VIN"),),
+    nvml_profile="THOR",
+    nvml_driver="595.78",
+)
+
+#: The JetPack 5 and 6 boards: the Jetson backend alone serves them (no NVML on those JetPacks).
 PROFILES: dict[str, JetsonProfile] = {p.name: p for p in (_ORIN_AGX, _XAVIER_AGX, _ORIN_NANO)}
+#: The JetPack 7 boards: a simulated NVML beside the tree (``nvml_profile``).
+JETPACK7_PROFILES: dict[str, JetsonProfile] = {p.name: p for p in (_ORIN_AGX_JP7, _THOR)}
+#: Every profile, by ``--sim-profile`` name.
+ALL_PROFILES: dict[str, JetsonProfile] = {**PROFILES, **JETPACK7_PROFILES}
 
 
 def profile(name: str) -> JetsonProfile:
     try:
-        return PROFILES[name.lower()]
+        return ALL_PROFILES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown Jetson profile {name!r} (known: {', '.join(PROFILE_NAMES)})") from None
 
 
 def is_jetson_profile(name: str) -> bool:
-    return name.lower() in PROFILES
+    return name.lower() in ALL_PROFILES
 
 
 def _write(path: Path, text: str, mode: int = 0o644) -> None:
@@ -301,7 +397,9 @@ def build_tree(root: str | os.PathLike[str], prof: JetsonProfile | str, *, as_ro
     _write(r / "proc/device-tree/serial-number", p.serial + "\x00")
     _write(r / "etc/nv_tegra_release", p.release + "\n")
     dev = r / "sys/devices" / p.device_dir
-    _write(dev / "of_node/name", p.of_name + "\x00")
+    dev.mkdir(parents=True, exist_ok=True)
+    if p.of_name is not None:
+        _write(dev / "of_node/name", p.of_name + "\x00")
     devfreq = r / "sys/class/devfreq" / p.devfreq_name
     devfreq.mkdir(parents=True, exist_ok=True)
     depth = "../../../devices/" + p.device_dir
@@ -309,13 +407,21 @@ def build_tree(root: str | os.PathLike[str], prof: JetsonProfile | str, *, as_ro
     lo, hi = p.freqs_hz[0], p.freqs_hz[-1]
     _write(devfreq / "available_frequencies", " ".join(str(f) for f in p.freqs_hz) + "\n", 0o444)
     _write(devfreq / "cur_freq", f"{lo}\n", 0o444)
-    _write(devfreq / "governor", "nvhost_podgov\n")
+    _write(devfreq / "governor", (p.governors[0] if p.governors else "nvhost_podgov") + "\n")
+    if p.governors:
+        _write(devfreq / "available_governors", " ".join(p.governors) + "\n", 0o444)
     limits_mode = 0o644 if as_root else 0o444
     mode = next(m for m in p.modes if m.id == p.default_mode)
     _write(devfreq / "min_freq", f"{lo}\n", limits_mode)
     _write(devfreq / "max_freq", f"{mode.gpu_max_hz or hi}\n", limits_mode)
-    _write(r / p.load_path, "0\n", 0o444)
-    if p.emc_hz is not None:
+    for other in p.other_devfreq:  # not the GPU: a reader must not take them for it
+        rate = p.emc_hz if other == "bwmgr" and p.emc_hz is not None else 115200000
+        for name in ("cur_freq", "min_freq", "max_freq"):
+            _write(r / "sys/class/devfreq" / other / name, f"{rate}\n", 0o444)
+        _write(r / "sys/class/devfreq" / other / "governor", "performance\n")
+    if p.load_path is not None:
+        _write(r / p.load_path, "0\n", 0o444)
+    if p.emc_hz is not None and not p.emc_devfreq:
         _write(r / "sys/kernel/debug/bpmp/debug/clk/emc/rate", f"{p.emc_hz}\n", 0o400)
     for i, z in enumerate(p.zones):
         zone = r / f"sys/devices/virtual/thermal/thermal_zone{i}"
@@ -337,6 +443,13 @@ def build_tree(root: str | os.PathLike[str], prof: JetsonProfile | str, *, as_ro
             _write(hwmon / f"curr{n}_max", "32760\n", 0o644)
         _write(hwmon / "in7_label", "sum of shunt voltages\n", 0o444)
         _write(hwmon / "in7_input", "0\n", 0o444)
+    for k, (name, _label) in enumerate(p.ina238, start=len(p.ina)):
+        i2c = r / "sys/bus/i2c/devices" / name
+        _write(i2c / "name", "ina238\n", 0o444)
+        hwmon = i2c / f"hwmon/hwmon{k + 1}"
+        _write(hwmon / "name", "ina238\n", 0o444)
+        for fname in ("in0_input", "in1_input", "curr1_input", "power1_input"):
+            _write(hwmon / fname, "0\n", 0o444)
     _write(r / "etc/nvpmodel.conf", nvpmodel_conf(p))
     _write(r / "var/lib/nvpmodel/status", f"pmode:{p.default_mode:04d} fmode:quiet\n")
     _write(r / "proc/meminfo", _meminfo(p.mem_total_kb, p.mem_total_kb // 8))
@@ -374,6 +487,8 @@ class SimJetson:
     seed: int = 0
     clock: Callable[[], float] = field(default=lambda: 0.0)
     temp_c: float = 0.0
+    #: Called with each step's GPU load (0..1): the composition root hands it to the board's simulated NVML.
+    on_load: Callable[[float], None] | None = None
     _last_s: float | None = None
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -418,11 +533,14 @@ class SimJetson:
         hw_lo, hw_hi = p.freqs_hz[0], p.freqs_hz[-1]
         lo = self._limit("min_freq", hw_lo)
         hi = self._limit("max_freq", hw_hi)
-        # The governor: load-proportional, snapped up to a step, kept inside [min_freq, max_freq].
+        # The governor: load-proportional, snapped up to a step, kept inside [min_freq, max_freq]; "performance"
+        # holds the maximum.
         want = hw_lo + u * (hw_hi - hw_lo)
         freq = next((f for f in p.freqs_hz if f >= want), hw_hi)
         allowed = [f for f in p.freqs_hz if lo <= f <= hi] or [min(max(lo, hw_lo), hw_hi)]
         freq = min(max(freq, allowed[0]), allowed[-1])
+        if self._governor() == "performance":
+            freq = allowed[-1]
         ratio = freq / hw_hi
         # At a capped clock the same work keeps the GPU busier (load rises as the clock drops).
         load = min(1.0, u * max(1.0, (want / freq) if freq else 1.0))
@@ -433,7 +551,8 @@ class SimJetson:
         target = p.ambient_c + k * total_w
         self.temp_c += (target - self.temp_c) * min(1.0, dt / p.tau_s)
         _write(self.devfreq / "cur_freq", f"{freq}\n", 0o444)
-        _write(self.root / p.load_path, f"{round(load * 1000)}\n", 0o444)
+        if p.load_path is not None:
+            _write(self.root / p.load_path, f"{round(load * 1000)}\n", 0o444)
         for i, z in enumerate(p.zones):
             if z.offset_c is None:
                 continue
@@ -455,8 +574,26 @@ class SimJetson:
                     path = hwmon / fname
                     if path.exists():  # a test may have taken a rail's file away: it stays away
                         _write(path, f"{value}\n", 0o444)
+        for k_dev, (name, label) in enumerate(p.ina238, start=len(p.ina)):
+            hwmon = self.root / "sys/bus/i2c/devices" / name / f"hwmon/hwmon{k_dev + 1}"
+            watts = rails.get(label, 0.0)
+            mv = 20_000
+            ma = round(watts * 1e6 / mv)
+            values = {"in0_input": round(ma * 0.002), "in1_input": mv, "curr1_input": ma, "power1_input": mv * ma}
+            for fname, value in values.items():
+                path = hwmon / fname
+                if path.exists():
+                    _write(path, f"{value}\n", 0o444)
         used = round(p.mem_total_kb * (0.15 + 0.35 * u))
         _write(self.root / "proc/meminfo", _meminfo(p.mem_total_kb, used))
+        if self.on_load is not None:
+            self.on_load(load)
+
+    def _governor(self) -> str:
+        try:
+            return (self.devfreq / "governor").read_text().strip()
+        except OSError:
+            return ""
 
     def start(self, interval_s: float = 0.5) -> None:
         """Run ``step`` every ``interval_s`` on a daemon thread until ``stop``."""
@@ -528,13 +665,21 @@ def _nvpmodel_main(argv: Sequence[str]) -> int:
             print("NVPM WARN: user did not confirm the reboot: the power mode is unchanged")
             return 0
         _write(status.with_name("reboot-requested"), f"{args.m}\n")
-    devfreq = next((root / "sys/class/devfreq").iterdir())
-    freqs = sorted(int(f) for f in (devfreq / "available_frequencies").read_text().split())
-    _write(devfreq / "min_freq", f"{freqs[0]}\n")  # whole files at once: a reader never sees half a value
-    _write(devfreq / "max_freq", f"{gpu_max if gpu_max > 0 else freqs[-1]}\n")
+    for devfreq in _gpu_devfreqs(root):
+        freqs = sorted(int(f) for f in (devfreq / "available_frequencies").read_text().split())
+        _write(devfreq / "min_freq", f"{freqs[0]}\n")  # whole files at once: a reader never sees half a value
+        _write(devfreq / "max_freq", f"{gpu_max if gpu_max > 0 else freqs[-1]}\n")
     _write(status, f"pmode:{args.m:04d} fmode:quiet\n")
     print(f"NVPM: power mode {args.m} ({name}) applied")
     return 0
+
+
+def _gpu_devfreqs(root: Path) -> list[Path]:
+    """The GPU's devfreq devices the fake nvpmodel sets: a Thor's GPC domains, else the one with an ``of_node``
+    name (the others, a video decoder or the EMC, keep theirs)."""
+    entries = sorted((root / "sys/class/devfreq").iterdir())
+    gpcs = [e for e in entries if e.name.startswith("gpu-gpc-")]
+    return gpcs or [e for e in entries if (e / "device/of_node/name").exists()][:1] or entries[:1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -693,6 +693,8 @@ class SimNvml:
             self._fault(fname, gpu.uuid)
         if gpu.lost:
             raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if fname in gpu.profile.not_supported:  # a Jetson board's NVML (profiles.TEGRA_PROFILES)
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         now = self._clock()
         if now - gpu.t_last >= _MIN_ADVANCE_S:
             with self._lock:  # one integration at a time (the control surface may run on another thread)
