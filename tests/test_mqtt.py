@@ -174,7 +174,8 @@ async def test_the_last_will_marks_the_mapper_offline_when_its_process_dies_uncl
 async def test_the_mappers_session_leaves_the_status_topics_offline_as_its_last_will(
     mosquitto: Mosquitto, listener: tuple[MqttSession, list[tuple[str, bytes]]]
 ) -> None:
-    """``mapper_session`` spells its last will itself (net does not import wire): it is the wire's ``offline``."""
+    """``mapper_session`` with the wire's ``offline`` as its will (what the root hands it): killed, it leaves the
+    status topic ``offline``."""
     _, got = listener
     status = topics.status_topic("n2")
     script = textwrap.dedent(
@@ -182,8 +183,9 @@ async def test_the_mappers_session_leaves_the_status_topics_offline_as_its_last_
         import asyncio
         from mapper.net.mqtt import mapper_session
         from mapper.shared.settings import MqttSettings
+        from mapper.wire.payloads import STATUS_OFFLINE
         async def main():
-            s = mapper_session({mosquitto.url!r}, MqttSettings(url={mosquitto.url!r}), "n2", {status!r})
+            s = mapper_session({mosquitto.url!r}, MqttSettings(url={mosquitto.url!r}), "n2", {status!r}, STATUS_OFFLINE)
             await s.start()
             assert await s.wait_connected(5)
             print("up", flush=True)

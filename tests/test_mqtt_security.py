@@ -430,7 +430,7 @@ async def test_an_encrypted_client_key_is_unlocked_by_the_passphrase_from_its_fi
     settings = load_settings(env=env)
     assert settings.mqtt.key_password == passphrase and passphrase not in repr(settings)
     assert settings.mqtt.url is not None
-    sess = mapper_session(settings.mqtt.url, settings.mqtt, "edge-1", "gpu-mapper/edge-1/status")
+    sess = mapper_session(settings.mqtt.url, settings.mqtt, "edge-1", "gpu-mapper/edge-1/status", b"offline")
     try:
         await sess.start()
         # require_certificate: the broker let the session in, so the unlocked key signed the handshake.

@@ -24,7 +24,6 @@ from mapper.edge.control.reconcile import (
     Reconciler,
     ReconcileResult,
     Status,
-    ack_to_json,
     desired_status_twin,
     parse_desired_status,
     plan,
@@ -33,6 +32,7 @@ from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimGpu, SimNvml
 from mapper.edge.storage.store import DesiredStore
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, PolicyLimit, Sample, Scalar, Value
+from mapper.wire.payloads import ack_payload
 
 H100 = Constraints(
     power_limit_min_w=200.0,
@@ -335,7 +335,7 @@ def test_an_ack_is_compact_json_with_every_field() -> None:
         reported_value="450",
         ts_ms=2_000,
     )
-    text = ack_to_json(ack)
+    text = ack_payload(ack.as_dict()).decode()
     assert " " not in text
     assert json.loads(text) == {
         "uuid": "GPU-1",
@@ -840,7 +840,7 @@ def test_a_removal_persisted_before_a_restart_still_restores_the_default(rig: Ri
 def test_the_ack_json_names_source_version_and_both_values(rig: Rig) -> None:
     rig.state.set("compute_mode", "exclusive_process", "edge", 1_780_000_000_123)
     (ack,) = rig.cycle().acks
-    payload = json.loads(ack_to_json(ack))
+    payload = json.loads(ack_payload(ack.as_dict()))
     assert payload["uuid"] == rig.uuid
     assert payload["source"] == "edge" and payload["version_ms"] == 1_780_000_000_123
     assert payload["desired"] == "exclusive_process"

@@ -48,6 +48,7 @@ from mapper.errors import ConfigError, MapperError, PermanentError, TransientErr
 from mapper.net.http import LoopHeartbeat
 from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
 from mapper.shared.model import DeviceConfig, DeviceModelConfig, GpuInfo
+from mapper.wire.payloads import STATUS_OFFLINE, STATUS_ONLINE
 from mapper.wire.topics import DELTA_FILTER, membership_topic, status_topic
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class MapperApp:
         # buffer, so an ack or event kept there goes after the batches cut before it), the publisher (acks and
         # policy events, kept through the streams while the broker is down; fire-and-forget messages).
         if s.mqtt.url:
-            self.session = mapper_session(s.mqtt.url, s.mqtt, node, status_topic(node))
+            self.session = mapper_session(s.mqtt.url, s.mqtt, node, status_topic(node), STATUS_OFFLINE)
             self.sessions.add(self.session)
         self.shipper = TelemetryShipper(
             self.buffer,
@@ -512,7 +513,7 @@ class MapperApp:
         """The default broker (re)connected: the shipper's state messages and backlog, the online status, and
         every Device's twins and state again (current state first)."""
         self.shipper.notify_connected("")
-        self.publisher.publish_soon(self.publisher.status_topic, b"online", retain=True)
+        self.publisher.publish_soon(self.publisher.status_topic, STATUS_ONLINE, retain=True)
         self.reporter.resend_all()
 
     def _beat(self, name: str, period_s: float) -> None:

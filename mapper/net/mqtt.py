@@ -819,14 +819,14 @@ def session_from_settings(url: str, settings: MqttSettings, client_id: str, **se
     )
 
 
-def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str) -> MqttSession:
+def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str, will_payload: bytes) -> MqttSession:
     """The default broker's session of the mapper on ``node`` (``mqtt:`` settings: credentials, TLS, client id,
-    by default ``gpu-mapper-<node>``): its last will marks the mapper offline on ``will_topic``."""
+    by default ``gpu-mapper-<node>``): its last will (``will_payload`` on ``will_topic``, both the wire's: the
+    caller's) marks the mapper offline."""
     return session_from_settings(
         url,
         settings,
         settings.client_id or f"gpu-mapper-{node}",
         will_topic=will_topic,
-        # mapper.wire.payloads.STATUS_OFFLINE (a test checks they agree): net does not import wire.
-        will_payload=b"offline",
+        will_payload=will_payload,
     )

@@ -1,8 +1,7 @@
 """The small JSON and text payloads of the mapper's own topics (``mapper.wire.topics``), pure.
 
 The telemetry batches are ``mapper.wire.telemetry``'s, the retained state message ``mapper.wire.state``'s, the
-KubeEdge EventBus messages ``mapper.wire.eventbus``'s; a desired-state ack is written by the reconciler
-(``mapper.edge.control.reconcile.ack_to_json``).
+KubeEdge EventBus messages ``mapper.wire.eventbus``'s.
 """
 
 from __future__ import annotations
@@ -14,9 +13,14 @@ from typing import Any
 from mapper.shared.model import Sample
 
 #: The retained payloads of ``topics.status_topic``: published at connect and at shutdown; ``offline`` is
-#: also the session's last will (``mapper.net.mqtt.mapper_session`` spells it: net does not import wire).
+#: also the session's last will (the root hands it to ``mapper.net.mqtt.mapper_session``).
 STATUS_ONLINE = b"online"
 STATUS_OFFLINE = b"offline"
+
+
+def ack_payload(ack: Mapping[str, Any]) -> bytes:
+    """A desired-state ack (its fields, ``Ack.as_dict``) as compact JSON: no spaces, ASCII only, no NaN."""
+    return json.dumps(ack, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
 def live_payload(sample: Sample) -> bytes:

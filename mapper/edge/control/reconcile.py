@@ -19,7 +19,6 @@ No I/O here: the backend is the ``mapper.shared.model.GpuBackend`` Protocol and 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -63,7 +62,6 @@ __all__ = [
     "Reconciler",
     "Status",
     "Target",
-    "ack_to_json",
     "desired_status_twin",
     "group_of",
     "observed_desired_value",
@@ -720,11 +718,6 @@ class Ack:
             "reported_value": self.reported_value,
             "ts_ms": self.ts_ms,
         }
-
-
-def ack_to_json(ack: Ack) -> str:
-    """Compact JSON (no spaces, ASCII only) of one ack; keys as in ``Ack.as_dict``."""
-    return json.dumps(ack.as_dict(), separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 # --------------------------------------------------------------------------------------------------

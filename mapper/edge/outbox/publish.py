@@ -31,12 +31,12 @@ from typing import Any, Protocol
 from mapper.clock import Clock
 from mapper.edge.control.collect import GpuWorker, TickResult
 from mapper.edge.control.policy import PolicyEvent
-from mapper.edge.control.reconcile import Ack, ack_to_json
+from mapper.edge.control.reconcile import Ack
 from mapper.edge.outbox.shipper import PublishFn
 from mapper.errors import MapperError, TransientError
 from mapper.shared.model import Sample
 from mapper.wire import topics
-from mapper.wire.payloads import STATUS_OFFLINE, event_payload, live_payload
+from mapper.wire.payloads import STATUS_OFFLINE, ack_payload, event_payload, live_payload
 
 log = logging.getLogger("mapper.edge.outbox.publish")
 
@@ -131,9 +131,9 @@ class Publisher:
     def publish_step(self, device_key: str, uuid: str, acks: Iterable[Ack], events: Iterable[PolicyEvent]) -> None:
         """The acks and policy events of one GPU step: logged, published or kept."""
         for ack in acks:
-            text = ack_to_json(ack)
-            log.info("desired %s on %s: %s", ack.property, device_key, text)
-            self.publish_or_keep(topics.ack_topic(self.node, device_key), text.encode(), device_key, uuid)
+            payload = ack_payload(ack.as_dict())
+            log.info("desired %s on %s: %s", ack.property, device_key, payload.decode())
+            self.publish_or_keep(topics.ack_topic(self.node, device_key), payload, device_key, uuid)
         for event in events:
             key = (event.policy, event.action)
             self.policy_events[key] = self.policy_events.get(key, 0) + 1
