@@ -68,13 +68,49 @@ def _env(name: str) -> str:
     return env_variable(MAPPER_ENV_PREFIX, name)
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """The parser of one command (and of its own sub-commands): an argument it does not know is its own error,
+    with its own usage, not the top-level parser's (which argparse would otherwise report)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return parsed, extras
+
+
+class _TopParser(argparse.ArgumentParser):
+    """``gpu-mapper``: a command's flag given before any command (``gpu-mapper --sim 2``) is answered with the
+    command that takes it (``did you mean 'gpu-mapper run --sim 2'?``)."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+            flag = argv[0].split("=", 1)[0]
+            owners = [name for name, p in self.commands.items() if flag in p._option_string_actions]
+            if owners:
+                shown = " ".join(argv)
+                self.error(
+                    f"{flag} is a flag of a command, not of gpu-mapper itself: did you mean "
+                    f"'gpu-mapper {owners[0]} {shown}'?"
+                    + (f" ({flag} is also a flag of: {', '.join(owners[1:])})" if owners[1:] else "")
+                )
+        return super().parse_known_args(argv, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _TopParser(
         prog="gpu-mapper",
         description="KubeEdge device mapper that makes every GPU of this edge node a KubeEdge Device.",
     )
     parser.add_argument("--version", action="version", version=f"gpu-mapper {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     run = sub.add_parser(
         "run",
@@ -172,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", help="the running mapper's HTTP address (default http://127.0.0.1:9410)")
     st.add_argument("--data-dir", help="read the last snapshot from the data directory instead")
     st.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
+    st.add_argument(
+        "--wide", action="store_true", help="every column in full (UUIDs, desired status, health reasons), any width"
+    )
     _add_bridge_parser(sub)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -401,7 +441,7 @@ def _status(args: argparse.Namespace) -> int:
     else:
         from mapper.edge.status.view import render_status
 
-        print(render_status(snapshot))
+        print(render_status(snapshot, wide=args.wide), end="")
     return 0
 
 

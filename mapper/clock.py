@@ -130,3 +130,20 @@ def next_on_grid(now_s: float, period_s: float, slack_s: float = 0.0) -> float:
     the work it wakes for. ``slack_s`` (at most half a period counts) keeps a loop that ran a hair before a grid
     point from being due again at that point."""
     return (math.floor((now_s + min(slack_s, period_s / 2)) / period_s) + 1) * period_s
+
+
+def format_duration_s(seconds: float) -> str:
+    """A duration for people, rounded to what matters: ``0.25 s``, ``2.9 s``, ``60 s``, ``299 s``, ``47 min``,
+    ``3.5 h`` (no ``59.8892 s``)."""
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
+    x = max(0.0, seconds)
+    if x < 1:
+        return f"{x:.2g} s"
+    if x < 10:
+        return f"{round(x, 1):g} s"
+    if x < 600:
+        return f"{x:.0f} s"
+    if x < 7200:
+        return f"{x / 60:.0f} min"
+    return f"{x / 3600:.1f} h"

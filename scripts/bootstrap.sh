@@ -35,8 +35,10 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-stamp=.venv/.installed-$( (cat pyproject.toml; echo "$want_test") | sha1sum | cut -c1-12)
-if [ ! -f "$stamp" ]; then
+stamp_of() { echo ".venv/.installed-$( (cat pyproject.toml; echo "$1") | sha1sum | cut -c1-12)"; }
+stamp=$(stamp_of "$want_test")
+# An install with the test dependencies serves the demo too (scripts/demo.sh after scripts/test.sh installs nothing).
+if [ ! -f "$stamp" ] && { [ "$want_test" = 1 ] || [ ! -f "$(stamp_of 1)" ]; }; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   if [ "$want_test" = 1 ]; then
     .venv/bin/python -m pip install -q -e '.[test]'

@@ -480,7 +480,7 @@ def test_a_gpu_snapshot_refuses_a_state_edgecore_would_drop() -> None:
 
 
 def test_the_status_table_shows_each_gpu_with_power_vs_cap_and_the_backlog() -> None:
-    text = render_status(make_snapshot())
+    text = render_status(make_snapshot(), wide=True)
     lines = text.splitlines()
     assert lines[0].startswith("gpu-mapper 0.1.0 on node edge1 (dmi), NVIDIA driver 550.54.15, as of 2026-")
     header = lines[2]
@@ -504,7 +504,7 @@ def test_the_status_table_shows_each_gpu_with_power_vs_cap_and_the_backlog() -> 
 
 
 def test_the_status_table_columns_line_up() -> None:
-    lines = render_status(make_snapshot()).splitlines()
+    lines = render_status(make_snapshot(), wide=True).splitlines()
     header, rows = lines[2], [line for line in lines if line.startswith("default/") or line.startswith("(no")]
     assert len(rows) == 2
     col = header.index("UUID")
@@ -526,7 +526,7 @@ def test_the_status_table_of_an_empty_disconnected_node_says_so() -> None:
 
 def test_a_gpu_without_a_sample_yet_shows_dashes() -> None:
     gpu = GpuSnapshot(info=GpuInfo(uuid=H100, index=0, name="n"))
-    text = render_status(MapperSnapshot(node="edge1", mode="standalone", gpus=(gpu,)))
+    text = render_status(MapperSnapshot(node="edge1", mode="standalone", gpus=(gpu,)), wide=True)
     row = next(line for line in text.splitlines() if H100 in line)
     assert "- / - W" in row
     assert "unknown (no sample yet)" in row

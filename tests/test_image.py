@@ -2,7 +2,9 @@
 image's entrypoint runs ``gpu-mapper run --sim 2``: /healthz answers and telemetry batches reach a real mosquitto.
 
 The image runs under podman when podman can run containers on this machine (the runtime that works is
-used: crun, else runc; and the host's own resource limits when the runtime's defaults exceed them). Where no
+used: crun, else runc), with the flags of the podman line docs/operations.md shows ("Running the image",
+``tests/imagedocs.py`` reads it): its ``--ulimit`` flags are added where the runtime's defaults exceed what the
+host allows (capped to the host's own limits where even they are higher). Where no
 container can run (a cgroup v1 or hybrid host that neither runtime accepts), its root filesystem, unpacked from
 the OCI archive, runs under ``unshare`` (new mount and PID namespaces) and ``chroot``. The test prints which it
 did, and the image's size.
@@ -37,6 +39,7 @@ import yaml
 from mapper.wire.dictionaries import DICTIONARY_SHA256
 from mapper.wire.telemetry import decode_batch
 from tests.brokers import Mosquitto, free_port
+from tests.imagedocs import documented_container_flags, documented_data_mount, documented_limits, podman_line
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -169,24 +172,28 @@ class Runner:
             loaded = subprocess.run([*base, "load", "-q", "-i", str(self.image.archive)],
                                     capture_output=True, text=True, timeout=300)  # fmt: skip
             assert loaded.returncode == 0, loaded.stderr
-            soft_files, hard_files = resource.getrlimit(resource.RLIMIT_NOFILE)
-            limits = [f"--ulimit=nofile={min(soft_files, 4096)}:{min(hard_files, 4096)}", "--ulimit=nproc=4096:4096"]
+            limits = host_capped_limits(documented_limits())
             tried = []
             for runtime in ("crun", "runc"):
                 if shutil.which(runtime) is None:
                     continue
-                for extra, note in (([], ""), (limits, ", with the host's lower resource limits")):
-                    cmd = [*base, "run", "--rm", f"--runtime={runtime}", *extra, "--network=host",
-                           self.image.tag, "--version"]  # fmt: skip
+                for extra, note in (([], ""), (limits, ", with the documented resource limits")):
+                    prefix = self.podman_prefix(base, runtime, extra)
+                    cmd = [*prefix, *documented_container_flags(), self.image.tag, "--version"]
                     probe = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
                     if probe.returncode == 0 and "gpu-mapper" in probe.stdout:
-                        self.podman = [*base, "run", "--rm", f"--runtime={runtime}", *extra]
-                        self.how = f"podman (runtime {runtime}{note})"
+                        self.podman = prefix
+                        self.how = f"podman (runtime {runtime}{note}: {' '.join(extra) or 'its own limits'})"
                         return self.how
                     tried.append(f"{runtime}{note}: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
             print("\npodman cannot run containers here: " + "; ".join(tried))
         self.how = "unshare (mount and PID namespaces) + chroot of the image's root filesystem"
         return self.how
+
+    @staticmethod
+    def podman_prefix(base: list[str], runtime: str, limits: list[str]) -> list[str]:
+        """``podman run`` with this machine's storage (``base``), the runtime that works and the limits it needs."""
+        return [*base, "run", f"--runtime={runtime}", *limits]
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGTERM to the mapper: podman forwards it; unshare does not, so there it goes to unshare's child (the
@@ -207,7 +214,8 @@ class Runner:
 
     def argv(self, name: str, mounts: dict[Path, str], env: dict[str, str], args: list[str]) -> list[str]:
         if self.podman:
-            cmd = [*self.podman, "--name", name, "--network=host", "--read-only", "--tmpfs=/tmp"]
+            # The documented line's flags (--rm, --network=host, --read-only, --tmpfs=/tmp), its volume's target.
+            cmd = [*self.podman, *documented_container_flags(), "--name", name]
             for src, dst in mounts.items():
                 cmd.append(f"--volume={src}:{dst}")
             for key, value in env.items():
@@ -226,6 +234,30 @@ class Runner:
         return ["unshare", "--mount", "--pid", "--fork", "--kill-child=SIGTERM", f"--mount-proc={root / 'proc'}",
                 "chroot", str(root),
                 "/usr/bin/env", "-i", *env_args, *entry, *args]  # fmt: skip
+
+
+def host_capped_limits(limits: list[str]) -> list[str]:
+    """The documented ``--ulimit=<type>=<soft>:<hard>`` flags, each capped to this process's own limits (which a
+    container started by this user cannot exceed)."""
+    kinds = {"nofile": resource.RLIMIT_NOFILE, "nproc": resource.RLIMIT_NPROC}
+    out = []
+    for flag in limits:
+        kind, values = flag.removeprefix("--ulimit=").split("=", 1)
+        soft, hard = (int(v) for v in values.split(":"))
+        host_soft, host_hard = resource.getrlimit(kinds[kind])
+        if host_soft != resource.RLIM_INFINITY:
+            soft = min(soft, host_soft)
+        if host_hard != resource.RLIM_INFINITY:
+            hard = min(hard, host_hard)
+        out.append(f"--ulimit={kind}={min(soft, hard)}:{hard}")
+    return out
+
+
+def documented_args(metrics_addr: str) -> list[str]:
+    """The documented podman line's arguments after the image, with this test's metrics address."""
+    args = list(podman_line().args)
+    args[args.index("--metrics-addr") + 1] = metrics_addr
+    return args
 
 
 def _healthz(url: str) -> bool:
@@ -259,9 +291,10 @@ def test_the_images_entrypoint_runs_the_mapper_which_answers_healthz_and_sends_b
     if runner.podman:
         data = tmp_path / "data"
         data.mkdir()
-        mounts[data] = "/var/lib/gpu-mapper"  # the root filesystem is read-only, as in the DaemonSet
-    args = ["run", "--sim", "2", "--node-name", "image-node", "--devices", "/etc/gpu-mapper/devices",
-            "--mqtt", broker.url, "--metrics-addr", f"127.0.0.1:{port}"]  # fmt: skip
+        mounts[data] = documented_data_mount()[1]  # the root filesystem is read-only, as in the DaemonSet
+    # The documented line's arguments (run --sim 2 --node-name image-node --metrics-addr ...), on a free port, with
+    # a devices folder and the broker.
+    args = [*documented_args(f"127.0.0.1:{port}"), "--devices", "/etc/gpu-mapper/devices", "--mqtt", broker.url]
     log = (tmp_path / "mapper.log").open("wb")
     proc = subprocess.Popen(runner.argv(name, mounts, env, args), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

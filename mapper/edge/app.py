@@ -46,7 +46,7 @@ from mapper.edge.storage.datadir import require_data_dir
 from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.net.http import LoopHeartbeat
-from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
+from mapper.net.mqtt import MAPPER_RECONNECT_MAX_S, MqttSession, MqttSessions, mapper_session
 from mapper.shared.model import DeviceConfig, DeviceModelConfig, GpuInfo
 from mapper.wire.payloads import STATUS_OFFLINE, STATUS_ONLINE
 from mapper.wire.topics import DELTA_FILTER, membership_topic, status_topic
@@ -134,7 +134,11 @@ class MapperApp:
         #: Every GPU's worker by UUID, shared by the parts that read them; filled by ``_build``.
         self.workers: dict[str, GpuWorker] = {}
         self.registry = Registry(node_gpus=self.workers.keys)
-        self.sessions = MqttSessions(settings.mqtt.client_id or f"gpu-mapper-{settings.node_name}")
+        self.sessions = MqttSessions(
+            settings.mqtt.client_id or f"gpu-mapper-{settings.node_name}",
+            reconnect_max_s=MAPPER_RECONNECT_MAX_S,
+            reconnect_log_level=logging.DEBUG,  # the shipper logs a broker's return (what waited, the replay)
+        )
         #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).
         self.inbound = InboundLimiter(
             "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock
@@ -346,6 +350,7 @@ class MapperApp:
         s = self.settings
         if self.session is not None:
             self.session.add_on_connect(self._on_mqtt_connect)
+            self.session.add_on_down(self.shipper.notify_down)
             if s.eventbus_enabled:
                 # Behind the door's limits: size, then a token of the message's device (docs/security.md).
                 limit = s.inbound_max_bytes
@@ -507,6 +512,7 @@ class MapperApp:
         session = await self.sessions.get(address)
         if new:
             session.add_on_connect(lambda: self.shipper.notify_connected(address))
+            session.add_on_down(lambda: self.shipper.notify_down(address))
         return session.publish
 
     def _on_mqtt_connect(self) -> None:

@@ -30,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
+from mapper.clock import format_duration_s
 from mapper.errors import ConfigError, TransientError
 from mapper.net.webconfig import WebAuth, WebConfig, client_allowed
 
@@ -85,7 +86,10 @@ def check_liveness(
     for b in sorted(beats, key=lambda b: b.name):
         age = now_s - b.last_beat_s
         limit = max(stall_periods * b.period_s, min_stall_s)
-        line = f"{b.name}: last beat {age:.1f} s ago (period {b.period_s:g} s, stalled after {limit:g} s)"
+        line = (
+            f"{b.name}: last beat {age:.1f} s ago (period {format_duration_s(b.period_s)}, "
+            f"stalled after {format_duration_s(limit)})"
+        )
         if age > limit:
             stalled.append(b.name)
             line = "STALLED " + line

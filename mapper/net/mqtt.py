@@ -8,6 +8,11 @@ TLS handshake, each bounded by ``connect_timeout_s``) runs in a worker thread. A
 a broker, ``start()`` returns and the session keeps reconnecting with capped exponential backoff and jitter.
 Nothing here raises on a broker error except ``publish``, which raises ``TransientError`` when the message
 cannot be confirmed.
+
+Logging: one warning when the link goes (the connection lost, or the first failed attempt), then the attempts
+at debug level, except a new reason that points at a setting (a certificate, a password: ``_hint``), which is a
+warning once; one line when it is back, at ``reconnect_log_level`` (the mapper's shipper logs the return itself,
+with what waited and how long the replay took, so its sessions say it at debug level).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from urllib.parse import urlsplit
 
 import paho.mqtt.client as paho
 
-from mapper.clock import next_on_grid, sleep_or_wake
+from mapper.clock import format_duration_s, next_on_grid, sleep_or_wake
 from mapper.errors import ConfigError, TransientError
 from mapper.shared.settings import MqttSettings
 
@@ -129,12 +134,14 @@ class MqttSession:
         session_expiry_s: int | None = None,
         receive_maximum: int | None = None,
         manual_ack: bool = False,
+        reconnect_log_level: int = logging.INFO,
     ) -> None:
         """``mqtt5`` speaks MQTT 5; with ``session_expiry_s`` the session is persistent (clean start off: the
         broker keeps the subscriptions and the unacknowledged and queued messages while the client is away for
         up to that long). ``manual_ack``: QoS 1/2 messages are acknowledged only by ``ack`` (subscribers of
         ``subscribe_acked``) or right after the plain callbacks ran (``subscribe``). ``receive_maximum`` caps
-        the unacknowledged messages the broker sends (MQTT 5)."""
+        the unacknowledged messages the broker sends (MQTT 5). ``reconnect_log_level``: the level of the line that
+        says the link is back after an outage (the first connection without one is always logged at INFO)."""
         self.address = parse_broker_url(url)
         if not client_id:
             raise ConfigError("MQTT client_id must not be empty")
@@ -170,11 +177,17 @@ class MqttSession:
         self._started = False
         self._stopping = False
         self._ever_connected = False
+        self.reconnect_log_level = reconnect_log_level
+        #: When the current outage began (monotonic: the connection lost, or the first failed attempt), and the
+        #: attempts that failed since; None while connected or before the first attempt.
+        self.down_since: float | None = None
+        self.outage_attempts = 0
+        self._on_down: list[ConnectCallback] = []
         self.reconnects = 0
         self.connect_failures = 0
-        #: Why the last connection attempt failed (None after a successful connect). Each distinct reason is
-        #: logged once as a warning until the next successful connect (then at debug level), so that a broker
-        #: refusing the client (a certificate, a password) is named, but not on every retry.
+        #: Why the last connection attempt failed (None after a successful connect). The first failure of an
+        #: outage is a warning; later ones are debug lines, but for a new reason that points at a setting (a broker
+        #: refusing the client's certificate or password), a warning once per outage: named, not on every retry.
         self.last_failure: str | None = None
         self._warned: set[str] = set()
         self._last_socket_error: str | None = None
@@ -326,6 +339,11 @@ class MqttSession:
     def add_on_connect(self, callback: ConnectCallback) -> None:
         """``callback()`` runs on the loop after every (re)connect; a coroutine result is scheduled as a task."""
         self._on_connect.append(callback)
+
+    def add_on_down(self, callback: ConnectCallback) -> None:
+        """``callback()`` runs on the loop when an outage begins: the connection was lost, or the first attempt of
+        a session not connected yet failed (once per outage, not per attempt)."""
+        self._on_down.append(callback)
 
     # ------------------------------------------------------------------------------------------ publish / subscribe
 
@@ -497,14 +515,36 @@ class MqttSession:
             )
 
     def _connect_failed(self, why: str) -> None:
-        """Count a failed attempt; a warning when the reason differs from the last one, else a debug line."""
+        """Count a failed attempt: a warning when it begins an outage, or for a new reason that points at a
+        setting; else a debug line."""
         self.connect_failures += 1
+        self.outage_attempts += 1
         self._last_socket_error = None
-        text = f"{why}{_hint(why, tls=self.address.tls)}"
-        level = logging.DEBUG if text in self._warned else logging.WARNING
+        hint = _hint(why, tls=self.address.tls)
+        text = f"{why}{hint}"
+        first = self._begin_outage()
+        level = logging.WARNING if first or (hint and text not in self._warned) else logging.DEBUG
         self._warned.add(text)
         self.last_failure = text
         log.log(level, "mqtt %s: %s; retrying (telemetry is kept in the buffer meanwhile)", self.url, text)
+
+    def _begin_outage(self) -> bool:
+        """Mark the start of an outage (True) unless one is going on (False); the down callbacks run soon."""
+        if self.down_since is not None or self._stopping:
+            return False
+        self.down_since = time.monotonic()
+        if self._loop is not None:
+            for cb in self._on_down:
+                self._loop.call_soon(self._run_callback, cb, "on-down")
+        return True
+
+    def _run_callback(self, cb: ConnectCallback, kind: str) -> None:
+        try:
+            result = cb()
+            if asyncio.iscoroutine(result):
+                self._keep(asyncio.ensure_future(result))
+        except Exception:
+            log.exception("mqtt %s: %s callback %r failed", self.url, kind, cb)
 
     def _socket_error_or(self, fallback: str) -> str:
         return self._last_socket_error or fallback
@@ -612,6 +652,7 @@ class MqttSession:
         self._connected = False
         self._drop_socket()
         if was and not self._stopping:
+            self._begin_outage()
             log.warning("mqtt %s: connection lost (%s); reconnecting", self.url, reason_code)
         self._fail_pending("connection lost")
         refused, self._refused = self._refused, None
@@ -648,16 +689,24 @@ class MqttSession:
         if self._ever_connected:
             self.reconnects += 1
         self._ever_connected = True
-        log.info("mqtt %s: connected as %s (reconnects so far: %d)", self.url, self.client_id, self.reconnects)
+        down_since, attempts = self.down_since, self.outage_attempts
+        self.down_since, self.outage_attempts = None, 0
+        if down_since is None:
+            log.info("mqtt %s: connected as %s (reconnects so far: %d)", self.url, self.client_id, self.reconnects)
+        else:
+            log.log(
+                self.reconnect_log_level,
+                "mqtt %s: connected as %s after %s away (%d failed attempts; reconnects so far: %d)",
+                self.url,
+                self.client_id,
+                format_duration_s(time.monotonic() - down_since),
+                attempts,
+                self.reconnects,
+            )
         if self._connected_event is not None:
             self._connected_event.set()
         for cb in list(self._on_connect):
-            try:
-                result = cb()
-                if asyncio.iscoroutine(result):
-                    self._keep(asyncio.ensure_future(result))
-            except Exception:
-                log.exception("mqtt %s: on-connect callback %r failed", self.url, cb)
+            self._run_callback(cb, "on-connect")
 
     def _keep(self, task: asyncio.Future[Any]) -> None:
         self._tasks.add(task)
@@ -819,14 +868,24 @@ def session_from_settings(url: str, settings: MqttSettings, client_id: str, **se
     )
 
 
+#: The mapper's longest wait between two connection attempts: a broker that comes back is reached within it (plus
+#: the connect itself). The delays double from ``reconnect_min_s`` to it, each drawn between half and all of it
+#: (jitter), so a fleet of nodes does not reconnect in step.
+MAPPER_RECONNECT_MAX_S = 4.0
+
+
 def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str, will_payload: bytes) -> MqttSession:
     """The default broker's session of the mapper on ``node`` (``mqtt:`` settings: credentials, TLS, client id,
     by default ``gpu-mapper-<node>``): its last will (``will_payload`` on ``will_topic``, both the wire's: the
-    caller's) marks the mapper offline."""
+    caller's) marks the mapper offline; it tries again
+    at most ``MAPPER_RECONNECT_MAX_S`` apart, and says its return at debug level (the shipper logs it, with what
+    waited and how long the replay took)."""
     return session_from_settings(
         url,
         settings,
         settings.client_id or f"gpu-mapper-{node}",
         will_topic=will_topic,
         will_payload=will_payload,
+        reconnect_max_s=MAPPER_RECONNECT_MAX_S,
+        reconnect_log_level=logging.DEBUG,
     )

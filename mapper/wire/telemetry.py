@@ -2278,19 +2278,26 @@ def iter_batches(data: bytes) -> Iterator[bytes]:
         pos += 4 + n
 
 
+#: The first bytes of every SQLite database file: the mapper's buffer (``telemetry.db``) is one.
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
 def decode_command(
     argv_or_path: Sequence[str] | str,
     stdin: IO[bytes],
     stdout: IO[str],
     stderr: IO[str] | None = None,
 ) -> int:
-    """``gpu-mapper decode [FILE|-]``: print every value of every batch as one JSON line. Returns an exit code."""
+    """``gpu-mapper decode [FILE|-]``: print every value of every batch as one JSON line. Returns an exit code:
+    0, 1 for what is not a telemetry batch (an empty file, the buffer's SQLite file, anything else), 2 for a
+    file that cannot be read."""
     err = stderr if stderr is not None else sys.stderr
     args = [argv_or_path] if isinstance(argv_or_path, str) else list(argv_or_path)
     if len(args) > 1:
         err.write(f"decode: expected one FILE or '-', got {len(args)} arguments\n")
         return 2
     source = args[0] if args else "-"
+    name = "standard input" if source == "-" else source
     try:
         if source == "-":
             data = stdin.read()
@@ -2300,18 +2307,46 @@ def decode_command(
     except OSError as exc:
         err.write(f"decode: cannot read {source}: {exc.strerror or exc}\n")
         return 2
+    why_not = _not_batches(data)
+    if why_not:
+        err.write(f"decode: {name}: {why_not}\n")
+        return 1
     try:
         for i, raw in enumerate(iter_batches(data)):
             try:
                 batch = decode_batch(raw)
             except BatchFormatError as exc:
+                if i == 0:
+                    raise BatchFormatError(f"not a telemetry batch ({exc})") from None
                 raise BatchFormatError(f"batch #{i + 1}: {exc}") from None
             for line in batch_json_lines(batch):
                 stdout.write(line + "\n")
     except BatchFormatError as exc:
-        err.write(f"decode: {source}: {exc}\n")
+        err.write(f"decode: {name}: {exc}\n")
         return 1
     return 0
+
+
+def _not_batches(data: bytes) -> str:
+    """Why ``data`` is plainly not a batch or a file of them ("" when it may be): empty, an SQLite file (the
+    buffer, read by ``gpu-mapper buffer export``), or a first record that is not a batch."""
+    if not data:
+        return "empty: not a telemetry batch"
+    if data.startswith(SQLITE_MAGIC):
+        return (
+            "an SQLite database, not a telemetry batch: the mapper's buffer (telemetry.db) is read with "
+            "'gpu-mapper buffer export FILE' (or 'gpu-mapper buffer stats FILE')"
+        )
+    if data[:1] in (MAGIC, b"{"):
+        return ""
+    # Length-prefixed records: the first must fit in the file and hold a batch.
+    n = int.from_bytes(data[:4], "big") if len(data) >= 4 else -1
+    if n <= 0 or 4 + n > len(data) or data[4:5] not in (MAGIC, b"{"):
+        return (
+            f"not a telemetry batch (nor a file of them): it starts with {data[:16]!r}; a batch starts with "
+            f"{MAGIC!r} (binary) or '{{' (JSON), a file of them with each one's 4-byte length"
+        )
+    return ""
 
 
 def encode_file(batches: Iterable[bytes]) -> bytes:

@@ -62,6 +62,7 @@ __all__ = [
     "Reconciler",
     "Status",
     "Target",
+    "allowed_values",
     "desired_status_twin",
     "group_of",
     "observed_desired_value",
@@ -703,6 +704,9 @@ class Ack:
     effective_value: str
     reported_value: str
     ts_ms: int
+    #: What the GPU accepts, for a value it rejected as out of range or unknown (``allowed_values``): for the
+    #: log line, not part of the published ack.
+    allowed: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -718,6 +722,39 @@ class Ack:
             "reported_value": self.reported_value,
             "ts_ms": self.ts_ms,
         }
+
+
+#: Rejections that are about the value itself: their log line says what the GPU accepts.
+_VALUE_REASONS = frozenset({"out-of-range", "not-supported-clock", "unknown-value", "clamped"})
+
+
+def allowed_values(prop: str, constraints: Constraints | None) -> str:
+    """What ``prop`` may be set to on a GPU of ``constraints``, for people: ``100-700 W``, ``one of 81 clocks in
+    210-1980 MHz``, ``0 (MAXN), 1 (MODE_15W)``; "" when not known."""
+    if prop in ("persistence_mode",):
+        return "true or false"
+    if prop == "compute_mode":
+        return ", ".join(COMPUTE_MODES)
+    if constraints is None:
+        return ""
+    if prop == "power_limit":
+        lo, hi = constraints.power_limit_min_w, constraints.power_limit_max_w
+        return f"{lo:g}-{hi:g} W" if lo is not None and hi is not None else ""
+    if prop == "power_mode":
+        return ", ".join(f"{mode} ({name})" for mode, name in constraints.power_modes)
+    clocks: tuple[float, ...] = ()
+    if prop.startswith("locked_gpu_clock_"):
+        clocks = tuple(constraints.graphics_clocks_mhz)
+    elif prop.startswith("locked_memory_clock_"):
+        clocks = tuple(constraints.memory_clocks_mhz)
+    elif prop in ("gpu_min_freq", "gpu_max_freq"):
+        clocks = tuple(constraints.gpu_freqs_mhz)
+    if not clocks:
+        return ""
+    lo_c, hi_c = min(clocks), max(clocks)
+    if len(clocks) == 1:
+        return f"{lo_c:g} MHz"
+    return f"one of {len(clocks)} clocks in {lo_c:g}-{hi_c:g} MHz"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1199,6 +1236,7 @@ class Reconciler:
                 self.counters.rejections[status.reason] = self.counters.rejections.get(status.reason, 0) + 1
             reported = observed.get(prop)
             spec = PROPERTY_BY_NAME[prop]
+            allowed = allowed_values(prop, self._constraints) if status.reason in _VALUE_REASONS else ""
             acks.append(
                 Ack(
                     uuid=self.uuid,
@@ -1212,6 +1250,7 @@ class Reconciler:
                     effective_value="" if target is None else _fmt(target.value_of(prop)),
                     reported_value="" if reported is None else format_value(spec, reported),
                     ts_ms=now_ms,
+                    allowed=allowed,
                 )
             )
         return acks

@@ -24,6 +24,7 @@ Pure loop logic over Protocols: it sees an MQTT session (``Link``) and the outbo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, Protocol
@@ -42,6 +43,25 @@ log = logging.getLogger("mapper.edge.outbox.publish")
 
 #: How long a fire-and-forget publish or an ack waits for its PUBACK.
 PUBLISH_TIMEOUT_S = 5.0
+
+
+def ack_line(ack: Ack, device_key: str) -> str:
+    """An ack as one short log line: ``desired power_limit=450 on default/gpu0: applied``, ``desired
+    power_limit=9999 on default/gpu0: rejected (out-of-range; allowed 100-700 W)``, ``desired power_limit removed
+    on default/gpu0: applied (default-restored)``. The whole ack is logged at debug level."""
+    if ack.desired is None:
+        what = f"{ack.property} removed"
+    else:
+        raw = ack.desired if isinstance(ack.desired, str) else json.dumps(ack.desired)
+        what = f"{ack.property}={raw if len(raw) <= 40 else raw[:39] + '…'}"
+    details = [ack.reason] if ack.reason else []
+    shown = "" if ack.desired is None else str(ack.desired).strip().lower()
+    if ack.result in ("applied", "overridden") and ack.effective_value and ack.effective_value.lower() != shown:
+        details.append(f"in force {ack.effective_value}")
+    if ack.allowed:
+        details.append(f"allowed {ack.allowed}")
+    tail = f" ({'; '.join(details)})" if details else ""
+    return f"desired {what} on {device_key}: {ack.result}{tail}"
 
 
 class Link(Protocol):
@@ -132,7 +152,8 @@ class Publisher:
         """The acks and policy events of one GPU step: logged, published or kept."""
         for ack in acks:
             payload = ack_payload(ack.as_dict())
-            log.info("desired %s on %s: %s", ack.property, device_key, payload.decode())
+            log.log(logging.WARNING if ack.result == "rejected" else logging.INFO, "%s", ack_line(ack, device_key))
+            log.debug("desired %s on %s: ack %s", ack.property, device_key, payload.decode())
             self.publish_or_keep(topics.ack_topic(self.node, device_key), payload, device_key, uuid)
         for event in events:
             key = (event.policy, event.action)

@@ -11,7 +11,13 @@ so a batch is removed only after the broker acknowledged it, whatever happens in
   duplicates with (device, boot_id, seq), which every batch carries.
 * On (re)connect of a broker the latest state snapshot of every device goes first (retained), then the
   backlog oldest first. An optional ``rate_limit_bytes_per_s`` caps what is sent (payload + topic bytes).
-* Progress of a replay (percent, remaining, ETA) is logged every ``progress_log_s`` and kept in ``stats()``.
+* A replay starts when the link is up (the session says it connected, or a publish went through), never while
+  the broker is still away. Its progress (percent, remaining, ETA) is logged every ``progress_log_s`` and kept
+  in ``stats()``, remaining bytes included.
+* The log of an outage: nothing when it begins (the MQTT session warns once), a count of what is buffered
+  while it lasts, rate-limited (after ``outage_log_s``, then at doubling intervals up to ``outage_log_max_s``),
+  and one line when the broker is back and the backlog has gone out: how long it was away, how much waited,
+  how long the replay took.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from mapper.clock import Clock, TokenBucket
+from mapper.clock import Clock, TokenBucket, format_duration_s
 from mapper.edge.outbox.records import StoredBatch
 from mapper.errors import MapperError, PermanentError, TransientError
 from mapper.wire.telemetry import EncodedBatch, Route
@@ -74,10 +80,41 @@ class ShipperStats:
     replayed_batches: int
     replayed_bytes: int
     replay_remaining_batches: int
+    replay_remaining_bytes: int
     replay_active: bool
     states_published: int
     buffer_failures: int
     in_flight: int
+
+
+@dataclass
+class _Outage:
+    """A broker found unreachable: since when (monotonic), and when the next "still unreachable" line is due."""
+
+    since: float
+    next_report: float
+    report_every: float
+
+
+@dataclass(frozen=True)
+class _Return:
+    """A broker back after an outage: how long it was away and what waited then, logged once the backlog is out."""
+
+    address: str
+    since: float
+    up_at: float
+    batches: int
+    bytes: int
+
+
+def format_bytes(n: int) -> str:
+    """``512 B``, ``12.3 KiB``, ``4.0 MiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 class TelemetryShipper:
@@ -94,6 +131,8 @@ class TelemetryShipper:
         publish_timeout_s: float = 10.0,
         retry_s: float = 5.0,
         progress_log_s: float = 10.0,
+        outage_log_s: float = 60.0,
+        outage_log_max_s: float = 3600.0,
         publish_to: PublishTo | None = None,
         sleep: Sleep | None = None,
     ) -> None:
@@ -112,6 +151,8 @@ class TelemetryShipper:
         self.publish_timeout_s = publish_timeout_s
         self.retry_s = retry_s
         self.progress_log_s = progress_log_s
+        self.outage_log_s = outage_log_s
+        self.outage_log_max_s = max(outage_log_max_s, outage_log_s)
         self._publishers: dict[str, PublishFn] = {"": publish}
         self._publish_to = publish_to
         self._sleep: Sleep = sleep or asyncio.sleep
@@ -147,6 +188,12 @@ class TelemetryShipper:
         self._replay_total = 0
         self._replay_started = 0.0
         self._replay_last_log = 0.0
+        self._replay_first_batches = 0
+        self._replay_first_bytes = 0
+        # outages: brokers found unreachable, those back whose backlog is still going out, links known up
+        self._outages: dict[str, _Outage] = {}
+        self._returns: dict[str, _Return] = {}
+        self._link_up: set[str] = set()
 
     # ------------------------------------------------------------------------------------------ inputs
 
@@ -250,20 +297,26 @@ class TelemetryShipper:
         self._wake.set()
 
     def notify_connected(self, address: str = "") -> None:
-        """A broker (re)connected: send it the state snapshots, then resume its backlog. Wire it to
-        ``MqttSession.add_on_connect``."""
+        """A broker (re)connected: send it the state snapshots, then resume its backlog (a replay, when it is
+        long). Wire it to ``MqttSession.add_on_connect``."""
         self._unblock(address)
         if address == "":
             self._states_due.add("")
+        self._link_came_up(address)
         self._wake.set()
+
+    def notify_down(self, address: str = "") -> None:
+        """A broker's link went (``MqttSession.add_on_down``): the outage starts now, not at the next failed
+        publish."""
+        self._begin_outage(address)
 
     # ------------------------------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
         """Send forever (until ``stop``). Supervise it as a long-lived task."""
-        self._start_replay_if_backlog()
         while not self._closing:
             self._retry_blocked()
+            self._report_outages()
             if "" in self._states_due and "" not in self._blocked:
                 self._states_due.discard("")
                 await self._send_states(all_devices=True)
@@ -348,6 +401,8 @@ class TelemetryShipper:
         try:
             publish = await self._publisher(row.address)
             await publish(row.topic, row.payload, row.qos, row.retain, self.publish_timeout_s)
+            if row.address not in self._link_up:
+                self._link_came_up(row.address)
         except MapperError as exc:
             self.publish_failures += 1
             self._block(row.address, row.id)
@@ -403,7 +458,7 @@ class TelemetryShipper:
         if address not in self._blocked:
             self._blocked[address] = row_id
             self._blocked_since[address] = self.clock.monotonic()
-            log.info("telemetry: broker %r unreachable; buffering its batches", address or "default")
+            self._begin_outage(address)
         else:
             first = self._blocked[address]
             if row_id is not None and (first is None or row_id < first):
@@ -419,13 +474,71 @@ class TelemetryShipper:
         if first is not None and (self._cursor is None or first - 1 < self._cursor):
             # Resume from the oldest row of that broker that was not acked.
             self._cursor = first - 1
-        self._start_replay()
 
     def _retry_blocked(self) -> None:
         now = self.clock.monotonic()
         for address, since in list(self._blocked_since.items()):
             if now - since >= self.retry_s:
                 self._unblock(address)
+
+    # ------------------------------------------------------------------------------------------ outages
+
+    def _begin_outage(self, address: str) -> None:
+        """A broker is away (its link went, or a publish to it failed): from now, until it is back. A broker
+        lost again before its backlog went out is one outage, from its first start."""
+        self._link_up.discard(address)
+        if not self._link_up:
+            self._replay_active = False  # starts again, with what waits then, when a link is back
+        if address in self._outages:
+            return
+        now = self.clock.monotonic()
+        back = self._returns.pop(address, None)
+        since = back.since if back is not None else now
+        self._outages[address] = _Outage(since, since + self.outage_log_s, self.outage_log_s)
+        log.debug("telemetry: broker %r unreachable; buffering its batches", address or "default")
+
+    def _link_came_up(self, address: str) -> None:
+        """A broker's link is up (it connected, or a publish went through): what waited goes out now, as a
+        replay when it is long; the return is logged once it has gone out."""
+        self._link_up.add(address)
+        outage = self._outages.pop(address, None)
+        if outage is not None:
+            batches, nbytes = self._backlog_and_bytes()
+            self._returns[address] = _Return(address, outage.since, self.clock.monotonic(), batches, nbytes)
+        self._start_replay()
+
+    def _report_outages(self) -> None:
+        """While a broker is away: what is buffered, rate-limited (the interval doubles up to its cap)."""
+        if not self._outages:
+            return
+        now = self.clock.monotonic()
+        for address, outage in self._outages.items():
+            if now < outage.next_report:
+                continue
+            outage.report_every = min(outage.report_every * 2, self.outage_log_max_s)
+            outage.next_report = now + outage.report_every
+            batches, nbytes = self._backlog_and_bytes()
+            log.info(
+                "telemetry: broker %r unreachable for %s: %d batches (%s) buffered; next report in %s",
+                address or "default",
+                format_duration_s(now - outage.since),
+                batches,
+                format_bytes(nbytes),
+                format_duration_s(outage.report_every),
+            )
+
+    def _log_returns(self, now: float) -> None:
+        """The brokers back whose backlog has gone out: one line each."""
+        for back in self._returns.values():
+            log.info(
+                "telemetry: broker %r back after %s away; replay done: %d batches (%s) had waited, sent in %s",
+                back.address or "default",
+                format_duration_s(back.up_at - back.since),
+                back.batches,
+                format_bytes(back.bytes),
+                format_duration_s(now - back.up_at),
+            )
+        self._returns.clear()
 
     # ------------------------------------------------------------------------------------------ pacing, progress
 
@@ -438,32 +551,45 @@ class TelemetryShipper:
         self._pace.take_forced(nbytes)
 
     def _backlog(self) -> int:
-        try:
-            return int(self.buffer.stats().batches)
-        except MapperError:
-            return 0
+        return self._backlog_and_bytes()[0]
 
-    def _start_replay_if_backlog(self) -> None:
-        if self._backlog() > self.max_in_flight:
-            self._start_replay()
+    def _backlog_and_bytes(self) -> tuple[int, int]:
+        """The buffer's rows waiting and their bytes (``gpu_mapper_buffer_batches`` / ``_bytes``)."""
+        try:
+            stats = self.buffer.stats()
+        except MapperError:
+            return 0, 0
+        return int(stats.batches), int(stats.bytes)
 
     def _start_replay(self) -> None:
-        backlog = self._backlog()
-        if self._replay_active or backlog <= self.max_in_flight:
+        """A replay of the backlog, when it is longer than what goes out at once; only while a link is up."""
+        if self._replay_active or not self._link_up:
+            return
+        backlog, nbytes = self._backlog_and_bytes()
+        if backlog <= self.max_in_flight:
             return
         self._replay_active = True
         self._replay_total = backlog
         self._replay_started = self.clock.monotonic()
         self._replay_last_log = self._replay_started
-        log.info("telemetry: replay of %d buffered batches starts", backlog)
+        self._replay_first_batches = self.replayed_batches
+        self._replay_first_bytes = self.replayed_bytes
+        log.debug("telemetry: replay of %d buffered batches (%s) starts", backlog, format_bytes(nbytes))
 
     @property
     def replay_remaining_batches(self) -> int:
         return self._backlog() if self._replay_active else 0
 
+    @property
+    def replay_remaining_bytes(self) -> int:
+        """The bytes still to send while a replay goes on (the buffer's, as ``gpu_mapper_buffer_bytes``)."""
+        return self._backlog_and_bytes()[1] if self._replay_active else 0
+
     def _log_progress(self, *, idle: bool = False) -> None:
-        """Log replay progress every ``progress_log_s``; notice the end of a replay when idle."""
+        """Log replay progress every ``progress_log_s``; notice the end of a replay (and the returns) when idle."""
         if not self._replay_active:
+            if idle and self._returns:
+                self._log_returns(self.clock.monotonic())
             return
         now = self.clock.monotonic()
         if not idle and now - self._replay_last_log < self.progress_log_s:
@@ -472,12 +598,15 @@ class TelemetryShipper:
         if remaining <= self.max_in_flight:
             if idle or remaining == 0:
                 self._replay_active = False
-                log.info(
-                    "telemetry: replay done: %d batches (%d bytes) in %.1fs",
-                    self.replayed_batches,
-                    self.replayed_bytes,
-                    now - self._replay_started,
-                )
+                if self._returns:
+                    self._log_returns(now)
+                else:
+                    log.info(
+                        "telemetry: replay done: %d batches (%s) from the buffer sent in %s",
+                        self.replayed_batches - self._replay_first_batches,
+                        format_bytes(self.replayed_bytes - self._replay_first_bytes),
+                        format_duration_s(now - self._replay_started),
+                    )
             return
         if now - self._replay_last_log < self.progress_log_s:
             return
@@ -506,6 +635,7 @@ class TelemetryShipper:
             replayed_batches=self.replayed_batches,
             replayed_bytes=self.replayed_bytes,
             replay_remaining_batches=self.replay_remaining_batches,
+            replay_remaining_bytes=self.replay_remaining_bytes,
             replay_active=self._replay_active,
             states_published=self.states_published,
             buffer_failures=self.buffer_failures,

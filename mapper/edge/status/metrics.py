@@ -9,7 +9,7 @@ a fresh ``CollectorRegistry`` (``build_registry``), never in the global one.
 * ``/metrics``  Prometheus text format
 * ``/healthz``  200 while every registered loop beats; 503 naming the stalled loop (liveness probe)
 * ``/readyz``   200 when NVML is initialised and the mapper is registered with EdgeCore or standalone
-* ``/status``   the snapshot as JSON (``?format=text``: the ``gpu-mapper status`` table)
+* ``/status``   the snapshot as JSON (``?format=text``: the ``gpu-mapper status`` table; ``&wide=1``: its wide form)
 
 The snapshot and readiness callables are run on the app's event loop (when one is given, so they read the
 app's state from its own thread) or on a worker thread, and waited for at most ``snapshot_timeout_s``; a
@@ -613,7 +613,8 @@ class MetricsServer(HttpServer):
             except TransientError as exc:
                 return 503, TEXT, f"status unavailable: {exc}\n".encode()
             if query.get("format", [""])[0] == "text":
-                return 200, TEXT, render_status(snap).encode()
+                wide = query.get("wide", [""])[0] in ("1", "true")
+                return 200, TEXT, render_status(snap, wide=wide).encode()
             return 200, "application/json", snap.to_json().encode()
         return None
 

@@ -181,6 +181,7 @@ class StatusSource:
             buffer_oldest_age_s=buf.oldest_age_s if buf else None,
             buffer_drops=dict(buf.drops_by_reason) if buf else {},
             replay_remaining_batches=ship.replay_remaining_batches if ship else 0,
+            replay_remaining_bytes=ship.replay_remaining_bytes if ship else 0,
             telemetry_published_batches=ship.published_batches if ship else 0,
             telemetry_published_bytes=ship.published_bytes if ship else 0,
             mqtt_enabled=self.session is not None,

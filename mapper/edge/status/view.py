@@ -1,5 +1,9 @@
 """``gpu-mapper status``: this node's GPUs and the mapper's backlog as a readable table. Pure text.
 
+By default it fits ``WIDTH`` (120) columns: no UUID column, the health and desired-state cells in short, and
+what they leave out (a health reason, which desired value is not applied, a cell cut to fit) on a line of its own
+under the table; long lines are wrapped. ``wide``: every column in full, at any width.
+
 The snapshot comes from the running mapper's ``/status`` (``mapper.edge.status.metrics.fetch_status``) or from the
 status file in its data directory (``mapper.edge.status.metrics.read_status_file``); this module only renders it.
 ``console_table`` is the live per-GPU table ``gpu-mapper run --sim N`` prints (from the workers themselves).
@@ -8,6 +12,7 @@ status file in its data directory (``mapper.edge.status.metrics.read_status_file
 from __future__ import annotations
 
 import datetime as _dt
+import textwrap
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -28,35 +33,133 @@ _COLUMNS = (
     "DESIRED",
     "POLICY",
 )
+#: The default (narrow) table's columns: no UUID, the cells of the last ones short.
+_NARROW_COLUMNS = (
+    "DEVICE",
+    "POWER / CAP",
+    "TEMP",
+    "UTIL",
+    "MEM",
+    "SM CLOCK",
+    "STATE",
+    "HEALTH L1/L2/L3",
+    "DESIRED",
+    "POLICY",
+)
+#: Narrow columns whose cells may be cut to fit (with a note under the table giving them in full), in the order
+#: they are cut: the first ones down to their heading before the next.
+_FLEXIBLE = (("DESIRED", "POLICY", "HEALTH L1/L2/L3", "POD (namespace/pod/container)"), ("STATE",), ("DEVICE",))
 _POD_COLUMNS = ("POD (namespace/pod/container)", "GPU", "POWER", "ENERGY", "GPU MEM", "SM", "PROCS")
+#: The width the default view fits.
+WIDTH = 120
 #: Pods ``gpu-mapper status`` lists, the top ones by power over the node.
 TOP_PODS = 10
 
 
-def render_status(snapshot: MapperSnapshot) -> str:
-    """A table of the node's GPUs (device, uuid, power vs cap, temperature, utilisation, desired status,
-    policy state) followed by the buffer backlog and the links (MQTT, EdgeCore)."""
+def render_status(snapshot: MapperSnapshot, *, wide: bool = False) -> str:
+    """A table of the node's GPUs (device, power vs cap, temperature, utilisation, memory, SM clock, state,
+    health, desired status, policy state; ``wide``: the uuid too, and every cell in full) followed by the top
+    pods, the buffer backlog and the links (MQTT, EdgeCore). Without ``wide`` no line is longer than ``WIDTH``."""
     s = snapshot
+    width = None if wide else WIDTH
     lines: list[str] = []
     head = f"gpu-mapper {s.version or '?'} on node {s.node or '?'} ({s.mode})"
     if s.driver_version:
         head += f", NVIDIA driver {s.driver_version}"
     if s.taken_at_ms:
         head += f", as of {_utc(s.taken_at_ms)}"
-    lines.append(head)
+    lines.extend(_wrap(head, width))
     lines.append("")
     if s.gpus:
-        rows = [_gpu_row(g) for g in sorted(s.gpus, key=lambda g: (g.info.index, g.info.uuid))]
-        lines.extend(_table(_COLUMNS, rows))
+        gpus = sorted(s.gpus, key=lambda g: (g.info.index, g.info.uuid))
+        if wide:
+            lines.extend(_table(_COLUMNS, [_gpu_row(g) for g in gpus]))
+        else:
+            notes: list[str] = []
+            rows = [_narrow_gpu_row(g, notes) for g in gpus]
+            lines.extend(_fitted_table(_NARROW_COLUMNS, rows, WIDTH, notes))
+            for note in notes:
+                lines.extend(_wrap(note, WIDTH))
     else:
         lines.append("no GPUs")
     lines.append("")
-    pods = _pods(s)
+    pods = _pods(s, width)
     if pods:
         lines.extend(pods)
         lines.append("")
-    lines.extend(_backlog(s))
+    for line in _backlog(s):
+        lines.extend(_wrap(line, width))
     return "\n".join(lines) + "\n"
+
+
+def _narrow_gpu_row(g: GpuSnapshot, notes: list[str]) -> list[str]:
+    """A GPU's row of the narrow table: health without its reason, desired status as counts; what is left out
+    goes to ``notes``."""
+    row = _gpu_row(g)
+    _device, _uuid, power_cap, temp, util, mem, sm, state, _health_text, desired, policy = row
+    name = g.device or f"(no Device) {g.info.uuid[:12]}"
+    h = g.health
+    short = {"healthy": "ok", "degraded": "degraded", "unhealthy": "unhealthy"}
+    health = f"{h.status} " + "/".join(short[h.level_status(level)] for level in (1, 2, 3))
+    if h.status != "healthy":
+        notes.append(f"{name}: health {_health(g)}")
+    summary = _desired_summary(desired)
+    if summary != desired and any(not part.endswith(":applied") for part in desired.split(",")):
+        notes.append(f"{name}: desired " + desired.replace(",", ", "))
+    if g.sample is None:
+        state = "no sample yet" if g.state == "unknown" else f"{g.state}, no sample"
+    return [name, power_cap, temp, util, mem, sm, state, health, summary, policy]
+
+
+def _desired_summary(desired: str) -> str:
+    """``power_limit:applied,locked_gpu_clocks:rejected-out-of-range`` as ``1 applied, 1 rejected``; a single
+    group's status as it is."""
+    parts = [p for p in desired.split(",") if ":" in p]
+    if len(parts) <= 1:
+        return desired
+    counts: dict[str, int] = {}
+    for part in parts:
+        result = part.split(":", 1)[1].split("-", 1)[0]
+        counts[result] = counts.get(result, 0) + 1
+    order = ("rejected", "pending", "overridden", "applied")
+    ranked = sorted(counts.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else -1, kv[0]))
+    return ", ".join(f"{n} {result}" for result, n in ranked)
+
+
+def _fitted_table(
+    columns: Sequence[str], rows: Sequence[Sequence[str]], width: int, notes: list[str], key: int = 0
+) -> list[str]:
+    """``_table``, its flexible columns cut (widest first, to no less than their heading) until every line fits
+    ``width``; each cell cut is given in full in ``notes`` (named by the row's cell ``key``)."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+
+    def total() -> int:
+        return sum(widths) + 2 * (len(widths) - 1)
+
+    for group in _FLEXIBLE:
+        flexible = [i for i, c in enumerate(columns) if c in group]
+        while total() > width:
+            candidates = [i for i in flexible if widths[i] > max(len(columns[i]), 4)]
+            if not candidates:
+                break
+            widest = max(candidates, key=lambda i: widths[i])
+            widths[widest] -= 1
+    cut_rows: list[list[str]] = []
+    for r in rows:
+        cells = list(r)
+        for i, cell in enumerate(cells):
+            if len(cell) > widths[i]:
+                label = columns[i].split()[0].lower()
+                notes.append(f"{label}: {cell}" if i == key else f"{r[key]}: {label} {cell}")
+                cells[i] = cell[: widths[i] - 1] + "…"
+        cut_rows.append(cells)
+    return _table(columns, cut_rows, widths)
+
+
+def _wrap(line: str, width: int | None) -> list[str]:
+    if width is None or len(line) <= width:
+        return [line]
+    return textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False) or [line]
 
 
 def _gpu_row(g: GpuSnapshot) -> list[str]:
@@ -93,8 +196,9 @@ def _gpu_row(g: GpuSnapshot) -> list[str]:
     ]
 
 
-def _pods(s: MapperSnapshot) -> list[str]:
-    """The top pods (containers) by GPU power over the node, then each GPU's idle part and leaks."""
+def _pods(s: MapperSnapshot, width: int | None = None) -> list[str]:
+    """The top pods (containers) by GPU power over the node, then each GPU's idle part and leaks; fitted to
+    ``width`` when given."""
     if not s.workloads:
         return []
     names = {g.info.uuid: g.device_name or g.info.uuid for g in s.gpus}
@@ -114,7 +218,13 @@ def _pods(s: MapperSnapshot) -> list[str]:
             ]
             for uuid, p in uses[:TOP_PODS]
         ]
-        out.extend(_table(_POD_COLUMNS, rows))
+        if width is None:
+            out.extend(_table(_POD_COLUMNS, rows))
+        else:
+            notes: list[str] = []
+            out.extend(_fitted_table(_POD_COLUMNS, rows, width, notes))
+            for note in notes:
+                out.extend(_wrap(note, width))
         if len(uses) > TOP_PODS:
             out.append(f"... and {len(uses) - TOP_PODS} more")
     for w in s.workloads:
@@ -126,7 +236,7 @@ def _pods(s: MapperSnapshot) -> list[str]:
             line += ", LEAK SUSPECTED: pid " + ", ".join(str(pid) for pid in w.leaking_pids)
         if w.reason:
             line += f"; {w.reason}"
-        out.append(line)
+        out.extend(_wrap(line, width))
     return out
 
 
@@ -178,8 +288,9 @@ def _backlog(s: MapperSnapshot) -> list[str]:
     return out
 
 
-def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], widths: Sequence[int] | None = None) -> list[str]:
+    if widths is None:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)).rstrip()

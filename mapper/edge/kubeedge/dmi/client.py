@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from mapper.clock import Clock, SystemClock, TokenBucket, sleep_or_wake
+from mapper.clock import Clock, SystemClock, TokenBucket, format_duration_s, sleep_or_wake
 from mapper.edge.kubeedge.dmi import convert
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2_grpc as pb_grpc
@@ -112,7 +112,11 @@ class DmiClient:
         rate_per_s: float = 0.8,
         burst: int = 10,
         on_registered: OnRegistered | None = None,
+        missing_warn_s: float = 10.0,
+        missing_warn_max_s: float = 300.0,
     ) -> None:
+        """``missing_warn_s``: while EdgeCore's socket is not there, a warning at once, then after this long,
+        the interval doubling up to ``missing_warn_max_s``."""
         if not protocol:
             raise ValueError("protocol must be non-empty: EdgeCore routes devices to mappers by it")
         if timeout_s <= 0 or poll_interval_s <= 0 or reregister_interval_s <= 0:
@@ -149,6 +153,13 @@ class DmiClient:
         self._next_register_at = 0.0
         self._retry_at = 0.0
         self._failures = 0
+        self.missing_warn_s = missing_warn_s
+        self.missing_warn_max_s = max(missing_warn_max_s, missing_warn_s)
+        #: Since when EdgeCore's socket has been missing (monotonic; None while it is there), the next warning
+        #: about it and the interval after that one.
+        self._missing_since: float | None = None
+        self._missing_next_warn = 0.0
+        self._missing_warn_every = missing_warn_s
 
     # --- channel ------------------------------------------------------------------------------------
     @property
@@ -309,16 +320,21 @@ class DmiClient:
         now = self._clock.monotonic()
         identity = self._socket_identity()
         if identity is None:
+            self.last_error = f"EdgeCore socket {self.edgecore_socket} is missing"
             if self.registered:
                 log.warning("EdgeCore socket %s vanished; will re-register when it is back", self.edgecore_socket)
-                self.last_error = f"EdgeCore socket {self.edgecore_socket} is missing"
                 await self._reset_channel()
+                self._missing_since, self._missing_warn_every = now, self.missing_warn_s
+                self._missing_next_warn = now + self.missing_warn_s
+            else:
+                self._warn_missing(now)
             self.registered = False
             self._needs_register = True
             self._registered_socket = None
             self._retry_at = 0.0  # register at once when it is back
             self._failures = 0
             return
+        self._missing_since = None
         if self._registered_socket is not None and identity != self._registered_socket:
             log.warning("EdgeCore socket %s was replaced (EdgeCore restarted); re-registering", self.edgecore_socket)
             self.registered = False
@@ -343,6 +359,26 @@ class DmiClient:
             self._retry_at = now + 30.0
             self.last_error = str(exc)
             log.error("MapperRegister refused (retry in 30 s): %s", exc)
+
+    def _warn_missing(self, now: float) -> None:
+        """EdgeCore's socket is not there and never was since the last registration: a warning at once, then
+        again at doubling intervals (up to ``missing_warn_max_s``), saying what to check."""
+        if self._missing_since is None:
+            self._missing_since, self._missing_next_warn = now, now
+            self._missing_warn_every = self.missing_warn_s
+        if now < self._missing_next_warn:
+            return
+        waited = now - self._missing_since
+        log.warning(
+            "EdgeCore's DMI socket %s is not there%s: is EdgeCore running with DMI on that path "
+            "(modules.deviceTwin.dmiSockPath), and is its folder mounted here? The mapper registers as soon as "
+            "it appears (next warning in %s)",
+            self.edgecore_socket,
+            f" (for {format_duration_s(waited)})" if waited > 0 else "",
+            format_duration_s(self._missing_warn_every),
+        )
+        self._missing_next_warn = now + self._missing_warn_every
+        self._missing_warn_every = min(self._missing_warn_every * 2, self.missing_warn_max_s)
 
     async def run(self) -> None:
         """Keep registered with EdgeCore until ``stop()``/``close()`` or cancellation; never raises on RPC errors."""
