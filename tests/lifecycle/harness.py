@@ -185,6 +185,9 @@ class Run:
         self.gpu_unknown: set[int] = set()
         self.expect: dict[int, float] = {}
         self.lost: set[int] = set()
+        #: GPUs lost when the running mapper started: NVML does not enumerate them, so that process never shows
+        #: them (a reboot brings them back: ``step_gpu_found`` restarts the mapper then).
+        self.absent: set[int] = set()
         self.uuids: list[str] = []
         self.foreign: Path | None = None
         self.drops_by_process: dict[int, int] = {}
@@ -282,6 +285,7 @@ class Run:
 
     def _start_mapper(self) -> None:
         self.mapper_starts += 1
+        self.absent = set(self.lost)
         port = free_port()
         self.mapper = MapperProc(
             self._mapper_args(self.dir / "data", port), self.dir / "gpu-state.json", self.dir / "mapper.log", port
@@ -672,6 +676,8 @@ class Run:
         self.mapper.control(op="reload", recover=True)
         self.lost.clear()
         self._after_reset(list(range(self.cfg.gpus)))
+        if self.absent:  # what brings a GPU that fell off the bus back is a reboot: the mapper starts again too
+            self._restart_mapper("term")
         return True
 
     def step_driver_reload(self) -> bool:
@@ -884,7 +890,8 @@ class Run:
             for g, uuid in enumerate(self.uuids):
                 gs = by_uuid.get(uuid)
                 if gs is None:
-                    problems.append(f"GPU {uuid} missing from /status")
+                    if g not in self.absent:
+                        problems.append(f"GPU {uuid} missing from /status")
                     continue
                 owner = self._owner(g)
                 if owner is None or owner not in self.binding_unknown:

@@ -4,8 +4,10 @@ against the real processes, every invariant checked after every step (``tests/li
 CI form: 30 sequences of 25 steps (seeds 1..30). Long form: ``GPU_MAPPER_LIFECYCLE_SEQUENCES=N`` sequences (seeds
 1..N). ``GPU_MAPPER_LIFECYCLE_SEEDS=7,12`` runs those seeds only; ``GPU_MAPPER_LIFECYCLE_STEPS`` changes the steps per
 sequence, ``GPU_MAPPER_LIFECYCLE_WORKERS`` how many run at once (2), ``GPU_MAPPER_LIFECYCLE_SHRINK_S`` the time
-budget for shrinking the violations found (120 s). A failure prints, per invariant, the seed, the world and the
-shortest step list found. Needs root (the data dir is a size-limited tmpfs), mosquitto and prometheus."""
+budget for shrinking the violations found (120 s), ``GPU_MAPPER_LIFECYCLE_DIR`` where the worlds are made (pytest's
+``tmp_path`` by default; the logs of every sequence that failed are kept there). A failure prints, per invariant,
+the seed, the world and the shortest step list found. Needs root (the data dir is a size-limited tmpfs), mosquitto
+and prometheus."""
 
 from __future__ import annotations
 
@@ -55,11 +57,13 @@ def test_lifecycle_sequences_keep_every_invariant(prometheus: Prometheus, tmp_pa
     seeds = _seeds()
     steps = int(os.environ.get("GPU_MAPPER_LIFECYCLE_STEPS", CI_STEPS))
     started = time.monotonic()
+    base = Path(os.environ.get("GPU_MAPPER_LIFECYCLE_DIR") or tmp_path)
+    base.mkdir(parents=True, exist_ok=True)
     summary = run_many(
         seeds,
         steps,
         prometheus,
-        tmp_path,
+        base,
         workers=int(os.environ.get("GPU_MAPPER_LIFECYCLE_WORKERS", 2)),
         shrink_budget_s=float(os.environ.get("GPU_MAPPER_LIFECYCLE_SHRINK_S", 120)),
     )
