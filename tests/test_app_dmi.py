@@ -157,3 +157,70 @@ async def test_without_edgecore_the_mapper_keeps_collecting_and_enforces_the_per
         await wait_for(lambda: sim.gpu(uuid0).power_limit_w == 333, what="333 W re-applied from the store")
         assert app.dmi_client is not None and not app.dmi_client.registered
         await wait_for(lambda: app.workers[uuid0].values.get("temperature") is not None, what="samples")
+
+
+@pytest.mark.timeout(90)
+async def test_a_device_edgecore_sends_that_does_not_convert_or_validate_changes_no_gpu(sock_dir, tmp_path):
+    """Bad input from EdgeCore never changes a GPU: an UpdateDevice that does not validate and a registration
+    reply whose Device does not convert leave the Device (and its power cap) as it was; the refusal is in the
+    Device's desired_status twin and /status; the next valid version applies."""
+    import grpc
+
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    uuid0 = sim.gpus[0].uuid
+    edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
+    edge.devices = [pb_device("gpu0", uuid0, properties=PROPS, cycle_ms=200)]
+    await edge.start()
+    settings = fast_settings(str(tmp_path), edgecore_socket=edge.socket_path, socket=f"{sock_dir}/gpu.sock")
+    async with running_app(settings, sim) as app:
+        await wait_for(lambda: edge.rec.registers, what="MapperRegister")
+        address = edge.rec.registers[0].mapper.address
+        await wait_for(lambda: power_limit_w(sim, uuid0) == 300, what="power limit 300 W on the GPU")
+
+        def reported_status() -> str:
+            for r in reversed(edge.rec.statuses):
+                if "desired_status" in twins_of(r):
+                    return twins_of(r)["desired_status"][1]
+            return ""
+
+        # An UpdateDevice naming a property the catalog does not have: refused, nothing changes.
+        bad = dict(PROPS, power_limit="250", power_limitt="1")
+        async with edge.mapper(address) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.UpdateDevice(
+                    pb.UpdateDeviceRequest(device=pb_device("gpu0", uuid0, properties=bad, cycle_ms=200)), timeout=10
+                )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await wait_for(
+            lambda: reported_status().endswith("config:refused-unknown-property"),
+            what="desired_status reporting the refused version",
+        )
+        assert power_limit_w(sim, uuid0) == 300
+        [problem] = app.registry.config_errors.current
+        assert (problem.source, problem.where, problem.devices) == ("dmi", "UpdateDevice", ("default/gpu0",))
+
+        # EdgeCore restarts and its registration reply holds a gpu0 that does not convert: gpu0 stays as it was.
+        edge.devices = [pb_device("gpu0", None, properties=dict(PROPS, power_limit="200"), config={"uuid": 5})]
+        registers = len(edge.rec.registers)
+        await edge.restart()
+        await wait_for(lambda: len(edge.rec.registers) > registers, what="re-registration")
+        await wait_for(
+            lambda: any(p.where == "MapperRegister" for p in app.registry.config_errors.current),
+            what="the reply's refusal recorded",
+        )
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 20, timeout_s=90, what="20 rounds")
+        assert power_limit_w(sim, uuid0) == 300, "a Device that did not convert changed the GPU"
+        assert [d.key for d in app.registry.devices()] == ["default/gpu0"]
+        assert app.workers[uuid0].desired_status == "power_limit:applied,config:refused-invalid"
+
+        # The next valid version applies, and the refusals go.
+        edge.devices = [pb_device("gpu0", uuid0, properties=dict(PROPS, power_limit="250"), cycle_ms=200)]
+        registers = len(edge.rec.registers)
+        await edge.restart()
+        await wait_for(lambda: len(edge.rec.registers) > registers, what="re-registration")
+        await wait_for(lambda: power_limit_w(sim, uuid0) == 250, what="250 W from the valid version")
+        await wait_for(lambda: "config:" not in app.workers[uuid0].desired_status, what="the refusal cleared")
+        assert app.registry.config_errors.current == ()
+        assert app.status.snapshot().config_errors == {"dmi": 2}
+    await edge.stop()

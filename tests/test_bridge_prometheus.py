@@ -608,3 +608,113 @@ async def test_without_a_state_message_a_devices_batches_wait_once_then_go_witho
     for labels, points in power.items():
         assert "gpu" not in dict(labels) and len(points) == 60, labels
     assert not prometheus.query("gpu_mapper_device_state", time.time() + 1), "no status without the status keys"
+
+
+DEVICE_FILE = """
+apiVersion: devices.kubeedge.io/v1beta1
+kind: Device
+metadata: {{name: gpu0, namespace: default}}
+spec:
+  deviceModelRef: {{name: nvidia-gpu}}
+  protocol: {{protocolName: gpu, configData: {{uuid: {uuid}}}}}
+  properties:
+  - {{name: power_usage, collectCycle: 100}}
+"""
+
+
+async def test_a_device_removed_and_added_again_while_the_mapper_runs_keeps_reaching_prometheus(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """The route an operator takes: a Device removed and put back while the mapper runs (its GPU streams as
+    ``_unbound/<uuid>`` meanwhile). The re-added Device's new batches must reach Prometheus: none dropped as a
+    duplicate of one from before the removal, and no sequence anomaly at the bridge."""
+    from mapper.edge.gpu.simnvml import SimNvml
+    from mapper.shared.settings import MqttSettings
+    from tests.apphelpers import fast_settings, running_app
+
+    sim = SimNvml(1, "H100", seed=5, scenario="training")
+    uuid = sim.gpus[0].uuid
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    device_file = devices / "gpu0.yaml"
+    device_file.write_text(DEVICE_FILE.format(uuid=uuid))
+    settings = fast_settings(
+        str(tmp_path / "mapper"), devices_dir=str(devices), telemetry_window_s=1.0, mqtt=MqttSettings(url=mosquitto.url)
+    )
+
+    def newest_ms(device: str) -> int:
+        series = prometheus.raw_samples(f'gpu_power_usage_watts{{device="{device}"}}', time.time() + 5, 600)
+        return max((points[-1][0] for points in series.values()), default=0)
+
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        async with running_app(settings, sim) as app:
+            await wait_for(lambda: newest_ms("gpu0") > 0, timeout_s=30, what="gpu0's samples in Prometheus")
+            written = bridge.stats.batches_written
+            await wait_for(lambda: bridge.stats.batches_written >= written + 8, timeout_s=30, what="8 s of gpu0")
+            device_file.unlink()  # removed: the GPU streams as _unbound/<uuid>
+            await wait_for(lambda: not app.registry.devices(), what="the Device removed")
+            written = bridge.stats.batches_written
+            await wait_for(lambda: bridge.stats.batches_written >= written + 3, timeout_s=30, what="unbound batches")
+            readded_ms = int(time.time() * 1000)
+            device_file.write_text(DEVICE_FILE.format(uuid=uuid))  # put back
+            await wait_for(lambda: app.registry.devices(), what="the Device back")
+            await wait_for(
+                lambda: newest_ms("gpu0") > readded_ms + 2000,
+                timeout_s=30,
+                what="samples of the re-added Device in Prometheus",
+            )
+        await wait_for(lambda: bridge.idle, timeout_s=30, what="the bridge idle")
+    assert bridge.stats.duplicate_batches == 0, "a batch of the re-added Device was taken for an old one"
+    assert bridge.stats.sequence_anomalies == {"backwards": 0, "gap": 0}
+    # (One series, or two where the first batches went out before the state message named the GPU's identity:
+    # the bridge then writes them without the gpu labels, docs/bridge.md.)
+    series = prometheus.raw_samples('gpu_power_usage_watts{device="gpu0"}', time.time() + 5, 600)
+    stamps = sorted(t for points in series.values() for t, _ in points)
+    assert stamps == sorted(set(stamps)), "a sample written twice"
+    after = [t for t in stamps if t > readded_ms]
+    assert after and after[0] < readded_ms + 4000, "the re-added Device's first batches did not reach Prometheus"
+
+
+async def test_a_stream_whose_numbering_starts_again_under_the_same_boot_id_is_written_and_counted(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mapper before the fix (or any publisher) starting a device's sequence again at 0 under the same boot id:
+    the bridge compares what identifies the data (number AND sample times), writes every new batch, counts the
+    sequence going backwards once per restart of the numbering and logs it once per stream and minute; a true
+    redelivery is still dropped. A jump is counted as a gap."""
+    now_ms = int(time.time() * 1000)
+    first = stream(gpus=1, seconds=120, start_ms=now_ms - 400_000, boot_id="5c1f0e9a")
+    again = stream(gpus=1, seconds=120, start_ms=now_ms - 200_000, boot_id="5c1f0e9a", seed=4)
+    assert [p.batch.seq for p in again][:3] == [0, 1, 2] and first[0].batch.device == again[0].batch.device
+    want = expected_samples(first) + expected_samples(again)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, first)
+        await wait_for(lambda: bridge.stats.batches_written >= len(first), timeout_s=60, what="the first numbering")
+        publish_all(mosquitto.url, again)
+        publish_all(mosquitto.url, again[:3], with_states=False)  # redelivered: true duplicates
+        await wait_for(
+            lambda: bridge.stats.batches_written >= len(first) + len(again) and bridge.stats.duplicate_batches >= 3,
+            timeout_s=60,
+            what="the second numbering written",
+        )
+        await wait_for(lambda: bridge.idle, timeout_s=30, what="the bridge idle")
+    assert bridge.stats.batches_written == len(first) + len(again)
+    assert bridge.stats.duplicate_batches == 3
+    assert bridge.stats.sequence_anomalies == {"backwards": 1, "gap": 0}
+    assert len([r for r in caplog.records if "sequence went backwards" in r.getMessage()]) == 1
+    assert count_samples(prometheus, '{__name__=~"gpu_.+"}', time.time() + 1, 900) == want
+    power = prometheus.raw_samples("gpu_power_usage_watts", time.time() + 1, 900)
+    stamps = sorted(t for points in power.values() for t, _ in points)
+    assert len(stamps) == len(set(stamps)) == 240, "both numberings' samples (another GPU's, seed 4), each once"
+
+
+async def test_batches_missing_from_a_stream_are_counted_as_a_gap(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    batches = stream(gpus=1, seconds=1200)  # 120 batches
+    kept = batches[:10] + batches[90:]  # 80 missing: more than the tolerance (64)
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_all(mosquitto.url, kept)
+        await wait_for(lambda: bridge.stats.batches_written >= len(kept), timeout_s=60, what="every batch written")
+    assert bridge.stats.sequence_anomalies == {"backwards": 0, "gap": 1}
+    assert bridge.stats.duplicate_batches == 0

@@ -207,6 +207,47 @@ def test_dedup_memory_is_bounded_and_forgetting_only_lets_duplicates_through() -
     assert len(d) == 3 and d.forgotten_streams == 3
 
 
+def test_a_sequence_number_used_again_for_other_data_is_no_duplicate_and_goes_backwards_once() -> None:
+    """What identifies a batch is its number AND its samples' time range: a mapper that started a stream's numbering
+    again under the same boot id sends seq 0.. again with newer samples; those are written (never dropped as
+    duplicates), the first one counted as the sequence going backwards; a true copy of either is a duplicate."""
+    d = SeqDedup()
+    # The first numbering: seqs 0..9, ten seconds each, from t = 0.
+    for seq in range(10):
+        assert not d.seen(K, seq, seq * 10_000, seq * 10_000 + 9_000)
+        anomaly, _, epoch = d.observe(K, seq, seq * 10_000, seq * 10_000 + 9_000)
+        assert anomaly is None
+        d.record(K, seq, seq, seq * 10_000, seq * 10_000 + 9_000, epoch)
+    assert d.seen(K, 4, 40_000, 49_000), "a copy of batch 4"
+    # The numbering starts again at t = 200 s: the same numbers, newer samples.
+    later = 200_000
+    assert not d.seen(K, 0, later, later + 9_000), "seq 0 again with other data is not a duplicate"
+    anomaly, before, epoch = d.observe(K, 0, later, later + 9_000)
+    assert (anomaly, before) == ("backwards", 9)
+    d.record(K, 0, 0, later, later + 9_000, epoch)
+    for seq in range(1, 12):
+        ts = later + seq * 10_000
+        assert not d.seen(K, seq, ts, ts + 9_000), f"seq {seq} of the new numbering taken for the old one's"
+        anomaly, _, epoch = d.observe(K, seq, ts, ts + 9_000)
+        assert anomaly is None, (seq, anomaly)
+        d.record(K, seq, seq, ts, ts + 9_000, epoch)
+    # Copies of either numbering are still duplicates.
+    assert d.seen(K, 3, 30_000, 39_000) and d.seen(K, 3, later + 30_000, later + 39_000)
+    assert not d.seen(K, 12, later + 120_000, later + 129_000), "never written"
+
+
+def test_a_jump_past_the_tolerance_is_a_gap_and_a_reorder_within_it_is_not() -> None:
+    d = SeqDedup(gap_tolerance=20)
+    for seq in (0, 1, 3, 2):  # a replay reordered 2 and 3
+        anomaly, _, epoch = d.observe(K, seq, seq * 10, seq * 10 + 9)
+        assert anomaly is None
+        d.record(K, seq, seq, seq * 10, seq * 10 + 9, epoch)
+    assert d.observe(K, 24, 240, 249)[0] is None, "20 numbers missing: within the tolerance"
+    anomaly, before, _ = d.observe(K, 100, 1000, 1009)
+    assert (anomaly, before) == ("gap", 24)
+    assert d.observe(K, 50, 500, 509)[0] is None, "an older one filling the hole is not backwards"
+
+
 # --------------------------------------------------------------------------------------------------
 # Settings
 # --------------------------------------------------------------------------------------------------

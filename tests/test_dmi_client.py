@@ -177,7 +177,9 @@ def test_other_rpc_errors_become_permanent_errors_naming_method_and_socket() -> 
 async def test_run_registers_and_hands_devices_and_models_to_the_callback(edge: FakeEdgeCore, sock_dir: str) -> None:
     seen: list[tuple[list[DeviceConfig], list[DeviceModelConfig]]] = []
 
-    async def on_registered(devices: list[DeviceConfig], models: list[DeviceModelConfig]) -> None:
+    async def on_registered(
+        devices: list[DeviceConfig], models: list[DeviceModelConfig], rejected: list[tuple[str, str]]
+    ) -> None:
         seen.append((devices, models))
 
     client = make_client(edge, sock_dir, on_registered=on_registered)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import mapper.edge.kubeedge.devicefiles
 from mapper.edge.gpu.simnvml import SimNvml
@@ -80,3 +81,96 @@ async def test_the_app_picks_up_a_new_device_file_at_once_and_never_looks_at_an_
         assert len(reads) - reads_before <= 2, f"{len(reads) - reads_before} reads for one burst"
         watcher = watchers[0]
     assert watcher.fileno() is None, "the loop closed its watcher when it was cancelled"
+
+
+def _http_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+@pytest.mark.timeout(90)
+async def test_a_devices_file_that_fails_to_parse_changes_no_gpu_says_so_and_the_next_valid_version_applies(
+    tmp_path: Path, monkeypatch
+):
+    """An unclosed quote in the Devices file of four GPUs is not an operator asking for defaults: the power caps
+    stay on the (simulated) GPUs, the error is in the log, /status, /metrics and each Device's desired_status
+    twin; the fixed file applies."""
+    import json
+
+    sim = SimNvml(4, "H100", seed=0, scenario="idle")
+    uuids = [g.uuid for g in sim.gpus]
+    defaults = {u: sim.gpu(u).power_limit_w for u in uuids}
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    path = devices / "gpus.yaml"
+
+    def write(watts: list[int], *, broken: bool = False) -> None:
+        text = "---\n".join(
+            DEVICE.format(name=f"gpu{i}", uuid=u, watts=w).lstrip("\n")
+            for i, (u, w) in enumerate(zip(uuids, watts, strict=True))
+        )
+        if broken:
+            text = text.replace(f'value: "{watts[2]}"', f'value: "{watts[2]}', 1)  # the unclosed quote
+        path.write_text(text)
+
+    reads: list[float] = []
+
+    def counting_load_folder(path: str | Path, node_name: str | None = None) -> Any:
+        reads.append(time.monotonic())
+        return load_folder(path, node_name)
+
+    monkeypatch.setattr(mapper.edge.kubeedge.devicefiles, "load_folder", counting_load_folder)
+    caps = [400, 410, 420, 430]
+    assert all(defaults[u] not in caps for u in uuids)
+    write(caps)
+    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices))
+    async with running_app(settings, sim) as app:
+        assert app.metrics is not None
+        await wait_for(
+            lambda: [sim.gpu(u).power_limit_w for u in uuids] == caps, timeout_s=20, what="the four caps applied"
+        )
+        read_before = len(reads)
+        write([500, 510, 520, 530], broken=True)
+        with pytest.raises(yaml.YAMLError):  # what the mapper reads is indeed not YAML
+            list(yaml.safe_load_all(path.read_text()))
+        await wait_for(lambda: len(reads) > read_before, what="the broken file read")
+        # The caps stay (read from the simulated GPUs), for 30 collect rounds after the broken file was read.
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 30, timeout_s=90, what="30 collect rounds")
+        assert [sim.gpu(u).power_limit_w for u in uuids] == caps, "a file that failed to parse changed a GPU"
+        assert {d.key for d in app.registry.devices()} == {f"default/gpu{i}" for i in range(4)}
+
+        def twins() -> list[str]:
+            return [app.workers[u].desired_status for u in uuids]
+
+        await wait_for(
+            lambda: all(t == "power_limit:applied,config:refused-parse-error" for t in twins()),
+            what="every Device's desired_status saying its file was refused",
+        )
+        status = json.loads(await asyncio.to_thread(_http_text, app.metrics.url + "/status"))
+        [refused] = status["config"]["refused"]
+        assert refused["devices"] == [f"default/gpu{i}" for i in range(4)]
+        assert refused["reason"] == "parse-error" and refused["where"] == str(path)
+        assert "while scanning a quoted scalar" in refused["detail"]
+        metrics = await asyncio.to_thread(_http_text, app.metrics.url + "/metrics")
+        assert 'gpu_mapper_config_errors_total{source="devices-file"} 1.0' in metrics
+        assert 'gpu_mapper_config_refused{source="devices-file"} 1.0' in metrics
+
+        # Fixed: the next valid version applies, and the refusal is gone.
+        fixed = [300, 310, 320, 330]
+        write(fixed)
+        await wait_for(
+            lambda: [sim.gpu(u).power_limit_w for u in uuids] == fixed, timeout_s=20, what="the fixed file applied"
+        )
+        await wait_for(lambda: not any("config:" in t for t in twins()), timeout_s=10, what="the twins clear")
+        status = json.loads(await asyncio.to_thread(_http_text, app.metrics.url + "/status"))
+        assert status["config"]["refused"] == [] and status["config"]["errors"] == {"devices-file": 1}
+
+        # Only an explicit removal removes: the file deleted, the GPUs return to their defaults.
+        path.unlink()
+        await wait_for(
+            lambda: all(sim.gpu(u).power_limit_w == defaults[u] for u in uuids), timeout_s=20, what="defaults restored"
+        )
+        assert app.registry.devices() == []

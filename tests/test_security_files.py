@@ -60,21 +60,69 @@ def test_a_new_data_directory_is_0700_and_its_files_0600_whatever_the_umask(tmp_
     assert mode(target / "telemetry.db") == 0o600 and mode(target / "desired.db") == 0o600
 
 
-def test_a_wider_existing_directory_and_its_files_are_tightened(tmp_path: Path) -> None:
+def test_a_wider_existing_directory_of_the_mappers_files_and_those_files_are_tightened(tmp_path: Path) -> None:
     target = tmp_path / "data"
     target.mkdir()
-    target.chmod(0o755)
+    target.chmod(0o755)  # an empty hostPath the kubelet made, then an earlier run's files
     (target / "telemetry.db").write_bytes(b"")
     (target / "telemetry.db").chmod(0o644)
     (target / "status.json").write_text("{}")
     (target / "status.json").chmod(0o666)
-    (target / "private").write_text("x")
-    (target / "private").chmod(0o400)  # narrower than 0600: left alone
     assert prepare_data_dir(target, ("telemetry.db",)) == []
     assert mode(target) == 0o700
     assert mode(target / "telemetry.db") == 0o600 and mode(target / "status.json") == 0o600
-    assert mode(target / "private") == 0o400
     assert (target / "status.json").read_text() == "{}"  # tightened, not rewritten
+
+
+def test_an_existing_directory_with_other_files_keeps_its_mode_and_theirs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mapper changes the mode only of what is its own: a directory that holds anything else (``--data-dir
+    /etc`` or a home directory) keeps its mode, and so does every file in it that is not the mapper's."""
+    target = tmp_path / "shared"
+    target.mkdir()
+    target.chmod(0o755)
+    (target / "notes.txt").write_text("x")
+    (target / "notes.txt").chmod(0o644)
+    (target / "private").write_text("x")
+    (target / "private").chmod(0o400)
+    (target / "status.json").write_text("{}")
+    (target / "status.json").chmod(0o644)
+    with caplog.at_level("WARNING", logger="mapper.edge.storage.datadir"):
+        assert prepare_data_dir(target, ("telemetry.db",)) == []
+    assert mode(target) == 0o755 and mode(target / "notes.txt") == 0o644 and mode(target / "private") == 0o400
+    assert mode(target / "status.json") == 0o600 and mode(target / "telemetry.db") == 0o600, "the mapper's own"
+    assert "holds entries that are not the mapper's (notes.txt, private)" in caplog.text
+
+
+def test_a_data_dir_at_a_file_keeps_that_files_mode_and_is_refused_saying_so(tmp_path: Path) -> None:
+    from mapper.edge.storage.datadir import require_data_dir
+    from mapper.errors import PermanentError
+
+    target = tmp_path / "hostname"
+    target.write_text("edge-1\n")
+    target.chmod(0o755)
+    with pytest.raises(PermanentError, match=r"a file is there, not a directory; left as it was"):
+        require_data_dir(target, ("telemetry.db", "desired.db"))
+    assert mode(target) == 0o755 and target.read_text() == "edge-1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostname"], "nothing made beside it"
+
+
+def test_the_mapper_started_on_a_file_as_its_data_dir_exits_1_and_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    target = tmp_path / "hostname"
+    target.write_text("edge-1\n")
+    target.chmod(0o755)
+    out = subprocess.run(
+        [sys.executable, "-m", "mapper.cli", "run", "--sim", "1", "--node-name", "edge-1", "--data-dir", str(target)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"data dir {target}: a file is there, not a directory" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert mode(target) == 0o755 and target.read_text() == "edge-1\n"
 
 
 def test_a_directory_the_mapper_cannot_tighten_is_reported_with_the_reason(tmp_path: Path) -> None:
@@ -111,9 +159,7 @@ def test_a_directory_the_mapper_cannot_tighten_is_reported_with_the_reason(tmp_p
 async def test_the_running_mapper_leaves_only_private_files_in_its_data_directory(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir(mode=0o755)
-    data.chmod(0o755)
-    (data / "left-over.json").write_text("{}")
-    (data / "left-over.json").chmod(0o644)
+    data.chmod(0o755)  # what the kubelet makes of a hostPath DirectoryOrCreate
     sim = SimNvml(1, "H100", seed=0, scenario="steady")
     settings = fast_settings(str(data), devices_dir=str(tmp_path / "devices"))
     (tmp_path / "devices").mkdir()
@@ -124,9 +170,29 @@ async def test_the_running_mapper_leaves_only_private_files_in_its_data_director
             assert (data / "telemetry.db-wal").exists()
     assert mode(data) == 0o700
     files = sorted(p.name for p in data.iterdir())
-    assert {"telemetry.db", "desired.db", "status.json", "left-over.json"} <= set(files)
+    assert {"telemetry.db", "desired.db", "status.json"} <= set(files)
     wide = {name: oct(mode(data / name)) for name in files if mode(data / name) & 0o077}
     assert not wide, f"files readable by others: {wide}"
+
+
+async def test_the_running_mapper_in_a_directory_with_other_files_touches_only_its_own(tmp_path: Path) -> None:
+    data = tmp_path / "shared"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    (data / "left-over.json").write_text("{}")
+    (data / "left-over.json").chmod(0o644)
+    sim = SimNvml(1, "H100", seed=0, scenario="steady")
+    settings = fast_settings(str(data), devices_dir=str(tmp_path / "devices"))
+    (tmp_path / "devices").mkdir()
+    with umask(0o022):
+        async with running_app(settings, sim, housekeeping_interval_s=0.2) as app:
+            await wait_for(lambda: (data / "status.json").exists(), what="status.json")
+            await wait_for(lambda: app.buffer is not None and app.buffer.stats().batches >= 1, what="a batch")
+    assert mode(data) == 0o755 and mode(data / "left-over.json") == 0o644, "not the mapper's: as they were"
+    own = [p.name for p in data.iterdir() if p.name != "left-over.json"]
+    assert {"telemetry.db", "desired.db", "status.json"} <= set(own)
+    wide = {name: oct(mode(data / name)) for name in own if mode(data / name) & 0o077}
+    assert not wide, f"the mapper's files readable by others: {wide}"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -109,3 +109,66 @@ def test_a_message_kept_in_a_round_goes_after_the_batches_that_round_cut_before_
     assert in_order == [*cut_before, "message", *cut_after], in_order
     assert shipper.submitted_messages == 1
     buf.close()
+
+
+GPU2 = GpuInfo(uuid="GPU-00000000-0000-4000-8000-000000000002", index=1, name="H100")
+
+
+def test_a_streams_sequence_never_goes_backwards_whatever_route_its_gpus_samples_take(tmp_path: Path) -> None:
+    """A consumer dedups on (device, boot id, seq): under one boot id no device name may use a number twice. The
+    routes an operator combines: unbound -> bound -> removed (unbound) -> re-added; renamed and named back; the
+    Device moved to another GPU and back; its pushMethod changed. Every batch stored, by device name, must have
+    numbers that only grow, one after the other."""
+    from mapper.shared.model import DeviceProperty, PushMqtt
+
+    streams, _, buf, clock = rig(tmp_path)
+    gpu0 = DeviceConfig("default", "gpu0", "nvidia-gpu", GPU.uuid)
+    renamed = DeviceConfig("default", "gpu0-renamed", "nvidia-gpu", GPU.uuid)
+    on_gpu2 = DeviceConfig("default", "gpu0", "nvidia-gpu", GPU2.uuid)
+    pushed = DeviceConfig(
+        "default",
+        "gpu0",
+        "nvidia-gpu",
+        GPU.uuid,
+        properties=(DeviceProperty("temperature", push_mqtt=PushMqtt(topic="site/gpu0/temperature")),),
+    )
+
+    def feed_both(seconds: int) -> None:
+        for _ in range(seconds):
+            for gpu in (GPU, GPU2):
+                values = {"temperature": 60, "power_usage": 100.5}
+                streams.add(gpu.uuid, Sample(gpu.uuid, clock.wall_ms(), values), clock.wall_ms())
+            streams.store_round()
+            clock.advance(1.0)
+
+    streams.bind(GPU2.uuid, unbound_device(GPU2))
+    route = [
+        (GPU.uuid, unbound_device(GPU)),
+        (GPU.uuid, gpu0),
+        (GPU.uuid, unbound_device(GPU)),  # removed
+        (GPU.uuid, gpu0),  # re-added
+        (GPU.uuid, renamed),
+        (GPU.uuid, gpu0),  # named back
+        (GPU.uuid, pushed),  # its pushMethod changed: a second route
+        (GPU.uuid, gpu0),
+    ]
+    for uuid, device in route:
+        streams.bind(uuid, device)
+        feed_both(5)
+    # Moved to the other GPU (the first is released first, as the bindings do), and back.
+    streams.bind(GPU.uuid, unbound_device(GPU))
+    streams.bind(GPU2.uuid, on_gpu2)
+    feed_both(5)
+    streams.bind(GPU2.uuid, unbound_device(GPU2))
+    streams.bind(GPU.uuid, gpu0)
+    feed_both(5)
+    streams.flush_all()
+
+    seqs: dict[str, list[int]] = {}
+    for row in buf.pending(limit=1000):
+        seqs.setdefault(row.device, []).append(row.seq)
+    assert set(seqs) == {"default/gpu0", "default/gpu0-renamed", unbound_device(GPU).key, unbound_device(GPU2).key}
+    for device, numbers in seqs.items():
+        assert numbers == list(range(len(numbers))), f"{device}: {numbers}"
+    assert len(seqs["default/gpu0"]) >= 12, "every binding of gpu0 cut batches"
+    buf.close()

@@ -40,7 +40,7 @@ import ssl
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 WRITE_FAILING_NOT_READY_S = 60.0
 #: uuids remembered per (node, device).
 MAX_UUIDS = 100_000
+#: A stream's sequence anomaly of one kind is logged at most once in this many seconds.
+ANOMALY_LOG_INTERVAL_S = 60.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,6 +254,8 @@ class _Accepted:
     key: StreamKey
     parts: list[DecodedBatch]
     samples: int
+    #: The dedup epoch each part is recorded in once written (``SeqDedup.observe``'s), in ``parts``' order.
+    epochs: list[object] = field(default_factory=list)
 
     @property
     def seqs(self) -> list[int]:
@@ -309,7 +313,9 @@ class Bridge:
             ca_file=settings.remote_write_ca_file,
         )
         self.converter = Converter()
-        self.dedup = SeqDedup(max_streams=settings.dedup_max_streams)
+        self.dedup = SeqDedup(max_streams=settings.dedup_max_streams, gap_tolerance=settings.dedup_gap_tolerance)
+        #: (stream, anomaly kind) -> when it was last logged (monotonic s): once per stream and minute.
+        self._anomaly_logged: OrderedDict[tuple[StreamKey, str], float] = OrderedDict()
         self.spool = Spool(settings.spool_dir)
         self.codec = BatchCodec(dictionary_id=0)
         self._rng = rng or random.Random()
@@ -332,8 +338,8 @@ class Bridge:
         self._no_ident: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._waiting: deque[tuple[float, ReceivedMessage, DecodedBatch]] = deque()
         self._pending: PendingRequest | None = None
-        #: Messages in requests not yet written, per stream: (seq_lo, seq_hi, the request).
-        self._claims: dict[StreamKey, list[tuple[int, int, PendingRequest]]] = {}
+        #: Batches in requests not yet written, per stream: (seq, first and last sample time, the request).
+        self._claims: dict[StreamKey, list[tuple[int, int, int, PendingRequest]]] = {}
         self._sealed: deque[PendingRequest] = deque()
         self._in_flight: PendingRequest | None = None
         self._wake = asyncio.Event()
@@ -515,17 +521,23 @@ class Bridge:
                 self._release_waiting(lambda b: (b.node, b.device) in devices)
 
     def _accept(self, message: ReceivedMessage, batch: DecodedBatch, uuid: str) -> None:
-        """Dedup by (node, device, boot id, topic) and sequence number, part by part: a merged batch holds the
-        batches it replaced (``DecodedBatch.split``), and only those not written yet are written."""
+        """Dedup by (node, device, boot id, topic), sequence number and sample times, part by part: a merged batch
+        holds the batches it replaced (``DecodedBatch.split``), and only those not written yet are written. A part
+        is a duplicate only when its number AND its time range were written (or wait to be, in an earlier
+        request); one whose number goes backwards or jumps is written and counted (``_anomaly``)."""
         key: StreamKey = (batch.node, batch.device, batch.boot_id, message.topic)
         claims = self._claims.get(key, ())
         new: list[DecodedBatch] = []
         holder: PendingRequest | None = None
         parts = batch.split() if batch.merged else (batch,)
         for part in parts:
-            if self.dedup.check(key, part.seq, part.seq)[0]:
+            if self.dedup.seen(key, part.seq, part.ts_first_ms, part.ts_last_ms):
                 continue  # written
-            claimed = [c for lo, hi, c in claims if lo <= part.seq <= hi]
+            claimed = [
+                c
+                for seq, ts_first, ts_last, c in claims
+                if seq == part.seq and ts_first == part.ts_first_ms and ts_last == part.ts_last_ms
+            ]
             if claimed:
                 holder = claimed[-1]  # waits to be written in an earlier request
                 continue
@@ -542,15 +554,51 @@ class Bridge:
                 # acknowledged with that copy.
                 holder.riders.append(message)
             return
+        epochs: list[object] = []
+        for part in new:
+            anomaly, before, epoch = self.dedup.observe(key, part.seq, part.ts_first_ms, part.ts_last_ms)
+            epochs.append(epoch)
+            if anomaly is not None:
+                self._anomaly(key, anomaly, part, before)
         req = self._pending
         if req is None:
             req = self._pending = PendingRequest(self._now())
-        acc = _Accepted(message, batch, uuid, key, new, 0)
+        acc = _Accepted(message, batch, uuid, key, new, 0, epochs)
         acc.samples = acc.add_to(self.converter, req, functools.partial(self._ident, batch.node))
         req.messages.append(acc)
         claim_list = self._claims.setdefault(key, [])
-        claim_list.extend((part.seq, part.seq, req) for part in new)
+        claim_list.extend((part.seq, part.ts_first_ms, part.ts_last_ms, req) for part in new)
         self._seal_if_full(req)
+
+    def _anomaly(self, key: StreamKey, kind: str, part: DecodedBatch, before: int) -> None:
+        """A batch whose sequence number went backwards or jumped: counted, and logged once per stream, kind and
+        minute. It is written all the same."""
+        self.stats.sequence_anomalies[kind] = self.stats.sequence_anomalies.get(kind, 0) + 1
+        now = self._now()
+        last = self._anomaly_logged.get((key, kind))
+        if last is not None and now - last < ANOMALY_LOG_INTERVAL_S:
+            return
+        self._anomaly_logged[(key, kind)] = now
+        self._anomaly_logged.move_to_end((key, kind))
+        while len(self._anomaly_logged) > MAX_UUIDS:
+            self._anomaly_logged.popitem(last=False)
+        node, device, boot_id, topic = key
+        what = (
+            "went backwards (its samples are newer: the stream's numbering started again)"
+            if kind == "backwards"
+            else f"jumped by {part.seq - before - 1} (batches missing, or dropped before they were sent)"
+        )
+        log.warning(
+            "bridge: stream %s/%s (boot %s, %s): sequence %s, seq %d after %d; written "
+            "(logged once per stream and minute)",
+            node,
+            device,
+            boot_id,
+            topic,
+            what,
+            part.seq,
+            before,
+        )
 
     def _seal_if_full(self, req: PendingRequest) -> None:
         if req.samples >= self.settings.batch_max_samples:
@@ -682,7 +730,7 @@ class Bridge:
                 continue
             claims = self._claims.get(acc.key)
             if claims is not None:
-                claims[:] = [c for c in claims if c[2] is not req]
+                claims[:] = [c for c in claims if c[3] is not req]
                 if not claims:
                     del self._claims[acc.key]
         for message in req.riders:
@@ -709,8 +757,9 @@ class Bridge:
     def _record(self, acc: _Accepted | _AcceptedState) -> None:
         if isinstance(acc, _AcceptedState):
             return
-        for part in acc.parts:
-            self.dedup.record(acc.key, part.seq, part.seq, part.ts_first_ms, part.ts_last_ms)
+        for i, part in enumerate(acc.parts):
+            epoch = acc.epochs[i] if i < len(acc.epochs) else None
+            self.dedup.record(acc.key, part.seq, part.seq, part.ts_first_ms, part.ts_last_ms, epoch)
 
     async def _refused(self, req: PendingRequest, answer: Answer) -> None:
         if len(req.messages) > 1:

@@ -54,6 +54,8 @@ class BridgeSettings:
     retry_max_s: float = 30.0
     uuid_wait_s: float = 5.0
     dedup_max_streams: int = 100_000
+    #: A batch more than this many sequence numbers past the highest seen of its stream counts as a gap.
+    dedup_gap_tolerance: int = 64
     metrics_addr: str = "0.0.0.0:9411"
     spool_dir: str = "/var/lib/gpu-mapper-bridge/spool"
     log_format: str = "text"
@@ -94,6 +96,7 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
     "retry_max_s": ("retry.maxBackoff", "duration"),
     "uuid_wait_s": ("uuidWait", "duration"),
     "dedup_max_streams": ("dedup.maxStreams", "int"),
+    "dedup_gap_tolerance": ("dedup.gapTolerance", "int"),
     "metrics_addr": ("metricsAddr", "str"),
     "spool_dir": ("spoolDir", "str"),
     "log_format": ("log.format", "str"),
@@ -196,6 +199,8 @@ def validate_bridge(s: BridgeSettings) -> None:
         )
     if s.dedup_max_streams < 1:
         raise ConfigError("bridge.dedup.maxStreams: must be at least 1")
+    if s.dedup_gap_tolerance < 0:
+        raise ConfigError(f"bridge.dedup.gapTolerance: must be 0 or more, got {s.dedup_gap_tolerance}")
     if s.log_format not in ("text", "json"):
         raise ConfigError(f"bridge.log.format: must be text or json, got {s.log_format!r}")
     if not re.match(r"^[^:]*:\d+$", s.metrics_addr) and not s.metrics_addr.startswith("["):

@@ -15,10 +15,15 @@ the bridge's counters.
   and ``gpu_power_limit_desired_watts``.
 * ``SeqDedup`` remembers, per (node, device, boot id, topic), the sequence ranges already written (with their
   time ranges), so that a batch seen again is dropped; the bridge checks a merged batch part by part (each part
-  is a batch it replaced, ``DecodedBatch.split``), so it contributes only the batches not written yet. Memory
-  is bounded: at most ``max_ranges`` ranges per stream (the oldest forgotten first) and ``max_streams`` streams
-  (least recently used forgotten first); forgetting can only let a duplicate through, which a receiver takes
-  as a no-op (same timestamp, same value).
+  is a batch it replaced, ``DecodedBatch.split``), so it contributes only the batches not written yet. A batch is
+  a duplicate only when its sequence number was written AND its samples lie in the time range written under it
+  (``seen``): a sequence number used again for other data (a mapper that restarted a stream's numbering under the
+  same boot id) is written, never dropped. ``observe`` says when a stream's sequence goes backwards (a number at
+  or below the highest seen, with newer samples: a new epoch of the stream, whose ranges are kept apart from the
+  old ones) or jumps (more than ``gap_tolerance`` past the highest seen). Memory is bounded: at most
+  ``max_ranges`` ranges per epoch (the oldest forgotten first), ``max_epochs`` epochs per stream and
+  ``max_streams`` streams (least recently used forgotten first); forgetting can only let a duplicate through,
+  which a receiver takes as a no-op (same timestamp, same value).
 """
 
 from __future__ import annotations
@@ -287,30 +292,70 @@ class Converter:
 # --------------------------------------------------------------------------------------------------
 
 StreamKey = tuple[str, str, str, str]  # node, device, boot id, topic
+#: What ``SeqDedup.observe`` reports of a batch whose sequence number does not follow on.
+SEQUENCE_ANOMALIES = ("backwards", "gap")
+#: A jump of more sequence numbers than this past the highest seen is a gap. The mapper publishes up to 20
+#: batches at once and a replay after a cut may reorder them; replicas of one group each see only their share.
+DEFAULT_GAP_TOLERANCE = 64
+
+
+class _Epoch:
+    """One numbering of a stream: its written ranges, sorted, disjoint, non-adjacent ``[seq_lo, seq_hi, ts_lo,
+    ts_hi]``, and the highest sequence number seen in it with its last sample time."""
+
+    __slots__ = ("ranges", "top_seq", "top_ts")
+
+    def __init__(self, top_seq: int = -1, top_ts: int = -(1 << 62)) -> None:
+        self.ranges: list[list[int]] = []
+        self.top_seq = top_seq
+        self.top_ts = top_ts
 
 
 class SeqDedup:
-    """Sequence ranges already written, per stream, each with the time range of its samples."""
+    """Sequence ranges already written, per stream and epoch, each with the time range of its samples."""
 
-    def __init__(self, max_streams: int = 100_000, max_ranges: int = 64) -> None:
-        if max_streams < 1 or max_ranges < 1:
-            raise ValueError("SeqDedup needs max_streams >= 1 and max_ranges >= 1")
+    def __init__(
+        self,
+        max_streams: int = 100_000,
+        max_ranges: int = 64,
+        *,
+        max_epochs: int = 4,
+        gap_tolerance: int = DEFAULT_GAP_TOLERANCE,
+    ) -> None:
+        if max_streams < 1 or max_ranges < 1 or max_epochs < 1 or gap_tolerance < 0:
+            raise ValueError("SeqDedup needs max_streams, max_ranges, max_epochs >= 1 and gap_tolerance >= 0")
         self.max_streams = max_streams
         self.max_ranges = max_ranges
-        #: key -> sorted, disjoint, non-adjacent [seq_lo, seq_hi, ts_lo, ts_hi]
-        self._streams: OrderedDict[StreamKey, list[list[int]]] = OrderedDict()
+        self.max_epochs = max_epochs
+        self.gap_tolerance = gap_tolerance
+        #: key -> the stream's epochs, oldest first (the last is the current one)
+        self._streams: OrderedDict[StreamKey, list[_Epoch]] = OrderedDict()
         self.forgotten_ranges = 0
         self.forgotten_streams = 0
+        self.forgotten_epochs = 0
 
     def __len__(self) -> int:
         return len(self._streams)
 
+    def _epochs(self, key: StreamKey) -> list[_Epoch]:
+        epochs = self._streams.get(key)
+        if epochs is None:
+            epochs = self._streams[key] = [_Epoch()]
+            if len(self._streams) > self.max_streams:
+                self._streams.popitem(last=False)
+                self.forgotten_streams += 1
+        else:
+            self._streams.move_to_end(key)
+        return epochs
+
     def check(self, key: StreamKey, lo: int, hi: int) -> tuple[bool, list[tuple[int, int]]]:
-        """(every sequence of lo..hi already written, the time ranges of the written ranges that overlap it)."""
-        ranges = self._streams.get(key)
-        if not ranges:
+        """(every sequence of lo..hi already written in the current epoch, the time ranges of the written ranges
+        that overlap it). By number alone: ``seen`` is the duplicate test."""
+        epochs = self._streams.get(key)
+        if not epochs or not epochs[-1].ranges:
             return False, []
         self._streams.move_to_end(key)
+        ranges = epochs[-1].ranges
         i = bisect.bisect_right(ranges, [hi, math.inf])
         overlap: list[tuple[int, int]] = []
         covered = False
@@ -322,19 +367,60 @@ class SeqDedup:
             overlap.append((r[2], r[3]))
         return covered, overlap
 
-    def record(self, key: StreamKey, lo: int, hi: int, ts_lo: int, ts_hi: int) -> None:
-        """lo..hi (samples from ts_lo to ts_hi) is written."""
-        ranges = self._streams.get(key)
-        if ranges is None:
-            ranges = self._streams[key] = []
-            if len(self._streams) > self.max_streams:
-                self._streams.popitem(last=False)
-                self.forgotten_streams += 1
-        else:
-            self._streams.move_to_end(key)
+    def seen(self, key: StreamKey, seq: int, ts_first: int, ts_last: int) -> bool:
+        """Whether the batch ``seq`` with samples from ``ts_first`` to ``ts_last`` was written: its number is in a
+        written range of some epoch AND its samples lie in that range's time range. The same number with other
+        data is not a duplicate."""
+        epochs = self._streams.get(key)
+        if not epochs:
+            return False
+        self._streams.move_to_end(key)
+        for epoch in reversed(epochs):
+            ranges = epoch.ranges
+            i = bisect.bisect_right(ranges, [seq, math.inf])
+            if i and ranges[i - 1][1] >= seq:
+                r = ranges[i - 1]
+                if r[2] <= ts_first and ts_last <= r[3]:
+                    return True
+        return False
+
+    def observe(self, key: StreamKey, seq: int, ts_first: int, ts_last: int) -> tuple[str | None, int, object]:
+        """A batch that is not a duplicate (``seen`` said so) is accepted: (its anomaly, the highest sequence seen
+        before it, the epoch to ``record`` it in). ``backwards``: its number is at or below the highest seen and
+        its samples are newer than that batch's, or its number was written with other samples: the stream's
+        numbering started again, and a new epoch begins (the old ranges are kept apart, so neither numbering's
+        batches are taken for the other's). ``gap``: more than ``gap_tolerance`` numbers past the highest seen.
+        Otherwise None (the next number, or one within the window a replay may reorder)."""
+        epochs = self._epochs(key)
+        cur = epochs[-1]
+        before = cur.top_seq
+        if cur.top_seq >= 0 and seq <= cur.top_seq and (ts_first > cur.top_ts or self._written(cur, seq)):
+            cur = _Epoch(seq, ts_last)
+            epochs.append(cur)
+            if len(epochs) > self.max_epochs:
+                epochs.pop(0)
+                self.forgotten_epochs += 1
+            return "backwards", before, cur
+        anomaly = "gap" if cur.top_seq >= 0 and seq > cur.top_seq + 1 + self.gap_tolerance else None
+        if seq > cur.top_seq:
+            cur.top_seq, cur.top_ts = seq, ts_last
+        return anomaly, before, cur
+
+    @staticmethod
+    def _written(epoch: _Epoch, seq: int) -> bool:
+        i = bisect.bisect_right(epoch.ranges, [seq, math.inf])
+        return bool(i) and epoch.ranges[i - 1][1] >= seq
+
+    def record(self, key: StreamKey, lo: int, hi: int, ts_lo: int, ts_hi: int, epoch: object = None) -> None:
+        """lo..hi (samples from ts_lo to ts_hi) is written, in ``epoch`` (``observe``'s; default: the current
+        one)."""
+        epochs = self._epochs(key)
+        target = epoch if isinstance(epoch, _Epoch) and any(e is epoch for e in epochs) else epochs[-1]
+        if lo > target.top_seq:
+            target.top_seq, target.top_ts = hi, ts_hi
         new = [lo, hi, ts_lo, ts_hi]
         keep: list[list[int]] = []
-        for r in ranges:
+        for r in target.ranges:
             if r[1] + 1 < new[0] or r[0] > new[1] + 1:
                 keep.append(r)
             else:  # overlapping or adjacent: merge
@@ -343,7 +429,7 @@ class SeqDedup:
         while len(keep) > self.max_ranges:
             keep.pop(0)
             self.forgotten_ranges += 1
-        self._streams[key] = keep
+        target.ranges = keep
 
 
 # --------------------------------------------------------------------------------------------------
@@ -388,6 +474,9 @@ class BridgeStats:
     requests_written: int = 0
     duplicate_batches: int = 0
     duplicate_samples: int = 0
+    #: Batches whose sequence number went backwards or jumped (``SEQUENCE_ANOMALIES``), by kind; written all the
+    #: same.
+    sequence_anomalies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SEQUENCE_ANOMALIES, 0))
     decode_errors: int = 0
     uuid_unknown_batches: int = 0
     identity_unknown_batches: int = 0

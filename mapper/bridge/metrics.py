@@ -36,6 +36,14 @@ def bridge_metrics(s: BridgeStats) -> list[Metric]:
             s.duplicate_batches,
         ),
         _counter(p + "duplicate_samples", "property values in the duplicate batches dropped", s.duplicate_samples),
+        _labelled(
+            CounterMetricFamily,
+            p + "sequence_anomalies",
+            "batches whose sequence number went backwards (the stream's numbering started again) or jumped (batches "
+            "missing), by kind; written all the same",
+            ("kind",),
+            _keyed(s.sequence_anomalies),
+        ),
         _counter(p + "decode_errors", "messages that are not telemetry batches (kept in the spool)", s.decode_errors),
         _counter(
             p + "uuid_unknown_batches",

@@ -268,6 +268,7 @@ class MapperApp:
             session=self.session,
             dmi_client=self.dmi_client,
             dmi_server=self.dmi_server,
+            config_errors=self.registry.config_errors,
         )
 
         # Reporting: each bound Device's twins and state over DMI and/or EventBus; with each periodic twin report
@@ -341,6 +342,7 @@ class MapperApp:
             self.bindings.policy_overrides,
             self._beat,
             self.housekeeping_interval_s,
+            config_errors=self.registry.config_errors,
         )
         self._built = True
 
@@ -499,11 +501,13 @@ class MapperApp:
     # ==============================================================================================
     # callbacks the parts were handed when they were made
     # ==============================================================================================
-    async def _on_registered(self, devices: list[DeviceConfig], models: list[DeviceModelConfig]) -> None:
+    async def _on_registered(
+        self, devices: list[DeviceConfig], models: list[DeviceModelConfig], rejected: list[tuple[str, str]]
+    ) -> None:
         """EdgeCore's registration reply (the DMI client's callback), to the bindings. The one part reached
         through the root: the bindings report through the reporter, which sends through the DMI client, so the
         client is made before the bindings; it first registers once it runs, after ``start``."""
-        await self.bindings.on_registered(devices, models)
+        await self.bindings.on_registered(devices, models, rejected)
 
     async def _publisher_for(self, address: str) -> Callable[..., Awaitable[None]]:
         """A property's ``pushMethod.mqtt.address`` (the shipper's ``publish_to``): its own long-lived session,

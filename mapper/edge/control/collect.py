@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.edge.control.desired import DesiredState, DesiredValue
 from mapper.edge.control.policy import Decision, PolicyContext, PolicyEngine
-from mapper.edge.control.reconcile import Reconciler, ReconcileResult
+from mapper.edge.control.reconcile import Reconciler, ReconcileResult, with_config_error
 from mapper.edge.health.checks import HEALTHY_REPORT, CheckResult, HealthReport, ProbeResult
 from mapper.errors import GpuLostError, MapperError, TransientError
 from mapper.shared.model import (
@@ -91,7 +91,10 @@ class GpuWorker:
     constraints: Constraints = field(default_factory=Constraints)
     #: ok | online | unhealthy | offline (mapper.shared.model.DEVICE_STATES)
     state: str = "online"
-    desired_status: str = ""
+    #: The reconciler's ``desired_status`` twin (``desired_status`` adds the refused configuration to it).
+    reconciled_status: str = ""
+    #: Why the latest version of this GPU's Device was refused ("" when it was not): set by the bindings.
+    config_error: str = ""
     policy_state: str = "normal"
     statuses: dict[str, str] = field(default_factory=dict)
     #: A step has finished with values since the last ``bind``: its twins are whole (``desired_status`` and
@@ -139,6 +142,12 @@ class GpuWorker:
     @property
     def uuid(self) -> str:
         return self.info.uuid
+
+    @property
+    def desired_status(self) -> str:
+        """The ``desired_status`` twin: the reconciler's, with ``config:refused-<reason>`` while the latest
+        version of the Device's configuration stands refused (``mapper.edge.control.reconcile.with_config_error``)."""
+        return with_config_error(self.reconciled_status, self.config_error)
 
     @property
     def device_key(self) -> str:
@@ -401,7 +410,7 @@ class GpuWorker:
                 for prop in rec.restored:
                     self.desired.mark_restored(prop)
                 self.statuses = {prop: status.text for prop, status in rec.statuses.items()} if rec.statuses else {}
-                self.desired_status = rec.desired_status
+                self.reconciled_status = rec.desired_status
                 if rec.observed is not self.values:  # (an idle step hands back the values it was given)
                     self.values.update(rec.observed)
         result.state_changed = self.state != start.state

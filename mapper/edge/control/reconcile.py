@@ -51,6 +51,7 @@ from mapper.shared.model import (
 )
 
 __all__ = [
+    "CONFIG_PART",
     "GROUPS",
     "POWER_TOLERANCE_W",
     "Ack",
@@ -68,6 +69,7 @@ __all__ = [
     "observed_desired_value",
     "parse_desired_status",
     "plan",
+    "with_config_error",
 ]
 
 #: Action groups in twin order, with the properties each one sets.
@@ -675,14 +677,32 @@ def desired_status_twin(statuses: Mapping[str, Status]) -> str:
     return value
 
 
+#: The ``desired_status`` part that says the latest version of the Device's configuration was refused (a devices
+#: file that does not parse, a Device that does not convert or validate): ``config:refused-<reason>``. The values
+#: the other parts speak of are the previous, valid version's.
+CONFIG_PART = "config"
+
+
+def with_config_error(twin: str, reason: str) -> str:
+    """``twin`` (a ``desired_status_twin`` value) with ``config:refused-<reason>`` after it when ``reason`` is
+    given; ``twin`` unchanged when it is not, or when ``twin`` is "" (no step has made one yet)."""
+    if not reason or not twin:
+        return twin
+    part = f"{CONFIG_PART}:refused-{_REASON_UNSAFE.sub('_', reason)[:48]}"
+    value = part if twin == "none" else f"{twin},{part}"
+    assert TWIN_VALUE_RE.fullmatch(value), value
+    return value
+
+
 def parse_desired_status(text: str) -> dict[str, str]:
-    """Inverse of ``desired_status_twin``: ``{group: status text}``. Raises ``ValueError`` on a malformed value."""
+    """Inverse of ``desired_status_twin`` (and ``with_config_error``): ``{group: status text}``, ``config`` among
+    them when the configuration was refused. Raises ``ValueError`` on a malformed value."""
     if text == "none":
         return {}
     out: dict[str, str] = {}
     for part in text.split(","):
         group, sep, status = part.partition(":")
-        if not sep or group not in GROUPS or not status:
+        if not sep or (group not in GROUPS and group != CONFIG_PART) or not status:
             raise ValueError(f"desired_status part {part!r} is not <group>:<status>")
         out[group] = status
     return out

@@ -10,6 +10,13 @@ desired state from every source:
 * the desired store: what an earlier run persisted is enforced again at start (``restore_desired``), and every
   change is saved (``save_desired``).
 
+Bad input never changes a GPU: a devices file that fails to parse keeps the Devices it defined when it last
+parsed (the bindings remember which file defined which Device), a Device that does not convert or validate keeps
+its previous version, and only an explicit removal (the file deleted, or the Device gone from a file that parsed;
+EdgeCore's RemoveDevice, or a registration reply without it) removes one. What stands refused is in
+``config_errors`` (``/status``, the counter) and in the ``desired_status`` twin of each Device it names
+(``config:refused-<reason>``, ``GpuWorker.config_error``).
+
 Bookkeeping only (DMI handlers must answer within EdgeCore's deadline): the worker's next step does the work.
 It sees domain types and Protocols only, never an adapter.
 """
@@ -25,7 +32,14 @@ from mapper.edge.control.collect import GpuWorker, TickResult, unbound_device
 from mapper.edge.control.desired import DesiredState, Source
 from mapper.edge.control.policy import PolicyEngine
 from mapper.edge.kubeedge.devicefiles import FolderContents
-from mapper.edge.kubeedge.registry import DeviceChange, PreconditionError, Registry
+from mapper.edge.kubeedge.registry import (
+    ConfigErrors,
+    ConfigProblem,
+    DeviceChange,
+    PreconditionError,
+    Registry,
+    refusal_reason,
+)
 from mapper.errors import ConfigError, MapperError
 from mapper.shared.model import PROPERTY_BY_NAME, DeviceConfig, DeviceModelConfig
 from mapper.wire.eventbus import MAX_PAYLOAD_BYTES, parse_delta, parse_membership
@@ -71,7 +85,8 @@ class Bindings:
     ``source``: the desired source of the registry's Devices (``cloud`` with DMI, ``file`` standalone).
     ``rebind(worker, device)``: called when a GPU's Device changes (its telemetry identity and routes).
     ``store``: the desired store, or None (nothing persisted). ``max_delta_bytes``: the largest EventBus delta
-    parsed (``mqtt.inboundMaxBytes``; the app's door drops bigger ones before this)."""
+    parsed (``mqtt.inboundMaxBytes``; the app's door drops bigger ones before this). What stands refused is the
+    registry's ``config_errors`` (the DMI server records its refusals there too)."""
 
     def __init__(
         self,
@@ -97,10 +112,16 @@ class Bindings:
         self.rebind = rebind
         self.store = store
         self.max_delta_bytes = max_delta_bytes
+        self.config_errors: ConfigErrors = registry.config_errors
+        #: Each devices file that parsed -> the Devices it defined then (kept while it fails to parse).
+        self._file_devices: dict[str, set[str]] = {}
 
     # --- the registry -------------------------------------------------------------------------------------------
     def on_device_change(self, change: DeviceChange) -> None:
         """Registry listener: bookkeeping only; the GPU's next step (woken here) does the work."""
+        if change.kind == "config":  # what stands refused of a Device changed (the DMI server refused a message)
+            self.mark_config_errors()
+            return
         device = change.device
         previous = change.previous
         moved = change.kind == "updated" and previous is not None and previous.uuid != device.uuid
@@ -115,6 +136,7 @@ class Bindings:
             if worker.device is not None and worker.device.key == device.key:
                 worker.desired.sync_source(self.source, {}, now_ms)
                 worker.bind(None)
+                worker.config_error = ""
                 self.policies.set_override(worker.uuid, None)
                 self.rebind(worker, unbound_device(worker.info))
                 self.reports.removed(device)
@@ -141,30 +163,92 @@ class Bindings:
         self.save_desired(worker, device.key)
         worker.wake()
 
-    async def on_registered(self, devices: list[DeviceConfig], models: list[DeviceModelConfig]) -> None:
-        """EdgeCore's MapperRegister reply: the Devices and models this mapper serves now."""
-        changes, errors = self.registry.sync(devices, models)
+    async def on_registered(
+        self,
+        devices: list[DeviceConfig],
+        models: list[DeviceModelConfig],
+        rejected: list[tuple[str, str]] | tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        """EdgeCore's MapperRegister reply: the Devices and models this mapper serves now. ``rejected``:
+        (namespace/name, why) of the Devices and models in it that did not convert; such a Device keeps the version
+        it had."""
+        known = {d.key for d in self.registry.devices()}
+        keep = {key for key, _ in rejected if key in known}
+        problems = [
+            ConfigProblem("dmi", "MapperRegister", (key,) if key in known else (), "invalid", f"{key}: {why}")
+            for key, why in rejected
+        ]
+        changes, errors = self.registry.sync(devices, models, keep=keep)
+        refused = {key for key, _ in errors}
         for key, exc in errors:
-            log.error("EdgeCore sent %s, refused: %s", key, exc)
             namespace, _, name = key.partition("/")
             if isinstance(exc, PreconditionError) and name:
                 # Its GPU is missing from this node (removed, or fell off the bus before we started).
                 self.reports.offer_state(namespace, name, "offline")
+            named = (key,) if any(d.key == key for d in self.registry.devices()) else ()
+            problems.append(ConfigProblem("dmi", "MapperRegister", named, refusal_reason(exc), f"{key}: {exc}"))
+        for given in devices:
+            if given.key not in refused:
+                self.config_errors.clear_device("dmi", given.key)
+        self.config_errors.settle("dmi", problems, where="MapperRegister")
+        self.mark_config_errors()
         log.info("EdgeCore registration: %d device(s) on this mapper, %d changed", len(devices), len(changes))
 
     def apply_folder(self, contents: FolderContents) -> None:
-        """What the devices folder holds now, synced into the registry."""
-        for file, reason in contents.errors:
-            log.error("devices folder: %s skipped: %s", file, reason)
-        changes, errors = self.registry.sync(contents.devices, contents.models)
+        """What the devices folder holds now, synced into the registry. A file that failed to parse keeps the
+        Devices it defined when it last parsed; a Device refused on conversion or validation keeps its previous
+        version; a Device is removed only when its file is deleted or parsed without it."""
+        keep: set[str] = set()
+        problems: list[ConfigProblem] = []
+        for file, reason in contents.failed_files.items():
+            held = self._file_devices.get(file, set())
+            keep |= held
+            problems.append(ConfigProblem("devices-file", file, tuple(sorted(held)), "parse-error", reason))
+        for file, keys in contents.file_devices.items():
+            self._file_devices[file] = set(keys)
+        present = contents.file_devices.keys() | contents.failed_files.keys()
+        for gone in [f for f in self._file_devices if f not in present and not contents.folder_error]:
+            del self._file_devices[gone]  # deleted: its Devices go
+        if contents.folder_error:  # the folder cannot be listed: nothing was removed, everything stays
+            for defined in self._file_devices.values():
+                keep |= defined
+            everything = tuple(sorted(keep))
+            reason = contents.folder_error
+            problems.append(ConfigProblem("devices-file", "devices folder", everything, "unreadable", reason))
+        represented = set(contents.failed_files.items())
+        for key, (file, reason) in contents.refused.items():
+            keep.add(key)
+            represented.add((file, reason))
+            problems.append(ConfigProblem("devices-file", file, (key,), "invalid", reason))
+        problems += [
+            ConfigProblem("devices-file", file, (), "invalid", reason)
+            for file, reason in contents.errors
+            if (file, reason) not in represented
+        ]
+        changes, errors = self.registry.sync(contents.devices, contents.models, keep=keep)
+        files = {key: file for file, keys in contents.file_devices.items() for key in keys}
+        known = {d.key for d in self.registry.devices()}
         for key, exc in errors:
-            log.error("devices folder: %s refused: %s", key, exc)
+            where, named = files.get(key, "devices folder"), (key,) if key in known or key in files else ()
+            problems.append(ConfigProblem("devices-file", where, named, refusal_reason(exc), f"{key}: {exc}"))
+        self.config_errors.settle("devices-file", problems)
+        self.mark_config_errors()
         log.info(
-            "devices folder: %d device(s), %d model(s), %d change(s)",
+            "devices folder: %d device(s), %d model(s), %d change(s)%s",
             len(contents.devices),
             len(contents.models),
             len(changes),
+            f", {len(problems)} refused (the Devices they name keep their previous version)" if problems else "",
         )
+
+    def mark_config_errors(self) -> None:
+        """Each bound GPU's ``config_error`` (its ``desired_status`` twin) as ``config_errors`` stands now; a GPU
+        whose error came or went is woken, so that its twin is reported."""
+        for worker in self.workers.values():
+            reason = self.config_errors.device_reason(worker.device.key) if worker.device is not None else ""
+            if worker.config_error != reason:
+                worker.config_error = reason
+                worker.wake()
 
     # --- EventBus ------------------------------------------------------------------------------------------------
     def on_delta(self, topic: str, payload: bytes) -> None:

@@ -3,7 +3,9 @@
 ``load_folder(path)`` reads every ``*.yaml``/``*.yml`` file (multi-document files allowed) and returns the
 GPU Devices (``spec.protocol.protocolName: gpu``) and DeviceModels it finds, converted as EdgeCore would: the
 model's ``protocolConfigData`` and property visitors are the base, the Device's own values win. A file that
-cannot be read or parsed is reported (path and reason) and skipped; the others still load.
+cannot be read or parsed is reported (path and reason) and skipped, and so is a Device that does not convert; the
+others still load. What was refused is named (``failed_files``, ``refused``) so that the caller keeps the Devices
+it defined as they were: a file that fails to parse is not an operator removing its Devices.
 ``FolderWatcher`` tells when the folder changed: Linux inotify says when to look (no wake-up while the folder is
 idle), a fingerprint of the files' names, sizes, inodes and modification times says whether anything changed.
 Where inotify cannot watch the folder (no inotify in the C library, the watch limit reached, the folder missing, a
@@ -42,6 +44,22 @@ class FolderContents:
     models: list[DeviceModelConfig] = field(default_factory=list)
     #: (file, reason) for every document that was skipped.
     errors: list[tuple[str, str]] = field(default_factory=list)
+    #: Every file that was read and parsed -> the GPU Devices (``namespace/name``) it defines, converted or not.
+    file_devices: dict[str, list[str]] = field(default_factory=dict)
+    #: Every file that could not be read or parsed -> why.
+    failed_files: dict[str, str] = field(default_factory=dict)
+    #: Devices (``namespace/name``) defined in a file that parsed but refused on conversion -> (file, why).
+    refused: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: Why the folder itself could not be listed ("" when it could, or when it does not exist: no files).
+    folder_error: str = ""
+
+
+def _device_key(doc: Mapping[str, Any]) -> str | None:
+    """``namespace/name`` of a Device document, None when its metadata does not say."""
+    meta = doc.get("metadata")
+    if not isinstance(meta, Mapping) or not meta.get("name"):
+        return None
+    return f"{meta.get('namespace', 'default')}/{meta.get('name')}"  # as device_from_doc names it
 
 
 def _flat(mapping: Any, where: str) -> dict[str, Scalar]:
@@ -196,12 +214,22 @@ def load_folder(path: str | Path, node_name: str | None = None) -> FolderContent
     out = FolderContents()
     device_docs: list[tuple[str, Mapping[str, Any]]] = []
     model_docs: dict[str, Mapping[str, Any]] = {}
+    try:
+        os.listdir(path)
+    except FileNotFoundError:
+        pass  # no folder: no files (its Devices were removed with it)
+    except OSError as exc:
+        out.folder_error = f"cannot list {path}: {exc.strerror or exc}"
+        return out
     for file in sorted(Path(path).glob("*.y*ml")):
         try:
             docs = list(yaml.safe_load_all(file.read_text()))
-        except (OSError, yaml.YAMLError) as exc:
-            out.errors.append((str(file), f"cannot read or parse: {exc}"))
+        except (OSError, yaml.YAMLError, ValueError) as exc:
+            reason = f"cannot read or parse: {exc}"
+            out.errors.append((str(file), reason))
+            out.failed_files[str(file)] = reason
             continue
+        defined = out.file_devices.setdefault(str(file), [])
         for doc in docs:
             if not isinstance(doc, Mapping):
                 continue
@@ -219,9 +247,16 @@ def load_folder(path: str | Path, node_name: str | None = None) -> FolderContent
                         continue
                     if node_name and spec.get("nodeName") not in (None, "", node_name):
                         continue
+                    key = _device_key(doc)
+                    if key is not None:
+                        defined.append(key)
                     device_docs.append((str(file), doc))
             except InvalidValueError as exc:
                 out.errors.append((str(file), str(exc)))
+                key = _device_key(doc) if kind == "Device" else None
+                if key is not None:
+                    defined.append(key)
+                    out.refused[key] = (str(file), str(exc))
     for file_name, doc in device_docs:
         try:
             meta = _mapping(doc.get("metadata"), "Device metadata")
@@ -230,6 +265,9 @@ def load_folder(path: str | Path, node_name: str | None = None) -> FolderContent
             out.devices.append(device_from_doc(doc, model_docs.get(model_key)))
         except InvalidValueError as exc:
             out.errors.append((file_name, str(exc)))
+            key = _device_key(doc)
+            if key is not None:
+                out.refused[key] = (file_name, str(exc))
     return out
 
 

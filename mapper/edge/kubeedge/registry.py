@@ -3,10 +3,17 @@
 Pure bookkeeping: validates a Device against the catalog and the GPUs of this node, diffs specs, and tells
 listeners what changed. EdgeCore <= 1.22 sends UpdateDevice on every status change with an unchanged spec:
 ``upsert_device`` returns ``unchanged`` for those and notifies nobody, so no GPU is touched and no loop restarts.
+
+**Bad input never changes a GPU.** A Device whose new version is refused (it does not parse, convert or validate)
+keeps the version it had: ``sync`` removes only what is absent from input that was read whole, never a Device
+named in ``keep`` (the Devices of a file that failed to parse, a Device EdgeCore sent that did not convert).
+``ConfigErrors`` keeps what stands refused now (for ``/status``, the ``desired_status`` twin of each Device it
+names) and counts the refusals (``gpu_mapper_config_errors_total{source}``), logging each once.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -19,7 +26,14 @@ from mapper.shared.model import (
     DeviceModelConfig,
 )
 
-ChangeKind = Literal["added", "updated", "removed", "unchanged"]
+#: ``config``: nothing of the Device changed, but what stands refused of it did (its ``desired_status``).
+ChangeKind = Literal["added", "updated", "removed", "unchanged", "config"]
+
+log = logging.getLogger("mapper.edge.kubeedge.registry")
+
+#: Where a configuration comes from: the devices folder, EdgeCore over DMI, the mapper's config file.
+ConfigSource = Literal["devices-file", "dmi", "config-file"]
+CONFIG_SOURCES: tuple[ConfigSource, ...] = ("devices-file", "dmi", "config-file")
 
 
 class PreconditionError(PermanentError):
@@ -89,6 +103,80 @@ def _spec_key(device: DeviceConfig) -> tuple[object, ...]:
 Listener = Callable[[DeviceChange], None]
 
 
+def refusal_reason(exc: Exception) -> str:
+    """A refusal's short reason for the twin (``mapper.errors``' ``reason``, else ``invalid``)."""
+    reason = getattr(exc, "reason", "")
+    return reason if isinstance(reason, str) and reason else "invalid"
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One input refused: ``source`` (``CONFIG_SOURCES``), ``where`` (the file, or the DMI call), ``devices``
+    (``namespace/name`` of the Devices it would have changed, which keep their version; empty when none is known),
+    ``reason`` (a short slug: ``parse-error``, ``invalid``, ``unknown-property``...) and ``detail`` (what was
+    wrong)."""
+
+    source: ConfigSource
+    where: str
+    devices: tuple[str, ...]
+    reason: str
+    detail: str
+
+    @property
+    def key(self) -> tuple[str, str, tuple[str, ...]]:
+        return (self.source, self.where, self.devices)
+
+
+class ConfigErrors:
+    """The configuration refused, now and since start. ``refuse`` records a problem (counted and logged at ERROR
+    when it is new or its detail changed: a file re-read with the same fault, or EdgeCore sending the same bad
+    Device again, is neither counted nor logged again); ``settle`` drops the problems of a source (and ``where``)
+    that are not standing any more, once a newer version was read."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._current: dict[tuple[str, str, tuple[str, ...]], ConfigProblem] = {}
+
+    def refuse(self, problem: ConfigProblem) -> None:
+        if self._current.get(problem.key) == problem:
+            return
+        self._current.pop(problem.key, None)  # the newest last: it speaks for its Devices
+        self._current[problem.key] = problem
+        self.counts[problem.source] = self.counts.get(problem.source, 0) + 1
+        kept = f"; nothing of {', '.join(problem.devices)} changes" if problem.devices else ""
+        log.error("%s %s refused (%s)%s: %s", problem.source, problem.where, problem.reason, kept, problem.detail)
+
+    def settle(self, source: ConfigSource, standing: Iterable[ConfigProblem] = (), *, where: str | None = None) -> None:
+        """The problems of ``source`` (only those at ``where``, when given) are ``standing`` now and no others:
+        each new one is recorded (``refuse``), the rest of that source forgotten (a valid version came)."""
+        standing = list(standing)
+        keep = {p.key for p in standing}
+        for key, problem in list(self._current.items()):
+            if problem.source == source and (where is None or problem.where == where) and key not in keep:
+                del self._current[key]
+                log.info("%s %s: no longer refused", problem.source, problem.where)
+        for problem in standing:
+            self.refuse(problem)
+
+    def clear_device(self, source: ConfigSource, device: str) -> None:
+        """A valid version of ``device`` came from ``source`` (or it was removed): what stood refused of it from
+        there goes."""
+        for key, problem in list(self._current.items()):
+            if problem.source == source and device in problem.devices:
+                del self._current[key]
+
+    @property
+    def current(self) -> tuple[ConfigProblem, ...]:
+        return tuple(self._current.values())
+
+    def device_reason(self, device: str) -> str:
+        """Why the latest version of ``device`` was refused ("" when it was not): for its ``desired_status``."""
+        for problem in reversed(self._current.values()):
+            if device in problem.devices:
+                return problem.reason
+        return ""
+
+
 class Registry:
     """Devices and models by ``namespace/name``. ``node_gpus`` returns the UUIDs present on this node."""
 
@@ -97,6 +185,29 @@ class Registry:
         self._devices: dict[str, DeviceConfig] = {}
         self._models: dict[str, DeviceModelConfig] = {}
         self._listeners: list[Listener] = []
+        #: What stands refused of the configuration, and the refusals counted (every way in records here).
+        self.config_errors = ConfigErrors()
+
+    # --- refusals ----------------------------------------------------------------------------------
+    def refuse(self, source: ConfigSource, where: str, key: str, exc: Exception) -> None:
+        """A message that would have changed Device ``key`` (``namespace/name``; "" when unknown) was refused (it
+        did not convert or validate): recorded, and the listeners told (``config``) when that Device is here."""
+        devices = (key,) if key in self._devices else ()
+        before = self.config_errors.device_reason(key)
+        self.config_errors.refuse(ConfigProblem(source, where, devices, refusal_reason(exc), f"{key}: {exc}"))
+        self._config_changed(key, before)
+
+    def accepted(self, source: ConfigSource, key: str) -> None:
+        """A valid version of Device ``key`` came from ``source`` (or it was removed): what stood refused of it
+        from there goes."""
+        before = self.config_errors.device_reason(key)
+        self.config_errors.clear_device(source, key)
+        self._config_changed(key, before)
+
+    def _config_changed(self, key: str, before: str) -> None:
+        device = self._devices.get(key)
+        if device is not None and self.config_errors.device_reason(key) != before:
+            self._emit(DeviceChange("config", device, device))
 
     # --- listeners ---------------------------------------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
@@ -237,12 +348,18 @@ class Registry:
 
     # --- full sync (MapperRegister reply, a re-read folder) ------------------------------------------
     def sync(
-        self, devices: Iterable[DeviceConfig], models: Iterable[DeviceModelConfig]
+        self,
+        devices: Iterable[DeviceConfig],
+        models: Iterable[DeviceModelConfig],
+        *,
+        keep: Iterable[str] = (),
     ) -> tuple[list[DeviceChange], list[tuple[str, Exception]]]:
         """Make the registry equal to the given lists: upsert each, remove what is absent.
 
-        Returns the changes and the devices/models refused (by key, with the error); one bad entry never
-        stops the others.
+        ``keep``: Devices (``namespace/name``) whose new version was refused before it got here (a file that
+        failed to parse, a Device that did not convert): they stay as they are, neither updated nor removed. A
+        Device given here and refused by validation stays as it was too. Returns the changes and the
+        devices/models refused (by key, with the error); one bad entry never stops the others.
         """
         errors: list[tuple[str, Exception]] = []
         for model in models:
@@ -251,7 +368,7 @@ class Registry:
             except (InvalidValueError, PermanentError) as exc:
                 errors.append((model.key, exc))
         changes: list[DeviceChange] = []
-        wanted: set[str] = set()
+        wanted: set[str] = set(keep)
         for device in devices:
             wanted.add(device.key)
             try:

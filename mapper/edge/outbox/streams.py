@@ -2,9 +2,16 @@
 
 ``TelemetryStreams`` keeps one ``DeviceTelemetry`` (the batch encoders of a device's routes) per GPU: a GPU no
 Device names streams as ``_unbound/<uuid>``; when its Device changes the old stream is flushed and a new one
-takes its routes (``pushMethod.mqtt``), keeping the sequence when the device stays the same. The batches the
-GPUs cut in one collect round are stored together at its end (``store_round``: one buffer transaction), and
-whatever is left is cut and stored at shutdown (``flush_all``).
+takes its routes (``pushMethod.mqtt``). The batches the GPUs cut in one collect round are stored together at its
+end (``store_round``: one buffer transaction), and whatever is left is cut and stored at shutdown
+(``flush_all``).
+
+**A stream's identity never goes backwards.** Consumers drop a batch whose (device, boot id, sequence) they have
+seen, so a sequence number is never used twice under one boot id: each device name (a Device's
+``namespace/name``, or ``_unbound/<uuid>``) has ONE counter for the life of the process (``next_seq``), which
+every stream of that name takes its numbers from, whichever GPU it is on and whatever its routes. A Device
+removed and re-added, renamed and named again, moved to another GPU and back, or with its pushMethod changed, goes
+on from the number it had reached (docs/telemetry.md, "Duplicates and order"). One int per name ever used.
 
 It is also the one way into the buffer for the status messages kept while the broker is down
 (``keep_message``), so the outbox's ordering rule lives here alone: a message goes out after the batches cut
@@ -16,6 +23,7 @@ Pure loop logic: it sees the shipper and the telemetry encoders, never the buffe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
@@ -53,6 +61,8 @@ class TelemetryStreams:
         #: One zstd context (with its dictionary, ~2 MB) shared by every device's batches.
         self.codec = BatchCodec()
         self.by_uuid: dict[str, DeviceTelemetry] = {}
+        #: Device name -> the next sequence number of its streams, for the life of this boot id (never reset).
+        self.next_seq: dict[str, int] = {}
         #: The batches cut in the current collect round, stored together at its end (one transaction).
         self.round_batches: list[tuple[EncodedBatch, Route | None]] = []
 
@@ -69,19 +79,28 @@ class TelemetryStreams:
         )
 
     def bind(self, uuid: str, device: DeviceConfig) -> None:
-        """GPU ``uuid`` streams as ``device`` from now on (its unbound identity, or the Device that names it)."""
+        """GPU ``uuid`` streams as ``device`` from now on (its unbound identity, or the Device that names it),
+        numbering on from wherever that name's counter stands."""
         old = self.by_uuid.get(uuid)
-        start_seq = 0
         if old is not None:
-            for route, batch in old.flush():
+            for route, batch in self._cut(old, old.flush):
                 self.shipper.submit(batch, route)
-            if old.device.key == device.key:
-                start_seq = old.next_seq
+        start_seq = self.next_seq.get(device.key, 0)
         try:
             self.by_uuid[uuid] = self._new(device, start_seq)
         except ValueError as exc:
             log.error("device %s: pushMethod refused, default telemetry route used: %s", device.key, exc)
             self.by_uuid[uuid] = self._new(replace(device, properties=()), start_seq)
+
+    def _cut(
+        self, telemetry: DeviceTelemetry, how: Callable[[], list[tuple[Route, EncodedBatch]]]
+    ) -> list[tuple[Route, EncodedBatch]]:
+        """Cut ``telemetry``'s batches with ``how`` numbered from its name's counter, and move the counter on."""
+        key = telemetry.device.key
+        telemetry.next_seq = max(telemetry.next_seq, self.next_seq.get(key, 0))
+        out = how()
+        self.next_seq[key] = telemetry.next_seq
+        return out
 
     def after_step(self, worker: GpuWorker, result: TickResult) -> None:
         """A GPU's step is done (a ``Collector`` consumer): its sample, if it read one, joins its stream."""
@@ -92,7 +111,7 @@ class TelemetryStreams:
         """A sample of GPU ``uuid``; the batches it completes wait for ``store_round``."""
         telemetry = self.by_uuid[uuid]
         telemetry.add(sample)
-        for route, batch in telemetry.flush_due(now_ms):
+        for route, batch in self._cut(telemetry, lambda: telemetry.flush_due(now_ms)):
             self.round_batches.append((batch, route))
 
     def store_round(self) -> None:
@@ -119,5 +138,5 @@ class TelemetryStreams:
         """At shutdown: whatever was sampled but not yet cut is stored, after what a round cut and had not
         stored yet (a collector that crashed in the middle of publishing its round)."""
         for telemetry in self.by_uuid.values():
-            self.round_batches.extend((batch, route) for route, batch in telemetry.flush())
+            self.round_batches.extend((batch, route) for route, batch in self._cut(telemetry, telemetry.flush))
         self.store_round()

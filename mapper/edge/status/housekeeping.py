@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 
 from mapper.edge.control.policy import PolicyEngine, parse_policies
+from mapper.edge.kubeedge.registry import ConfigErrors, ConfigProblem
 from mapper.edge.status.stats import MapperSnapshot
 from mapper.errors import ConfigError, MapperError
 from mapper.shared.settings import read_config_file
@@ -30,7 +31,8 @@ class Housekeeping:
     """``snapshot``: the mapper's snapshot now. ``write_status``: stores one as the status file (raises
     ``OSError`` or ``MapperError``). ``config_file``: the file to watch, or "" for none. ``policies``: the
     engine whose config a changed file replaces; ``overrides``: the per-GPU policy overrides now (they stay).
-    ``beat``: the loop's heartbeat (name, period s)."""
+    ``beat``: the loop's heartbeat (name, period s). ``config_errors``: where a refused edit is recorded (and
+    forgotten once a valid one is loaded)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class Housekeeping:
         overrides: Callable[[], Mapping[str, str]],
         beat: Callable[[str, float], None],
         interval_s: float = DEFAULT_INTERVAL_S,
+        config_errors: ConfigErrors | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.write_status = write_status
@@ -49,6 +52,7 @@ class Housekeeping:
         self.overrides = overrides
         self.beat = beat
         self.interval_s = interval_s
+        self.config_errors = config_errors if config_errors is not None else ConfigErrors()
         #: The config file's mtime as last looked at (0.0: not yet).
         self.config_mtime = 0.0
 
@@ -87,5 +91,7 @@ class Housekeeping:
             self.policies.configure(config, dict(self.overrides()))
         except ConfigError as exc:
             log.error("config %s changed but was refused; the previous policies stay: %s", path, exc)
+            self.config_errors.settle("config-file", (ConfigProblem("config-file", path, (), "invalid", str(exc)),))
             return
+        self.config_errors.settle("config-file")
         log.info("config %s reloaded: policies %s", path, json.dumps(config.to_mapping()))

@@ -400,6 +400,14 @@ def _keyed(counts: Mapping[str, int]) -> list[tuple[tuple[str, ...], float]]:
     return [((k,), v) for k, v in counts.items()]
 
 
+def _standing(s: MapperSnapshot) -> dict[str, int]:
+    """The refusals standing now, by source; every source that ever refused one has a value (0 once fixed)."""
+    out = dict.fromkeys(s.config_errors, 0)
+    for c in s.config_refused:
+        out[c.source] = out.get(c.source, 0) + 1
+    return out
+
+
 def _self_metrics(s: MapperSnapshot) -> list[Metric]:
     hist = HistogramMetricFamily("gpu_mapper_collect_duration_seconds", "time to sample every GPU of the node once")
     hist.add_metric(
@@ -458,6 +466,21 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
             "messages from the broker (deltas, membership updates) dropped at the door, by reason",
             ("reason",),
             _keyed(s.mqtt_inbound_dropped),
+        ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_config_errors",
+            "configuration inputs refused (a devices file that does not parse, a Device that does not convert or "
+            "validate, a config file edit), by source; the Devices they name keep their previous version",
+            ("source",),
+            _keyed(s.config_errors),
+        ),
+        _labelled(
+            GaugeMetricFamily,
+            "gpu_mapper_config_refused",
+            "configuration inputs that stand refused now, by source (see /status, config.refused)",
+            ("source",),
+            _keyed(_standing(s)),
         ),
         _gauge(
             "gpu_mapper_dmi_registered",

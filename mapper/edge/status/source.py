@@ -21,6 +21,7 @@ from mapper.clock import Clock
 from mapper.edge.config import Settings
 from mapper.edge.control.collect import GpuWorker, worker_sample
 from mapper.edge.kubeedge.doorlimit import InboundLimiter
+from mapper.edge.kubeedge.registry import ConfigErrors
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.processes.monitor import GpuWorkloads
@@ -118,8 +119,10 @@ class StatusSource:
         session: SessionLike | None = None,
         dmi_client: DmiClientLike | None = None,
         dmi_server: RpcCounting | None = None,
+        config_errors: ConfigErrors | None = None,
     ) -> None:
         self.node = settings.node_name
+        self.config_errors = config_errors
         self.processes = processes
         self.health = health
         self.version = version
@@ -199,6 +202,8 @@ class StatusSource:
             collect_errors=dict(self.collector.errors),
             workloads=self.processes.workloads() if self.processes is not None else (),
             process_errors=dict(self.processes.errors) if self.processes is not None else {},
+            config_errors=dict(self.config_errors.counts) if self.config_errors is not None else {},
+            config_refused=self.config_errors.current if self.config_errors is not None else (),
         )
 
 

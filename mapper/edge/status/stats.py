@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
+from mapper.edge.kubeedge.registry import CONFIG_SOURCES, ConfigProblem
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
 from mapper.wire.state import GpuStatus, state_payload
@@ -205,6 +206,11 @@ class MapperSnapshot:
     workloads: tuple[GpuWorkloads, ...] = ()
     #: GPUs whose process cycle failed, by reason.
     process_errors: Mapping[str, int] = field(default_factory=dict)
+    # --- configuration refused (a devices file that does not parse, a Device that does not convert) ---
+    #: Inputs refused since start, by source (``devices-file``, ``dmi``, ``config-file``).
+    config_errors: Mapping[str, int] = field(default_factory=dict)
+    #: What stands refused now (the Devices it names keep their previous version).
+    config_refused: tuple[ConfigProblem, ...] = ()
 
     def gpu(self, uuid: str) -> GpuSnapshot | None:
         for g in self.gpus:
@@ -264,6 +270,19 @@ class MapperSnapshot:
                 "gpus": [_workloads_to_dict(w) for w in self.workloads],
                 "errors": dict(self.process_errors),
             },
+            "config": {
+                "errors": dict(self.config_errors),
+                "refused": [
+                    {
+                        "source": c.source,
+                        "where": c.where,
+                        "devices": list(c.devices),
+                        "reason": c.reason,
+                        "detail": c.detail,
+                    }
+                    for c in self.config_refused
+                ],
+            },
         }
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -284,6 +303,8 @@ class MapperSnapshot:
         dur = collect.obj("duration")
         # Absent from the status file of a mapper older than the process cycle.
         procs = r.obj("processes") if "processes" in r.names() else None
+        # Absent from the status file of a mapper older than the refused configuration's report.
+        config = r.obj("config") if "config" in r.names() else None
         try:
             histogram = DurationHistogram(
                 bounds_s=tuple(dur.numbers("bounds_s")),
@@ -324,6 +345,8 @@ class MapperSnapshot:
             collect_errors=collect.count_map("errors"),
             workloads=tuple(_workloads_from_reader(w) for w in procs.objs("gpus")) if procs else (),
             process_errors=procs.count_map("errors") if procs else {},
+            config_errors=config.count_map("errors") if config else {},
+            config_refused=tuple(_refused_from_reader(c) for c in config.objs("refused")) if config else (),
         )
 
     @classmethod
@@ -333,6 +356,15 @@ class MapperSnapshot:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise SnapshotFormatError(f"status: not JSON ({exc})") from None
         return cls.from_dict(doc)
+
+
+def _refused_from_reader(r: _Reader) -> ConfigProblem:
+    source = r.text("source")
+    for known in CONFIG_SOURCES:
+        if source == known:
+            devices = tuple(r._list("devices", lambda v: isinstance(v, str), "a string"))
+            return ConfigProblem(known, r.text("where"), devices, r.text("reason"), r.text("detail"))
+    raise SnapshotFormatError(f"{r.path}.source: {source!r} is not one of {', '.join(CONFIG_SOURCES)}")
 
 
 def _pairs_out(counts: Mapping[tuple[str, str], int]) -> list[list[str | int]]:

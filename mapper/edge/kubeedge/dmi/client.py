@@ -54,7 +54,8 @@ API_VERSION = "v1beta1"
 #: Seconds to wait after EdgeCore said "too many request" (its bucket refills 1 token a second).
 RATE_LIMITED_RETRY_S = 5.0
 
-OnRegistered = Callable[[list[DeviceConfig], list[DeviceModelConfig]], Awaitable[None] | None]
+#: EdgeCore's registration reply: (devices, models, rejected: (namespace/name, why) of those that did not convert).
+OnRegistered = Callable[[list[DeviceConfig], list[DeviceModelConfig], list[tuple[str, str]]], Awaitable[None] | None]
 Sleep = Callable[[float], Awaitable[Any]]
 
 
@@ -308,7 +309,7 @@ class DmiClient:
         )
         if self.on_registered is not None:
             try:
-                result = self.on_registered(list(reply.devices), list(reply.models))
+                result = self.on_registered(list(reply.devices), list(reply.models), list(reply.rejected))
                 if inspect.isawaitable(result):
                     await result
             except Exception as exc:  # the callback is ours; never let it stop the link

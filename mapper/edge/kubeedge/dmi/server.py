@@ -95,6 +95,7 @@ class _Servicer(pb_grpc.DeviceMapperServiceServicer):
             if not request.deviceName:
                 raise InvalidValueError("RemoveDevice: deviceName is empty", reason="empty")
             removed = self._owner.registry.remove_device(namespace, request.deviceName)
+            self._owner.registry.accepted("dmi", f"{namespace}/{request.deviceName}")
             if removed is None:
                 log.info("RemoveDevice %s/%s: not known here (already removed)", namespace, request.deviceName)
             return pb.RemoveDeviceResponse()
@@ -174,8 +175,15 @@ class DmiServer:
     def _upsert(self, request: Any, method: str) -> pb.RegisterDeviceResponse:
         if not request.HasField("device"):
             raise InvalidValueError(f"{method}: the request carries no device", reason="empty")
-        device = convert.device_from_pb(request.device)
-        change = self.registry.upsert_device(device)
+        key = f"{request.device.namespace or convert.DEFAULT_NAMESPACE}/{request.device.name}"
+        try:
+            device = convert.device_from_pb(request.device)
+            change = self.registry.upsert_device(device)
+        except (MapperError, ValueError) as exc:
+            # Refused: the Device keeps the version it had (``desired_status`` says so), nothing else changes.
+            self.registry.refuse("dmi", method, key, exc)
+            raise
+        self.registry.accepted("dmi", device.key)
         if self.registry.model_of(device) is None and change.kind == "added":
             log.info("%s %s: model %r is not known yet; accepted anyway", method, device.key, device.model)
         log.debug("%s %s: %s", method, device.key, change.kind)

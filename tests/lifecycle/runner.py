@@ -1,0 +1,167 @@
+"""Many lifecycle sequences, a few at a time, and the shortest step list that still shows each violation.
+
+``run_many`` runs the seeds on ``workers`` threads (each sequence its own world; one Prometheus for all), and for
+each kind of violation found (the first sequence that shows it) cuts its steps down with delta debugging
+(``shrink``: drop chunks of steps, keep a cut that still ends in a violation of the same invariant), within a
+time budget. ``Summary.report()`` says what ran and prints, per violation, the seed, the world and the shortest
+sequence, so a failure can be run again: ``GPU_MAPPER_LIFECYCLE_SEEDS=<seed>``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.lifecycle.harness import Outcome, Run
+from tests.lifecycle.plan import SeqConfig, Step, config_for, generate
+from tests.lifecycle.world import rmtree
+from tests.promserver import Prometheus
+
+_tags = itertools.count()
+_tag_lock = threading.Lock()
+
+
+def _tag() -> str:
+    with _tag_lock:
+        return str(next(_tags))
+
+
+def run_steps(cfg: SeqConfig, steps: list[Step], prom: Prometheus, base: Path, keep: bool = False) -> Outcome:
+    out = Run(cfg, steps, prom, base, _tag()).execute()
+    if out.violation is None and not keep:
+        rmtree(out.workdir)
+    return out
+
+
+@dataclass
+class Shrunk:
+    outcome: Outcome
+    steps: list[Step]
+    runs: int
+    complete: bool
+
+
+def shrink(first: Outcome, prom: Prometheus, base: Path, budget_s: float) -> Shrunk:
+    """Delta debugging over the steps up to the failing one: the shortest list found within ``budget_s`` that
+    still ends in a violation of the same invariant."""
+    assert first.violation is not None
+    invariant = first.violation.invariant
+    current = first.steps[: first.violation.step + 1]
+    best = first
+    deadline = time.monotonic() + budget_s
+    runs = 0
+    n = 2
+    while len(current) >= 2:
+        if time.monotonic() > deadline:
+            return Shrunk(best, current, runs, False)
+        size = math.ceil(len(current) / n)
+        reduced = False
+        for i in range(n):
+            candidate = current[: i * size] + current[(i + 1) * size :]
+            if not candidate or time.monotonic() > deadline:
+                continue
+            out = run_steps(first.cfg, candidate, prom, base, keep=False)
+            runs += 1
+            if out.violation is not None and out.violation.invariant == invariant:
+                current = candidate[: out.violation.step + 1] if out.violation.step < len(candidate) else candidate
+                best = out
+                n = max(n - 1, 2)
+                reduced = True
+                break
+            if out.violation is not None:
+                rmtree(out.workdir)
+        if not reduced:
+            if n >= len(current):
+                break
+            n = min(len(current), n * 2)
+    if len(current) == 1 and best.steps != current:
+        pass
+    return Shrunk(best, current, runs, time.monotonic() <= deadline)
+
+
+@dataclass
+class Summary:
+    outcomes: list[Outcome] = field(default_factory=list)
+    shrunk: dict[str, Shrunk] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def sequences(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def steps(self) -> int:
+        return sum(o.executed for o in self.outcomes)
+
+    @property
+    def violations(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.violation is not None]
+
+    def line(self) -> str:
+        return f"lifecycle: {self.sequences} sequences, {self.steps} steps, {len(self.violations)} violations"
+
+    def report(self) -> str:
+        lines = [self.line() + f" ({self.wall_s:.0f} s)"]
+        by_invariant: dict[str, list[Outcome]] = {}
+        for o in self.violations:
+            assert o.violation is not None
+            by_invariant.setdefault(o.violation.invariant, []).append(o)
+        for invariant, outs in sorted(by_invariant.items()):
+            lines.append(f"\n== {invariant}: {len(outs)} sequence(s): seeds {', '.join(str(o.cfg.seed) for o in outs)}")
+            first = outs[0]
+            assert first.violation is not None
+            lines.append(f"   first: {first.cfg}, after step {first.violation.step}: {first.violation.message[:1500]}")
+            lines.append(f"   its steps: {', '.join(str(s) for s in first.steps[: first.violation.step + 1])}")
+            lines.append(f"   logs: {first.workdir}")
+            s = self.shrunk.get(invariant)
+            if s is not None:
+                done = "shortest found" if s.complete else "shrinking stopped at its time budget"
+                lines.append(
+                    f"   shrunk ({done}, {s.runs} runs) to {len(s.steps)} step(s): {', '.join(str(x) for x in s.steps)}"
+                )
+                if s.outcome.violation is not None:
+                    lines.append(f"   which shows: {s.outcome.violation.message[:1500]}")
+        return "\n".join(lines)
+
+
+def run_many(
+    seeds: list[int],
+    n_steps: int,
+    prom: Prometheus,
+    base: Path,
+    *,
+    workers: int = 2,
+    shrink_budget_s: float = 120.0,
+    progress: bool = True,
+) -> Summary:
+    summary = Summary()
+    started = time.monotonic()
+
+    def one(seed: int) -> Outcome:
+        cfg = config_for(seed)
+        out = run_steps(cfg, generate(cfg, n_steps), prom, base)
+        if progress:
+            what = f"VIOLATION {out.violation}"[:300] if out.violation else "ok"
+            print(
+                f"[lifecycle] {cfg} : {out.executed} steps ({out.skipped} skipped) in {out.wall_s:.1f} s: {what}",
+                flush=True,
+            )
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        summary.outcomes = list(pool.map(one, seeds))
+    deadline = time.monotonic() + shrink_budget_s
+    for o in summary.violations:
+        assert o.violation is not None
+        invariant = o.violation.invariant
+        left = deadline - time.monotonic()
+        if invariant in summary.shrunk or left <= 5:
+            continue
+        summary.shrunk[invariant] = shrink(o, prom, base, left)
+    summary.wall_s = time.monotonic() - started
+    return summary
