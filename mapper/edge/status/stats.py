@@ -24,6 +24,8 @@ from typing import Any
 
 from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
+from mapper.edge.push.destination import STATES as PUSH_STATES
+from mapper.edge.push.destination import DestinationStatus
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
 from mapper.wire.state import GpuStatus, state_payload
 
@@ -205,6 +207,8 @@ class MapperSnapshot:
     workloads: tuple[GpuWorkloads, ...] = ()
     #: GPUs whose process cycle failed, by reason.
     process_errors: Mapping[str, int] = field(default_factory=dict)
+    # --- push and DB destinations the Devices name (docs/push.md) ---
+    push_destinations: tuple[DestinationStatus, ...] = ()
 
     def gpu(self, uuid: str) -> GpuSnapshot | None:
         for g in self.gpus:
@@ -264,6 +268,7 @@ class MapperSnapshot:
                 "gpus": [_workloads_to_dict(w) for w in self.workloads],
                 "errors": dict(self.process_errors),
             },
+            "push": {"destinations": [_push_to_dict(d) for d in self.push_destinations]},
         }
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -282,8 +287,9 @@ class MapperSnapshot:
         policy = r.obj("policy")
         collect = r.obj("collect")
         dur = collect.obj("duration")
-        # Absent from the status file of a mapper older than the process cycle.
+        # Absent from the status file of a mapper older than the process cycle, or than the push methods.
         procs = r.obj("processes") if "processes" in r.names() else None
+        push = r.obj("push") if "push" in r.names() else None
         try:
             histogram = DurationHistogram(
                 bounds_s=tuple(dur.numbers("bounds_s")),
@@ -324,6 +330,7 @@ class MapperSnapshot:
             collect_errors=collect.count_map("errors"),
             workloads=tuple(_workloads_from_reader(w) for w in procs.objs("gpus")) if procs else (),
             process_errors=procs.count_map("errors") if procs else {},
+            push_destinations=tuple(_push_from_reader(d) for d in push.objs("destinations")) if push else (),
         )
 
     @classmethod
@@ -333,6 +340,41 @@ class MapperSnapshot:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise SnapshotFormatError(f"status: not JSON ({exc})") from None
         return cls.from_dict(doc)
+
+
+def _push_to_dict(d: DestinationStatus) -> dict[str, Any]:
+    return {
+        "key": d.key,
+        "kind": d.kind,
+        "state": d.state,
+        "backlog_samples": d.backlog_samples,
+        "backlog_bytes": d.backlog_bytes,
+        "delivered_samples": d.delivered_samples,
+        "failures": d.failures,
+        "dropped": dict(d.dropped),
+        "last_error": d.last_error,
+        "last_success_ms": d.last_success_ms,
+        "properties": d.properties,
+    }
+
+
+def _push_from_reader(r: _Reader) -> DestinationStatus:
+    state = r.text("state")
+    if state not in PUSH_STATES:
+        raise SnapshotFormatError(f"{r.path}.state: {state!r} is not one of {', '.join(PUSH_STATES)}")
+    return DestinationStatus(
+        key=r.text("key"),
+        kind=r.text("kind"),
+        state=state,
+        backlog_samples=r.count("backlog_samples"),
+        backlog_bytes=r.count("backlog_bytes"),
+        delivered_samples=r.count("delivered_samples"),
+        failures=r.count("failures"),
+        dropped=r.count_map("dropped"),
+        last_error=r.text("last_error"),
+        last_success_ms=r.opt_count("last_success_ms"),
+        properties=r.count("properties"),
+    )
 
 
 def _pairs_out(counts: Mapping[tuple[str, str], int]) -> list[list[str | int]]:
