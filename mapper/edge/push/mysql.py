@@ -9,7 +9,7 @@ kept (pinged before each write), its connect, read and write each bounded by ``t
 
 Differences from the framework, on purpose: a batch goes in ONE transaction (the framework inserts row by row,
 and stops the property for good on the first error), the rows of a table in the samples' order (the ``id``
-shows it); a table is created once per writer, not before every row.
+shows it); a table is created once per connection, not before every row.
 
 Errors: a connection that fails or times out, and the server's "not now" answers (too many connections, lock
 wait timeout, deadlock, shutdown in progress, disk full, ...) are a ``TransientError``: the transaction is rolled
@@ -19,20 +19,21 @@ characters, no right to create it) is refused by itself: the batch's other rows 
 ``PermanentError`` names the refused ones.
 
 Idempotence: a transaction that failed before COMMIT left nothing; one whose COMMIT went out with no answer may
-or may not have landed, and retrying it blindly could write it twice. So each transaction also writes its batch
-id in the writer's row of ``gpu_mapper_push_commits`` (``writer``, ``batch``, ``at``; one row per writer, rows
-of writers gone 7 days pruned): after such a failure the next write reads that row, under a lock that waits for
-the old transaction to end, and leaves out the samples the landed batch held. A batch is written once, unless
-the process dies between the COMMIT and its answer (the framework's buffer then replays it).
+or may not have landed, and retrying it blindly could write it twice. So the writer remembers one row of that
+transaction, its ``id`` (the first row of a table is inserted alone, for its ``id``), time and value: the next
+write looks that row up with a locking read (which waits for the old transaction to end on the server) and, if it
+is there, leaves out the samples the landed transaction held. No table of our own, no privilege beyond the
+framework's (CREATE, INSERT; SELECT for the look-up). A batch is written once, unless the process dies between
+the COMMIT and its answer (the framework's buffer then replays it), or the table has no ``id`` to look up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pymysql
@@ -43,10 +44,6 @@ from mapper.errors import PermanentError, TransientError, short_repr
 from mapper.shared.push import DbMysql, PushSample, PushSecrets, PushWriter
 
 DEFAULT_PORT = 3306
-#: The table of each writer's last committed batch (see the module docstring).
-COMMITS_TABLE = "gpu_mapper_push_commits"
-#: Rows of ``COMMITS_TABLE`` older than this, of other writers, are deleted when a writer connects.
-COMMITS_KEEP_DAYS = 7
 
 #: Server errors that mean "not now" (the same statement can succeed later).
 TRANSIENT_CODES = frozenset(
@@ -83,9 +80,20 @@ MAX_REMEMBERED_SAMPLES = 100_000
 #: Errors of the connection itself: the whole batch refused.
 ACCESS_CODES = frozenset({1044, 1045, 1698})  # access denied (to the database, for the user, without a password)
 UNKNOWN_DATABASE = 1049
+NO_SUCH_TABLE = 1146
 
 _T = TypeVar("_T")
 _Ident = tuple[str, int, str]
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """A row of a transaction whose COMMIT got no answer: its table, id, time text and value."""
+
+    table: str
+    row_id: int
+    ts: str
+    value: str
 
 
 def make_writer(method: DbMysql, secrets: PushSecrets, *, timeout_s: float) -> PushWriter:
@@ -163,13 +171,12 @@ class MysqlWriter:
         self._user = method.user_name
         self._password = password or ""
         self._timeout_s = timeout_s
-        #: This writer's row in COMMITS_TABLE.
-        self.writer_id = uuid.uuid4().hex
         self._conn: pymysql.connections.Connection[Any] | None = None
         #: Tables this connection has made sure of (created or found).
         self._tables: set[str] = set()
-        #: The batch whose COMMIT got no answer, and the samples it held; None when every outcome is known.
-        self._uncertain: tuple[str, frozenset[_Ident]] | None = None
+        #: A row of the transaction whose COMMIT got no answer, and the samples it held; None when every
+        #: outcome is known.
+        self._uncertain: tuple[_Probe, frozenset[_Ident]] | None = None
         #: Samples known to be in the database that a write still failed around (left out when written again).
         self._landed: set[_Ident] = set()
         self._executor: ThreadPoolExecutor | None = None
@@ -194,7 +201,7 @@ class MysqlWriter:
         self._closed = True
         if self._executor is not None:
             executor, self._executor = self._executor, None
-            await asyncio.get_running_loop().run_in_executor(executor, self._close)
+            await asyncio.get_running_loop().run_in_executor(executor, self._drop)
             executor.shutdown(wait=False)
 
     async def _run(self, fn: Callable[[list[PushSample]], _T], samples: list[PushSample]) -> _T:
@@ -247,24 +254,6 @@ class MysqlWriter:
                 raise _Transient(exc) from None
             raise PermanentError(f"{self.key}: {_error_text(exc)}", reason=f"mysql-{code}") from None
         self._conn = conn
-        try:
-            with conn.cursor() as cursor:
-                cursor.execute(
-                    f"CREATE TABLE IF NOT EXISTS {COMMITS_TABLE} "
-                    "(writer CHAR(32) NOT NULL PRIMARY KEY, batch CHAR(32) NOT NULL, at DATETIME NOT NULL)"
-                )
-                cursor.execute(
-                    f"DELETE FROM {COMMITS_TABLE} WHERE at < NOW() - INTERVAL {COMMITS_KEEP_DAYS} DAY AND writer <> %s",
-                    (self.writer_id,),
-                )
-            conn.commit()
-        except (pymysql.err.MySQLError, OSError) as exc:
-            if is_transient(exc):
-                raise _Transient(exc) from None
-            self._drop()
-            raise PermanentError(
-                f"{self.key}: cannot keep {COMMITS_TABLE}: {_error_text(exc)}", reason=f"mysql-{_error_code(exc)}"
-            ) from None
         return conn
 
     def _drop(self) -> None:
@@ -275,18 +264,6 @@ class MysqlWriter:
                 conn.close()
             except (pymysql.err.MySQLError, OSError):
                 pass
-
-    def _close(self) -> None:
-        """The writer's row removed (when no outcome is in doubt) and the connection closed."""
-        conn = self._conn
-        if conn is not None and self._uncertain is None:
-            try:
-                with conn.cursor() as cursor:
-                    cursor.execute(f"DELETE FROM {COMMITS_TABLE} WHERE writer = %s", (self.writer_id,))
-                conn.commit()
-            except (pymysql.err.MySQLError, OSError):
-                pass
-        self._drop()
 
     def _write_batch(
         self, conn: pymysql.connections.Connection[Any], samples: list[PushSample]
@@ -346,17 +323,25 @@ class MysqlWriter:
             if self._uncertain is not None:
                 self._resolve_uncertain(cursor)
             inserted: list[_Ident] = []
+            probe: _Probe | None = None
             for table, table_rows in rows.items():
                 table_rows = [(s, text) for s, text in table_rows if (table, s.ts_ms, s.value) not in self._landed]
                 if not table_rows:
                     continue
                 insert = f"INSERT INTO {quote_name(table)} (ts, field) VALUES (%s, %s)"
-                # executemany may send several statements: back to the savepoint if one fails, then row by row
-                # (a failed row's statement is undone alone, the transaction goes on) to refuse only the bad ones.
+                # The first row alone (its id is the probe), the rest at once: executemany may send several
+                # statements, so back to the savepoint if one fails, then row by row (a failed row's statement is
+                # undone alone, the transaction goes on) to refuse only the bad ones.
                 cursor.execute("SAVEPOINT push_table")
                 try:
-                    cursor.executemany(insert, [(text, sample.value) for sample, text in table_rows])
+                    first, first_text = table_rows[0]
+                    cursor.execute(insert, (first_text, first.value))
+                    first_id = cursor.lastrowid
+                    if len(table_rows) > 1:
+                        cursor.executemany(insert, [(text, sample.value) for sample, text in table_rows[1:]])
                     inserted += [(table, sample.ts_ms, sample.value) for sample, _ in table_rows]
+                    if probe is None and first_id:
+                        probe = _Probe(table, first_id, first_text, first.value)
                     continue
                 except pymysql.err.MySQLError as exc:
                     if is_transient(exc):
@@ -371,29 +356,36 @@ class MysqlWriter:
                         refused.append((f"mysql-{_error_code(exc)}", f"{_name(sample)}: {_error_text(exc)}"))
                         continue
                     inserted.append((table, sample.ts_ms, sample.value))
-            batch = uuid.uuid4().hex
-            cursor.execute(
-                f"REPLACE INTO {COMMITS_TABLE} (writer, batch, at) VALUES (%s, %s, NOW())", (self.writer_id, batch)
-            )
+                    if probe is None and cursor.lastrowid:
+                        probe = _Probe(table, cursor.lastrowid, text, sample.value)
         except BaseException:
             try:
                 conn.rollback()
             except (pymysql.err.MySQLError, OSError):
                 pass
             raise
-        self._uncertain = (batch, frozenset(inserted))
+        # Without a probe (nothing inserted, or a table without an AUTO_INCREMENT id) there is nothing to look up.
+        self._uncertain = (probe, frozenset(inserted)) if probe is not None else None
         conn.commit()
         self._uncertain = None
 
     def _resolve_uncertain(self, cursor: pymysql.cursors.Cursor) -> None:
-        """After a COMMIT with no answer: whether it landed (the writer's row names its batch; the locking read
-        waits for that transaction to end); if so its samples are remembered as landed."""
+        """After a COMMIT with no answer: whether it landed (its probe row is there, as written; the locking read
+        waits for that transaction to end on the server); if so its samples are remembered as landed."""
         assert self._uncertain is not None
-        batch, held = self._uncertain
-        cursor.execute(f"SELECT batch FROM {COMMITS_TABLE} WHERE writer = %s FOR UPDATE", (self.writer_id,))
-        found = cursor.fetchone()
+        probe, held = self._uncertain
+        try:
+            cursor.execute(
+                f"SELECT CAST(ts AS CHAR), field FROM {quote_name(probe.table)} WHERE id = %s FOR UPDATE",
+                (probe.row_id,),
+            )
+            found = cursor.fetchone()
+        except pymysql.err.MySQLError as exc:
+            if is_transient(exc) and _error_code(exc) != NO_SUCH_TABLE:
+                raise
+            found = None  # the table is gone (dropped), or cannot be read: nothing to leave out
         self._uncertain = None
-        if found is not None and found[0] == batch:
+        if found is not None and tuple(found) == (probe.ts, probe.value):
             if len(self._landed) + len(held) > MAX_REMEMBERED_SAMPLES:
                 self._landed.clear()
             self._landed.update(held)
