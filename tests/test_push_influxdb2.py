@@ -172,6 +172,26 @@ async def test_server_down_is_transient_and_the_retry_writes_each_sample_once(tm
     assert got == [(t0 + i * 1000, float(v)) for i, v in enumerate([40, 41, 42, 50, 51, 52])]
 
 
+async def test_a_restart_between_writes_costs_no_error(tmp_path: Path, measurement: str) -> None:
+    """The kept-alive connection died with the old server: the next write goes on a new one, not into an error."""
+    server = VictoriaMetrics(tmp_path)
+    server.start()
+    try:
+        writer = writer_for(server.url, measurement)
+        t0 = now_ms()
+        try:
+            await writer.write([sample("41", t0)])
+            server.stop()
+            server.start()
+            await writer.write([sample("42", t0 + 1000)])
+        finally:
+            await writer.aclose()
+        got = stored(server, measurement, 2)
+    finally:
+        server.stop()
+    assert got == [(t0, 41.0), (t0 + 1000, 42.0)]
+
+
 async def test_a_write_that_failed_part_way_is_retried_without_what_landed(
     vm: VictoriaMetrics, proxy: RecordingProxy, measurement: str
 ) -> None:

@@ -189,13 +189,16 @@ async def test_server_down_is_transient_and_the_retry_writes_each_row_once(tmp_p
                 await writer.write(later)
             server.start()
             await writer.write(later)
+            server.stop()  # a restart between two writes costs no error: the ping finds the connection dead
+            server.start()
+            await writer.write([sample("temperature", "53", T0_MS + 6000)])
         finally:
             await writer.aclose()
         got = rows(server, "telemetry", "default/edge-1-gpu0/temperature")
     finally:
         server.cleanup()
     t0_s = T0_MS // 1000
-    assert got == [(i + 1, t0_s + i, str(v)) for i, v in enumerate([40, 41, 42, 50, 51, 52])]
+    assert got == [(i + 1, t0_s + i, str(v)) for i, v in enumerate([40, 41, 42, 50, 51, 52, 53])]
 
 
 async def test_a_commit_whose_answer_never_came_is_not_written_twice(

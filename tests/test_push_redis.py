@@ -131,6 +131,19 @@ async def test_server_down_is_transient_and_the_retry_writes_each_sample_once(re
     assert [member.split('"Value":"')[1].split('"')[0] for member, _ in got] == ["40", "41", "42", "50", "51", "52"]
 
 
+async def test_a_restart_between_writes_costs_no_error(redis: RedisServer) -> None:
+    """The kept connection died with the old server: the next write goes on a new one, not into an error."""
+    writer = writer_for(redis)
+    try:
+        await writer.write([sample("temperature", "41", T0_MS)])
+        redis.stop()
+        redis.start()
+        await writer.write([sample("temperature", "42", T0_MS + 1000)])
+    finally:
+        await writer.aclose()
+    assert [score for _, score in redis.zrange("edge-1-gpu0")] == [T0_MS, T0_MS + 1000]
+
+
 async def test_a_pipeline_cut_after_redis_did_it_is_retried_without_duplicates(redis: RedisServer) -> None:
     proxy = CuttingProxy(redis.port)
     writer = writer_for(redis, port=proxy.port)

@@ -280,14 +280,32 @@ class Influxdb2Writer:
         if conn is not None:
             conn.close()
 
-    def _post(self, body: bytes) -> None:
-        conn = self._connection()
-        try:
-            conn.request("POST", self._path, body=body, headers=self._headers)
-            resp = conn.getresponse()
-            answer = resp.read(MAX_ANSWER_BYTES)
+    def _exchange(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+        """One request and its answer (at most ``MAX_ANSWER_BYTES`` of it). A kept-alive connection the server
+        has closed meanwhile (idle, or restarted) fails on its first use: once, the request goes again on a new
+        one (a write is idempotent: the same point overwrites itself)."""
+        while True:
+            conn = self._connection()
+            reused = conn.sock is not None
+            try:
+                conn.request("POST", self._path, body=body, headers=self._headers)
+                resp = conn.getresponse()
+                answer = resp.read(MAX_ANSWER_BYTES)
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
+                self._drop_connection()
+                if reused:
+                    continue
+                raise
+            except BaseException:
+                self._drop_connection()
+                raise
             if not resp.isclosed() or resp.will_close:
                 self._drop_connection()
+            return resp, answer
+
+    def _post(self, body: bytes) -> None:
+        try:
+            resp, answer = self._exchange(body)
         except ssl.SSLCertVerificationError as exc:
             self._drop_connection()
             raise PermanentError(f"{self.key}: the server's certificate: {exc.verify_message}", reason="tls") from None

@@ -191,12 +191,18 @@ class RedisWriter:
                 pass
 
     async def _pipeline(self, commands: list[list[bytes]]) -> list[Reply]:
-        """Send ``commands`` and read their replies; the connection dropped on anything that breaks off."""
+        """Send ``commands`` and read their replies; the connection dropped on anything that breaks off. A kept
+        connection the server has closed meanwhile (a restart) fails on its first use: once, the commands go
+        again on a new one (ZADD of the same member and score changes nothing)."""
+        reused = self._streams is not None
         try:
-            if self._streams is None:
-                self._streams = await self._connect()
-            reader, writer = self._streams
-            return await self._exchange(reader, writer, commands)
+            try:
+                return await self._send(commands)
+            except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):
+                if not reused:
+                    raise
+                await self._drop()
+                return await self._send(commands)
         except TimeoutError:
             await self._drop()
             raise TransientError(f"{self.key}: no answer within {self._timeout_s}s", reason="timeout") from None
@@ -209,6 +215,12 @@ class RedisWriter:
         except BaseException:
             await self._drop()
             raise
+
+    async def _send(self, commands: list[list[bytes]]) -> list[Reply]:
+        if self._streams is None:
+            self._streams = await self._connect()
+        reader, writer = self._streams
+        return await self._exchange(reader, writer, commands)
 
     async def _exchange(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, commands: list[list[bytes]]
