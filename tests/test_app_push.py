@@ -67,7 +67,7 @@ def device_doc(uuid: str, http: HttpReceiver, otel: OtlpReceiver, temperature_pa
 
 
 class Mapper:
-    def __init__(self, tmp: Path, devices: Path, metrics_port: int) -> None:
+    def __init__(self, tmp: Path, devices: Path, metrics_port: int, env: dict[str, str] | None = None) -> None:
         self.log = tmp / "mapper.log"
         self.metrics = f"http://127.0.0.1:{metrics_port}"
         argv = [
@@ -88,7 +88,13 @@ class Mapper:
             "--print-interval",
             "0",
         ]
-        env = {**os.environ, "TZ": "UTC", "GPU_MAPPER_PUSH_TIMEOUT_S": "2s", "GPU_MAPPER_PUSH_RETRY_MAX_S": "2s"}
+        env = {
+            **os.environ,
+            "TZ": "UTC",
+            "GPU_MAPPER_PUSH_TIMEOUT_S": "2s",
+            "GPU_MAPPER_PUSH_RETRY_MAX_S": "2s",
+            **(env or {}),
+        }
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -227,3 +233,183 @@ def test_the_mapper_pushes_to_http_and_otel_through_an_outage_with_nothing_lost(
     finally:
         code = mapper.stop()
     assert code == 0, mapper.text()[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# Every method at once, the DB methods against their real servers (redis-server, MariaDB, VictoriaMetrics)
+# --------------------------------------------------------------------------------------------------
+
+PASSWORD = "push-pw"
+TOKEN = "push-token"
+
+
+def every_method_doc(uuid: str, http: HttpReceiver, otel: OtlpReceiver, redis: Any, vm: Any, mysql: Any) -> dict:
+    """As a Device of the framework's users names them: one push and one DB method per property."""
+    host = "http://127.0.0.1"
+    mysql_method = {"mysqlClientConfig": {"addr": f"127.0.0.1:{mysql.port}", "database": "gpu", "userName": "mapper"}}
+
+    def prop(name: str, push: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "reportCycle": CYCLE_MS, "reportToCloud": True, "pushMethod": push}
+
+    return {
+        "apiVersion": "devices.kubeedge.io/v1beta1",
+        "kind": "Device",
+        "metadata": {"name": "gpu0", "namespace": "default"},
+        "spec": {
+            "deviceModelRef": {"name": "nvidia-gpu"},
+            "protocol": {"protocolName": "gpu", "configData": {"uuid": uuid}},
+            "properties": [
+                prop(
+                    "temperature",
+                    {
+                        "http": {"hostName": host, "port": http.port, "requestPath": "/temperature"},
+                        "dbMethod": {"redis": {"redisClientConfig": {"addr": f"127.0.0.1:{redis.port}", "db": 0}}},
+                    },
+                ),
+                prop(
+                    "power_usage",
+                    {
+                        "otel": {"endpointURL": otel.endpoint},
+                        "dbMethod": {
+                            "influxdb2": {
+                                "influxdb2ClientConfig": {"url": vm.url, "org": "kubeedge", "bucket": "gpu"},
+                                "influxdb2DataConfig": {
+                                    "measurement": "gpu",
+                                    "tag": {"node": "edge-1"},
+                                    "fieldKey": "power",
+                                },
+                            }
+                        },
+                    },
+                ),
+                prop(
+                    "temperature_memory",
+                    {
+                        "http": {"hostName": host, "port": http.port, "requestPath": "/memory"},
+                        "dbMethod": {"mysql": mysql_method},
+                    },
+                ),
+                prop(
+                    "energy_consumption", {"otel": {"endpointURL": otel.endpoint}, "dbMethod": {"mysql": mysql_method}}
+                ),
+                prop("utilization_gpu", {"anomalyDetection": {"algorithm": "zscore", "threshold": 3, "enabled": True}}),
+            ],
+        },
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_method_reaches_its_real_receiver_and_outages_lose_nothing(
+    tmp_path: Path, receivers: tuple[HttpReceiver, OtlpReceiver]
+) -> None:
+    from tests.dbservers import MariaDb, RedisServer, VictoriaMetrics
+
+    http, otel = receivers
+    redis, vm, mysql = RedisServer(tmp_path, password=PASSWORD), VictoriaMetrics(tmp_path), MariaDb(tmp_path)
+    servers = [redis, vm, mysql]
+    mapper: Mapper | None = None
+    try:
+        for server in servers:
+            server.start()
+        mysql.make_database("gpu", "mapper", PASSWORD)
+        uuid = sim_uuid()
+        devices = tmp_path / "devices"
+        devices.mkdir()
+        (devices / "model.yaml").write_text(model_yaml())
+        (devices / "gpu0.yaml").write_text(yaml.safe_dump(every_method_doc(uuid, http, otel, redis, vm, mysql)))
+        mapper = Mapper(tmp_path, devices, free_port(), env={"PASSWORD": PASSWORD, "TOKEN": TOKEN})
+
+        def redis_times() -> list[int]:
+            return [score for member, score in redis.zrange("gpu0") if '"PropertyName":"temperature"' in member]
+
+        def mysql_times(prop: str) -> list[int]:
+            try:
+                got = mysql.sql(f"SELECT UNIX_TIMESTAMP(ts) FROM `default/gpu0/{prop}` ORDER BY id", database="gpu")
+            except Exception:
+                return []
+            return [int(r[0]) * 1000 for r in got]
+
+        def vm_times() -> list[int]:
+            series = vm.export('{__name__="gpu_power"}')
+            return sorted(t for s in series for t in s["timestamps"])
+
+        wait_until(
+            lambda: (
+                len(redis_times()) >= 2
+                and len(mysql_times("temperature_memory")) >= 2
+                and len(mysql_times("energy_consumption")) >= 2
+                and len(vm_times()) >= 2
+                and len(http_times(http, "/temperature")) >= 2
+                and len(otel_times(otel, "power_usage")) >= 2
+            ),
+            mapper,
+            60,
+            "every receiver to hold values",
+        )
+        member = next(m for m, _ in redis.zrange("gpu0") if '"PropertyName":"temperature"' in m)
+        assert json.loads(member)["DeviceName"] == "gpu0" and json.loads(member)["Namespace"] == "default"
+
+        # redis down alone: the others go on meanwhile.
+        redis.stop()
+        others_before = len(http_times(http, "/temperature")), len(otel_times(otel, "power_usage"))
+        time.sleep(8)
+        assert len(http_times(http, "/temperature")) > others_before[0] + 2, "http went on while redis was down"
+        assert len(otel_times(otel, "power_usage")) > others_before[1] + 2, "otel went on while redis was down"
+        redis.start()
+        # Then http, otel, VictoriaMetrics and MariaDB down together; redis goes on.
+        redis_count = len(redis_times())
+        http.stop()
+        otel.stop()
+        vm.stop()
+        mysql.stop()
+        down_ms = time.time() * 1000
+        time.sleep(8)
+        assert len(redis_times()) >= redis_count + 3, "redis went on while the others were down"
+        vm.start()
+        mysql.start()
+        http.start()
+        otel.start()
+        up_ms = time.time() * 1000
+
+        def caught_up(times: list[int]) -> bool:
+            return bool(times) and times[-1] > up_ms + CYCLE_MS
+
+        wait_until(
+            lambda: (
+                caught_up(redis_times())
+                and caught_up(http_times(http, "/temperature"))
+                and caught_up(http_times(http, "/memory"))
+                and caught_up(otel_times(otel, "power_usage"))
+                and caught_up(mysql_times("temperature_memory"))
+                and caught_up(mysql_times("energy_consumption"))
+                and caught_up(vm_times())
+            ),
+            mapper,
+            60,
+            "every receiver to catch up",
+        )
+        check_complete_and_in_order(redis_times(), "redis", slack_ms=500)
+        check_complete_and_in_order(vm_times(), "influxdb2 (VictoriaMetrics)", slack_ms=500)
+        for path in ("/temperature", "/memory"):
+            check_complete_and_in_order(http_times(http, path), f"http {path}")
+        for metric in ("power_usage", "energy_consumption"):
+            check_complete_and_in_order(otel_times(otel, metric), f"otel {metric}", slack_ms=500)
+        for prop in ("temperature_memory", "energy_consumption"):
+            check_complete_and_in_order(mysql_times(prop), f"mysql {prop}")
+            assert any(down_ms < t < up_ms - CYCLE_MS for t in mysql_times(prop)), f"mysql {prop}: the outage's rows"
+        assert any(down_ms < t < up_ms - CYCLE_MS for t in vm_times()), "influxdb2: the outage's points, at their time"
+        status = json.loads(mapper.get("/status"))
+        assert {d["kind"]: d["state"] for d in status["push"]["destinations"]} == {
+            "http": "ok",
+            "otel": "ok",
+            "redis": "ok",
+            "influxdb2": "ok",
+            "mysql": "ok",
+        }
+    finally:
+        code = mapper.stop() if mapper is not None else 0
+        for server in servers:
+            server.stop()
+        mysql.cleanup()
+    assert code == 0, mapper.text()[-3000:] if mapper is not None else ""

@@ -111,7 +111,7 @@ async def test_the_push_status_twin_says_how_each_method_fares(router: PushRoute
         w = worker(dev)
         step(router, w, T0_MS, {"temperature": 41})
         assert w.push_status == (
-            "temperature:http:waiting,temperature:otel:ignored,temperature:tdengine:refused@not-built,"
+            "temperature:http:waiting,temperature:otel:ignored,temperature:tdengine:refused@not-supported,"
             "utilization_gpu:anomalyDetection:carried,power_usage:http:refused@hostName,"
             "product_name:otel:refused@not-a-number"
         )

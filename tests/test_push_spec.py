@@ -446,6 +446,13 @@ def test_anomaly_detection_scalars_are_carried_as_given() -> None:
     assert got.push == AnomalyDetection(config={"threshold": 0.9, "on": False, "name": "z"})
 
 
+def test_a_mysql_addr_may_name_a_host_alone_as_its_driver_takes_it_and_redis_may_not() -> None:
+    mysql = {"mysql": {"mysqlClientConfig": {"addr": "db.example", "database": "d", "userName": "u"}}}
+    assert parse_push_method({"dbMethod": mysql}, "w").db == DbMysql("db.example", "d", "u")
+    redis = parse_push_method({"dbMethod": {"redis": {"redisClientConfig": {"addr": "cache"}}}}, "w")
+    assert redis.db is None and redis.notes[0].field == "redisClientConfig.addr"
+
+
 def test_a_mysql_table_name_longer_than_mysql_allows_is_refused() -> None:
     mysql = {"mysql": {"mysqlClientConfig": {"addr": "m:3306", "database": "d", "userName": "u"}}}
     table = "default/" + "g" * 40 + "/temperature_memory"

@@ -260,6 +260,7 @@ class MapperApp:
             secrets=s.push_secrets,
             publisher_for=self._push_publisher,
             service_version=__version__,
+            influxdb2_numbers=s.push_influxdb2_numbers,
         )
         self.push = PushRouter(
             node,

@@ -130,6 +130,8 @@ class Settings:
     push_replay_rate_per_s: float = 200.0
     #: The longest wait between two tries of a destination that is down.
     push_retry_max_s: float = 10.0
+    #: dbMethod.influxdb2 writes a number as a float field (the framework writes every value as a string field).
+    push_influxdb2_numbers: bool = False
     #: The credentials every push and DB method uses (never shown by repr).
     push_secrets: PushSecrets = field(default_factory=PushSecrets)
     #: The names of the settings given in the file, the environment or flags (``load_settings``); the others
@@ -208,6 +210,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "push_username_file": ("push.usernameFile", "str"),
     "push_replay_rate_per_s": ("push.replayRate", "float"),
     "push_retry_max_s": ("push.retryMax", "duration"),
+    "push_influxdb2_numbers": ("push.influxdb2Numbers", "bool"),
 }
 
 #: The framework's variables for the DB methods' credentials (KubeEdge's mapper docs fill them from a Secret):

@@ -54,6 +54,7 @@ MQTT_SCHEMES = ("mqtt", "mqtts", "tcp", "ssl", "tls")
 Method = PushHttp | PushOtel | PushMqtt | DbInfluxdb2 | DbRedis | DbMysql | DbTdengine
 
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})")
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+")
 _SCHEME_HOST = re.compile(r"(https?)://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)")
 
 
@@ -164,9 +165,12 @@ def _url(value: Any, field: str) -> str:
     return url
 
 
-def _addr(value: Any, field: str) -> str:
-    """``host:port`` (a bracketed IPv6 host allowed), as the Go drivers take it."""
+def _addr(value: Any, field: str, *, port_optional: bool = False) -> str:
+    """``host:port`` (a bracketed IPv6 host allowed), as the Go drivers take it; with ``port_optional`` a host alone
+    too (the MySQL driver's default port)."""
     addr = _text(value, field)
+    if port_optional and _HOST.fullmatch(addr):
+        return addr
     match = _HOST_PORT.fullmatch(addr)
     if match is None or not 1 <= int(match.group(1)) <= 65535:
         raise _Refused(field, f"must be host:port, got {_shown(addr)}")
@@ -274,7 +278,7 @@ def _mysql(raw: Any, table: str) -> DbMysql:
     spec = _mapping(raw, "")
     client = _mapping(_get(spec, "mysqlClientConfig"), "mysqlClientConfig")
     method = DbMysql(
-        addr=_addr(_get(client, "addr"), "mysqlClientConfig.addr"),
+        addr=_addr(_get(client, "addr"), "mysqlClientConfig.addr", port_optional=True),
         database=_text(_get(client, "database"), "mysqlClientConfig.database", max_len=64),
         user_name=_text(_get(client, "userName"), "mysqlClientConfig.userName", max_len=80),
     )
