@@ -9,6 +9,7 @@ import gzip
 import http.server
 import itertools
 import socket
+import ssl
 import threading
 import urllib.parse
 from dataclasses import dataclass, field
@@ -49,8 +50,10 @@ class Receiver:
     """A ThreadingHTTPServer (HTTP/1.1, keep-alive) on ``port``; ``answer`` (status, extra headers, body) is what a
     POST gets; ``stop`` closes it and every open connection (the destination is down), ``start`` brings it back."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: serve https with this server context (its certificate in it)."""
         self.port = port or free_port()
+        self.tls = tls
         self.lock = threading.Lock()
         self.status = 200
         self.extra_headers: dict[str, str] = {}
@@ -108,6 +111,8 @@ class Receiver:
 
         server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         server.daemon_threads = True
+        if self.tls is not None:
+            server.socket = self.tls.wrap_socket(server.socket, server_side=True)
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
@@ -139,13 +144,13 @@ class Receiver:
 class HttpReceiver(Receiver):
     """Records each form POST (``posts``)."""
 
-    def __init__(self, port: int | None = None) -> None:
-        super().__init__(port)
+    def __init__(self, port: int | None = None, tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(port, tls)
         self.posts: list[Post] = []
 
     def url(self, path: str = "") -> tuple[str, int, str]:
         """(hostName, port, requestPath) of this receiver as a Device names it."""
-        return "http://127.0.0.1", self.port, path
+        return ("https://localhost" if self.tls else "http://127.0.0.1"), self.port, path
 
     def record(self, path: str, headers: dict[str, str], body: bytes) -> None:
         form = dict(urllib.parse.parse_qsl(body.decode("utf-8")))

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from mapper.clock import SystemClock
 from mapper.edge.push.destination import Destination
@@ -19,7 +21,9 @@ from mapper.edge.push.http import HttpWriter
 from mapper.edge.push.otel import OtelWriter
 from mapper.edge.push.spec import destination_key, method_to_json
 from mapper.edge.push.wire import encode_sample
+from mapper.edge.push.writers import WriterFactory
 from mapper.edge.storage.pushbuffer import PushBuffer
+from mapper.errors import ConfigError
 from mapper.shared.push import PushHttp, PushOtel, PushSample
 from tests.apphelpers import wait_for
 from tests.pushhelpers import HttpReceiver, OtlpReceiver
@@ -289,3 +293,33 @@ async def test_a_backlog_stored_before_a_restart_is_delivered_by_a_new_destinati
                 await r.close()
             running.clear()
             again.close()
+
+
+async def test_https_is_checked_against_the_ca_of_the_mappers_config(
+    tmp_path: Path, buffer: PushBuffer, running: list[Running]
+) -> None:
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    with HttpReceiver(tls=server_context) as receiver:
+        host, port, _ = receiver.url()
+        assert host == "https://localhost"
+        trusted, untrusted = PushHttp(host, port, "/trusted"), PushHttp(host, port, "/untrusted")
+        good = start(running, _destination(buffer, trusted, WriterFactory(timeout_s=2.0, ca_file=str(ca_file))))
+        bad = start(running, _destination(buffer, untrusted, WriterFactory(timeout_s=2.0)))
+        store(buffer, trusted, [sample(0)])
+        store(buffer, untrusted, [sample(0)])
+        good.wake()
+        bad.wake()
+        await wait_for(lambda: len(receiver.snapshot()) == 1, what="the post over https")
+        assert receiver.snapshot()[0].path == "/trusted"
+        await wait_for(lambda: bad.failures >= 1, what="the untrusted one failing")
+        assert "CERTIFICATE_VERIFY_FAILED" in bad.last_error and buffer.backlog(bad.key)[0] == 1, "kept, not lost"
+    with pytest.raises(ConfigError, match=r"push\.caFile"):
+        WriterFactory(timeout_s=2.0, ca_file=str(tmp_path / "missing.pem"))
+
+
+def _destination(buf: PushBuffer, method: PushHttp, factory: WriterFactory) -> Destination:
+    return Destination(destination_key(method), "http", buf, factory(method), clock=SystemClock(), retry_max_s=1.0)
