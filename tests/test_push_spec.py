@@ -291,7 +291,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "redis",
-        {"dbMethod": {"redis": {"redisClientConfig": {"addr": "redis"}}}},
+        {"dbMethod": {"redis": {"redisClientConfig": {"addr": "redis:99999"}}}},
         "dbMethod.redis.redisClientConfig.addr",
         "host:port",
     ),
@@ -446,11 +446,13 @@ def test_anomaly_detection_scalars_are_carried_as_given() -> None:
     assert got.push == AnomalyDetection(config={"threshold": 0.9, "on": False, "name": "z"})
 
 
-def test_a_mysql_addr_may_name_a_host_alone_as_its_driver_takes_it_and_redis_may_not() -> None:
+def test_a_db_addr_may_name_a_host_alone_for_the_default_port_but_tdengine_needs_its_port() -> None:
     mysql = {"mysql": {"mysqlClientConfig": {"addr": "db.example", "database": "d", "userName": "u"}}}
     assert parse_push_method({"dbMethod": mysql}, "w").db == DbMysql("db.example", "d", "u")
     redis = parse_push_method({"dbMethod": {"redis": {"redisClientConfig": {"addr": "cache"}}}}, "w")
-    assert redis.db is None and redis.notes[0].field == "redisClientConfig.addr"
+    assert redis.db == DbRedis(addr="cache")
+    td = parse_push_method({"dbMethod": {"TDEngine": {"TDEngineClientConfig": {"addr": "td", "dbName": "g"}}}}, "w")
+    assert td.db is None and td.notes[0].field == "TDEngineClientConfig.addr"
 
 
 def test_a_mysql_table_name_longer_than_mysql_allows_is_refused() -> None:
@@ -499,3 +501,27 @@ def test_a_device_update_that_changes_a_method_reaches_the_listeners() -> None:
     change = registry.upsert_device(changed)
     assert change.kind == "updated" and change.cycles_changed
     assert seen == ["added", "updated"]
+
+
+def test_the_example_devices_name_every_method_and_load_without_a_refusal() -> None:
+    folder = Path(__file__).resolve().parents[1] / "device-models" / "examples-push"
+    contents = load_folder(folder)
+    assert contents.errors == []
+    kinds: set[str] = set()
+    for device in contents.devices:
+        for p in device.properties:
+            assert p.push_notes == (), (device.key, p.name, p.push_notes)
+            for method in (p.push_mqtt, p.push, p.db):
+                if method is not None:
+                    kinds.add(type(method).__name__)
+    assert kinds == {
+        "PushHttp",
+        "PushOtel",
+        "PushMqtt",
+        "AnomalyDetection",
+        "DbInfluxdb2",
+        "DbRedis",
+        "DbMysql",
+        "DbTdengine",
+    }
+    assert len({d.uuid for d in contents.devices}) == len(contents.devices) == 4, "one demo GPU each"

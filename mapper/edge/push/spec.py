@@ -167,7 +167,7 @@ def _url(value: Any, field: str) -> str:
 
 def _addr(value: Any, field: str, *, port_optional: bool = False) -> str:
     """``host:port`` (a bracketed IPv6 host allowed), as the Go drivers take it; with ``port_optional`` a host alone
-    too (the MySQL driver's default port)."""
+    too (the writer's default port: MySQL's 3306, Redis's 6379)."""
     addr = _text(value, field)
     if port_optional and _HOST.fullmatch(addr):
         return addr
@@ -258,7 +258,7 @@ def _redis(raw: Any) -> DbRedis:
     spec = _mapping(raw, "")
     client = _mapping(_get(spec, "redisClientConfig"), "redisClientConfig")
     return DbRedis(
-        addr=_addr(_get(client, "addr"), "redisClientConfig.addr"),
+        addr=_addr(_get(client, "addr"), "redisClientConfig.addr", port_optional=True),
         db=_integer(_get(client, "db"), "redisClientConfig.db", default=0, high=65535),
         pool_size=_integer(_get(client, "poolsize"), "redisClientConfig.poolsize", default=0, high=10_000),
         min_idle_conns=_integer(_get(client, "minIdleConns"), "redisClientConfig.minIdleConns", default=0, high=10_000),
