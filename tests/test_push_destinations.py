@@ -28,6 +28,8 @@ from mapper.shared.push import PushHttp, PushOtel, PushSample
 from tests.apphelpers import wait_for
 from tests.pushhelpers import HttpReceiver, OtlpReceiver
 
+#: The samples carry fixed times in the past: the buffer keeps them whatever the day the tests run.
+KEEP_S = 100 * 365 * 86400.0
 T0_MS = 1_796_407_083_000  # 2026-12-04 17:58:03 UTC
 
 
@@ -46,7 +48,7 @@ def utc() -> Iterator[None]:
 
 @pytest.fixture
 def buffer(tmp_path: Path) -> Iterator[PushBuffer]:
-    buf = PushBuffer(tmp_path / "push.db", max_bytes=10**7, max_age_s=3600)
+    buf = PushBuffer(tmp_path / "push.db", max_bytes=10**7, max_age_s=KEEP_S)
     yield buf
     buf.close()
 
@@ -279,10 +281,10 @@ async def test_a_backlog_stored_before_a_restart_is_delivered_by_a_new_destinati
     with HttpReceiver() as receiver:
         host, port, _ = receiver.url()
         method = PushHttp(host, port, "/t")
-        first = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=3600)
+        first = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=KEEP_S)
         store(first, method, [sample(i) for i in range(4)])
         first.close()
-        again = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=3600)
+        again = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=KEEP_S)
         try:
             assert again.keys() == {destination_key(method): method_to_json(method)}
             start(running, http_destination(again, method))

@@ -11,8 +11,13 @@ from typing import Any
 
 import pytest
 
-from mapper.clock import SystemClock
-from mapper.edge.control.collect import TickResult
+from mapper.clock import FakeClock, SystemClock
+from mapper.edge.control.collect import GpuWorker, TickResult
+from mapper.edge.control.policy import PolicyEngine
+from mapper.edge.control.reconcile import Reconciler
+from mapper.edge.gpu.nvml import NvmlBackend
+from mapper.edge.gpu.simnvml import SimNvml
+from mapper.edge.kubeedge.report import device_twins
 from mapper.edge.push.router import PushRouter
 from mapper.edge.push.spec import destination_key, parse_push_method
 from mapper.edge.push.writers import WriterFactory
@@ -23,6 +28,8 @@ from tests.apphelpers import wait_for
 from tests.pushhelpers import HttpReceiver
 
 UUID = "GPU-7a1c2e44-0b1d-4c55-9e0f-12ab34cd56ef"
+#: The samples carry fixed times in the past: the buffer keeps them whatever the day the tests run.
+KEEP_S = 100 * 365 * 86400.0
 T0_MS = 1_796_407_083_000  # = 1000 (mod 2000)
 
 
@@ -50,7 +57,7 @@ def worker(dev: DeviceConfig | None) -> Any:
 
 @pytest.fixture
 async def router(tmp_path: Path) -> AsyncIterator[PushRouter]:
-    buf = PushBuffer(tmp_path / "push.db", max_bytes=10**7, max_age_s=3600)
+    buf = PushBuffer(tmp_path / "push.db", max_bytes=10**7, max_age_s=KEEP_S)
     r = PushRouter("edge-1", buf, WriterFactory(timeout_s=2.0), clock=SystemClock(), default_report_cycle_ms=5000)
     task = asyncio.create_task(r.run())
     yield r
@@ -170,7 +177,7 @@ async def test_an_old_method_still_delivers_what_it_holds_before_it_is_closed(ro
 async def test_a_backlog_from_before_a_restart_is_delivered_before_any_device_names_it(tmp_path: Path) -> None:
     with HttpReceiver() as rx:
         method = {"http": {"hostName": "http://127.0.0.1", "port": rx.port}}
-        buf = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=3600)
+        buf = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=KEEP_S)
         first = PushRouter("edge-1", buf, WriterFactory(timeout_s=2.0), clock=SystemClock(), default_report_cycle_ms=1)
         w = worker(device(prop("temperature", method)))
         rx.stop()
@@ -179,7 +186,7 @@ async def test_a_backlog_from_before_a_restart_is_delivered_before_any_device_na
         await first.close()
         buf.close()
         rx.start()
-        buf2 = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=3600)
+        buf2 = PushBuffer(tmp_path / "push.db", max_bytes=10**6, max_age_s=KEEP_S)
         second = PushRouter(
             "edge-1", buf2, WriterFactory(timeout_s=2.0), clock=SystemClock(), default_report_cycle_ms=1
         )
@@ -191,3 +198,34 @@ async def test_a_backlog_from_before_a_restart_is_delivered_before_any_device_na
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             buf2.close()
+
+
+async def test_a_device_that_names_a_method_reports_the_push_status_twin_and_one_without_does_not(
+    router: PushRouter,
+) -> None:
+    clock = FakeClock()
+    backend = NvmlBackend(SimNvml(2, "H100", seed=0, clock=clock.monotonic), clock=clock)
+    backend.init()
+    try:
+        gpus = backend.list_gpus()
+        workers = [
+            GpuWorker(info, backend, Reconciler(backend, info.uuid, clock=clock), PolicyEngine(), clock)
+            for info in gpus
+        ]
+        pushing = DeviceConfig(
+            "default",
+            "gpu0",
+            "nvidia-gpu",
+            gpus[0].uuid,
+            (prop("temperature", {"anomalyDetection": {"threshold": 90}}, report_to_cloud=True),),
+        )
+        plain = DeviceConfig("default", "gpu1", "nvidia-gpu", gpus[1].uuid, (DeviceProperty("temperature"),))
+        for worker, dev in zip(workers, (pushing, plain), strict=True):
+            worker.bind(dev)
+            result = await worker.tick()
+            router.after_step(worker, result)
+        twins = {t.name: t.reported for t in device_twins(workers[0])}
+        assert twins["push_status"] == "temperature:anomalyDetection:carried"
+        assert "push_status" not in {t.name for t in device_twins(workers[1])}
+    finally:
+        backend.shutdown()
