@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Shared set-up for scripts/demo.sh and scripts/test.sh: a virtual environment in .venv with the project
-# installed (editable) and, with --test, everything the tests need (mosquitto, promtool, Python test deps).
+# installed (editable) and, with --test, everything the tests need (mosquitto, promtool, the push tests' database
+# servers, Python test deps).
 # Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,11 @@ if [ "$want_test" = 1 ]; then
   command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
   command -v podman >/dev/null || need_apt+=(podman)
   command -v runc >/dev/null || need_apt+=(runc)
+  # The push writers' real servers (tests/dbservers.py): Redis (and redis-cli), MariaDB, VictoriaMetrics (it
+  # takes InfluxDB's /api/v2/write). Each test starts its own on a free port; the packages' services are not used.
+  { command -v redis-server >/dev/null && command -v redis-cli >/dev/null; } || need_apt+=(redis-server redis-tools)
+  { command -v mariadbd >/dev/null || [ -x /usr/sbin/mariadbd ]; } || need_apt+=(mariadb-server)
+  command -v victoria-metrics >/dev/null || need_apt+=(victoria-metrics)
 fi
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "installing Debian packages: ${need_apt[*]}" >&2

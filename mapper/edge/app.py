@@ -36,6 +36,9 @@ from mapper.edge.outbox.publish import Publisher, telemetry_publish
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.outbox.streams import TelemetryStreams
 from mapper.edge.processes.loop import ProcessLoop
+from mapper.edge.push.mqtttext import PublishFn
+from mapper.edge.push.router import PushRouter
+from mapper.edge.push.writers import WriterFactory
 from mapper.edge.status.housekeeping import DEFAULT_INTERVAL_S as HOUSEKEEPING_INTERVAL_S
 from mapper.edge.status.housekeeping import Housekeeping
 from mapper.edge.status.metrics import MetricsServer, write_status_file
@@ -43,6 +46,7 @@ from mapper.edge.status.source import StatusSource, run_console
 from mapper.edge.status.stats import MapperSnapshot, Readiness
 from mapper.edge.storage.buffer import Buffer
 from mapper.edge.storage.datadir import require_data_dir
+from mapper.edge.storage.pushbuffer import PushBuffer
 from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.net.http import LoopHeartbeat
@@ -113,6 +117,7 @@ class MapperApp:
     bindings: Bindings
     collector: Collector
     housekeeping: Housekeeping
+    push: PushRouter
 
     def __init__(
         self,
@@ -149,6 +154,7 @@ class MapperApp:
         # Made by ``_build`` too; None until then, or for good where not configured (no broker, no DMI, no
         # compaction, no health loop or process loop on a Jetson) or not made (the metrics server, by ``_open``).
         self.buffer: Buffer | None = None
+        self.push_buffer: PushBuffer | None = None
         self.store: DesiredStore | None = None
         self.session: MqttSession | None = None
         self.compactor: Compactor | None = None
@@ -168,7 +174,7 @@ class MapperApp:
     # start-up: NVML, the parts, the ways in and out
     # ==============================================================================================
     async def start(self) -> None:
-        require_data_dir(self.data_dir, ("telemetry.db", "desired.db"))
+        require_data_dir(self.data_dir, ("telemetry.db", "desired.db", "push.db"))
         await self._init_nvml()
         self._build()
         self.bindings.restore_desired()
@@ -197,9 +203,22 @@ class MapperApp:
         """Every part, each given what it needs when it is made: read top to bottom, this is what needs what."""
         s, clock, node, workers = self.settings, self.clock, self.node, self.workers
 
-        # The files: the telemetry buffer and the desired store.
+        # The files: the telemetry buffer, the push buffer (what the push and DB destinations a Device names have
+        # not taken yet; both within one byte cap, buffer.maxBytes) and the desired store.
         self.buffer = Buffer(
-            self.data_dir / "telemetry.db", max_bytes=s.buffer_max_bytes, max_age_s=s.buffer_max_age_s, clock=clock
+            self.data_dir / "telemetry.db",
+            max_bytes=s.buffer_max_bytes,
+            max_age_s=s.buffer_max_age_s,
+            clock=clock,
+            shared_bytes=lambda: self.push_buffer.stored_bytes if self.push_buffer is not None else 0,
+        )
+        telemetry = self.buffer
+        self.push_buffer = PushBuffer(
+            self.data_dir / "push.db",
+            max_bytes=s.buffer_max_bytes,
+            max_age_s=s.buffer_max_age_s,
+            clock=clock,
+            shared_bytes=lambda: telemetry.stored_bytes,
         )
         self.store = DesiredStore(self.data_dir / "desired.db", now_ms=clock.wall_ms)
 
@@ -219,8 +238,16 @@ class MapperApp:
             publish_to=self._publisher_for,
         )
         fmt: Literal["binary", "json"] = "json" if s.telemetry_format == "json" else "binary"
+        mqtt_text = s.push_mqtt_format == "text"
         self.streams = TelemetryStreams(
-            node, self.boot_id, self.shipper, clock=clock, window_s=s.telemetry_window_s, fmt=fmt, qos=s.mqtt.qos
+            node,
+            self.boot_id,
+            self.shipper,
+            clock=clock,
+            window_s=s.telemetry_window_s,
+            fmt=fmt,
+            qos=s.mqtt.qos,
+            mqtt_text=mqtt_text,
         )
         self.publisher = Publisher(node, self.session, clock=clock, qos=s.mqtt.qos, outbox=self.streams)
         compaction = compaction_settings(
@@ -229,6 +256,28 @@ class MapperApp:
         if compaction is not None:
             busy, compacted = self.shipper.busy_ids, self.shipper.note_compacted
             self.compactor = Compactor(self.buffer, clock, compaction, busy=busy, on_compacted=compacted)
+
+        # The push and DB destinations the Devices name (docs/push.md): each sample a property pushes goes into the
+        # push buffer in the collect round, and each destination's own task takes it from there.
+        writers = WriterFactory(
+            timeout_s=s.push_timeout_s,
+            ca_file=s.push_ca_file,
+            secrets=s.push_secrets,
+            publisher_for=self._push_publisher,
+            service_version=__version__,
+            influxdb2_numbers=s.push_influxdb2_numbers,
+        )
+        self.push = PushRouter(
+            node,
+            self.push_buffer,
+            writers,
+            clock=clock,
+            default_report_cycle_ms=s.report_cycle_ms,
+            mqtt_text=mqtt_text,
+            rate_per_s=s.push_replay_rate_per_s,
+            retry_max_s=s.push_retry_max_s,
+            write_timeout_s=s.push_timeout_s,
+        )
 
         # The GPUs' other loops: health (its recovery's policy events through the publisher) and who uses each
         # GPU (docs/processes.md; leak events through the publisher, a telemetry row per GPU into the streams).
@@ -269,6 +318,7 @@ class MapperApp:
             dmi_client=self.dmi_client,
             dmi_server=self.dmi_server,
             config_errors=self.registry.config_errors,
+            push=self.push,
         )
 
         # Reporting: each bound Device's twins and state over DMI and/or EventBus; with each periodic twin report
@@ -304,14 +354,21 @@ class MapperApp:
         self.registry.subscribe(self.bindings.on_device_change)
 
         # The collector: each GPU's finished step goes to its consumers, in this order: its sample into its
-        # stream, its acks and policy events out (or kept), the desired state it acked saved, its twins reported.
-        # The round's batches are stored once it is done.
+        # stream, its acks and policy events out (or kept), the desired state it acked saved, its pushed samples
+        # queued (and its push_status twin set), its twins reported. The round's batches and pushed samples are
+        # stored once it is done.
+        push = self.push
+
+        def store_round() -> None:
+            streams.store_round()
+            push.store_round()
+
         self.collector = Collector(
             workers,
             self.backend,
             clock=clock,
-            consumers=(self.streams, self.publisher, self.bindings, self.reporter),
-            on_round=self.streams.store_round,
+            consumers=(self.streams, self.publisher, self.bindings, self.push, self.reporter),
+            on_round=store_round,
             beat=self._beat,
             observe=self.status.observe_round,
             on_sample=self.publisher.live_sample if s.telemetry_live else None,
@@ -408,6 +465,7 @@ class MapperApp:
         if self.compactor is not None:
             self._spawn("compactor", self.compactor.run())
         self._spawn("housekeeping", self.housekeeping.run())
+        self._spawn("push", self.push.run())
         if self.processes is not None:
             self._spawn("processes", self.processes.run())
         if self.dmi_client is not None and self.dmi_reporter is not None:
@@ -478,6 +536,7 @@ class MapperApp:
             # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
             # stored yet (a collector that crashed in the middle of publishing its round).
             self.streams.flush_all()
+            self.push.store_round()
             with contextlib.suppress(Exception):
                 await self.shipper.stop(timeout_s=2.0)
             await self.publisher.publish_offline(timeout_s=2.0)
@@ -493,6 +552,8 @@ class MapperApp:
             self.metrics.stop()
         if self.buffer is not None:
             self.buffer.close()
+        if self.push_buffer is not None:
+            self.push_buffer.close()
         if self.store is not None:
             self.store.close()
         with contextlib.suppress(MapperError):
@@ -518,6 +579,17 @@ class MapperApp:
             session.add_on_connect(lambda: self.shipper.notify_connected(address))
             session.add_on_down(lambda: self.shipper.notify_down(address))
         return session.publish
+
+    async def _push_publisher(self, address: str) -> PublishFn:
+        """The publish of a broker for ``pushMethod.mqtt`` as the framework's text: "" the mapper's own broker."""
+        if address == "":
+            if self.session is None:
+                raise PermanentError(
+                    "pushMethod.mqtt names no address and the mapper has no broker", reason="no-broker"
+                )
+            return self.session.publish
+        publish: PublishFn = await self._publisher_for(address)
+        return publish
 
     def _on_mqtt_connect(self) -> None:
         """The default broker (re)connected: the shipper's state messages and backlog, the online status, and

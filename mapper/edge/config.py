@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mapper.errors import ConfigError
+from mapper.shared.push import PushSecrets
 from mapper.shared.settings import (
     MAPPER_ENV_PREFIX,
     MQTT_KEYS,
@@ -25,6 +26,7 @@ from mapper.shared.settings import (
     layered_values,
     lookup,
     read_config_file,
+    read_secret_file,
     take_mqtt_settings,
 )
 
@@ -112,6 +114,26 @@ class Settings:
     leak_threshold_bytes: int = 1 << 30
     #: The idle power (W) of a GPU by UUID or product name, where known; else the process cycle learns it.
     idle_power_w: Mapping[str, float] = field(default_factory=dict)
+    #: The push methods a Device names (docs/push.md). ``pushMethod.mqtt`` as our telemetry batches (``batch``,
+    #: what the bridge reads) or as the framework's one text message per sample (``text``).
+    push_mqtt_format: str = "batch"
+    #: Every push request's time bound where the Device sets none (http ``timeout``).
+    push_timeout_s: float = 10.0
+    #: CA bundle for https destinations (http, otel, influxdb2); None: the system's.
+    push_ca_file: str | None = None
+    #: Credentials of the DB methods from files (a mounted Secret); else the framework's variables TOKEN,
+    #: PASSWORD, USERNAME (``push_secrets``).
+    push_token_file: str | None = None
+    push_password_file: str | None = None
+    push_username_file: str | None = None
+    #: A destination's backlog is replayed at most this fast (samples per second).
+    push_replay_rate_per_s: float = 200.0
+    #: The longest wait between two tries of a destination that is down.
+    push_retry_max_s: float = 10.0
+    #: dbMethod.influxdb2 writes a number as a float field (the framework writes every value as a string field).
+    push_influxdb2_numbers: bool = False
+    #: The credentials every push and DB method uses (never shown by repr).
+    push_secrets: PushSecrets = field(default_factory=PushSecrets)
     #: The names of the settings given in the file, the environment or flags (``load_settings``); the others
     #: are the defaults. (Settings made in code say nothing here: compare with ``Settings()`` too.)
     given: frozenset[str] = frozenset()
@@ -180,7 +202,20 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "leak_enabled": ("processes.leak.enabled", "bool"),
     "leak_window_s": ("processes.leak.window", "duration"),
     "leak_threshold_bytes": ("processes.leak.threshold", "size"),
+    "push_mqtt_format": ("push.mqttFormat", "str"),
+    "push_timeout_s": ("push.timeout", "duration"),
+    "push_ca_file": ("push.caFile", "str"),
+    "push_token_file": ("push.tokenFile", "str"),
+    "push_password_file": ("push.passwordFile", "str"),
+    "push_username_file": ("push.usernameFile", "str"),
+    "push_replay_rate_per_s": ("push.replayRate", "float"),
+    "push_retry_max_s": ("push.retryMax", "duration"),
+    "push_influxdb2_numbers": ("push.influxdb2Numbers", "bool"),
 }
+
+#: The framework's variables for the DB methods' credentials (KubeEdge's mapper docs fill them from a Secret):
+#: the influxdb2 token, the redis/mysql/tdengine password, the tdengine user.
+PUSH_SECRET_VARIABLES = {"token": "TOKEN", "password": "PASSWORD", "username": "USERNAME"}
 
 #: Environment variables read (each overrides the file, and is overridden by the flag of the same name).
 ENV_KEYS: dict[str, str] = {name: env_variable(MAPPER_ENV_PREFIX, name) for name in _FILE_KEYS}
@@ -228,8 +263,27 @@ def load_settings(
         given=given,
         **values,
     )
+    settings = replace(settings, push_secrets=push_secrets(settings, env))
     validate(settings)
     return settings
+
+
+def push_secrets(settings: Settings, env: Mapping[str, str]) -> PushSecrets:
+    """The DB methods' credentials: each from its file (``push.tokenFile``, ``push.passwordFile``,
+    ``push.usernameFile``: a mounted Secret) where one is named, else from the framework's variable (``TOKEN``,
+    ``PASSWORD``, ``USERNAME``), else none. Never from the Device."""
+    files = {
+        "token": (settings.push_token_file, "push.tokenFile"),
+        "password": (settings.push_password_file, "push.passwordFile"),
+        "username": (settings.push_username_file, "push.usernameFile"),
+    }
+    values: dict[str, str | None] = {}
+    for name, (path, key) in files.items():
+        if path is not None:
+            values[name] = read_secret_file(path, key)
+        else:
+            values[name] = env.get(PUSH_SECRET_VARIABLES[name]) or None
+    return PushSecrets(**values)
 
 
 def _idle_power(raw: Any) -> dict[str, float]:
@@ -291,6 +345,14 @@ def validate(settings: Settings) -> None:
         raise ConfigError(f"processes.topN: must be 1..100, got {settings.process_top_n}")
     if not 1 <= settings.process_max_workloads <= 1000:
         raise ConfigError(f"processes.maxWorkloads: must be 1..1000, got {settings.process_max_workloads}")
+    if settings.push_mqtt_format not in ("batch", "text"):
+        raise ConfigError(f"push.mqttFormat: must be batch or text, got {settings.push_mqtt_format!r}")
+    if not 0.1 <= settings.push_timeout_s <= 600:
+        raise ConfigError(f"push.timeout: must be 100ms..10m, got {settings.push_timeout_s} s")
+    if not settings.push_replay_rate_per_s > 0:
+        raise ConfigError(f"push.replayRate: must be more than 0 samples/s, got {settings.push_replay_rate_per_s}")
+    if not 1 <= settings.push_retry_max_s <= 3600:
+        raise ConfigError(f"push.retryMax: must be 1s..1h, got {settings.push_retry_max_s} s")
     if settings.leak_window_s <= 0 or settings.leak_threshold_bytes <= 0:
         raise ConfigError(
             "processes.leak: window and threshold must be positive, got "

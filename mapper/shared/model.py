@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import Literal, Protocol
 
 from mapper.errors import InvalidValueError
+from mapper.shared.push import DbMethod, PushMethod
 
 PropertyType = Literal["INT", "FLOAT", "STRING", "BOOLEAN"]
 AccessMode = Literal["ReadOnly", "ReadWrite"]
@@ -748,6 +749,15 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         collect_cycle_ms=1_000,
         source="mapper",
     ),
+    _p(
+        "push_status",
+        "STRING",
+        "",
+        "each property's push and DB methods (pushMethod): ok, waiting, down, refused, ignored or carried",
+        "computed by the push destinations",
+        collect_cycle_ms=1_000,
+        source="mapper",
+    ),
     *_JETSON,
 )
 
@@ -1001,6 +1011,20 @@ class PushMqtt:
 
 
 @dataclass(frozen=True)
+class PushNote:
+    """A method a property names that the mapper does not honour, and why: ``refused`` (a bad value; ``message``
+    starts with the field's path, e.g. ``spec.properties[0].pushMethod.http.port: ...``) or ignored (the framework
+    honours one push method and one DB method per property: the first of each, docs/push.md). ``method`` is the
+    method's name: http, mqtt, otel, anomalyDetection, influxdb2, redis, tdengine or mysql."""
+
+    method: str
+    message: str
+    refused: bool = True
+    #: The field that holds the bad value (``port``, ``tag.site``), for the ``push_status`` twin.
+    field: str = ""
+
+
+@dataclass(frozen=True)
 class DeviceProperty:
     name: str
     #: ``spec.properties[].desired.value``; None when the Device sets no desired value.
@@ -1012,6 +1036,18 @@ class DeviceProperty:
     report_to_cloud: bool = True
     push_mqtt: PushMqtt | None = None
     visitor_config: Mapping[str, Scalar] = field(default_factory=dict)
+    #: ``pushMethod.http``, ``otel`` or ``anomalyDetection`` (the one push method honoured: the first of http,
+    #: mqtt, otel, anomalyDetection; ``push_mqtt`` holds mqtt). None: none, or it was refused (``push_notes``).
+    push: PushMethod | None = None
+    #: ``pushMethod.dbMethod``: the one DB method honoured (the first of influxdb2, redis, tdengine, mysql).
+    db: DbMethod | None = None
+    #: Methods named but not honoured: refused (a bad value) or ignored (a second push or DB method).
+    push_notes: tuple[PushNote, ...] = ()
+
+    @property
+    def pushes(self) -> bool:
+        """Whether the property names any push or DB method (honoured or not)."""
+        return self.push_mqtt is not None or self.push is not None or self.db is not None or bool(self.push_notes)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ CONFIG_SECTIONS = frozenset(
         "nodeName",
         "policies",
         "processes",
+        "push",
         "reconcile",
         "sim",
         "socket",

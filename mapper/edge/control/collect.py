@@ -96,6 +96,9 @@ class GpuWorker:
     #: Why the latest version of this GPU's Device was refused ("" when it was not): set by the bindings.
     config_error: str = ""
     policy_state: str = "normal"
+    #: The ``push_status`` twin: each push and DB method of the bound Device and its state ("" when it names none;
+    #: set by the push router, ``mapper.edge.push.router``).
+    push_status: str = ""
     statuses: dict[str, str] = field(default_factory=dict)
     #: A step has finished with values since the last ``bind``: its twins are whole (``desired_status`` and
     #: ``policy_state`` set for this Device, not only the sample). The reporter waits for it; a step is read by
@@ -160,6 +163,10 @@ class GpuWorker:
         spec = PROPERTY_BY_NAME[name]
         prop = self.device.property(name) if self.device is not None else None
         wanted = prop.collect_cycle_ms if prop is not None and prop.collect_cycle_ms > 0 else spec.collect_cycle_ms
+        if prop is not None and prop.report_cycle_ms > 0 and (prop.push is not None or prop.db is not None):
+            # A property pushed every report cycle (pushMethod http, otel, dbMethod) is read at least that often:
+            # each push carries a sample of its own time, as the framework's fresh read per report does.
+            wanted = min(wanted, prop.report_cycle_ms)
         return max(wanted, self.min_collect_cycle_ms)
 
     def _groups(self) -> list[tuple[float, tuple[str, ...]]]:

@@ -30,8 +30,9 @@ from typing import Any, Literal
 import yaml
 
 from mapper.clock import sleep_or_wake
+from mapper.edge.push.spec import parse_push_method
 from mapper.errors import InvalidValueError
-from mapper.shared.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, PushMqtt, Scalar
+from mapper.shared.model import DeviceConfig, DeviceModelConfig, DeviceProperty, ModelProperty, Scalar
 
 PROTOCOL = "gpu"
 
@@ -172,15 +173,10 @@ def device_from_doc(doc: Mapping[str, Any], model_doc: Mapping[str, Any] | None)
         visitor.update(
             _flat(_mapping(p.get("visitors"), f"{pw}.visitors").get("configData"), f"{pw}.visitors.configData")
         )
-        mqtt = _mapping(_mapping(p.get("pushMethod"), f"{pw}.pushMethod").get("mqtt"), f"{pw}.pushMethod.mqtt") or None
-        push = None
-        if mqtt:
-            push = PushMqtt(
-                address=str(mqtt.get("address", "")),
-                topic=str(mqtt.get("topic", "")),
-                qos=_int(mqtt.get("qos", 1), f"{pw}.pushMethod.mqtt.qos"),
-                retained=bool(mqtt.get("retained", False)),
-            )
+        # A pushMethod that is not a mapping is a malformed document; a bad value in a method is refused in a note
+        # (the property, its other method and the Device stay).
+        methods = _mapping(p.get("pushMethod"), f"{pw}.pushMethod") if "pushMethod" in p else None
+        push = parse_push_method(methods, f"{pw}.pushMethod", table=f"{namespace}/{name}/{pname}")
         props.append(
             DeviceProperty(
                 name=pname,
@@ -189,8 +185,11 @@ def device_from_doc(doc: Mapping[str, Any], model_doc: Mapping[str, Any] | None)
                 collect_cycle_ms=_int(p.get("collectCycle"), f"{pw}.collectCycle"),
                 report_cycle_ms=_int(p.get("reportCycle"), f"{pw}.reportCycle"),
                 report_to_cloud=bool(p.get("reportToCloud", True)),
-                push_mqtt=push,
+                push_mqtt=push.mqtt,
                 visitor_config=visitor,
+                push=push.push,
+                db=push.db,
+                push_notes=push.notes,
             )
         )
     state_report = _mapping(spec.get("stateReport") or doc.get("status"), f"{where}: spec.stateReport")

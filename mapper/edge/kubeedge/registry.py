@@ -77,6 +77,9 @@ def _without_desired(device: DeviceConfig) -> tuple[object, ...]:
                     p.report_cycle_ms,
                     p.report_to_cloud,
                     p.push_mqtt,
+                    p.push,
+                    p.db,
+                    p.push_notes,
                     tuple(sorted(p.visitor_config.items())),
                 )
                 for p in device.properties

@@ -49,6 +49,9 @@ log = logging.getLogger("mapper.edge.kubeedge.report")
 
 #: Twins the mapper computes itself; reported for every bound Device.
 STATUS_TWINS = ("desired_status", "policy_state", "health", "health_probe")
+#: The twin of each push and DB method's state (``mapper.edge.push.router``): reported for a Device that lists it
+#: or names any method.
+PUSH_STATUS = "push_status"
 #: The longest the report loop sleeps with nothing due (a wake makes it look sooner).
 IDLE_WAIT_S = 5.0
 #: The least time between two prompt DMI reports of one Device: the changes of one second go in one report.
@@ -80,6 +83,8 @@ def device_twins(worker: GpuWorker, names: Iterable[str] | None = None) -> list[
     if names is None:
         names = [p.name for p in device.properties if p.report_to_cloud]
         names += [n for n in STATUS_TWINS if n not in names]
+        if worker.push_status and PUSH_STATUS not in names:
+            names.append(PUSH_STATUS)  # a Device that names a push or DB method sees how each one fares
     for name in names:
         spec = PROPERTY_BY_NAME.get(name)
         if spec is None:
@@ -91,6 +96,8 @@ def device_twins(worker: GpuWorker, names: Iterable[str] | None = None) -> list[
             reported = worker.policy_state
         elif name == "health":
             reported = worker.health.twin_text()
+        elif name == PUSH_STATUS:
+            reported = worker.push_status or "none"
         elif name == "health_probe":
             if worker.last_probe is None:
                 continue

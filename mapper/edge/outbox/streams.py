@@ -50,8 +50,12 @@ class TelemetryStreams:
         window_s: float,
         fmt: Literal["binary", "json"] = "binary",
         qos: int = 1,
+        mqtt_text: bool = False,
     ) -> None:
+        """``mqtt_text``: ``pushMethod.mqtt`` goes out as the framework's text messages (``push.mqttFormat:
+        text``, ``mapper.edge.push``): its properties then stay in the device's default batches."""
         self.node = node
+        self.mqtt_text = mqtt_text
         self.boot_id = boot_id
         self.shipper = shipper
         self.clock = clock
@@ -67,6 +71,8 @@ class TelemetryStreams:
         self.round_batches: list[tuple[EncodedBatch, Route | None]] = []
 
     def _new(self, device: DeviceConfig, start_seq: int = 0) -> DeviceTelemetry:
+        if self.mqtt_text and any(p.push_mqtt is not None for p in device.properties):
+            device = replace(device, properties=tuple(replace(p, push_mqtt=None) for p in device.properties))
         return DeviceTelemetry(
             self.node,
             device,

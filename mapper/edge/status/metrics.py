@@ -45,6 +45,8 @@ from prometheus_client.utils import floatToGoString
 
 from mapper.edge.health.checks import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
+from mapper.edge.push.destination import STATES as PUSH_STATES
+from mapper.edge.push.destination import DestinationStatus
 from mapper.edge.status.stats import STATUS_FILE_NAME, GpuSnapshot, MapperSnapshot, Readiness, SnapshotFormatError
 from mapper.edge.status.view import render_status
 from mapper.errors import ConfigError, NotFoundError, TransientError
@@ -265,6 +267,7 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
     out.extend(_health_metrics(snap))
     out.extend(_self_metrics(snap))
     out.extend(workload_metrics(snap))
+    out.extend(push_metrics(snap))
     return out
 
 
@@ -406,6 +409,55 @@ def _standing(s: MapperSnapshot) -> dict[str, int]:
     for c in s.config_refused:
         out[c.source] = out.get(c.source, 0) + 1
     return out
+
+
+def push_metrics(snap: MapperSnapshot) -> list[Metric]:
+    """Each push or DB destination a Device names (docs/push.md): its state, backlog, deliveries, failed tries,
+    drops by reason and last error, labelled with the destination's key and its method."""
+    labels = ("destination", "method")
+    state = GaugeMetricFamily(
+        "gpu_mapper_push_state",
+        "1 for the destination's state (waiting, ok, down, refused), 0 for the others",
+        labels=(*labels, "state"),
+    )
+    backlog = GaugeMetricFamily(
+        "gpu_mapper_push_backlog_samples", "samples waiting in the push buffer for the destination", labels=labels
+    )
+    backlog_bytes = GaugeMetricFamily(
+        "gpu_mapper_push_backlog_bytes", "bytes of the samples waiting for the destination", labels=labels
+    )
+    delivered = CounterMetricFamily("gpu_mapper_push_delivered_samples", "samples the destination took", labels=labels)
+    failures = CounterMetricFamily(
+        "gpu_mapper_push_failures",
+        "writes to the destination that failed and were kept to be sent again",
+        labels=labels,
+    )
+    dropped = CounterMetricFamily(
+        "gpu_mapper_push_dropped_samples",
+        "samples dropped: refused by the destination, or over the buffer's size or age bounds",
+        labels=(*labels, "reason"),
+    )
+    last_ok = GaugeMetricFamily(
+        "gpu_mapper_push_last_success_timestamp_seconds", "Unix time of the last delivered write", labels=labels
+    )
+    last_error = GaugeMetricFamily(
+        "gpu_mapper_push_last_error_info", "1, labelled with the destination's last error", labels=(*labels, "error")
+    )
+    for d in snap.push_destinations:
+        key = [d.key, d.kind]
+        for name in PUSH_STATES:
+            state.add_metric([*key, name], 1 if d.state == name else 0)
+        backlog.add_metric(key, d.backlog_samples)
+        backlog_bytes.add_metric(key, d.backlog_bytes)
+        delivered.add_metric(key, d.delivered_samples)
+        failures.add_metric(key, d.failures)
+        for reason, n in sorted(d.dropped.items()):
+            dropped.add_metric([*key, reason], n)
+        if d.last_success_ms is not None:
+            last_ok.add_metric(key, d.last_success_ms / 1000)
+        if d.last_error:
+            last_error.add_metric([*key, d.last_error[:200]], 1)
+    return [state, backlog, backlog_bytes, delivered, failures, dropped, last_ok, last_error]
 
 
 def _self_metrics(s: MapperSnapshot) -> list[Metric]:
@@ -562,7 +614,10 @@ def _FULL_EXAMPLE() -> MapperSnapshot:
     workloads = GpuWorkloads(
         "GPU-0", 1, 1, (ProcessRow(1, "ns", "pod", "c", 1, 0.5, 1.0),), (pod,), 1.0, 1.0, 1.0, leaking_pids=(1,)
     )
-    return MapperSnapshot(node="n", gpus=(gpu,), workloads=(workloads,))
+    push = DestinationStatus(
+        "http http://sink:8080/gpu", "http", "down", 1, 100, 1, 1, {"refused": 1}, "refused (example)", 1, 1
+    )
+    return MapperSnapshot(node="n", gpus=(gpu,), workloads=(workloads,), push_destinations=(push,))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The running mapper's snapshot (``mapper.edge.status.stats.MapperSnapshot``), built on demand from the parts that hold
 each figure: the GPU workers, the collector's counts, the publisher, the door's limiter, the buffer, the
-shipper, the MQTT session, the DMI client and server, the health loop and the process loop. What reads the GPU
-workers is here (``gpu_snapshot``, ``worker_totals``): the snapshot's module holds values only.
+shipper, the MQTT session, the DMI client and server, the health loop, the process loop and the push router. What
+reads the GPU workers is here (``gpu_snapshot``, ``worker_totals``): the snapshot's module holds values only.
 
 ``StatusSource.snapshot`` is what ``/metrics``, ``/status`` and the status file read; nothing in it touches
 the hardware or the network. It sees the adapters through the small Protocols below only (``mapper.edge.app``
@@ -25,6 +25,7 @@ from mapper.edge.kubeedge.registry import ConfigErrors
 from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.processes.monitor import GpuWorkloads
+from mapper.edge.push.destination import DestinationStatus
 from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.edge.status.view import console_table
 
@@ -95,6 +96,12 @@ class ProbeCounting(Protocol):
     def probe_counts(self, uuid: str) -> Mapping[str, int]: ...
 
 
+class PushFigures(Protocol):
+    """What the snapshot reads of the push router (``mapper.edge.push.router.PushRouter``): each destination."""
+
+    def statuses(self) -> tuple[DestinationStatus, ...]: ...
+
+
 class StatusSource:
     """The snapshot of one mapper, from its parts (``settings``: its node name, mode and buffer cap). Of the
     parts made at start-up, None is one not made (no broker: no ``session``; no DMI: no ``dmi_client`` or
@@ -120,6 +127,7 @@ class StatusSource:
         dmi_client: DmiClientLike | None = None,
         dmi_server: RpcCounting | None = None,
         config_errors: ConfigErrors | None = None,
+        push: PushFigures | None = None,
     ) -> None:
         self.node = settings.node_name
         self.config_errors = config_errors
@@ -139,6 +147,7 @@ class StatusSource:
         self.session = session
         self.dmi_client = dmi_client
         self.dmi_server = dmi_server
+        self.push = push
         #: Durations of the collect rounds.
         self.collect_duration = DurationHistogram()
 
@@ -204,6 +213,7 @@ class StatusSource:
             process_errors=dict(self.processes.errors) if self.processes is not None else {},
             config_errors=dict(self.config_errors.counts) if self.config_errors is not None else {},
             config_refused=self.config_errors.current if self.config_errors is not None else (),
+            push_destinations=self.push.statuses() if self.push is not None else (),
         )
 
 

@@ -25,6 +25,8 @@ from typing import Any
 from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
 from mapper.edge.kubeedge.registry import CONFIG_SOURCES, ConfigProblem
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
+from mapper.edge.push.destination import STATES as PUSH_STATES
+from mapper.edge.push.destination import DestinationStatus
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
 from mapper.wire.state import GpuStatus, state_payload
 
@@ -211,6 +213,8 @@ class MapperSnapshot:
     config_errors: Mapping[str, int] = field(default_factory=dict)
     #: What stands refused now (the Devices it names keep their previous version).
     config_refused: tuple[ConfigProblem, ...] = ()
+    # --- push and DB destinations the Devices name (docs/push.md) ---
+    push_destinations: tuple[DestinationStatus, ...] = ()
 
     def gpu(self, uuid: str) -> GpuSnapshot | None:
         for g in self.gpus:
@@ -283,6 +287,7 @@ class MapperSnapshot:
                     for c in self.config_refused
                 ],
             },
+            "push": {"destinations": [_push_to_dict(d) for d in self.push_destinations]},
         }
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -301,10 +306,11 @@ class MapperSnapshot:
         policy = r.obj("policy")
         collect = r.obj("collect")
         dur = collect.obj("duration")
-        # Absent from the status file of a mapper older than the process cycle.
+        # Absent from the status file of a mapper older than the process cycle, or than the push methods.
         procs = r.obj("processes") if "processes" in r.names() else None
         # Absent from the status file of a mapper older than the refused configuration's report.
         config = r.obj("config") if "config" in r.names() else None
+        push = r.obj("push") if "push" in r.names() else None
         try:
             histogram = DurationHistogram(
                 bounds_s=tuple(dur.numbers("bounds_s")),
@@ -347,6 +353,7 @@ class MapperSnapshot:
             process_errors=procs.count_map("errors") if procs else {},
             config_errors=config.count_map("errors") if config else {},
             config_refused=tuple(_refused_from_reader(c) for c in config.objs("refused")) if config else (),
+            push_destinations=tuple(_push_from_reader(d) for d in push.objs("destinations")) if push else (),
         )
 
     @classmethod
@@ -365,6 +372,41 @@ def _refused_from_reader(r: _Reader) -> ConfigProblem:
             devices = tuple(r._list("devices", lambda v: isinstance(v, str), "a string"))
             return ConfigProblem(known, r.text("where"), devices, r.text("reason"), r.text("detail"))
     raise SnapshotFormatError(f"{r.path}.source: {source!r} is not one of {', '.join(CONFIG_SOURCES)}")
+
+
+def _push_to_dict(d: DestinationStatus) -> dict[str, Any]:
+    return {
+        "key": d.key,
+        "kind": d.kind,
+        "state": d.state,
+        "backlog_samples": d.backlog_samples,
+        "backlog_bytes": d.backlog_bytes,
+        "delivered_samples": d.delivered_samples,
+        "failures": d.failures,
+        "dropped": dict(d.dropped),
+        "last_error": d.last_error,
+        "last_success_ms": d.last_success_ms,
+        "properties": d.properties,
+    }
+
+
+def _push_from_reader(r: _Reader) -> DestinationStatus:
+    state = r.text("state")
+    if state not in PUSH_STATES:
+        raise SnapshotFormatError(f"{r.path}.state: {state!r} is not one of {', '.join(PUSH_STATES)}")
+    return DestinationStatus(
+        key=r.text("key"),
+        kind=r.text("kind"),
+        state=state,
+        backlog_samples=r.count("backlog_samples"),
+        backlog_bytes=r.count("backlog_bytes"),
+        delivered_samples=r.count("delivered_samples"),
+        failures=r.count("failures"),
+        dropped=r.count_map("dropped"),
+        last_error=r.text("last_error"),
+        last_success_ms=r.opt_count("last_success_ms"),
+        properties=r.count("properties"),
+    )
 
 
 def _pairs_out(counts: Mapping[tuple[str, str], int]) -> list[list[str | int]]:

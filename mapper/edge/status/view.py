@@ -285,6 +285,28 @@ def _backlog(s: MapperSnapshot) -> list[str]:
     if rejected:
         detail = ", ".join(f"{k} {v}" for k, v in sorted(s.desired_rejections.items()))
         out.append(f"desired values rejected: {rejected} ({detail})")
+    out.extend(_push(s))
+    return out
+
+
+def _push(s: MapperSnapshot) -> list[str]:
+    """One line per push or DB destination: its state, backlog, deliveries, drops and last error."""
+    if not s.push_destinations:
+        return []
+    out = ["push destinations:"]
+    for d in s.push_destinations:
+        line = f"  {d.key}: {d.state.upper() if d.state in ('down', 'refused') else d.state}"
+        line += f", {d.backlog_samples} waiting ({_bytes(d.backlog_bytes)}), {d.delivered_samples} delivered"
+        drops = ", ".join(f"{reason} {n}" for reason, n in sorted(d.dropped.items()) if n)
+        if drops:
+            line += f", dropped: {drops}"
+        if d.failures:
+            line += f", {d.failures} failed tries"
+        if not d.properties:
+            line += ", no Device names it (delivering what it holds)"
+        if d.last_error and d.state != "ok":
+            line += f"; last error: {d.last_error[:160]}"
+        out.append(line)
     return out
 
 

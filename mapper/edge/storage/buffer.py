@@ -10,7 +10,9 @@ window at the cost of one fsync per batch. See docs/telemetry.md.
 Bounds: ``max_bytes`` (payload bytes plus ``ROW_OVERHEAD_BYTES`` per batch) and ``max_age_s`` (by the batch's
 last sample time); the OLDEST batches go first and every drop is counted by reason (``size``, ``age``,
 ``disk_full``, ``corrupt``). A corrupt or unreadable file is renamed ``<file>.corrupt-<wall ms>`` and a fresh
-one started (logged at ERROR). A full disk drops the oldest batches and retries.
+one started (logged at ERROR). A full disk drops the oldest batches and retries. ``max_bytes`` is shared with the
+push buffer (``shared_bytes``: what it holds; ``mapper.edge.storage.pushbuffer``): each drops its own oldest when
+the two together would hold more.
 
 Writes: ``put`` stores one batch, ``put_many`` several (a collect round's) in one transaction, as the same
 puts would one by one; both enforce the bounds in the transaction that stores. All calls are quick, synchronous
@@ -172,7 +174,10 @@ class Buffer:
         synchronous: Synchronous = "NORMAL",
         check_on_open: bool = True,
         max_page_count: int | None = None,
+        shared_bytes: Callable[[], int] | None = None,
     ) -> None:
+        """``shared_bytes``: what another store holds within the same ``max_bytes`` (the push buffer,
+        ``mapper.edge.storage.pushbuffer``): this buffer drops its oldest batches when both together hold more."""
         if max_bytes <= 0:
             raise ConfigError(f"buffer max_bytes must be > 0, got {max_bytes}")
         if not max_age_s > 0:
@@ -186,6 +191,7 @@ class Buffer:
         self.synchronous = synchronous
         self.check_on_open = check_on_open
         self.max_page_count = max_page_count
+        self.shared_bytes = shared_bytes
         self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.files_moved_aside = 0
         self._conn: sqlite3.Connection | None = None
@@ -431,7 +437,7 @@ class Buffer:
                 steps.append((row_id, size))
                 added += size
             conn.executemany("INSERT INTO batches (id, stream, ts_last_rel_ms, payload) VALUES (?, ?, ?, ?)", values)
-            drops = self._drop_due(conn, self._bytes, steps)
+            drops = self._drop_due(conn, self._bytes + self._shared(), steps)
             conn.execute("COMMIT")
             # Only now: a rolled-back transaction must leave no stream id or row id behind.
             self._streams.update(new_streams)
@@ -485,7 +491,7 @@ class Buffer:
 
         def enforce(conn: sqlite3.Connection) -> list[_Drop]:
             conn.execute("BEGIN IMMEDIATE")
-            drops = self._drop_due(conn, self._bytes, ((_NO_ID_LIMIT, 0),))
+            drops = self._drop_due(conn, self._bytes + self._shared(), ((_NO_ID_LIMIT, 0),))
             conn.execute("COMMIT")
             return drops
 
@@ -536,6 +542,14 @@ class Buffer:
             return len(rows), sum(int(r[0]) for r in rows)
 
         self._count_drop(reason, *self._run(delete))
+
+    def _shared(self) -> int:
+        return self.shared_bytes() if self.shared_bytes is not None else 0
+
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes counted against ``max_bytes`` (payloads plus their row overhead)."""
+        return self._bytes
 
     def _count_drop(self, reason: str, count: int, size: int) -> None:
         """Account for ``count`` batches (``size`` bytes) deleted, once that is committed; logged once a minute."""

@@ -31,6 +31,7 @@ from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf.message import DecodeError, Message
 
 from mapper.edge.kubeedge.dmi.pb import dmi_pb2 as pb
+from mapper.edge.push.spec import PropertyPush, parse_push_method
 from mapper.errors import InvalidValueError
 from mapper.shared.model import (
     DEVICE_STATES,
@@ -40,10 +41,10 @@ from mapper.shared.model import (
     DeviceModelConfig,
     DeviceProperty,
     ModelProperty,
-    PushMqtt,
     Scalar,
     Twin,
 )
+from mapper.shared.push import AnomalyDetection, DbInfluxdb2, DbMysql, DbRedis, DbTdengine, PushHttp, PushOtel
 
 DEFAULT_NAMESPACE = "default"
 UUID_KEY = "uuid"
@@ -146,7 +147,7 @@ def _namespace(ns: str) -> str:
     return ns or DEFAULT_NAMESPACE
 
 
-def _property_from_pb(prop: pb.DeviceProperty, where: str) -> DeviceProperty:
+def _property_from_pb(prop: pb.DeviceProperty, where: str, device_key: str) -> DeviceProperty:
     where = f"{where}: property {prop.name or '(unnamed)'}"
     desired: str | None = None
     metadata: dict[str, str] = {}
@@ -156,10 +157,13 @@ def _property_from_pb(prop: pb.DeviceProperty, where: str) -> DeviceProperty:
     visitor: dict[str, Scalar] = {}
     if prop.HasField("visitors") and prop.visitors.HasField("configData"):
         visitor = decode_config_data(prop.visitors.configData, f"{where}: visitors.configData")
-    push_mqtt: PushMqtt | None = None
-    if prop.HasField("pushMethod") and prop.pushMethod.HasField("mqtt"):
-        m = prop.pushMethod.mqtt
-        push_mqtt = PushMqtt(address=m.address, topic=m.topic, qos=m.qos, retained=m.retained)
+    push = PropertyPush()
+    if prop.HasField("pushMethod"):
+        push = parse_push_method(
+            push_method_dict(prop.pushMethod, f"{where}: pushMethod"),
+            f"{where}: pushMethod",
+            table=f"{device_key}/{prop.name}",
+        )
     return DeviceProperty(
         name=prop.name,
         desired=desired,
@@ -167,9 +171,125 @@ def _property_from_pb(prop: pb.DeviceProperty, where: str) -> DeviceProperty:
         collect_cycle_ms=int(prop.collectCycle),
         report_cycle_ms=int(prop.reportCycle),
         report_to_cloud=bool(prop.reportToCloud),
-        push_mqtt=push_mqtt,
+        push_mqtt=push.mqtt,
         visitor_config=visitor,
+        push=push.push,
+        db=push.db,
+        push_notes=push.notes,
     )
+
+
+class _NestedValue(dict[str, object]):
+    """Stands for an ``anomalyDetection`` value that is not a scalar wrapper (a Struct, a ListValue): the push
+    method's parser refuses it as a nested value, naming the key, and the Device stays."""
+
+
+def push_method_dict(push: pb.PushMethod, where: str) -> dict[str, object]:
+    """A DMI ``PushMethod`` as the Device CRD spells it (``mapper.edge.push.spec.parse_push_method`` reads it): a
+    method present in the message is present here, with every field of it (proto3 has no unset scalars: 0 and ""
+    are values, which the parser checks)."""
+    out: dict[str, object] = {}
+    if push.HasField("http"):
+        h = push.http
+        out["http"] = {
+            "hostName": h.hostname,
+            "port": int(h.port),
+            "requestPath": h.requestpath,
+            "timeout": int(h.timeout),
+        }
+    if push.HasField("mqtt"):
+        m = push.mqtt
+        out["mqtt"] = {"address": m.address, "topic": m.topic, "qos": int(m.qos), "retained": bool(m.retained)}
+    if push.HasField("otel"):
+        out["otel"] = {"endpointURL": push.otel.endpointURL}
+    if push.HasField("anomalyDetection"):
+        config: dict[str, object] = {}
+        for key in sorted(push.anomalyDetection.data):
+            try:
+                config[key] = decode_any(push.anomalyDetection.data[key], f"{where}.anomalyDetection.{key}")
+            except InvalidValueError:
+                config[key] = _NestedValue()
+        out["anomalyDetection"] = config
+    if push.HasField("dbMethod"):
+        db = push.dbMethod
+        methods: dict[str, object] = {}
+        if db.HasField("influxdb2"):
+            client, data = db.influxdb2.influxdb2ClientConfig, db.influxdb2.influxdb2DataConfig
+            methods["influxdb2"] = {
+                "influxdb2ClientConfig": {"url": client.url, "org": client.org, "bucket": client.bucket},
+                "influxdb2DataConfig": {
+                    "measurement": data.measurement,
+                    "tag": dict(data.tag),
+                    "fieldKey": data.fieldKey,
+                },
+            }
+        if db.HasField("redis"):
+            r = db.redis.redisClientConfig
+            methods["redis"] = {
+                "redisClientConfig": {
+                    "addr": r.addr,
+                    "db": int(r.db),
+                    "poolsize": int(r.poolsize),
+                    "minIdleConns": int(r.minIdleConns),
+                }
+            }
+        if db.HasField("tdengine"):
+            t = db.tdengine.tdEngineClientConfig
+            methods["TDEngine"] = {"TDEngineClientConfig": {"addr": t.addr, "dbName": t.dbname}}
+        if db.HasField("mysql"):
+            q = db.mysql.mysqlClientConfig
+            methods["mysql"] = {"mysqlClientConfig": {"addr": q.addr, "database": q.database, "userName": q.userName}}
+        out["dbMethod"] = methods
+    return out
+
+
+def _fill_push_method(out: pb.PushMethod, p: DeviceProperty) -> None:
+    """The property's honoured methods into a DMI ``PushMethod`` (GetDevice answers with what the mapper holds;
+    a refused or ignored method is not held)."""
+    if p.push_mqtt is not None:
+        m = p.push_mqtt
+        out.mqtt.CopyFrom(pb.PushMethodMQTT(address=m.address, topic=m.topic, qos=m.qos, retained=m.retained))
+    push = p.push
+    if isinstance(push, PushHttp):
+        out.http.CopyFrom(
+            pb.PushMethodHTTP(
+                hostname=push.host_name, port=push.port, requestpath=push.request_path, timeout=push.timeout_ms
+            )
+        )
+    elif isinstance(push, PushOtel):
+        out.otel.CopyFrom(pb.PushMethodOTEL(endpointURL=push.endpoint_url))
+    elif isinstance(push, AnomalyDetection):
+        out.anomalyDetection.SetInParent()
+        for key, value in push.config.items():
+            out.anomalyDetection.data[key].CopyFrom(encode_any(value))
+    db = p.db
+    if isinstance(db, DbInfluxdb2):
+        out.dbMethod.influxdb2.CopyFrom(
+            pb.DBMethodInfluxdb2(
+                influxdb2ClientConfig=pb.Influxdb2ClientConfig(url=db.url, org=db.org, bucket=db.bucket),
+                influxdb2DataConfig=pb.Influxdb2DataConfig(
+                    measurement=db.measurement, tag=dict(db.tags), fieldKey=db.field_key
+                ),
+            )
+        )
+    elif isinstance(db, DbRedis):
+        out.dbMethod.redis.CopyFrom(
+            pb.DBMethodRedis(
+                redisClientConfig=pb.RedisClientConfig(
+                    addr=db.addr, db=db.db, poolsize=db.pool_size, minIdleConns=db.min_idle_conns
+                )
+            )
+        )
+    elif isinstance(db, DbTdengine):
+        out.dbMethod.tdengine.CopyFrom(
+            pb.DBMethodTDEngine(tdEngineClientConfig=pb.TDEngineClientConfig(addr=db.addr, dbname=db.db_name))
+        )
+    elif isinstance(db, DbMysql):
+        out.dbMethod.mysql.CopyFrom(
+            pb.DBMethodMySQL(
+                mysqlClientConfig=pb.MySQLClientConfig(addr=db.addr, database=db.database, userName=db.user_name)
+            )
+        )
 
 
 def device_from_pb(device: pb.Device) -> DeviceConfig:
@@ -190,7 +310,7 @@ def device_from_pb(device: pb.Device) -> DeviceConfig:
             f"{where}: protocol.configData.uuid must be a string (StringValue), got {uuid_value!r}",
             reason="wrong-type",
         )
-    properties = tuple(_property_from_pb(p, where) for p in device.spec.properties)
+    properties = tuple(_property_from_pb(p, where, f"{namespace}/{device.name}") for p in device.spec.properties)
     return DeviceConfig(
         namespace=namespace,
         name=device.name,
@@ -331,11 +451,8 @@ def device_to_pb(device: DeviceConfig, twins: Iterable[Twin] = (), *, protocol: 
             prop.visitors.CopyFrom(
                 pb.VisitorConfig(protocolName=protocol, configData=encode_config_data(p.visitor_config))
             )
-        if p.push_mqtt is not None:
-            m = p.push_mqtt
-            prop.pushMethod.mqtt.CopyFrom(
-                pb.PushMethodMQTT(address=m.address, topic=m.topic, qos=m.qos, retained=m.retained)
-            )
+        if p.push_mqtt is not None or p.push is not None or p.db is not None:
+            _fill_push_method(prop.pushMethod, p)
         properties.append(prop)
     return pb.Device(
         name=device.name,
