@@ -221,12 +221,15 @@ async def test_every_start_has_a_new_boot_id_and_a_consumer_that_drops_duplicate
     from mapper.wire.telemetry import decode_batch
 
     settings = fast_settings(str(tmp_path / "data"), devices_dir=None)
-    boot_ids = []
-    for run in (1, 2):
+
+    async def run(batches_after: int) -> str:
         async with running_app(settings, SimNvml(1, "H100", seed=3, scenario="steady")) as app:
-            assert app.buffer is not None
-            boot_ids.append(app.boot_id)
-            await wait_for(lambda: app.buffer.stats().batches >= 3 * run, timeout_s=20, what="three more batches")
+            buffer = app.buffer
+            assert buffer is not None
+            await wait_for(lambda: buffer.stats().batches >= batches_after, timeout_s=20, what="three more batches")
+            return app.boot_id
+
+    boot_ids = [await run(3), await run(6)]
     assert len(set(boot_ids)) == 2, f"the same boot id at both starts: {boot_ids}"
     assert all(len(b) == 8 and int(b, 16) >= 0 for b in boot_ids), boot_ids  # 8 hex digits (docs/telemetry.md)
     buf = Buffer(tmp_path / "data" / "telemetry.db", max_bytes=10**9, max_age_s=10**9, clock=SystemClock())
