@@ -28,6 +28,7 @@ from mapper.edge.storage.buffer import Buffer
 from mapper.shared.model import Sample, Value
 from mapper.tools import buffer as buffertool
 from mapper.wire.telemetry import BatchEncoder, default_topic
+from tests.realparts import require
 
 REPO = Path(__file__).resolve().parent.parent
 NODE = "edge-1"
@@ -150,8 +151,8 @@ def _parse(text: str) -> Value:
         return text
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is installed by scripts/bootstrap.sh --test")
 def test_an_openmetrics_export_makes_a_promtool_block_that_holds_every_sample(tmp_path: Path) -> None:
+    require(shutil.which("promtool") is not None, "promtool is not installed (scripts/bootstrap.sh --test installs it)")
     db = tmp_path / "telemetry.db"
     stored = _fill(db, seconds=900)
     om = tmp_path / "backlog.om"
