@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import json
+import math
 import threading
 import time
 import urllib.error
@@ -240,14 +242,30 @@ async def running_bridge(settings: BridgeSettings) -> AsyncIterator[Bridge]:
 
 
 def expected_samples(batches: list[Published], *, with_states: bool = True) -> int:
-    """Samples the bridge writes for ``batches`` (its own conversion, counted without writing), with those of
-    the state messages ``publish_all`` sends before them (``with_states``)."""
-    from mapper.bridge.core import Converter, PendingRequest
-    from mapper.wire.state import parse_state
+    """Samples the bridge must write for ``batches`` (each (device, seq) once), with those of the state messages
+    ``publish_all`` sends before them (``with_states``). Counted from the decoded batches and the state messages'
+    JSON by the mapping docs/bridge.md states, never by the bridge's own converter (a conversion bug it shared
+    with the count would pass): a numeric value (or a bool) of a catalog property with a Prometheus name is one
+    sample, as is a number of the process cycle (``pod:...``, ``leak:...``, ``processes_*``); the clock event
+    reasons one per known reason, the compute mode one per mode, the product name and the policy state one
+    each; strings and non-finite numbers none. A state message with a state gives one sample per device state,
+    plus one per XID it counts, plus one for a desired power limit."""
+    from mapper.shared.model import CLOCK_EVENT_REASONS, COMPUTE_MODES, DEVICE_STATES, PROPERTY_BY_NAME
 
-    conv = Converter()
-    req = PendingRequest(0.0)
-    uuids = {p.batch.device: p.batch.uuid for p in batches if p.batch.uuid}
+    def is_number(v: object) -> bool:
+        return isinstance(v, bool) or (isinstance(v, int | float) and math.isfinite(v))
+
+    def samples_of(name: str, v: object) -> int:
+        if name == "clock_event_reasons":
+            return len(CLOCK_EVENT_REASONS) if is_number(v) else 0
+        if name == "compute_mode":
+            return len(COMPUTE_MODES) if v in COMPUTE_MODES else 0
+        if name in ("product_name", "policy_state"):
+            return 1 if isinstance(v, str) and v else 0
+        spec = PROPERTY_BY_NAME.get(name)
+        process_cycle = name.startswith(("pod:", "leak:")) or name.startswith("processes_")
+        return 1 if (process_cycle or (spec is not None and spec.prom_name)) and is_number(v) else 0
+
     seen = set()
     total = 0
     for p in batches:
@@ -255,10 +273,27 @@ def expected_samples(batches: list[Published], *, with_states: bool = True) -> i
         if key in seen:
             continue
         seen.add(key)
-        total += conv.add(req, p.batch, uuids[p.batch.device])
+        total += sum(samples_of(n, v) for row in p.batch.samples for n, v in row.values.items())
     if with_states:
-        total += sum(conv.add_status(req, NODE, parse_state(payload), "") for _, payload in states(batches))
+        for _, payload in states(batches):
+            doc = json.loads(payload)
+            total += len(DEVICE_STATES) if doc.get("state") else 0
+            total += len(doc.get("xid_errors") or {})
+            total += 1 if doc.get("power_limit_desired_w") is not None else 0
     return total
+
+
+def decoded_values(batches: list[Published], prop: str, factor: float) -> dict[tuple[str, int], float]:
+    """(uuid, ts_ms) -> the decoded value of ``prop`` times ``factor`` (its unit's, written out by the caller), for
+    each sample of ``batches`` that has one."""
+    uuids = {p.batch.device: p.batch.uuid for p in batches if p.batch.uuid}
+    out = {}
+    for p in batches:
+        for row in p.batch.samples:
+            v = row.values.get(prop)
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                out[(uuids[p.batch.device], row.ts_ms)] = float(v) * factor
+    return out
 
 
 class ReceiverServer:

@@ -8,11 +8,22 @@ import pytest
 from mapper.clock import FakeClock
 from tests.brokers import Mosquitto
 from tests.fake_edgecore import sock_dir  # noqa: F401  (a short /tmp dir for Unix sockets)
+from tests.realparts import require
 
 
 @pytest.fixture
 def fake_clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def kubeedge_crds() -> Path:
+    """The KubeEdge CRD schemas (``../shared/kubeedge/crds``): the test is skipped where they are absent, and fails
+    under CI (``tests.realparts``)."""
+    from tests.test_device_models import CRDS, CRDS_MISSING
+
+    require(CRDS.is_dir(), CRDS_MISSING)
+    return CRDS
 
 
 @pytest.fixture

@@ -210,3 +210,37 @@ async def test_batches_cut_in_a_round_where_publishing_a_step_raised_are_stored_
     stop.set()
     code = await asyncio.wait_for(task, 20)
     assert code == 0, "a bug in one GPU's step does not stop the mapper"
+
+
+async def test_every_start_has_a_new_boot_id_and_a_consumer_that_drops_duplicates_keeps_both_runs_batches(
+    tmp_path: Path,
+):
+    """Consumers drop duplicates by (device, boot id, seq) (docs/telemetry.md); a restarted mapper numbers its
+    batches from the start again, so only a new boot id keeps its batches apart from those of the run before.
+    Two runs on one data dir, no broker: every batch of both is in the buffer, and a consumer keeps them all."""
+    from mapper.clock import SystemClock
+    from mapper.edge.storage.buffer import Buffer
+    from mapper.wire.telemetry import decode_batch
+
+    settings = fast_settings(str(tmp_path / "data"), devices_dir=None)
+
+    async def run(batches_after: int) -> str:
+        async with running_app(settings, SimNvml(1, "H100", seed=3, scenario="steady")) as app:
+            buffer = app.buffer
+            assert buffer is not None
+            await wait_for(lambda: buffer.stats().batches >= batches_after, timeout_s=20, what="three more batches")
+            return app.boot_id
+
+    boot_ids = [await run(3), await run(6)]
+    assert len(set(boot_ids)) == 2, f"the same boot id at both starts: {boot_ids}"
+    assert all(len(b) == 8 and int(b, 16) >= 0 for b in boot_ids), boot_ids  # 8 hex digits (docs/telemetry.md)
+    buf = Buffer(tmp_path / "data" / "telemetry.db", max_bytes=10**9, max_age_s=10**9, clock=SystemClock())
+    try:
+        batches = [decode_batch(row.payload) for row in buf.pending(10_000)]
+    finally:
+        buf.close()
+    seqs = {b: sorted(x.seq for x in batches if x.boot_id == b) for b in boot_ids}
+    assert {x.boot_id for x in batches} == set(boot_ids)
+    assert all(s[0] == 0 and len(s) >= 3 for s in seqs.values()), seqs  # each run numbers its batches from 0
+    kept = {(x.device, x.boot_id, x.seq): x for x in batches}  # the consumer's dedup
+    assert len(kept) == len(batches), "a consumer dropped batches of one run as duplicates of the other's"

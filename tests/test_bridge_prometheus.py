@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
 import signal
@@ -25,6 +26,7 @@ from tests.apphelpers import wait_for
 from tests.bridgehelpers import (
     FlakyReceiver,
     bridge_settings,
+    decoded_values,
     expected_samples,
     publish_all,
     publish_states,
@@ -82,6 +84,17 @@ async def test_batches_on_the_broker_reach_prometheus_once_each_named_as_the_map
         assert gpu is not None and names["gpu"] == str(gpu.index), "the NVML index, from the state message"
         stamps = [t for t, _ in points]
         assert len(stamps) == 120 and stamps == sorted(set(stamps))
+    # the values, in base units: the decoded batch's own times the unit's factor (W: 1, MHz: 1e6, %: 0.01)
+    for series, prop, factor in (
+        ("gpu_power_usage_watts", "power_usage", 1.0),
+        ("gpu_clock_sm_hertz", "clock_sm", 1e6),
+        ("gpu_utilization_ratio", "utilization_gpu", 0.01),
+    ):
+        got = {(dict(k)["uuid"], t): v for k, points in prometheus.raw_samples(series, now, 600).items()
+               for t, v in points}  # fmt: skip
+        want_values = decoded_values(batches, prop, factor)
+        assert len(want_values) == 240 and got.keys() == want_values.keys(), series
+        assert all(got[k] == pytest.approx(x, rel=1e-12) for k, x in want_values.items()), series
     infos = {dict(k)["uuid"]: dict(k) for k in prometheus.raw_samples("gpu_info", now, 600)}
     assert infos.keys() == gpus.keys()
     for uuid, labels in infos.items():
@@ -718,3 +731,106 @@ async def test_batches_missing_from_a_stream_are_counted_as_a_gap(
         await wait_for(lambda: bridge.stats.batches_written >= len(kept), timeout_s=60, what="every batch written")
     assert bridge.stats.sequence_anomalies == {"backwards": 0, "gap": 1}
     assert bridge.stats.duplicate_batches == 0
+
+
+_ORIN = """
+apiVersion: devices.kubeedge.io/v1beta1
+kind: Device
+metadata: {{name: orin0, namespace: default}}
+spec:
+  deviceModelRef: {{name: nvidia-jetson}}
+  nodeName: edge-1
+  protocol: {{protocolName: gpu, configData: {{uuid: {uuid}}}}}
+  properties:
+{properties}
+"""
+
+
+async def test_a_jetsons_batches_reach_prometheus_in_base_units_as_its_own_metrics_show_them(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """A mapper on a simulated AGX Orin (sysfs floats: 816.0 MHz, 10.095 W) into the bridge and a real
+    Prometheus: at the time of the mapper's latest sample, every series the store holds has the value the
+    mapper's own /metrics showed for it (gpu_frequency_hertz 8.16e8, not 816)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mapper.bridge.core import bridged_series_names
+    from mapper.edge.app import MapperApp, build_backend
+    from mapper.edge.config import MqttSettings
+    from mapper.shared.model import PROPERTY_BY_NAME
+    from tests.apphelpers import fast_settings
+
+    props = ("gpu_freq", "gpu_min_freq", "gpu_max_freq", "emc_freq", "power_usage", "power_gpu_rail",
+             "temperature_tj", "utilization_gpu", "shared_memory_used", "power_mode", "product_name")  # fmt: skip
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    settings = fast_settings(
+        str(tmp_path / "data"),
+        devices_dir=str(devices),
+        mqtt=MqttSettings(url=mosquitto.url),
+        sim=1,
+        sim_profile="orin-agx",
+        sim_scenario="steady",
+    )
+    backend = build_backend(settings)
+    (gpu,) = backend.list_gpus()
+    # one sample a second: time enough to read /status, /metrics and /status again within one
+    lines = "\n".join(f"  - {{name: {p}, collectCycle: 1000, reportCycle: 1000, reportToCloud: true}}" for p in props)
+    (devices / "orin0.yaml").write_text(_ORIN.format(uuid=gpu.uuid, properties=lines))
+    # the series of the Device's properties (the mapper's /metrics also shows its own status series)
+    bridged = {PROPERTY_BY_NAME[p].prom_name for p in props} - {""} | {"gpu_info"}
+    assert bridged <= bridged_series_names()
+
+    def get(url: str) -> str:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def snapshot(base: str) -> tuple[int, dict[tuple[str, tuple[tuple[str, str], ...]], float]] | None:
+        """(the latest sample's time, the bridged series of /metrics) when no sample came in between."""
+        before = json.loads(get(base + "/status"))["gpus"][0]["sample"]["ts_ms"]
+        text = get(base + "/metrics")
+        if json.loads(get(base + "/status"))["gpus"][0]["sample"]["ts_ms"] != before:
+            return None
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name in bridged:
+                    out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v)))] = s.value
+        return before, out
+
+    app = MapperApp(settings, backend)
+    stop = asyncio.Event()
+    task = asyncio.create_task(app.run(stop))
+    try:
+        async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+            await wait_for(lambda: app.metrics is not None or task.done(), what="the mapper to start")
+            assert not task.done() and app.metrics is not None
+            base = app.metrics.url
+            await wait_for(lambda: bridge.stats.batches_written >= 2, timeout_s=30, what="batches written")
+            deadline = time.monotonic() + 30
+            while (snap := await asyncio.to_thread(snapshot, base)) is None:
+                assert time.monotonic() < deadline, "no /metrics read between two samples"
+            at_ms, want = snap
+
+            def stored() -> dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[int, float]]]:
+                out = {}
+                for name in {n for n, _ in want}:
+                    for labels, points in prometheus.raw_samples(name, time.time() + 5, 600).items():
+                        out[(name, tuple(x for x in labels if x[0] != "__name__"))] = points
+                return out
+
+            # the batch that holds the sample of at_ms is written
+            await wait_for(
+                lambda: any(t >= at_ms for p in stored().values() for t, _ in p), timeout_s=30, what="at_ms stored"
+            )
+            got = stored()
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0
+    hz = [v for (name, _), v in want.items() if name == "gpu_frequency_hertz"]
+    assert hz and all(v >= 1e8 for v in hz), f"the mapper's /metrics gives Hz: {hz}"
+    assert want.keys() <= got.keys(), sorted(want.keys() - got.keys())
+    for key, value in want.items():
+        latest = [v for t, v in got[key] if t <= at_ms][-1]  # the store's value at the time of that sample
+        assert latest == pytest.approx(value, rel=1e-12), f"{key}: the store has {latest}, /metrics {value}"
+    assert {"gpu_frequency_hertz", "gpu_rail_power_watts", "gpu_utilization_ratio"} <= {n for n, _ in want}

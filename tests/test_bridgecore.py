@@ -100,6 +100,60 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
     assert info_labels["pci_bus_id"] == "00000000:17:00.0"
 
 
+def test_a_jetsons_float_values_are_written_in_base_units_as_its_own_metrics_show_them(tmp_path: Path) -> None:
+    # A Jetson's sysfs gives floats (MHz, W), an NVML GPU mostly ints: each is scaled to its base unit (Hz, W,
+    # ratio) whatever its Python type. Expected values: the sample's own times the unit's factor, written out
+    # here, and the mapper's /metrics for the same sample.
+    from mapper.edge.gpu.jetson import JetsonBackend
+    from mapper.edge.gpu.simjetson import SimJetson, nvpmodel_command
+
+    clock = FakeClock()
+    SimJetson.create(tmp_path / "orin", "orin-agx", scenario="steady", clock=clock.monotonic)
+    backend = JetsonBackend(tmp_path / "orin", nvpmodel=nvpmodel_command(tmp_path / "orin"), clock=clock)
+    backend.init()
+    try:
+        info = backend.list_gpus()[0]
+        clock.advance(1.0)
+        sample = backend.sample(info.uuid, None)
+    finally:
+        backend.shutdown()
+    v = sample.values
+    assert isinstance(v["gpu_freq"], float) and isinstance(v["power_gpu_rail"], float), "the case this test is for"
+    device = "default/jetson-1-gpu0"
+    batch = decode_batch(
+        encode_batch([sample], node="jetson-1", device=device, uuid=info.uuid, boot_id="ab12cd34", seq=0).payload
+    )
+    req = PendingRequest(0.0)
+    Converter().add(req, batch, info.uuid, GpuIdentity("0"))
+    bridge_side = {}
+    for buf in req.series():
+        labels = dict(buf.labels)
+        [(ts, value)] = buf.samples()
+        assert ts == sample.ts_ms
+        bridge_side[(labels.pop("__name__"), tuple(sorted(labels.items())))] = value
+    by_name = {name: value for (name, _), value in bridge_side.items()}
+    mhz, percent = 1_000_000, 0.01
+    assert by_name["gpu_frequency_hertz"] == float(v["gpu_freq"]) * mhz == 816e6
+    assert by_name["gpu_frequency_min_hertz"] == float(v["gpu_min_freq"]) * mhz
+    assert by_name["gpu_frequency_max_hertz"] == float(v["gpu_max_freq"]) * mhz
+    assert by_name["gpu_emc_frequency_hertz"] == float(v["emc_freq"]) * mhz
+    assert by_name["gpu_rail_power_watts"] == float(v["power_gpu_rail"])
+    assert by_name["gpu_power_usage_watts"] == float(v["power_usage"])
+    assert by_name["gpu_utilization_ratio"] == pytest.approx(float(v["utilization_gpu"]) * percent)
+    assert by_name["gpu_shared_memory_used_bytes"] == float(v["shared_memory_used"])
+    assert by_name["gpu_tj_temperature_celsius"] == float(v["temperature_tj"])
+    # and every series equals the mapper's own /metrics for this sample
+    gpu = GpuSnapshot(info=replace(info, index=0), device=device, sample=sample, state="online")
+    mapper_side = {}
+    for fam in snapshot_metrics(MapperSnapshot(node="jetson-1", gpus=(gpu,))):
+        for s in fam.samples:
+            if s.name in bridged_series_names() and s.name not in {"gpu_mapper_device_state", "gpu_info"}:
+                labels = {k: v for k, v in s.labels.items() if v}
+                mapper_side[(s.name, tuple(sorted(labels.items())))] = s.value
+    bridge_side = {k: x for k, x in bridge_side.items() if k[0] != "gpu_info"}
+    assert bridge_side == mapper_side
+
+
 def test_a_state_message_from_a_mapper_before_the_status_keys_reads_as_uuid_only() -> None:
     info, sample = a_sample()
     status = parse_state(state_payload("default/g", sample))
@@ -141,8 +195,8 @@ def test_a_state_without_a_desired_power_limit_or_xids_writes_the_state_alone() 
 def test_the_naming_table_is_the_only_place_names_come_from() -> None:
     # The mapper's metrics and the bridge read the table: no series name literal left in any of their modules.
     root = Path(__file__).resolve().parents[1] / "mapper"
-    for module in ("edge/status/metrics.py", "bridge/app.py", "bridge/core.py", "bridge/metrics.py"):
-        text = (root / module).read_text()
+    for path in (root / "edge" / "status" / "metrics.py", *sorted((root / "bridge").glob("*.py"))):
+        module, text = path.relative_to(root), path.read_text()
         for ps in naming.PROPERTY_SERIES:
             assert f'"{ps.family.name}"' not in text, f"{module} spells {ps.family.name} itself"
         for fam in (

@@ -307,6 +307,41 @@ def _contents(buf: Buffer) -> tuple[object, ...]:
     return rows, s.bytes, s.batches, s.oldest_ts_ms, s.drops_by_reason
 
 
+def test_replace_merges_rows_only_while_each_still_holds_what_was_merged(tmp_path: Path, fake_clock: FakeClock) -> None:
+    """Compaction read the rows, merged them in a thread; meanwhile the shipper may have acked one, or another
+    merge rewritten one. ``replace`` re-checks every row in its transaction: a row gone, a row holding another
+    payload, or rows of two streams leave the buffer exactly as it was."""
+    buf = _open(tmp_path / "b.db", fake_clock)
+    ids = [_put(buf, fake_clock, seq) for seq in range(5)]  # one stream: 200 bytes each
+    other = _put(buf, fake_clock, 9, device="default/gpu1")
+    read = buf.payloads(ids)
+    assert read == {i: bytes([seq]) * 200 for seq, i in enumerate(ids)}
+    ts = fake_clock.wall_ms()
+
+    # a row rewritten since it was read (here: by a merge of its own)
+    assert buf.replace({ids[1]: read[ids[1]], ids[2]: read[ids[2]]}, b"M" * 250, ts) is True
+    unchanged = _contents(buf)
+    stale = {ids[2]: read[ids[2]], ids[3]: read[ids[3]]}
+    assert buf.replace(stale, b"X" * 100, ts) is False
+    assert _contents(buf) == unchanged
+    # a row acked since it was read
+    buf.ack(ids[3])
+    unchanged = _contents(buf)
+    assert buf.replace({ids[3]: read[ids[3]], ids[4]: read[ids[4]]}, b"Y" * 100, ts) is False
+    assert _contents(buf) == unchanged
+    # rows of two streams, each as it was read
+    assert buf.replace({ids[4]: read[ids[4]], other: buf.payloads([other])[other]}, b"Z" * 100, ts) is False
+    assert _contents(buf) == unchanged
+    # rows that still hold what was read are merged: the last id takes the payload, the others are gone
+    assert buf.replace({ids[0]: read[ids[0]], ids[2]: b"M" * 250}, b"W" * 300, ts) is True
+    assert [(r.id, r.payload) for r in buf.pending(10)] == [(ids[2], b"W" * 300), (ids[4], read[ids[4]]),
+                                                            (other, bytes([9]) * 200)]  # fmt: skip
+    stats = buf.stats()
+    assert (stats.batches, stats.bytes) == (3, 300 + 200 + 200 + 3 * ROW_OVERHEAD_BYTES)
+    with pytest.raises(ValueError, match="at least one row"):
+        buf.replace({}, b"", ts)
+
+
 def test_put_many_stores_a_round_in_order_with_increasing_ids(tmp_path: Path, fake_clock: FakeClock) -> None:
     buf = _open(tmp_path / "b.db", fake_clock)
     first = _put(buf, fake_clock, 0)

@@ -3,6 +3,7 @@ writer; ``export --format openmetrics`` into a real promtool block."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -10,10 +11,12 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from mapper.shared.model import Sample, Value
 from mapper.tools import buffer as buffertool
 from mapper.wire.telemetry import BatchEncoder
 from mapper.wire.topics import telemetry_topic
+from tests.realparts import require
 
 REPO = Path(__file__).resolve().parent.parent
 NODE = "edge-1"
@@ -151,8 +155,8 @@ def _parse(text: str) -> Value:
         return text
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is installed by scripts/bootstrap.sh --test")
 def test_an_openmetrics_export_makes_a_promtool_block_that_holds_every_sample(tmp_path: Path) -> None:
+    require(shutil.which("promtool") is not None, "promtool is not installed (scripts/bootstrap.sh --test installs it)")
     db = tmp_path / "telemetry.db"
     stored = _fill(db, seconds=900)
     om = tmp_path / "backlog.om"
@@ -268,6 +272,40 @@ def test_the_cli_runs_the_buffer_commands_and_names_a_bad_file(
     assert "not a readable SQLite file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("made", ["nothing", "the meta table"])
+def test_a_buffer_file_whose_tables_are_not_made_yet_is_not_initialised_yet(tmp_path: Path, made: str) -> None:
+    # What a reader can find while a mapper opens a new buffer: the file created (empty), then the meta table,
+    # then the rest with the schema version in one transaction.
+    db = tmp_path / "telemetry.db"
+    db.touch(mode=0o600)
+    if made == "the meta table":
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID")
+            conn.commit()
+    for command in ("stats", "export", "compact", "vacuum"):
+        with pytest.raises(buffertool.BufferToolError, match="not initialised yet") as err:
+            _cli(command, str(db))
+        assert "not a gpu-mapper telemetry buffer" not in str(err.value)
+    assert main(["buffer", "stats", str(db)]) == 1
+    # once a mapper has opened it: an empty buffer
+    Buffer(db, max_bytes=10**6, max_age_s=3600, clock=FakeClock()).close()
+    code, out, _ = _cli("stats", str(db), "--json")
+    assert code == 0 and json.loads(out)["streams"] == []
+
+
+def test_a_sqlite_file_of_another_program_is_not_a_buffer(tmp_path: Path) -> None:
+    db = tmp_path / "other.db"
+    for tables in (("notes",), ("meta", "notes")):
+        db.unlink(missing_ok=True)
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            for table in tables:
+                conn.execute(f"CREATE TABLE {table} (key TEXT, value TEXT)")
+            conn.execute("INSERT INTO meta VALUES ('schema_version', '3')" if "meta" in tables else "SELECT 1")
+            conn.commit()
+        with pytest.raises(buffertool.BufferToolError, match="not a gpu-mapper telemetry buffer"):
+            _cli("stats", str(db))
+
+
 def test_the_running_mapper_does_not_import_sqlite_utils() -> None:
     code = (
         "import sys, mapper.edge.app, mapper.cli, mapper.tools.buffer; mapper.cli.build_parser(); "
@@ -284,6 +322,16 @@ def test_a_running_mappers_buffer_file_is_read_while_it_runs_and_compacted_once_
     data = tmp_path / "data"
     cfg = tmp_path / "config.yaml"
     cfg.write_text("telemetry: {window: 1s}\nbuffer: {compactAfter: 0s}\n")  # 1 s batches; this file is ours
+    metrics_port = free_port()
+
+    def buffered_rows() -> int:
+        """The rows in the mapper's buffer, as its /status says (0 until it answers)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/status", timeout=2) as resp:
+                return int(json.loads(resp.read())["buffer"]["batches"])
+        except OSError:
+            return 0
+
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -301,7 +349,7 @@ def test_a_running_mappers_buffer_file_is_read_while_it_runs_and_compacted_once_
             "--data-dir",
             str(data),
             "--metrics-addr",
-            f"127.0.0.1:{free_port()}",
+            f"127.0.0.1:{metrics_port}",
             "--mqtt",
             f"mqtt://127.0.0.1:{free_port()}",
         ],
@@ -309,18 +357,17 @@ def test_a_running_mappers_buffer_file_is_read_while_it_runs_and_compacted_once_
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    db = data / "telemetry.db"
     try:
+        # The broker is away: the batches stay in the buffer. The mapper says how many rows it holds (its tables
+        # exist by then); 16 rows are 16 batches at least (a row holds one or, merged, several).
         deadline = time.monotonic() + 60
-        rows = 0
-        while rows < 16:  # the broker is away: the batches stay in the buffer (8 a GPU: a slot merges at 6)
+        while buffered_rows() < 16:
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
             assert time.monotonic() < deadline, "no batches in the buffer"
             time.sleep(0.2)
-            if db.exists():
-                code, out, err = _cli("stats", "--data-dir", str(data), "--json")
-                assert code == 0
-                rows = sum(s["rows"] for s in json.loads(out)["streams"])
+        code, out, err = _cli("stats", "--data-dir", str(data), "--json")
+        assert code == 0, err
+        assert sum(s["batches"] for s in json.loads(out)["streams"]) >= 16
         assert f"in use by process {proc.pid}" in err
         code, out, err = _cli("export", "--data-dir", str(data), "--format", "csv")
         assert code == 0 and out.startswith("ts_ms,device,property,value\n") and out.count("\n") > 50

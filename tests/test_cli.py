@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from mapper.edge.status.stats import MapperSnapshot
-from tests.test_device_models import CRDS, assert_valid_kubeedge
+from tests.test_device_models import assert_valid_kubeedge, crds_available, needs_crds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,9 +27,8 @@ def gpu_mapper(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     )
 
 
+@needs_crds
 def test_discover_prints_one_valid_device_per_simulated_gpu():
-    if not CRDS.is_dir():
-        pytest.skip(f"the KubeEdge CRD schemas are not at {CRDS} (shared/ is absent)")
     out = gpu_mapper("discover", "--sim", "2", "--node-name", "edge-7")
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -45,10 +44,9 @@ def test_discover_prints_one_valid_device_per_simulated_gpu():
     assert out.stdout.count("#   fan_speed: NVML answers NotSupported") == 2
 
 
+@needs_crds
 @pytest.mark.parametrize("profile", ["orin-agx", "xavier-agx", "orin-nano"])
 def test_discover_on_a_simulated_jetson_prints_its_one_valid_device_of_the_jetson_model(profile):
-    if not CRDS.is_dir():
-        pytest.skip(f"the KubeEdge CRD schemas are not at {CRDS} (shared/ is absent)")
     out = gpu_mapper("discover", "--sim", "1", "--sim-profile", profile, "--node-name", "jetson-1")
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -66,10 +64,9 @@ def test_discover_on_a_simulated_jetson_prints_its_one_valid_device_of_the_jetso
         assert "emc_freq" in names
 
 
+@needs_crds
 @pytest.mark.parametrize("profile", ["orin-agx-jp7", "thor"])
 def test_discover_on_a_simulated_jetpack7_board_says_where_each_property_comes_from(profile):
-    if not CRDS.is_dir():
-        pytest.skip(f"the KubeEdge CRD schemas are not at {CRDS} (shared/ is absent)")
     out = gpu_mapper("discover", "--sim", "1", "--sim-profile", profile, "--node-name", "jetson-1")
     assert out.returncode == 0, out.stderr
     (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -174,7 +171,7 @@ def test_the_model_command_prints_every_committed_device_model():
     assert out.returncode == 0
     models = REPO / "device-models"
     assert out.stdout == (models / "nvidia-gpu.yaml").read_text() + (models / "nvidia-jetson.yaml").read_text()
-    if CRDS.is_dir():
+    if crds_available():
         docs = list(yaml.safe_load_all(out.stdout))
         assert [d["metadata"]["name"] for d in docs] == ["nvidia-gpu", "nvidia-jetson"]
         for i, doc in enumerate(docs):

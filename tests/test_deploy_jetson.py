@@ -15,7 +15,7 @@ from mapper.edge import config as mapper_config
 from mapper.edge.gpu.simjetson import profile
 from mapper.tools.discover import model_yaml
 from tests.test_deploy import K8S_VERSIONS
-from tests.test_device_models import CRDS, assert_valid_kubeedge
+from tests.test_device_models import assert_valid_kubeedge, crds_available
 
 JETSON = Path(__file__).resolve().parents[1] / "deploy" / "jetson"
 #: What JetsonBackend reads, relative to its root (mapper/edge/gpu/jetson.py, docs/jetson.md).
@@ -114,5 +114,5 @@ def test_every_privilege_carries_a_comment_saying_why() -> None:
 def test_the_jetson_device_model_is_the_generated_one_and_valid() -> None:
     text = (JETSON / "devicemodel.yaml").read_text()
     assert text == model_yaml(name="nvidia-jetson")
-    if CRDS.is_dir():
+    if crds_available():
         assert_valid_kubeedge(yaml.safe_load(text), "deploy/jetson/devicemodel.yaml")

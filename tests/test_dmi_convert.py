@@ -189,6 +189,37 @@ def test_status_request_refuses_twins_devicetwin_would_reject(twin: Twin, what: 
         convert.status_request("default", "gpu0", [twin])
 
 
+def test_status_request_refuses_a_twin_listed_twice_whatever_its_values() -> None:
+    # devicetwin keeps one value per twin name: two of one name in a report leave it to chance which one wins.
+    for twins in (
+        [Twin("power_limit", "300", "300"), Twin("temperature", "", "61"), Twin("power_limit", "450", "450")],
+        [Twin("temperature", "", "61"), Twin("temperature", "", "61")],
+    ):
+        with pytest.raises(InvalidValueError, match="a twin is listed twice in one report") as err:
+            convert.status_request("default", "gpu0", twins)
+        assert err.value.reason == "wrong-type"
+    # distinct names of one prefix are not twice the same
+    request = convert.status_request(
+        "default", "gpu0", [Twin("power_limit", "", "1"), Twin("power_limit_min", "", "2")]
+    )
+    assert [t.propertyName for t in request.reportedDevice.twins] == ["power_limit", "power_limit_min"]
+
+
+def test_a_dmi_device_listing_a_property_twice_is_converted_as_sent_and_refused_by_the_registry() -> None:
+    from mapper.edge.kubeedge.registry import Registry
+
+    device = pb_device("gpu0", UUID, properties={"power_limit": "300"})
+    twice = pb.DeviceProperty(name="power_limit", collectCycle=10_000, reportCycle=10_000, reportToCloud=True)
+    twice.desired.CopyFrom(pb.TwinProperty(value="450"))
+    device.spec.properties.append(twice)
+    config = convert.device_from_pb(device)
+    assert [(p.name, p.desired) for p in config.properties] == [("power_limit", "300"), ("power_limit", "450")]
+    registry = Registry(node_gpus=lambda: {UUID})
+    with pytest.raises(InvalidValueError, match="property 'power_limit' listed twice"):
+        registry.upsert_device(config)
+    assert registry.devices() == [], "nothing stored"
+
+
 def test_state_request_accepts_only_edgecore_states() -> None:
     assert convert.state_request("default", "gpu0", "unhealthy").state == "unhealthy"
     with pytest.raises(ValueError, match="'disconnected' is not one of ok, online, offline, unknown, unhealthy"):

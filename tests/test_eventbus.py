@@ -36,6 +36,53 @@ def test_delta_values_become_desired_values():
     assert DELTA_FILTER == "$hw/events/device/+/+/twin/update/delta"
 
 
+def test_a_delta_of_twins_alone_takes_each_expected_value_never_the_actual_one():
+    """Some publishers send no ``delta`` object, only the twins: the desired value is ``expected.value``;
+    ``actual`` is what the device reported and must never become desired state."""
+    topic = "$hw/events/device/default/gpu0/twin/update/delta"
+    payload = json.dumps(
+        {
+            "event_id": "e2",
+            "timestamp": 1748764800123,
+            "twin": {
+                "power_limit": {"expected": {"value": "300"}, "actual": {"value": "700"}},
+                "compute_mode": {"actual": {"value": "default"}, "metadata": {"type": "string"}},
+                "persistence_mode": {"expected": {"value": "true", "metadata": {"timestamp": 5}}},
+                "fan_speed": {"expected": {"metadata": {"type": "string"}}},
+                "temperature": "61",
+            },
+        }
+    ).encode()
+    delta = parse_delta(topic, payload)
+    assert (delta.namespace, delta.name, delta.timestamp_ms) == ("default", "gpu0", 1748764800123)
+    # only the twins that carry an expected value; an actual value, a bare twin, an expected without value: none
+    assert delta.values == {"power_limit": "300", "persistence_mode": "true"}
+
+
+def test_a_delta_object_wins_over_the_twins_of_the_same_message():
+    topic = "$hw/events/device/default/gpu0/twin/update/delta"
+    payload = json.dumps(
+        {"timestamp": 9, "delta": {"power_limit": "250"}, "twin": {"power_limit": {"expected": {"value": "300"}}}}
+    ).encode()
+    assert parse_delta(topic, payload).values == {"power_limit": "250"}
+
+
+@pytest.mark.parametrize(
+    ("twin", "needle"),
+    [
+        ('"nope"', "neither 'delta' nor 'twin' is an object"),
+        ("null", "neither 'delta' nor 'twin' is an object"),
+        ('{"power_limit": {"expected": {"value": 300}}}', "must be a string"),
+    ],
+)
+def test_a_delta_of_twins_alone_that_is_malformed_is_refused_naming_what(twin: str, needle: str) -> None:
+    topic = "$hw/events/device/default/gpu0/twin/update/delta"
+    payload = ('{"timestamp": 1, "twin": ' + twin + "}").encode()
+    with pytest.raises(ValueError, match=needle) as err:
+        parse_delta(topic, payload)
+    assert "delta for default/gpu0" in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("topic", "payload", "needle"),
     [

@@ -15,7 +15,7 @@ from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.processes.leak import LeakConfig
 from mapper.edge.processes.monitor import ProcessMonitor, workload_key
-from mapper.edge.processes.workloads import PodDirs, PodResolver, ProcessOwner
+from mapper.edge.processes.workloads import PodDirs, PodInfo, PodResolver, ProcessOwner
 from mapper.shared.model import GpuProcess, ProcessSample
 
 GIB = 1 << 30
@@ -146,3 +146,42 @@ def test_a_leaking_simulated_process_raises_its_event(fake_clock: FakeClock) -> 
 def test_workload_keys() -> None:
     assert workload_key(None).pod == ""
     assert workload_key(ProcessOwner(pid=1)) == workload_key(None)
+
+
+def test_two_processes_of_one_container_on_one_gpu_are_summed_not_overwritten() -> None:
+    """Data-loader workers and torchrun ranks: several processes of one container on one GPU. Figures of a
+    real H200 (two PyTorch processes in one container): 691 W drawn, 78 W of it idle, so 613 W belong to the
+    container; 12 GB + 7.5 GB = 19.5 GB of memory. Every process's share goes to the container, none is lost."""
+    uuid = "GPU-h200"
+    monitor = ProcessMonitor(idle_power_w={uuid: 78.0})
+    pod = PodInfo(uid="00000000-0000-4000-8000-000000000001", namespace="ml", name="trainer-0")
+    owners = {pid: ProcessOwner(pid, pod=pod, container_name="pytorch") for pid in (4101, 4102)}
+    procs = (
+        GpuProcess(4101, memory_used_bytes=12_000_000_000, sm_ratio=0.55),
+        GpuProcess(4102, memory_used_bytes=7_500_000_000, sm_ratio=0.35),
+    )
+
+    def observe(step: int):  # one process cycle every 5 s; the GPU draws 691 W throughout
+        sample = ProcessSample(uuid, step * 5000, procs, energy_j=1_000_000.0 + 691.0 * 5 * step,
+                               utilization_source="processes-utilization-info")  # fmt: skip
+        return monitor.observe(sample, owners, step * 5.0)[0]
+
+    observe(0)
+    report = observe(1)
+    [container] = report.pods
+    assert (container.namespace, container.pod, container.container) == ("ml", "trainer-0", "pytorch")
+    assert container.processes == 2
+    assert container.memory_used_bytes == 19_500_000_000
+    assert container.sm_ratio == pytest.approx(0.90)
+    assert container.power_w == pytest.approx(613.0)
+    assert container.energy_joules_total == pytest.approx(613.0 * 5)
+    assert report.idle_joules_total == pytest.approx(78.0 * 5)
+    assert report.unattributed_joules_total == 0.0
+    # each process keeps its own share in its row
+    rows = {r.pid: r for r in report.processes}
+    assert rows[4101].power_w == pytest.approx(613.0 * 0.55 / 0.90)
+    assert rows[4102].power_w == pytest.approx(613.0 * 0.35 / 0.90)
+    # and the container's counter keeps adding both, interval after interval
+    report = observe(2)
+    assert report.pods[0].energy_joules_total == pytest.approx(613.0 * 10)
+    assert report.pods[0].power_w == pytest.approx(613.0)

@@ -908,6 +908,61 @@ def test_drift_whose_reapply_fails_first_is_counted_once_and_healed_after_backof
     assert [a.result for a in healed.acks] == ["applied"]
 
 
+@pytest.mark.parametrize(
+    ("setter", "prop", "target", "drifted"),
+    [
+        # the backend's own read-back of the limit (set_power_limit reads it back) differs
+        ("nvmlDeviceSetPowerManagementLimit", "power_limit", "450", "300"),
+        # the setter returns, and the step's read-back sample shows the old mode
+        ("nvmlDeviceSetComputeMode", "compute_mode", "prohibited", "default"),
+    ],
+)
+def test_a_drift_reapply_the_gpu_reads_back_otherwise_is_pending_counted_once_and_never_acked_applied(
+    rig: Rig, setter: str, prop: str, target: str, drifted: str
+) -> None:
+    rig.state.set(prop, target, "cloud", 1_000)
+    assert rig.cycle().statuses[prop].text == "applied"
+    # another tool changes the setting, and the GPU now ignores the setter while saying yes
+    if prop == "power_limit":
+        rig.gpu.power_limit_mw = 300_000
+    else:
+        rig.gpu.compute_mode = 0
+    real = getattr(rig.sim, setter)
+    calls: list[tuple[object, ...]] = []
+    setattr(rig.sim, setter, lambda *args: calls.append(args))
+    rig.clock.advance(1)
+    result = rig.cycle()
+    assert len(calls) == 1
+    [outcome] = result.actions
+    assert (outcome.outcome, outcome.drift) == ("readback-mismatch", True)
+    assert result.statuses[prop].text == "pending", "never 'applied' while the GPU reads otherwise"
+    [ack] = result.acks
+    assert (ack.property, ack.result, ack.effective_value, ack.reported_value) == (prop, "pending", target, drifted)
+    assert result.counters.drift_reapplies == {prop: 1}
+    assert result.counters.actions[(prop, "readback-mismatch")] == 1
+    assert result.desired_status == f"{prop}:pending"
+    # backed off: the next step calls nothing and says nothing new
+    quiet = rig.cycle()
+    assert (len(calls), quiet.actions, quiet.acks) == (1, (), ())
+    assert quiet.statuses[prop].text == "pending"
+    # after the backoff it tries again: the same episode of drift, not counted twice
+    rig.clock.advance(1)
+    again = rig.cycle()
+    assert len(calls) == 2 and [(o.outcome, o.drift) for o in again.actions] == [("readback-mismatch", False)]
+    assert again.counters.drift_reapplies == {prop: 1} and again.acks == ()
+    assert again.counters.actions[(prop, "readback-mismatch")] == 2
+    # a GPU that takes the value again: applied, acked as such
+    setattr(rig.sim, setter, real)
+    rig.clock.advance(5)
+    healed = rig.cycle()
+    assert healed.statuses[prop].text == "applied"
+    assert [(a.result, a.reported_value) for a in healed.acks] == [("applied", target)]
+    assert healed.counters.drift_reapplies == {prop: 1}
+    assert (rig.gpu.power_limit_mw if prop == "power_limit" else rig.gpu.compute_mode) == (
+        450_000 if prop == "power_limit" else 2
+    )
+
+
 def test_would_act_says_when_a_step_may_call_the_gpu_and_a_quiet_step_calls_nothing(rig: Rig) -> None:
     sample = rig.backend.sample(rig.uuid)
     assert rig.reconciler.would_act({}, sample), "constraints not read yet: the step may do I/O"

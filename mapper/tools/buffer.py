@@ -88,6 +88,11 @@ def _open_ro(path: Path) -> sqlite_utils.Database:
     except sqlite3.DatabaseError as exc:
         conn.close()
         raise BufferToolError(f"{path} is not a readable SQLite file: {exc}") from None
+    # A mapper that has just created the file has not made its tables yet: the file is empty, or holds only the
+    # meta table it makes first (the others come in one transaction, with the schema version).
+    if not tables or (tables == {"meta"} and not _has_schema_version(db)):
+        conn.close()
+        raise BufferToolError(f"{path}: not initialised yet (no tables: the mapper that opened it is creating them)")
     if not {"batches", "streams", "meta"} <= tables:
         conn.close()
         raise BufferToolError(f"{path} is not a gpu-mapper telemetry buffer (tables: {sorted(tables)})")
@@ -96,6 +101,10 @@ def _open_ro(path: Path) -> sqlite_utils.Database:
         conn.close()
         raise BufferToolError(f"{path}: buffer schema {version and version[0]} is not 3 (open it with the mapper once)")
     return db
+
+
+def _has_schema_version(db: sqlite_utils.Database) -> bool:
+    return db.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is not None
 
 
 def _say_in_use(path: Path, err: IO[str], *, writing: bool) -> None:

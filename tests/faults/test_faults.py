@@ -281,8 +281,11 @@ def test_a_slow_nvml_degrades_collection_without_blocking_the_event_loop(tmp_pat
         assert worst < 1.0, f"/status took {worst:.2f} s: the event loop was blocked"
         errors = (mapper.status() or {}).get("collect", {}).get("errors", {})
         # Health says so in /status (and gpu_mapper_collect_errors_total): the failed rounds are counted. /healthz
-        # stays 200 while the loops beat (a restart would not make the driver faster; last run: 200 throughout).
+        # stays 200 while the loops beat, on purpose: a restart would not make the driver faster, and liveness
+        # fails only for a stalled loop or a blocked event loop (docs/operations.md), neither of which a slow NVML
+        # causes. Every look in the 8 s said so (one every 0.5 s plus the requests: more than a handful).
         assert sum(errors.values()) > 0, (errors, health)
+        assert len(health) >= 5 and set(health) == {200}, f"/healthz answered {health} while NVML was slow"
         mapper.control(op="delay", s=0)
         before = {g["device"]: g["sample"]["ts_ms"] for g in (mapper.status() or {}).get("gpus", [])}
         wait(lambda: all(g["sample"]["ts_ms"] > before[g["device"]] for g in (mapper.status() or {})["gpus"]), 40,
