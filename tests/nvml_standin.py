@@ -797,7 +797,7 @@ class StandIn:
 def backend_names() -> set[str]:
     """Every nvml function and constant name ``mapper/edge/gpu/nvml.py`` spells out (calls, getattr names,
     constants)."""
-    source = (REPO / "mapper" / "gpu" / "nvml.py").read_text()
+    source = (REPO / "mapper" / "edge" / "gpu" / "nvml.py").read_text()
     return set(re.findall(r"\"((?:nvml|NVML_)\w+)\"", source)) | set(
         re.findall(r"(?:self\._nvml|\bnvml)\.((?:nvml|NVML_)\w+)", source)
     )
