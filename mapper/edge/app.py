@@ -81,6 +81,7 @@ def build_backend(
             settings.sim_profile,
             seed=settings.sim_seed,
             scenario=settings.sim_scenario,
+            cost=settings.sim_cost,
             clock=(clock or SystemClock()).monotonic,
             # As the NVIDIA driver does: only root may change GPU settings (reads work for anyone).
             as_root=os.geteuid() == 0,
