@@ -426,6 +426,15 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
         [(floatToGoString(le), float(n)) for le, n in s.collect_duration.cumulative()],
         sum_value=s.collect_duration.sum_s,
     )
+    late = HistogramMetricFamily(
+        "gpu_mapper_collect_lateness_seconds",
+        "how long after its due time each GPU's sample was read (other GPUs' reads, the NVML worker, the event loop)",
+    )
+    late.add_metric(
+        [],
+        [(floatToGoString(le), float(n)) for le, n in s.collect_lateness.cumulative()],
+        sum_value=s.collect_lateness.sum_s,
+    )
     return [
         _labelled(
             GaugeMetricFamily,
@@ -529,6 +538,7 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
             s.policy_events.items(),
         ),
         hist,
+        late,
         _labelled(
             CounterMetricFamily,
             "gpu_mapper_collect_errors",

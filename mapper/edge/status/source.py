@@ -23,6 +23,7 @@ from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.processes.monitor import GpuWorkloads
 from mapper.edge.status.stats import (
+    LATENESS_BOUNDS_S,
     DurationHistogram,
     MapperSnapshot,
     device_state_payload,
@@ -123,8 +124,9 @@ class StatusSource:
         self.session: SessionLike | None = None
         self.dmi_client: DmiClientLike | None = None
         self.dmi_server: RpcCounting | None = None
-        #: Durations of the collect rounds.
+        #: Durations of the collect rounds, and how late each GPU's sample was read (``Collector``).
         self.collect_duration = DurationHistogram()
+        self.collect_lateness = DurationHistogram(LATENESS_BOUNDS_S)
 
     def attach(
         self,
@@ -145,6 +147,9 @@ class StatusSource:
 
     def observe_round(self, duration_s: float) -> None:
         self.collect_duration = self.collect_duration.observe(duration_s)
+
+    def observe_lateness(self, lateness_s: float) -> None:
+        self.collect_lateness = self.collect_lateness.observe(lateness_s)
 
     def mqtt_state(self) -> str:
         """The default broker: off (none configured), up or down."""
@@ -198,6 +203,7 @@ class StatusSource:
             policy_overrides_active=totals.overrides,
             policy_events=dict(self.publisher.policy_events),
             collect_duration=self.collect_duration,
+            collect_lateness=self.collect_lateness,
             collect_errors=dict(self.collector.errors),
             workloads=self.processes.workloads() if self.processes is not None else (),
             process_errors=dict(self.processes.errors) if self.processes is not None else {},

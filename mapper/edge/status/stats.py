@@ -35,6 +35,11 @@ STATUS_FILE_NAME = "status.json"
 #: Default bucket bounds of the collect-duration histogram, in seconds (one GPU sample is ~100 us on the
 #: simulator and a few ms on real NVML; a slow or hung call shows up in the top buckets).
 DEFAULT_DURATION_BOUNDS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Bucket bounds of the collect-lateness histogram, in seconds: how long after its due time a GPU's sample was
+#: read (the target is a p99 of at most 50 ms, docs/benchmarks.md).
+LATENESS_BOUNDS_S: tuple[float, ...] = (
+    0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
 
 
 class SnapshotFormatError(ValueError):
@@ -179,6 +184,8 @@ class MapperSnapshot:
     policy_events: Mapping[tuple[str, str], int] = field(default_factory=dict)
     # --- collection ---
     collect_duration: DurationHistogram = field(default_factory=DurationHistogram)
+    #: How long after its due time each GPU's sample was read (``mapper.edge.control.collect.Collector``).
+    collect_lateness: DurationHistogram = field(default_factory=lambda: DurationHistogram(LATENESS_BOUNDS_S))
     #: Failed samples by error reason (``transient``, ``gpu-lost``, ``timeout``...).
     collect_errors: Mapping[str, int] = field(default_factory=dict)
     # --- who uses the GPUs (the process cycle, docs/processes.md) ---
@@ -239,6 +246,11 @@ class MapperSnapshot:
                     "counts": list(self.collect_duration.counts),
                     "sum_s": self.collect_duration.sum_s,
                 },
+                "lateness": {
+                    "bounds_s": list(self.collect_lateness.bounds_s),
+                    "counts": list(self.collect_lateness.counts),
+                    "sum_s": self.collect_lateness.sum_s,
+                },
                 "errors": dict(self.collect_errors),
             },
             "processes": {
@@ -273,6 +285,17 @@ class MapperSnapshot:
             )
         except ValueError as exc:
             raise SnapshotFormatError(f"{dur.path}: {exc}") from None
+        lateness = DurationHistogram(LATENESS_BOUNDS_S)  # absent from the status file of a mapper before issue 29
+        if "lateness" in collect.names():
+            late = collect.obj("lateness")
+            try:
+                lateness = DurationHistogram(
+                    bounds_s=tuple(late.numbers("bounds_s")),
+                    counts=tuple(late.counts_list("counts")),
+                    sum_s=late.number("sum_s"),
+                )
+            except ValueError as exc:
+                raise SnapshotFormatError(f"{late.path}: {exc}") from None
         return cls(
             node=r.text("node"),
             taken_at_ms=r.count("taken_at_ms"),
@@ -302,6 +325,7 @@ class MapperSnapshot:
             policy_overrides_active=policy.count_map("overrides_active"),
             policy_events=policy.pairs("events"),
             collect_duration=histogram,
+            collect_lateness=lateness,
             collect_errors=collect.count_map("errors"),
             workloads=tuple(_workloads_from_reader(w) for w in procs.objs("gpus")) if procs else (),
             process_errors=procs.count_map("errors") if procs else {},
