@@ -344,6 +344,7 @@ def standin_child(argv: list[str]) -> None:
     def build_backend(settings: Any, clock: Any = None, *, one_shot: bool = False) -> Any:
         sim = plain_build(settings, clock, one_shot=one_shot).nvml  # the SimNvml of these settings
         standin = StandIn(sim, standin_library(), installed_binding())
+        standin.pynvml.standin = standin  # kept alive: its ctypes callbacks are what the library calls
         standin.pynvml.health_tools = sim.health_tools
         standin.pynvml.pod_tree = sim.pod_tree
         return NvmlBackend(standin.pynvml, clock=clock, one_shot=one_shot)

@@ -5,7 +5,10 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 
 * GPUs by UUID; handles cached by UUID for the current NVML session (the index is only a label).
 * ``sample()`` reads every catalog property in catalog units with one NVML call per value
-  (``nvmlDeviceGetFieldValues`` for energy and memory temperature). A value NVML reports as NotSupported or
+  (``nvmlDeviceGetFieldValues`` for energy and for memory temperature, a call each: a field batch costs what its
+  dearest field costs). The dear reads are kept apart (docs/architecture.md, "Dear reads"): the energy counter
+  is read every ``energy_read_s`` (60 s) and derived from power in between (``_EnergyTrack``); PCIe throughput,
+  whose call blocks ~20 ms, is read on a thread of its own ahead of its ask. A value NVML reports as NotSupported or
   FunctionNotFound is absent from the sample, remembered per (GPU, call) and asked again only every
   ``unsupported_retry_s`` (a field id, which depends on the driver branch, also at a new NVML session). Which
   readers a set of wanted names needs is worked out once per set (and the set once per list of names a caller
