@@ -38,7 +38,10 @@ the Devices over real gRPC; twins and states over DMI, telemetry over MQTT, no E
 The lateness of the collect rounds (``collect.lateness`` in ``/status``: for each GPU's sample, how long after
 its due time its NVML read began, e.g. because another GPU's call was still running) is read at the start and
 the end of the window; ``collect_lateness_p99_ms`` is the upper bound of the histogram bucket holding the 99th
-percentile of the window's samples.
+percentile of the window's samples; ``collect_behind_other_gpus_p99_ms`` the same for the part of it spent behind
+the other GPUs' reads in the same round. It is wall time, so the host's scheduling is in it: ``machine_timer_lateness``
+is the same window's lateness of a thread of this script that only wakes on a 100 ms grid (p50, p99, max), and
+``load_average_1m`` the load at the window's start and end.
 
 Run: ``.venv/bin/python benchmarks/overhead.py [--quick] [--dmi] [--cadence catalog|heavy] [--sim-cost h200|none]
 [--nvml sim|standin] [--seconds S] [--warmup-s W]``. Default 60 s measured (30 s with --quick). Prints one JSON
@@ -295,12 +298,43 @@ def fetch(url: str) -> str:
         return str(resp.read().decode())
 
 
-def lateness_in_window(status_before: str, status_after: str) -> dict[str, Any]:
-    """The collect lateness histogram of the window (``/status``'s ``collect.lateness``, after minus before): the
+class TimerProbe:
+    """The machine's own lateness, beside the mapper's: a thread of this script that wakes on a 100 ms grid and
+    does nothing else, recording how late each wake-up is. On a shared VM the host's scheduling makes any thread
+    late at times; the mapper's collect lateness is read against this."""
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        self.period_s = period_s
+        self.late_s: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="timer-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        due = time.monotonic() + self.period_s
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            self.late_s.append(time.monotonic() - due)
+            due += self.period_s
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(5)
+        late = sorted(self.late_s)
+        if not late:
+            return {"wakeups": 0}
+
+        def q(x: float) -> float:
+            return round(late[min(len(late) - 1, int(x * len(late)))] * 1000, 2)
+
+        return {"wakeups": len(late), "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(late[-1] * 1000, 2)}
+
+
+def lateness_in_window(status_before: str, status_after: str, key: str = "lateness") -> dict[str, Any]:
+    """A collect lateness histogram of the window (``/status``'s ``collect.<key>``, after minus before): the
     samples, and the upper bound of the bucket that holds the 50th / 99th percentile and the largest one (ms;
     ``inf`` above the last bound, None without samples)."""
-    a = json.loads(status_before)["collect"].get("lateness")
-    b = json.loads(status_after)["collect"].get("lateness")
+    a = json.loads(status_before)["collect"].get(key)
+    b = json.loads(status_after)["collect"].get(key)
     if a is None or b is None:
         return {"samples": 0, "p50_ms": None, "p99_ms": None, "max_bucket_ms": None}
     counts = [y - x for x, y in zip(a["counts"], b["counts"], strict=True)]
@@ -445,6 +479,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         status_before = fetch(base + "/status")
         pids = {"mapper": mapper.pid, "naive": naive.pid}
         broker_pids = {"mapper": broker_m.proc.pid, "naive": broker_n.proc.pid}  # type: ignore[union-attr]
+        load0 = os.getloadavg()[0]
+        probe = TimerProbe()
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         sched0 = {k: sched_seconds(p) for k, p in pids.items()}
         threads0 = thread_seconds(mapper.pid)
@@ -465,6 +501,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         threads1 = thread_seconds(mapper.pid)
         bcpu1 = {k: cpu_seconds(p) for k, p in broker_pids.items()}
         status_after = fetch(base + "/status")
+        machine_lateness = probe.stop()
+        load1 = os.getloadavg()[0]
         delivered = {"mapper": counter_m.stop_counting(), "naive": counter_n.stop_counting()}
         hwm = {k: status_kb(p, "VmHWM") / 1024 for k, p in pids.items()}
         rss = {k: status_kb(p, "VmRSS") / 1024 for k, p in pids.items()}
@@ -519,6 +557,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import_none = import_only_rss_mb("sys")
     values_per_s = GPUS * reads_per_gpu_s
     lateness = lateness_in_window(status_before, status_after)
+    behind = lateness_in_window(status_before, status_after, "behind_other_gpus")
     p99_ms = lateness["p99_ms"]
     per_gpu_pct = cpu["mapper"] * 100 / GPUS
     result: dict[str, Any] = {
@@ -535,7 +574,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mapper_cpu_pct_of_core": round(cpu["mapper"] * 100, 3),
         "mapper_cpu_pct_of_core_per_gpu": round(per_gpu_pct, 4),
         "collect_lateness_p99_ms": p99_ms,
+        "collect_behind_other_gpus_p99_ms": behind["p99_ms"],
         "collect_lateness": lateness,
+        "collect_behind_other_gpus": behind,
+        "machine_timer_lateness": machine_lateness,
+        "load_average_1m": [round(load0, 2), round(load1, 2)],
         "naive_cpu_pct_of_core": round(cpu["naive"] * 100, 3),
         "cpu_ratio_mapper_over_naive": round(cpu["mapper"] / cpu["naive"], 3) if cpu["naive"] > 0 else None,
         "cpu_source": source,

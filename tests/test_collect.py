@@ -381,15 +381,18 @@ async def test_the_collector_measures_how_late_each_gpus_read_began_after_its_du
         workers = {g.uuid: make_worker_for(backend, g, clock) for g in backend.list_gpus()}
         for worker in workers.values():
             worker.bind(device(worker.uuid, temperature=1000))
-        late: list[float] = []
-        collector = Collector(workers, backend, clock=clock, on_step=lambda w, r: None, observe_lateness=late.append)
+        late: list[tuple[float, float]] = []
+        collector = Collector(
+            workers, backend, clock=clock, on_step=lambda w, r: None, observe_lateness=lambda *x: late.append(x)
+        )
         await collector.tick_all(list(workers.values()), False)
         assert late == []  # everything due at once at start-up: no due time to be late for
         first = next(iter(workers.values()))
         clock.advance(first.next_due_s() - clock.monotonic() + 0.002)  # the round runs 2 ms after the grid point
         sim.set_call_delay_s(0.03, "nvmlDeviceGetTemperatureV")
         await collector.tick_all(list(workers.values()), False)
-        assert late == pytest.approx([0.002, 0.032])  # the second GPU waited for the first one's 30 ms read
+        # (lateness, the part of it behind the other GPUs' reads): the second GPU waited for the first one's 30 ms
+        assert late == [pytest.approx((0.002, 0.0)), pytest.approx((0.032, 0.030))]
     finally:
         backend.shutdown()
 

@@ -124,6 +124,7 @@ def make_snapshot(*, with_t4: bool = True) -> MapperSnapshot:
         policy_events={("thermal", "engage"): 1, ("thermal", "release"): 0},
         collect_duration=DurationHistogram().observe(0.0004).observe(0.003).observe(3.0),
         collect_lateness=DurationHistogram(LATENESS_BOUNDS_S).observe(0.0005).observe(0.012).observe(0.07),
+        collect_behind=DurationHistogram(LATENESS_BOUNDS_S).observe(0.0).observe(0.0).observe(0.004),
         collect_errors={"transient": 2},
     )
 
@@ -262,8 +263,12 @@ def test_collect_lateness_is_a_histogram_with_buckets_down_to_a_millisecond() ->
     assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.015"}) == 2
     assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.05"}) == 2
     assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.075"}) == 3
+    assert g("gpu_mapper_collect_behind_other_gpus_seconds_count") == 3
+    assert g("gpu_mapper_collect_behind_other_gpus_seconds_bucket", {"le": "0.001"}) == 2
+    assert g("gpu_mapper_collect_behind_other_gpus_seconds_bucket", {"le": "0.005"}) == 3
     snapshot = make_snapshot()
-    assert MapperSnapshot.from_json(snapshot.to_json()).collect_lateness == snapshot.collect_lateness
+    back = MapperSnapshot.from_json(snapshot.to_json())
+    assert (back.collect_lateness, back.collect_behind) == (snapshot.collect_lateness, snapshot.collect_behind)
 
 
 def test_a_gpu_that_leaves_the_snapshot_leaves_no_stale_series() -> None:

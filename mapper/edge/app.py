@@ -139,7 +139,7 @@ class MapperApp:
             on_round=self.streams.store_round,
             beat=self._beat,
             observe=lambda duration_s: self.status.observe_round(duration_s),
-            observe_lateness=lambda lateness_s: self.status.observe_lateness(lateness_s),
+            observe_lateness=lambda late_s, behind_s: self.status.observe_lateness(late_s, behind_s),
             on_sample=self._live if settings.telemetry_live else None,
         )
         self.publisher = Publisher(

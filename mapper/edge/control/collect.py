@@ -511,7 +511,7 @@ class Collector:
         beat: Callable[[str, float], None] | None = None,
         observe: Callable[[float], None] | None = None,
         on_sample: Callable[[GpuWorker, Sample], None] | None = None,
-        observe_lateness: Callable[[float], None] | None = None,
+        observe_lateness: Callable[[float, float], None] | None = None,
     ) -> None:
         self.workers = workers
         self.backend = backend
@@ -522,7 +522,8 @@ class Collector:
         #: Called with the wall duration (s) of each round that sampled a GPU.
         self.observe = observe
         #: Called with each GPU sample's lateness (s): how long after its due time its NVML read began (the
-        #: round's other GPUs read before it, a job still running on the NVML worker, the event loop's own delay).
+        #: round's other GPUs read before it, a job still running on the NVML worker, the event loop's own delay,
+        #: the host's scheduling), and the part of it spent behind the other GPUs' reads in the same round.
         self.observe_lateness = observe_lateness
         #: Called with each GPU's sample right after the round's NVML read, before the steps (the live topic).
         self.on_sample = on_sample
@@ -588,10 +589,11 @@ class Collector:
                 got = _FailedRound([err] * len(requests), [], err)
             samples = {uuid: outcome for (uuid, _), outcome in zip(requests, got.samples, strict=True)}
             started_s: Sequence[float] = getattr(got, "started_s", ())
-            if self.observe_lateness is not None and len(started_s) == len(due_s):
+            if self.observe_lateness is not None and started_s and len(started_s) == len(due_s):
+                first_s = started_s[0]
                 for read_s, at_s in zip(started_s, due_s, strict=True):
                     if at_s >= 0:
-                        self.observe_lateness(max(0.0, read_s - at_s))
+                        self.observe_lateness(max(0.0, read_s - at_s), max(0.0, read_s - first_s))
             if self.on_sample is not None:
                 for worker in due:
                     outcome = samples.get(worker.uuid)

@@ -163,7 +163,8 @@ ENERGY_READ_S = PROPERTY_BY_NAME["energy_consumption"].read_cycle_ms / 1000.0
 _ENERGY_READ_SLACK_S = 0.5
 #: Reading groups whose NVML call blocks the calling thread: ``nvmlDeviceGetPcieThroughput`` samples the link for
 #: ~20 ms (20.9 ms wall, 0.79 ms CPU per call on an H200). They are read on a thread of their own
-#: (``_BlockingLane``), never in the job that samples every GPU, so that one GPU's wait delays no other's sample.
+#: (``nvml-blocking``: ``NvmlBackend._serve_blocking``), never in the job that samples every GPU, so that one GPU's
+#: wait delays no other's sample. (A read that hangs there leaves the PCIe values absent; the samples go on.)
 _BLOCKING_GROUPS = frozenset({"pcie_tx", "pcie_rx"})
 #: A blocking read is started this long before its group is expected to be asked for again (the GPU's 1 s
 #: samples start it), so the value it delivers is about a second old; 16 reads of 21 ms fit in it.

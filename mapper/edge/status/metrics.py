@@ -435,6 +435,15 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
         [(floatToGoString(le), float(n)) for le, n in s.collect_lateness.cumulative()],
         sum_value=s.collect_lateness.sum_s,
     )
+    behind = HistogramMetricFamily(
+        "gpu_mapper_collect_behind_other_gpus_seconds",
+        "the part of a GPU sample's lateness spent behind the other GPUs' reads in the same collect round",
+    )
+    behind.add_metric(
+        [],
+        [(floatToGoString(le), float(n)) for le, n in s.collect_behind.cumulative()],
+        sum_value=s.collect_behind.sum_s,
+    )
     return [
         _labelled(
             GaugeMetricFamily,
@@ -539,6 +548,7 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
         ),
         hist,
         late,
+        behind,
         _labelled(
             CounterMetricFamily,
             "gpu_mapper_collect_errors",

@@ -127,6 +127,7 @@ class StatusSource:
         #: Durations of the collect rounds, and how late each GPU's sample was read (``Collector``).
         self.collect_duration = DurationHistogram()
         self.collect_lateness = DurationHistogram(LATENESS_BOUNDS_S)
+        self.collect_behind = DurationHistogram(LATENESS_BOUNDS_S)
 
     def attach(
         self,
@@ -148,8 +149,10 @@ class StatusSource:
     def observe_round(self, duration_s: float) -> None:
         self.collect_duration = self.collect_duration.observe(duration_s)
 
-    def observe_lateness(self, lateness_s: float) -> None:
+    def observe_lateness(self, lateness_s: float, behind_s: float) -> None:
+        """A GPU sample's lateness, and the part of it behind the other GPUs' reads of its round."""
         self.collect_lateness = self.collect_lateness.observe(lateness_s)
+        self.collect_behind = self.collect_behind.observe(behind_s)
 
     def mqtt_state(self) -> str:
         """The default broker: off (none configured), up or down."""
@@ -204,6 +207,7 @@ class StatusSource:
             policy_events=dict(self.publisher.policy_events),
             collect_duration=self.collect_duration,
             collect_lateness=self.collect_lateness,
+            collect_behind=self.collect_behind,
             collect_errors=dict(self.collector.errors),
             workloads=self.processes.workloads() if self.processes is not None else (),
             process_errors=dict(self.processes.errors) if self.processes is not None else {},

@@ -186,6 +186,8 @@ class MapperSnapshot:
     collect_duration: DurationHistogram = field(default_factory=DurationHistogram)
     #: How long after its due time each GPU's sample was read (``mapper.edge.control.collect.Collector``).
     collect_lateness: DurationHistogram = field(default_factory=lambda: DurationHistogram(LATENESS_BOUNDS_S))
+    #: The part of each sample's lateness spent behind the other GPUs' reads in the same round.
+    collect_behind: DurationHistogram = field(default_factory=lambda: DurationHistogram(LATENESS_BOUNDS_S))
     #: Failed samples by error reason (``transient``, ``gpu-lost``, ``timeout``...).
     collect_errors: Mapping[str, int] = field(default_factory=dict)
     # --- who uses the GPUs (the process cycle, docs/processes.md) ---
@@ -246,11 +248,8 @@ class MapperSnapshot:
                     "counts": list(self.collect_duration.counts),
                     "sum_s": self.collect_duration.sum_s,
                 },
-                "lateness": {
-                    "bounds_s": list(self.collect_lateness.bounds_s),
-                    "counts": list(self.collect_lateness.counts),
-                    "sum_s": self.collect_lateness.sum_s,
-                },
+                "lateness": _histogram_out(self.collect_lateness),
+                "behind_other_gpus": _histogram_out(self.collect_behind),
                 "errors": dict(self.collect_errors),
             },
             "processes": {
@@ -285,17 +284,11 @@ class MapperSnapshot:
             )
         except ValueError as exc:
             raise SnapshotFormatError(f"{dur.path}: {exc}") from None
-        lateness = DurationHistogram(LATENESS_BOUNDS_S)  # absent from the status file of a mapper before issue 29
-        if "lateness" in collect.names():
-            late = collect.obj("lateness")
-            try:
-                lateness = DurationHistogram(
-                    bounds_s=tuple(late.numbers("bounds_s")),
-                    counts=tuple(late.counts_list("counts")),
-                    sum_s=late.number("sum_s"),
-                )
-            except ValueError as exc:
-                raise SnapshotFormatError(f"{late.path}: {exc}") from None
+        # (absent from the status file of a mapper before issue 29)
+        lateness, behind = (
+            _histogram_in(collect.obj(key)) if key in collect.names() else DurationHistogram(LATENESS_BOUNDS_S)
+            for key in ("lateness", "behind_other_gpus")
+        )
         return cls(
             node=r.text("node"),
             taken_at_ms=r.count("taken_at_ms"),
@@ -326,6 +319,7 @@ class MapperSnapshot:
             policy_events=policy.pairs("events"),
             collect_duration=histogram,
             collect_lateness=lateness,
+            collect_behind=behind,
             collect_errors=collect.count_map("errors"),
             workloads=tuple(_workloads_from_reader(w) for w in procs.objs("gpus")) if procs else (),
             process_errors=procs.count_map("errors") if procs else {},
@@ -338,6 +332,19 @@ class MapperSnapshot:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise SnapshotFormatError(f"status: not JSON ({exc})") from None
         return cls.from_dict(doc)
+
+
+def _histogram_out(h: DurationHistogram) -> dict[str, Any]:
+    return {"bounds_s": list(h.bounds_s), "counts": list(h.counts), "sum_s": h.sum_s}
+
+
+def _histogram_in(r: _Reader) -> DurationHistogram:
+    try:
+        return DurationHistogram(
+            bounds_s=tuple(r.numbers("bounds_s")), counts=tuple(r.counts_list("counts")), sum_s=r.number("sum_s")
+        )
+    except ValueError as exc:
+        raise SnapshotFormatError(f"{r.path}: {exc}") from None
 
 
 def _pairs_out(counts: Mapping[tuple[str, str], int]) -> list[list[str | int]]:
