@@ -401,6 +401,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "buffer",
+                "sim_cost": "none",  # the simulator only makes the data; its calls' cost is not in any figure
                 "stream": stream,
                 "offline_hours": round(hours, 3),
                 "cadence": None if args.input or args.stream == "gen" else args.cadence,

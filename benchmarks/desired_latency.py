@@ -79,6 +79,8 @@ NODE = "edge-1"
 NAMESPACE = "default"
 GPUS = 8
 PROFILE = "H100"
+#: The simulated NVML's cost profile: what each call costs on an H200 (``mapper.edge.gpu.profiles``).
+SIM_COST = "h200"
 DESIRED_W = 450
 VALUES_W = (350, 400, 500, 550)
 COLLECT_CYCLE_MS = 1000
@@ -499,7 +501,7 @@ def baseline_set_power_limit(calls: int) -> dict[str, float]:
     from mapper.edge.gpu.nvml import NvmlBackend
     from mapper.edge.gpu.simnvml import SimNvml
 
-    sim = SimNvml(1, PROFILE, seed=0, scenario="inference")
+    sim = SimNvml(1, PROFILE, seed=0, scenario="inference", cost=SIM_COST)
     backend = NvmlBackend(sim)
     backend.init()
     uuid = backend.list_gpus()[0].uuid
@@ -524,7 +526,7 @@ def configure_logging(path: Path) -> None:
 def new_sim() -> Any:
     from mapper.edge.gpu.simnvml import SimNvml
 
-    return SimNvml(GPUS, PROFILE, seed=0, scenario="inference")
+    return SimNvml(GPUS, PROFILE, seed=0, scenario="inference", cost=SIM_COST)
 
 
 def base_settings(data_dir: Path, **overrides: Any) -> Any:
@@ -829,6 +831,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "desired_latency",
         "gpus": GPUS,
+        "sim_cost": SIM_COST,
         "collect_cycle_ms": COLLECT_CYCLE_MS,
         "baseline_set_power_limit": baseline,
         **{name: figures for name, figures in series.items()},

@@ -45,6 +45,8 @@ from mapper.edge.kubeedge.report import device_twins
 from mapper.shared.model import DeviceConfig, DeviceProperty
 
 WINDOW_S = 10.0
+#: The simulated NVML's cost profile: what each call costs on an H200 (``mapper.edge.gpu.profiles``).
+SIM_COST = "h200"
 
 
 def health_twin(worker: GpuWorker) -> str:
@@ -62,7 +64,7 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float) -> float | N
 
 async def scenario(name: str, folder: Path) -> dict[str, Any]:
     clock = SystemClock()
-    sim = SimNvml(1, "H100", seed=0, clock=clock.monotonic)
+    sim = SimNvml(1, "H100", seed=0, clock=clock.monotonic, cost=SIM_COST)
     backend = NvmlBackend(sim, clock=clock, lost_retry_s=2.0)
     info = backend.list_gpus()[0]
     allow = name != "ecc_storm_no_reset"
@@ -148,6 +150,7 @@ def main() -> int:
             {
                 "benchmark": "health",
                 "gpu": "H100",
+                "sim_cost": SIM_COST,
                 "window_s": WINDOW_S,
                 "results": results,
                 "wall_s": round(time.perf_counter() - started, 2),

@@ -5,8 +5,9 @@ Every second, for each of the same 8 simulated GPUs (same profile, seed and scen
 as a hand-written exporter does) and publishes ONE JSON message per value with QoS 1 over paho
 (``naive/<node>/<uuid>/<property>``). No batching, no buffer, no metrics: the baseline the mapper is compared to.
 
-Run by overhead.py: ``python benchmarks/overhead_naive.py --port P [--gpus 8] [--seconds S]``; also usable by
-hand. Prints one JSON line (messages sent) when it stops (after ``--seconds``, or on SIGTERM).
+Run by overhead.py: ``python benchmarks/overhead_naive.py --port P [--gpus 8] [--cost h200] [--seconds S]``; also
+usable by hand. ``--cost``: the simulated NVML's cost profile (the same as the mapper's in overhead.py). Prints
+one JSON line (messages sent) when it stops (after ``--seconds``, or on SIGTERM).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--profile", default="H100")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scenario", default="inference")
+    parser.add_argument("--cost", default="none", help="the simulated NVML's cost profile: none or h200")
     parser.add_argument("--node", default="edge-1")
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: until SIGTERM)")
@@ -108,7 +110,7 @@ def main() -> None:
         stop = True
 
     signal.signal(signal.SIGTERM, on_term)
-    nvml = SimNvml(args.gpus, args.profile, seed=args.seed, scenario=args.scenario)
+    nvml = SimNvml(args.gpus, args.profile, seed=args.seed, scenario=args.scenario, cost=args.cost)
     nvml.nvmlInit()
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     uuids = [nvml.nvmlDeviceGetUUID(h) for h in handles]
@@ -136,7 +138,16 @@ def main() -> None:
         time.sleep(max(0.0, next_at - time.monotonic()))
     client.loop_stop()
     client.disconnect()
-    print(json.dumps({"sent": sent, "read_errors": errors, "seconds": round(time.monotonic() - started, 1)}))
+    print(
+        json.dumps(
+            {
+                "sent": sent,
+                "read_errors": errors,
+                "seconds": round(time.monotonic() - started, 1),
+                "sim_cost": nvml.cost_profile,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "benchmark": "policy",
+                "sim_cost": "none",  # simulated physics on a fake clock: no figure is a cost of NVML calls
                 "simulated_s": args.seconds,
                 "cooling": args.cooling,
                 "gpu": "H100",

@@ -110,7 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, Path(tmp))
-        result: dict[str, Any] = {"baseline": args.baseline, "gpus": GPUS, "seconds": args.seconds}
+        result: dict[str, Any] = {"baseline": args.baseline, "gpus": GPUS, "seconds": args.seconds, "sim_cost": "none"}
         for scenario in ("inference", "heat"):
             ticks, constraints = record(scenario, args.seconds)
             inputs = {

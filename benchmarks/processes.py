@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=200)
     ap.add_argument("--interval-s", type=float, default=5.0)
     ap.add_argument(
+        "--sim-cost", choices=["h200", "none"], default="h200", help="the simulated NVML's cost profile (h200)"
+    )
+    ap.add_argument(
         "--warm-cycles",
         type=int,
         default=None,
@@ -74,7 +77,7 @@ def main() -> None:
     if warm_cycles is None:
         warm_cycles = math.ceil(LeakConfig().window_s / args.interval_s) + 1
     clock = FakeClock()
-    sim = SimNvml(args.gpus, "H100", clock=clock.monotonic, scenario="steady")
+    sim = SimNvml(args.gpus, "H100", clock=clock.monotonic, scenario="steady", cost=args.sim_cost)
     backend = NvmlBackend(sim, clock=clock)
     with tempfile.TemporaryDirectory() as tmp:
         proc, dirs = _tree(Path(tmp), sim, args.processes)
@@ -110,6 +113,7 @@ def main() -> None:
     cycle_ms = (t_sample + t_owners + t_observe) / per * 1000
     result = {
         "benchmark": "processes",
+        "sim_cost": args.sim_cost,
         "gpus": args.gpus,
         "processes_per_gpu": args.processes,
         "cycles": args.cycles,

@@ -283,6 +283,12 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-seed", type=int, help="simulator seed (UUIDs and noise derive from it)")
     p.add_argument("--sim-scenario", help="simulated workload: idle, steady, inference, training, heat, oscillating")
     p.add_argument(
+        "--sim-cost",
+        choices=["none", "h200"],
+        help="what each simulated NVML call costs: none (default: free) or h200 (the CPU and waits measured per call "
+        "on an H200, as benchmarks use)",
+    )
+    p.add_argument(
         "--backend",
         choices=["auto", "nvml", "jetson"],
         help="GPU library: auto (default: a Jetson where a Tegra GPU is found, its sysfs and nvpmodel with NVML for "

@@ -35,9 +35,11 @@ def fast_settings(data_dir: str, **overrides: Any) -> Settings:
 
 @contextlib.asynccontextmanager
 async def running_app(
-    settings: Settings, sim: SimNvml, *, housekeeping_interval_s: float = 5.0
+    settings: Settings, sim: SimNvml, *, housekeeping_interval_s: float = 5.0, energy_read_s: float | None = None
 ) -> AsyncIterator[MapperApp]:
-    backend = NvmlBackend(sim)
+    """The mapper over ``sim`` until the block ends. ``energy_read_s``: the backend's read cycle of the energy
+    counter (None: the catalog's; 0: at every sample)."""
+    backend = NvmlBackend(sim, energy_read_s=energy_read_s)
     app = MapperApp(settings, backend, housekeeping_interval_s=housekeeping_interval_s)
     stop = asyncio.Event()
     task = asyncio.create_task(app.run(stop))

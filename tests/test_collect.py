@@ -436,3 +436,37 @@ async def test_each_step_goes_to_the_collectors_consumers_in_order_and_a_raising
     assert workers[failing].state == "unhealthy" and workers[healthy].state == "online"
     buf.close()
     backend.shutdown()
+
+
+async def test_the_collector_measures_how_late_each_gpus_read_began_after_its_due_time() -> None:
+    """A GPU whose read follows a slow one is late by that read; the start-up round (due at once) is not timed."""
+    clock = FakeClock()
+    # injected delays advance the fake clock: the 30 ms below is 30 ms of the backend's (and collector's) time
+    sim = SimNvml(2, "H100", seed=0, clock=clock.monotonic, sleep=clock.advance)
+    backend = NvmlBackend(sim, clock=clock)
+    try:
+        workers = {g.uuid: make_worker_for(backend, g, clock) for g in backend.list_gpus()}
+        for worker in workers.values():
+            worker.bind(device(worker.uuid, temperature=1000))
+        late: list[tuple[float, float]] = []
+        collector = Collector(workers, backend, clock=clock, observe_lateness=lambda *x: late.append(x))
+        await collector.tick_all(list(workers.values()), False)
+        assert late == []  # everything due at once at start-up: no due time to be late for
+        first = next(iter(workers.values()))
+        clock.advance(first.next_due_s() - clock.monotonic() + 0.002)  # the round runs 2 ms after the grid point
+        sim.set_call_delay_s(0.03, "nvmlDeviceGetTemperatureV")
+        await collector.tick_all(list(workers.values()), False)
+        # (lateness, the part of it behind the other GPUs' reads): the second GPU waited for the first one's 30 ms
+        assert late == [pytest.approx((0.002, 0.0)), pytest.approx((0.032, 0.030))]
+    finally:
+        backend.shutdown()
+
+
+def make_worker_for(backend: NvmlBackend, info: Any, clock: FakeClock) -> GpuWorker:
+    return GpuWorker(
+        info=info,
+        backend=backend,
+        reconciler=Reconciler(backend, info.uuid, clock=clock),
+        policies=PolicyEngine(),
+        clock=clock,
+    )

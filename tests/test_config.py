@@ -124,3 +124,18 @@ def test_both_processes_refuse_a_config_file_with_a_section_neither_knows(tmp_pa
     cfg = write(tmp_path, "nodeName: n\nbridge: {group: g}\npolicies: {}\n")
     assert load_settings(cfg, env={}).node_name == "n"
     assert load_bridge_settings(cfg, env={}, flags=bridge_flags).group == "g"
+
+
+def test_the_simulators_cost_profile_is_none_unless_the_file_environment_or_flag_names_one(tmp_path):
+    from mapper.edge.app import build_backend
+
+    assert load_settings(None, env={"GPU_MAPPER_NODE_NAME": "n"}).sim_cost == "none"
+    assert load_settings(write(tmp_path, "nodeName: n\nsim: {count: 1, cost: h200}\n"), env={}).sim_cost == "h200"
+    from_env = load_settings(None, env={"GPU_MAPPER_NODE_NAME": "n", "GPU_MAPPER_SIM_COST": "h200"})
+    assert from_env.sim_cost == "h200"
+    from_flag = load_settings(None, env={"GPU_MAPPER_SIM_COST": "h200"}, flags={"node_name": "n", "sim_cost": "none"})
+    assert from_flag.sim_cost == "none"
+    with pytest.raises(ConfigError, match=r"sim\.cost: must be one of none, h200, got 'h100'"):
+        load_settings(write(tmp_path, "nodeName: n\nsim: {cost: h100}\n"), env={})
+    backend = build_backend(load_settings(None, env={}, flags={"node_name": "n", "sim": 1, "sim_cost": "h200"}))
+    assert backend.nvml.cost_profile == "h200"  # type: ignore[union-attr]

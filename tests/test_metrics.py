@@ -19,7 +19,7 @@ from mapper.edge.status.metrics import (
     metric_names,
     render_metrics,
 )
-from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
+from mapper.edge.status.stats import LATENESS_BOUNDS_S, DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.shared.model import CLOCK_EVENT_REASONS, PROPERTIES, GpuInfo, Sample, Value
 
 H100 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -41,6 +41,7 @@ def h100_values() -> dict[str, Value]:
         "temperature_shutdown": 92,
         "power_usage": 612.5,
         "energy_consumption": 123456.75,
+        "energy_consumption_age": 12.0,
         "power_limit_enforced": 650.0,
         "power_limit_min": 200.0,
         "power_limit_max": 700.0,
@@ -122,6 +123,8 @@ def make_snapshot(*, with_t4: bool = True) -> MapperSnapshot:
         policy_overrides_active={"thermal": 1},
         policy_events={("thermal", "engage"): 1, ("thermal", "release"): 0},
         collect_duration=DurationHistogram().observe(0.0004).observe(0.003).observe(3.0),
+        collect_lateness=DurationHistogram(LATENESS_BOUNDS_S).observe(0.0005).observe(0.012).observe(0.07),
+        collect_behind=DurationHistogram(LATENESS_BOUNDS_S).observe(0.0).observe(0.0).observe(0.004),
         collect_errors={"transient": 2},
     )
 
@@ -249,6 +252,23 @@ def test_collect_duration_is_a_histogram_with_cumulative_buckets() -> None:
     assert g("gpu_mapper_collect_duration_seconds_bucket", {"le": "0.005"}) == 2
     assert g("gpu_mapper_collect_duration_seconds_bucket", {"le": "2.5"}) == 2
     assert g("gpu_mapper_collect_duration_seconds_bucket", {"le": "+Inf"}) == 3
+
+
+def test_collect_lateness_is_a_histogram_with_buckets_down_to_a_millisecond() -> None:
+    reg = scrape(make_snapshot())
+    g = reg.get_sample_value
+    assert g("gpu_mapper_collect_lateness_seconds_count") == 3
+    assert g("gpu_mapper_collect_lateness_seconds_sum") == pytest.approx(0.0825)
+    assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.001"}) == 1
+    assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.015"}) == 2
+    assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.05"}) == 2
+    assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.075"}) == 3
+    assert g("gpu_mapper_collect_behind_other_gpus_seconds_count") == 3
+    assert g("gpu_mapper_collect_behind_other_gpus_seconds_bucket", {"le": "0.001"}) == 2
+    assert g("gpu_mapper_collect_behind_other_gpus_seconds_bucket", {"le": "0.005"}) == 3
+    snapshot = make_snapshot()
+    back = MapperSnapshot.from_json(snapshot.to_json())
+    assert (back.collect_lateness, back.collect_behind) == (snapshot.collect_lateness, snapshot.collect_behind)
 
 
 def test_a_gpu_that_leaves_the_snapshot_leaves_no_stale_series() -> None:

@@ -13,6 +13,7 @@ import contextlib
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -80,10 +81,17 @@ def backends(request: pytest.FixtureRequest) -> Iterator[Backends]:
         assert standin.failures == [], "a stand-in callback failed:\n" + "\n".join(standin.failures)
 
 
+#: The backend's options for the contract: values of the moment they are asked for (the energy counter read at
+#: every sample, PCIe throughput in the sample's own job). What the mapper does by default instead (the counter
+#: derived between reads, the blocking reads on a thread of their own) has its own tests below ("Dear reads").
+CONTRACT_OPTIONS = {"energy_read_s": 0.0, "blocking_thread": False}
+
+
 def build(
     clock: FakeClock, backends: Backends, *profiles: str, **sim_args: object
 ) -> tuple[SimNvml, NvmlBackend, list[str]]:
-    backend_args = {k: sim_args.pop(k) for k in list(sim_args) if k in ("call_timeout_s", "init_timeout_s", "one_shot")}
+    options = ("call_timeout_s", "init_timeout_s", "one_shot", "unsupported_retry_s", *CONTRACT_OPTIONS)
+    backend_args = {**CONTRACT_OPTIONS, **{k: sim_args.pop(k) for k in list(sim_args) if k in options}}
     sim = SimNvml.from_profiles(profiles or ("H100",), seed=5, clock=clock.monotonic, **sim_args)  # type: ignore[arg-type]
     backend = NvmlBackend(backends.over(sim), clock=clock, **backend_args)  # type: ignore[arg-type]
     backends.append(backend)
@@ -254,9 +262,10 @@ def test_a_pre_r535_driver_gives_clock_reasons_and_energy_through_the_older_call
     assert sim.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1
     assert sim.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 6
     assert sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 6
-    assert sim.calls["nvmlDeviceGetFieldValues"] == 6
+    # memory temperature in a call of its own each sample (6), energy's field 191 asked once per GPU (2)
+    assert sim.calls["nvmlDeviceGetFieldValues"] == 6 + 2
     backend.sample(t4)
-    assert sim.calls["nvmlDeviceGetFieldValues"] == 6 and sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 7
+    assert sim.calls["nvmlDeviceGetFieldValues"] == 8 and sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 7
     backend.shutdown()  # a new NVML session (a reload may bring a newer driver): the r535 name is tried again
     assert backend.sample(h100).values["clock_event_reasons"] == pynvml.nvmlClocksEventReasonGpuIdle
     assert sim.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 2
@@ -273,7 +282,7 @@ def test_fields_a_driver_lacked_are_asked_again_in_the_next_nvml_session(
         assert old.errors == {} and set(old.values) == {"energy_consumption", "temperature_memory"}
         fake_clock.advance(1)
     assert sim.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3  # field 191 asked once, then left out
-    assert sim.calls["nvmlDeviceGetFieldValues"] == 3
+    assert sim.calls["nvmlDeviceGetFieldValues"] == 3 + 1  # field 82 in each sample, 191 in the first
     fake_clock.advance(5)  # (far before the retry time)
     sim.driver_reload(driver_version="590.48.01")
     new = backend.sample(uuid, ["energy_consumption", "temperature_memory"])
@@ -883,7 +892,7 @@ class _Hiding:
 def test_a_getter_missing_from_the_binding_is_absent_and_asked_again_only_rarely(fake_clock: FakeClock) -> None:
     sim = SimNvml.from_profiles(("H100",), seed=5, clock=fake_clock.monotonic)
     hiding = _Hiding(sim, "nvmlDeviceGetPowerUsage")
-    backend = NvmlBackend(hiding, clock=fake_clock, unsupported_retry_s=100)
+    backend = NvmlBackend(hiding, clock=fake_clock, unsupported_retry_s=100, **CONTRACT_OPTIONS)  # type: ignore[arg-type]
     uuid = sim.gpus[0].uuid
     try:
         for _ in range(3):
@@ -904,7 +913,7 @@ def test_a_getter_missing_from_the_binding_is_absent_and_asked_again_only_rarely
 def test_a_field_nvml_does_not_support_is_left_out_of_the_request_until_its_retry(fake_clock: FakeClock) -> None:
     sim = SimNvml.from_profiles(("T4",), seed=5, clock=fake_clock.monotonic)  # no HBM: no memory temperature
     hiding = _Hiding(sim)
-    backend = NvmlBackend(hiding, clock=fake_clock, unsupported_retry_s=100)
+    backend = NvmlBackend(hiding, clock=fake_clock, unsupported_retry_s=100, **CONTRACT_OPTIONS)  # type: ignore[arg-type]
     uuid = sim.gpus[0].uuid
     try:
         for _ in range(3):
@@ -912,7 +921,8 @@ def test_a_field_nvml_does_not_support_is_left_out_of_the_request_until_its_retr
             fake_clock.advance(1)
         fake_clock.advance(100)
         backend.sample(uuid)
-        assert hiding.field_ids == [[82, 191], [191], [191], [82, 191]]
+        # each field in a call of its own (energy's is dear): 82 asked in the first sample and after its retry
+        assert hiding.field_ids == [[82], [191], [191], [191], [82], [191]]
     finally:
         backend.shutdown()
 
@@ -1181,3 +1191,198 @@ def test_a_static_value_that_failed_is_not_cached_and_is_read_again(fake_clock: 
     assert "clock_sm_max" not in sample.values and "clock_sm_max" in sample.errors
     fake_clock.advance(1)
     assert backend.sample(a).values["clock_sm_max"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Dear reads (issue 29): the energy counter on a read cycle of its own and derived in between, memory
+# temperature in a call of its own, PCIe throughput on a thread of its own ahead of its ask
+# --------------------------------------------------------------------------------------------------
+
+ENERGY_NAMES = ["power_usage", "energy_consumption", "energy_consumption_age", "temperature_memory"]
+
+
+def record(sim: SimNvml, name: str, clock: FakeClock) -> list[tuple[float, str, tuple[Any, ...], Any]]:
+    """Every call of the simulator's device function ``name`` from now on: (fake time, thread name, (GPU uuid,
+    the arguments after the handle...), result). Recorded below the binding, so the stand-in layers' calls are
+    seen too."""
+    calls: list[tuple[float, str, tuple[Any, ...], Any]] = []
+    real = getattr(sim, name)
+
+    def wrapper(handle: Any, *args: Any) -> Any:
+        result = real(handle, *args)
+        calls.append((clock.monotonic(), threading.current_thread().name, (handle.gpu.uuid, *args), result))
+        return result
+
+    setattr(sim, name, wrapper)
+    return calls
+
+
+def energy_reads(fields: list[tuple[float, str, tuple[Any, ...], Any]], start_s: float) -> list[int]:
+    """The seconds (since ``start_s``) at which field 191 was read."""
+    return [round(t - start_s) for t, _, (_, ids), _ in fields if list(ids) == [pynvml.NVML_FI_DEV_ENERGY]]
+
+
+def test_the_energy_counter_is_read_every_read_cycle_and_derived_from_power_in_between(
+    fake_clock: FakeClock, backends: Backends
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, "H200", scenario="steady", energy_read_s=60.0)
+    fake_clock.advance(30)  # the steady load's power settled (the simulator integrates lazily)
+    fields = record(sim, "nvmlDeviceGetFieldValues", fake_clock)
+    start = fake_clock.monotonic()
+    seen: list[tuple[int, float, float, float]] = []
+    for second in range(131):
+        values = backend.sample(uuid, ENERGY_NAMES).values
+        seen.append((second, values["energy_consumption"], values["energy_consumption_age"], sim.gpu(uuid).energy_j))
+        fake_clock.advance(1)
+    reads = energy_reads(fields, start)
+    assert reads == [0, 60, 120]  # once a read cycle, not every second
+    assert all(len(ids) == 1 for _, _, (_, ids), _ in fields)  # memory temperature never shares energy's call
+    last_read_j = 0.0
+    for second, value, age, true_j in seen:
+        if second in reads:
+            assert age == 0.0 and value == pytest.approx(true_j, abs=0.001)  # exact: the driver's counter
+            last_read_j = true_j
+        else:
+            assert age == second - max(r for r in reads if r <= second)
+            # power (a 1 s average, steady here) integrated: within 1 % of what the GPU used since the read
+            assert value == pytest.approx(true_j, abs=0.01 * (true_j - last_read_j) + 0.01)
+    assert [v for _, v, _, _ in seen] == sorted(v for _, v, _, _ in seen)  # a counter: never decreasing
+    # the process cycle takes the same counter: no read of the driver's between the collect cycle's reads
+    reads_before = len(energy_reads(fields, start)), sim.calls["nvmlDeviceGetTotalEnergyConsumption"]
+    for _ in range(4):
+        fake_clock.advance(5)
+        assert backend.processes(uuid).energy_j == pytest.approx(sim.gpu(uuid).energy_j, rel=0.01)
+    assert (len(energy_reads(fields, start)), sim.calls["nvmlDeviceGetTotalEnergyConsumption"]) == reads_before
+    assert backend.energy_clamps == {}
+
+
+def test_a_read_below_the_derived_value_holds_the_counter_there_and_is_counted(
+    fake_clock: FakeClock, backends: Backends
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, "H200", scenario="steady", energy_read_s=60.0)
+    fake_clock.advance(30)
+    real_power = sim.nvmlDeviceGetPowerUsage
+    sim.nvmlDeviceGetPowerUsage = lambda h: 2 * real_power(h)  # type: ignore[method-assign]  # runs ahead
+    values: list[float] = []
+    true: list[float] = []
+    for _ in range(131):
+        sample = backend.sample(uuid, ENERGY_NAMES).values
+        values.append(float(sample["energy_consumption"]))
+        true.append(sim.gpu(uuid).energy_j)
+        fake_clock.advance(1)
+    assert values == sorted(values)  # never decreasing, though the reads at 60 s and 120 s came in lower
+    assert backend.energy_clamps == {uuid: 2}
+    assert values[60] > true[60] + 1000  # held: the derived value stays where it was
+    power_w = (true[60] - true[0]) / 60
+    held_s = round((values[60] - true[60]) / (2 * power_w))  # until the doubled power has caught up
+    assert values[61 : 60 + held_s - 1] == [values[60]] * (held_s - 2)
+    assert values[60 + held_s + 1] > values[60]
+
+
+def test_each_gpus_energy_read_falls_in_a_round_of_its_own(fake_clock: FakeClock, backends: Backends) -> None:
+    sim, backend, uuids = build(fake_clock, backends, *["H200"] * 8, scenario="steady", energy_read_s=60.0)
+    fields = record(sim, "nvmlDeviceGetFieldValues", fake_clock)
+    start = fake_clock.monotonic()
+    for _ in range(126):
+        backend.sample_many([(u, ["power_usage", "energy_consumption"]) for u in uuids])
+        fake_clock.advance(1)
+    per_round = Counter(energy_reads(fields, start))
+    assert per_round[0] == 8  # each GPU's first read, at start-up
+    assert max(n for second, n in per_round.items() if second > 0) == 1  # then never two GPUs in one round
+    assert sum(per_round.values()) >= 2 * 8  # and each read again within two read cycles
+
+
+def test_without_a_power_reading_the_energy_counter_is_read_every_sample(fake_clock: FakeClock) -> None:
+    sim = SimNvml.from_profiles(("H200",), seed=5, clock=fake_clock.monotonic)
+    backend = NvmlBackend(_Hiding(sim, "nvmlDeviceGetPowerUsage"), clock=fake_clock, energy_read_s=60.0)
+    uuid = sim.gpus[0].uuid
+    try:
+        for _ in range(5):
+            values = backend.sample(uuid, ["energy_consumption", "energy_consumption_age"]).values
+            assert values["energy_consumption"] == pytest.approx(sim.gpu(uuid).energy_j, abs=0.001)
+            assert values["energy_consumption_age"] == 0.0
+            fake_clock.advance(1)
+    finally:
+        backend.shutdown()
+
+
+def wait_blocking_idle(backend: NvmlBackend) -> None:
+    """Until no blocking read runs (they run on their own thread, in real time)."""
+    deadline = time.monotonic() + 5
+    while any(state.running for state in list(backend._blocking_states.values())):
+        assert time.monotonic() < deadline, "a blocking read did not finish"
+        time.sleep(0.001)
+
+
+def test_pcie_throughput_is_read_on_its_own_thread_ahead_of_its_ask(fake_clock: FakeClock, backends: Backends) -> None:
+    sim, backend, uuids = build(fake_clock, backends, "H200", "H200", scenario="inference", blocking_thread=True)
+    pcie = record(sim, "nvmlDeviceGetPcieThroughput", fake_clock)
+    start = fake_clock.monotonic()
+    delivered: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for second in range(31):
+        names = ["temperature", "pcie_tx", "pcie_rx"] if second % 5 == 0 else ["temperature"]
+        got = backend.sample_many([(u, names) for u in uuids])
+        assert len(got.started_s) == 2 and got.started_s[0] <= got.started_s[1]
+        for uuid, sample in zip(uuids, got.samples, strict=True):
+            assert isinstance(sample, Sample)
+            if second % 5:
+                continue
+            if second == 5:  # asked 5 s after the first ask, not 30 s (the catalog's cycle): nothing read ahead
+                assert set(sample.errors) == {"pcie_tx", "pcie_rx"} and "pcie_tx" not in sample.values
+                assert "read on a thread of its own" in sample.errors["pcie_tx"]
+                continue
+            assert sample.errors == {}
+            for prop, counter in (
+                ("pcie_tx", pynvml.NVML_PCIE_UTIL_TX_BYTES),
+                ("pcie_rx", pynvml.NVML_PCIE_UTIL_RX_BYTES),
+            ):
+                delivered.setdefault((uuid, counter), []).append((second, int(sample.values[prop])))
+        wait_blocking_idle(backend)
+        fake_clock.advance(1)
+    assert {thread for _, thread, _, _ in pcie} == {"nvml-blocking"}  # never in the job that samples the GPUs
+    # the reads, per GPU and counter: the first ask's (waited for), then, once two asks showed the interval, one
+    # started by the GPU's 1 s samples within 1.5 s of each next ask
+    reads: dict[tuple[str, int], dict[int, int]] = {}
+    for t, _, (uuid, counter), kbs in pcie:
+        reads.setdefault((uuid, counter), {})[round(t - start)] = kbs
+    assert set(reads) == set(delivered) and len(reads) == 4
+    read_at = {0: 0, 10: 9, 15: 14, 20: 19, 25: 24, 30: 29}  # the ask -> the read whose value it carries
+    for key, values in delivered.items():
+        assert sorted(reads[key]) == sorted(read_at.values())
+        assert values == [(ask, reads[key][read] * 1024) for ask, read in read_at.items()]  # bytes/s, from KB/s
+
+
+def test_the_first_pcie_read_is_waited_for_and_a_fresh_value_served_again(
+    fake_clock: FakeClock, backends: Backends
+) -> None:
+    """At the catalog's 30 s cycle the first read (waited for, once) and then one read ahead of each ask; a value
+    read moments ago is served again to another ask (``gpu-mapper discover`` probes, then samples)."""
+    sim, backend, (uuid,) = build(fake_clock, backends, "H200", scenario="inference", blocking_thread=True)
+    pcie = record(sim, "nvmlDeviceGetPcieThroughput", fake_clock)
+    start = fake_clock.monotonic()
+    first = backend.sample(uuid, ["pcie_tx"])
+    again = backend.sample(uuid, ["pcie_tx"])
+    assert first.errors == {} and again.values == first.values
+    for second in range(1, 91):
+        fake_clock.advance(1)
+        sample = backend.sample(uuid, ["temperature", "pcie_tx"] if second % 30 == 0 else ["temperature"])
+        wait_blocking_idle(backend)
+        if second % 30 == 0:
+            assert sample.errors == {} and sample.values["pcie_tx"] == pcie[-1][3] * 1024
+    assert [round(t - start) for t, *_ in pcie] == [0, 29, 59, 89]
+
+
+def test_pcie_throughput_nvml_does_not_support_is_absent_and_asked_again_only_at_its_retry(
+    fake_clock: FakeClock, backends: Backends
+) -> None:
+    sim, backend, (uuid,) = build(fake_clock, backends, "H200", blocking_thread=True, unsupported_retry_s=100.0)
+    sim.inject_errors("nvmlDeviceGetPcieThroughput", pynvml.NVML_ERROR_NOT_SUPPORTED, 2)
+    for _ in range(5):
+        sample = backend.sample(uuid, ["temperature", "pcie_tx", "pcie_rx"])
+        wait_blocking_idle(backend)
+        assert sample.errors == {} and set(sample.values) == {"temperature"}  # absent: NotSupported
+        fake_clock.advance(10)
+    assert sim.calls["nvmlDeviceGetPcieThroughput"] == 2  # once per counter, then not before the retry
+    fake_clock.advance(60)
+    sample = backend.sample(uuid, ["temperature", "pcie_tx", "pcie_rx"])
+    assert sample.errors == {} and {"pcie_tx", "pcie_rx"} <= set(sample.values)  # the retry's read, waited for

@@ -7,11 +7,13 @@ import ctypes
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from mapper.edge.gpu.profiles import COST_PROFILES
 from mapper.edge.gpu.simnvml import SimNvml
 from tests.nvml_standin import (
     NVML_SIGNATURES,
@@ -103,6 +105,38 @@ def test_a_buffer_too_small_is_insufficient_size_and_a_bad_handle_an_invalid_arg
         assert standin.library.nvmlDeviceGetName(bogus, small, ctypes.c_uint(8)) == 2  # INVALID_ARGUMENT
     finally:
         standin.pynvml.nvmlShutdown()
+
+
+def test_calls_through_the_standin_cost_what_the_simulators_profile_charges(standin: StandIn) -> None:
+    """The stand-in forwards each C call to the simulator on the calling thread, so a cost profile charges the
+    binding's caller as the driver would: CPU burnt on that thread, blocking calls waiting."""
+    nv = standin.pynvml
+    nv.nvmlInit()
+    try:
+        handle = nv.nvmlDeviceGetHandleByIndex(0)
+        cost = COST_PROFILES["h200"]
+        energy_s = cost.call("nvmlDeviceGetTotalEnergyConsumption").cpu_s
+        field_s = cost.fields[nv.NVML_FI_DEV_ENERGY].cpu_s
+        start = time.thread_time()
+        for _ in range(3):
+            nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+        free_s = time.thread_time() - start
+        assert free_s < energy_s  # the fixture's simulator: the none profile
+        standin.sim.set_cost("h200")
+        start = time.thread_time()
+        for _ in range(3):
+            nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+            nv.nvmlDeviceGetFieldValues(handle, [nv.NVML_FI_DEV_ENERGY, nv.NVML_FI_DEV_MEMORY_TEMP])
+        spent_s = time.thread_time() - start
+        expected_s = 3 * (energy_s + field_s)
+        assert expected_s <= spent_s < 1.5 * expected_s + 0.005
+        pcie = cost.call("nvmlDeviceGetPcieThroughput")
+        wall = time.perf_counter()
+        nv.nvmlDeviceGetPcieThroughput(handle, nv.NVML_PCIE_UTIL_TX_BYTES)
+        assert time.perf_counter() - wall >= pcie.wall_s
+    finally:
+        standin.sim.set_cost("none")
+        nv.nvmlShutdown()
 
 
 def test_the_standin_does_not_answer_for_the_real_driver(standin: StandIn) -> None:

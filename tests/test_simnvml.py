@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 
 import pynvml
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.edge.gpu.profiles import PROFILES, profile
-from mapper.edge.gpu.simnvml import SCENARIOS, SimNvml
+from mapper.edge.config import SIM_COST_PROFILES
+from mapper.edge.gpu.profiles import COST_PROFILES, PROFILES, profile
+from mapper.edge.gpu.simnvml import SCENARIOS, SimNvml, burn_cpu
 
 SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
 SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown
@@ -491,3 +494,99 @@ def test_gpu_lost_makes_every_call_on_that_gpu_fail(fake_clock: FakeClock) -> No
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         sim.nvmlDeviceGetHandleByUUID(sim.gpus[0].uuid)
     assert sim.nvmlDeviceGetPowerUsage(handle(sim, 1)) > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# What calls cost (cost profiles)
+# --------------------------------------------------------------------------------------------------
+
+H200_COST = COST_PROFILES["h200"]
+ENERGY_FIELD = pynvml.NVML_FI_DEV_ENERGY
+MEMORY_TEMP_FIELD = pynvml.NVML_FI_DEV_MEMORY_TEMP
+
+
+def thread_cpu_s(call: Callable[[], object], times: int) -> float:
+    """CPU time of this thread for ``times`` calls (what a CPU benchmark of the caller sees)."""
+    start = time.thread_time()
+    for _ in range(times):
+        call()
+    return time.thread_time() - start
+
+
+def test_the_h200_profile_burns_each_calls_cpu_on_the_calling_thread(fake_clock: FakeClock) -> None:
+    sim = make(fake_clock, "H200", cost="h200")
+    h = handle(sim)
+    energy_s = H200_COST.call("nvmlDeviceGetTotalEnergyConsumption").cpu_s
+    limit_s = H200_COST.call("nvmlDeviceGetPowerManagementLimit").cpu_s
+    calls: list[tuple[Callable[[], object], float]] = [
+        (lambda: sim.nvmlDeviceGetTotalEnergyConsumption(h), energy_s),
+        (lambda: sim.nvmlDeviceGetPowerManagementLimit(h), limit_s),
+        (lambda: sim.nvmlDeviceGetFieldValues(h, [ENERGY_FIELD]), H200_COST.fields[ENERGY_FIELD].cpu_s),
+    ]
+    charged_before_s = sim.charged_cpu_s  # (init and the handle cost a getter's microsecond each)
+    for call, cost_s in calls:
+        expected_s = 5 * cost_s
+        spent_s = thread_cpu_s(call, 5)
+        # at least what the profile says (the burn counts this thread's CPU), not wildly more (the simulator's own
+        # work is a few microseconds a call)
+        assert expected_s <= spent_s < 1.5 * expected_s + 0.005, (spent_s, expected_s)
+    assert sim.charged_cpu_s - charged_before_s == pytest.approx(sum(5 * c for _, c in calls))
+    assert sim.cost_profile == "h200"
+
+
+def test_a_field_batch_costs_what_its_dearest_field_costs_and_memory_temperature_alone_is_cheap(
+    fake_clock: FakeClock,
+) -> None:
+    sim = make(fake_clock, "H200", cost="h200")
+    h = handle(sim)
+    energy_s = H200_COST.fields[ENERGY_FIELD].cpu_s
+    batch_s = thread_cpu_s(lambda: sim.nvmlDeviceGetFieldValues(h, [MEMORY_TEMP_FIELD, ENERGY_FIELD]), 5)
+    assert 5 * energy_s <= batch_s < 5 * energy_s * 1.5 + 0.005  # the dearest field's cost, not the sum of both
+    twice_s = thread_cpu_s(lambda: sim.nvmlDeviceGetFieldValues(h, [ENERGY_FIELD, ENERGY_FIELD]), 5)
+    assert 5 * energy_s <= twice_s < 5 * energy_s * 1.5 + 0.005  # the same field twice: still one field's cost
+    alone_s = thread_cpu_s(lambda: sim.nvmlDeviceGetFieldValues(h, [MEMORY_TEMP_FIELD]), 20)
+    assert alone_s < 20 * (H200_COST.fields[MEMORY_TEMP_FIELD].cpu_s + 200e-6)  # far below one energy read
+    assert alone_s < energy_s
+
+
+def test_a_blocking_call_waits_without_burning_cpu(fake_clock: FakeClock) -> None:
+    sim = make(fake_clock, "H200", cost="h200")
+    h = handle(sim)
+    cost = H200_COST.call("nvmlDeviceGetPcieThroughput")
+    assert cost.block_s > 10 * cost.cpu_s  # the table's: ~20 ms wall, 0.79 ms CPU
+    blocked_before_s = sim.charged_block_s
+    wall = time.perf_counter()
+    spent_s = thread_cpu_s(lambda: sim.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES), 3)
+    wall_s = time.perf_counter() - wall
+    assert wall_s >= 3 * cost.wall_s
+    assert 3 * cost.cpu_s <= spent_s < 3 * (cost.cpu_s + cost.block_s / 4)
+    assert sim.charged_block_s - blocked_before_s == pytest.approx(3 * cost.block_s)
+
+
+def test_the_none_profile_charges_nothing_measurable(fake_clock: FakeClock) -> None:
+    sim = make(fake_clock, "H200")  # the default
+    h = handle(sim)
+    assert sim.cost_profile == "none"
+    energy_s = H200_COST.call("nvmlDeviceGetTotalEnergyConsumption").cpu_s
+    spent_s = thread_cpu_s(lambda: sim.nvmlDeviceGetTotalEnergyConsumption(h), 50)
+    assert spent_s < 50 * energy_s / 20  # the simulator's own work only: a few microseconds a call
+    wall = time.perf_counter()
+    for _ in range(5):
+        sim.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES)
+    assert time.perf_counter() - wall < H200_COST.call("nvmlDeviceGetPcieThroughput").block_s
+    assert sim.charged_cpu_s == sim.charged_block_s == 0.0
+    sim.set_cost("h200")
+    assert thread_cpu_s(lambda: sim.nvmlDeviceGetTotalEnergyConsumption(h), 2) >= 2 * energy_s
+    with pytest.raises(ValueError, match=r"unknown NVML cost profile 'h100'.*none, h200"):
+        sim.set_cost("h100")
+
+
+def test_the_config_knows_the_same_cost_profiles_as_the_simulator() -> None:
+    assert tuple(COST_PROFILES) == SIM_COST_PROFILES
+    assert COST_PROFILES["none"].free and not COST_PROFILES["h200"].free
+
+
+def test_burn_cpu_burns_about_what_it_is_asked_on_this_thread() -> None:
+    for seconds in (2e-6, 50e-6, 2e-3):
+        spent_s = thread_cpu_s(lambda s=seconds: burn_cpu(s), 20)  # type: ignore[misc]
+        assert 20 * seconds * 0.5 <= spent_s < 20 * (seconds * 1.5 + 20e-6), (seconds, spent_s)

@@ -89,6 +89,7 @@ def build_backend(
             settings.sim_profile,
             seed=settings.sim_seed,
             scenario=settings.sim_scenario,
+            cost=settings.sim_cost,
             clock=(clock or SystemClock()).monotonic,
             # As the NVIDIA driver does: only root may change GPU settings (reads work for anyone).
             as_root=os.geteuid() == 0,
@@ -371,6 +372,7 @@ class MapperApp:
             on_round=store_round,
             beat=self._beat,
             observe=self.status.observe_round,
+            observe_lateness=self.status.observe_lateness,
             on_sample=self.publisher.live_sample if s.telemetry_live else None,
             counts=counts,
         )

@@ -30,6 +30,9 @@ from mapper.shared.settings import (
     take_mqtt_settings,
 )
 
+#: The simulated NVML's cost profiles (``mapper.edge.gpu.profiles.COST_PROFILES``; a test keeps the two equal).
+SIM_COST_PROFILES = ("none", "h200")
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -39,6 +42,10 @@ class Settings:
     sim_profile: str = "H100"
     sim_seed: int = 0
     sim_scenario: str = "inference"
+    #: What each simulated NVML call costs (``SIM_COST_PROFILES``): ``none`` (free: the simulator as a functional
+    #: stand-in, as tests want it) or ``h200`` (the per-call CPU and waits measured on an H200: what a benchmark
+    #: projects a real driver with).
+    sim_cost: str = "none"
     #: Which GPU library: ``auto`` (a Jetson where a Tegra GPU is found: sysfs, nvpmodel and NVML where it serves;
     #: else NVML), ``nvml`` or ``jetson``.
     backend: str = "auto"
@@ -158,6 +165,7 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "sim_profile": ("sim.profile", "str"),
     "sim_seed": ("sim.seed", "int"),
     "sim_scenario": ("sim.scenario", "str"),
+    "sim_cost": ("sim.cost", "str"),
     "backend": ("backend", "str"),
     "jetson_root": ("jetson.root", "str"),
     "jetson_nvpmodel": ("jetson.nvpmodel", "str"),
@@ -335,6 +343,8 @@ def validate(settings: Settings) -> None:
         raise ConfigError(f"dmi.maxMessageBytes: must be 64KiB..256MiB, got {settings.dmi_max_message_bytes}")
     if settings.sim < 0 or settings.sim > 64:
         raise ConfigError(f"sim.count: must be 0..64, got {settings.sim}")
+    if settings.sim_cost not in SIM_COST_PROFILES:
+        raise ConfigError(f"sim.cost: must be one of {', '.join(SIM_COST_PROFILES)}, got {settings.sim_cost!r}")
     if settings.backend not in ("auto", "nvml", "jetson"):
         raise ConfigError(f"backend: must be auto, nvml or jetson, got {settings.backend!r}")
     if not settings.jetson_nvpmodel.split():

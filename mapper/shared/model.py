@@ -97,6 +97,10 @@ class PropertySpec:
     maximum: str = ""
     #: Default collect cycle for generated Devices, in milliseconds.
     collect_cycle_ms: int = 10_000
+    #: How often the GPU is really asked for a value that is dear to read, in milliseconds, where that is rarer
+    #: than the collect cycle; between two reads the backend derives the value (0: read at every collect).
+    #: ``energy_consumption``: the counter costs ~4 ms of CPU per read on an H200 (``docs/benchmarks.md``).
+    read_cycle_ms: int = 0
     #: "nvml": read by the NVML backend (some also by the Jetson backend: ``JETSON_SHARED``); "jetson": read by the
     #: Jetson backend only (sysfs, nvpmodel); "mapper": computed by the mapper itself (status twins).
     source: Literal["nvml", "jetson", "mapper"] = "nvml"
@@ -119,6 +123,7 @@ def _p(
     minimum: str = "",
     maximum: str = "",
     collect_cycle_ms: int = 10_000,
+    read_cycle_ms: int = 0,
     nvml_write: str = "",
     source: Literal["nvml", "jetson", "mapper"] = "nvml",
 ) -> PropertySpec:
@@ -136,6 +141,7 @@ def _p(
         minimum=minimum,
         maximum=maximum,
         collect_cycle_ms=collect_cycle_ms,
+        read_cycle_ms=read_cycle_ms,
         source=source,
     )
 
@@ -447,9 +453,22 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         "FLOAT",
         "J",
         "energy since the driver was loaded (resets on reload)",
-        "nvmlDeviceGetFieldValues(NVML_FI_DEV_ENERGY) (mJ)",
+        "nvmlDeviceGetFieldValues(NVML_FI_DEV_ENERGY) (mJ) every read_cycle_ms (60 s); in between the last read plus "
+        "power_usage integrated over time, never decreasing (energy_consumption_age: how long since the read)",
         prom_name="gpu_energy_consumption_joules_total",
         prom_type="counter",
+        minimum="0",
+        collect_cycle_ms=1_000,
+        read_cycle_ms=60_000,
+    ),
+    _p(
+        "energy_consumption_age",
+        "FLOAT",
+        "s",
+        "seconds since energy_consumption was read from the GPU: 0 when it is the driver's own counter, above 0 "
+        "when it is derived from power_usage since that read",
+        "(computed by the backend: no NVML call)",
+        prom_name="gpu_energy_consumption_age_seconds",
         minimum="0",
         collect_cycle_ms=1_000,
     ),
@@ -557,21 +576,21 @@ PROPERTIES: tuple[PropertySpec, ...] = (
         "pcie_tx",
         "INT",
         "bytes/s",
-        "PCIe transmit throughput (20 ms window)",
+        "PCIe transmit throughput (20 ms window; read on a thread of its own, the call blocks ~20 ms)",
         "nvmlDeviceGetPcieThroughput(NVML_PCIE_UTIL_TX_BYTES) (KB/s)",
         prom_name="gpu_pcie_tx_bytes_per_second",
         minimum="0",
-        collect_cycle_ms=5_000,
+        collect_cycle_ms=30_000,
     ),
     _p(
         "pcie_rx",
         "INT",
         "bytes/s",
-        "PCIe receive throughput (20 ms window)",
+        "PCIe receive throughput (20 ms window; read on a thread of its own, the call blocks ~20 ms)",
         "nvmlDeviceGetPcieThroughput(NVML_PCIE_UTIL_RX_BYTES) (KB/s)",
         prom_name="gpu_pcie_rx_bytes_per_second",
         minimum="0",
-        collect_cycle_ms=5_000,
+        collect_cycle_ms=30_000,
     ),
     # --- health ---------------------------------------------------------------------------------
     _p(

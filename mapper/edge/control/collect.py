@@ -504,6 +504,8 @@ class RoundLike(Protocol):
     @property
     def events_error(self) -> MapperError | None: ...
 
+    # (``NvmlBackend``'s rounds also carry ``started_s``: per request, when its read began; see ``tick_all``)
+
 
 class RoundBackend(Protocol):
     """The one backend call the collector makes per round (``NvmlBackend.sample_many``)."""
@@ -533,6 +535,7 @@ class _FailedRound(NamedTuple):
     samples: list[Sample | MapperError]
     events: list[GpuEvent]
     events_error: MapperError | None
+    started_s: tuple[float, ...] = ()
 
 
 class Collector:
@@ -556,6 +559,7 @@ class Collector:
         observe: Callable[[float], None] | None = None,
         on_sample: Callable[[GpuWorker, Sample], None] | None = None,
         counts: CollectCounts | None = None,
+        observe_lateness: Callable[[float, float], None] | None = None,
     ) -> None:
         self.workers = workers
         self.backend = backend
@@ -565,6 +569,10 @@ class Collector:
         self.beat = beat
         #: Called with the wall duration (s) of each round that sampled a GPU.
         self.observe = observe
+        #: Called with each GPU sample's lateness (s): how long after its due time its NVML read began (the
+        #: round's other GPUs read before it, a job still running on the NVML worker, the event loop's own delay,
+        #: the host's scheduling), and the part of it spent behind the other GPUs' reads in the same round.
+        self.observe_lateness = observe_lateness
         #: Called with each GPU's sample right after the round's NVML read, before the steps (the live topic).
         self.on_sample = on_sample
         #: Set by a GPU's ``wake`` (wire it to ``GpuWorker.notify``): the collector runs at once.
@@ -614,6 +622,8 @@ class Collector:
         NVML job; the results and the events."""
         starts = [w.begin() for w in due]
         requests = [(w.uuid, start.names) for w, start in zip(due, starts, strict=True) if start.names]
+        # each sampled GPU's due time (its earliest due group; -1: due at once after a start or a bind, not timed)
+        due_s = [min(start.due_at[i] for i in start.groups) for start in starts if start.names]
         samples: dict[str, Sample | MapperError] = {}
         events: Sequence[GpuEvent] = []
         if requests or poll:
@@ -628,6 +638,12 @@ class Collector:
                 err = TransientError(f"the NVML sampling round failed: {exc!r}", retry_after_s=5.0)
                 got = _FailedRound([err] * len(requests), [], err)
             samples = {uuid: outcome for (uuid, _), outcome in zip(requests, got.samples, strict=True)}
+            started_s: Sequence[float] = getattr(got, "started_s", ())
+            if self.observe_lateness is not None and started_s and len(started_s) == len(due_s):
+                first_s = started_s[0]
+                for read_s, at_s in zip(started_s, due_s, strict=True):
+                    if at_s >= 0:
+                        self.observe_lateness(max(0.0, read_s - at_s), max(0.0, read_s - first_s))
             if self.on_sample is not None:
                 for worker in due:
                     outcome = samples.get(worker.uuid)

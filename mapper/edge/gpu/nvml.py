@@ -5,7 +5,10 @@ It is given the nvml module: the real ``pynvml`` (from ``nvidia-ml-py``) in prod
 
 * GPUs by UUID; handles cached by UUID for the current NVML session (the index is only a label).
 * ``sample()`` reads every catalog property in catalog units with one NVML call per value
-  (``nvmlDeviceGetFieldValues`` for energy and memory temperature). A value NVML reports as NotSupported or
+  (``nvmlDeviceGetFieldValues`` for energy and for memory temperature, a call each: a field batch costs what its
+  dearest field costs). The dear reads are kept apart (docs/architecture.md, "Dear reads"): the energy counter
+  is read every ``energy_read_s`` (60 s) and derived from power in between (``_EnergyTrack``); PCIe throughput,
+  whose call blocks ~20 ms, is read on a thread of its own ahead of its ask. A value NVML reports as NotSupported or
   FunctionNotFound is absent from the sample, remembered per (GPU, call) and asked again only every
   ``unsupported_retry_s`` (a field id, which depends on the driver branch, also at a new NVML session). Which
   readers a set of wanted names needs is worked out once per set (and the set once per list of names a caller
@@ -31,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
+import math
 import queue
 import threading
 import time
@@ -69,6 +74,8 @@ from mapper.shared.model import (
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 #: Public methods ``call_async`` refuses: ``shutdown`` does more than one worker job (it stops the worker).
 _NOT_ASYNC = frozenset({"shutdown"})
@@ -136,21 +143,38 @@ _INIT_ADVICE_OTHER = "Check that nvidia-smi answers and the kernel log (dmesg) f
 #: Errors after which the NVML session is not trusted any more: re-initialise before the next call.
 _SESSION_ERRORS = frozenset({_UNINITIALIZED, _DRIVER_NOT_LOADED, _LIB_RM_VERSION_MISMATCH, _UNKNOWN})
 
-# Field ids and value types (pynvml constants).
+# Field ids (pynvml constants). Each is read in a call of its own: a ``nvmlDeviceGetFieldValues`` call costs what
+# its dearest field costs (~4 ms of CPU with energy in it on an H200, 5 us for memory temperature alone).
 _FI_MEMORY_TEMP = 82
 _FI_ENERGY = 191
-_FIELDS: tuple[tuple[int, str], ...] = ((_FI_MEMORY_TEMP, "temperature_memory"), (_FI_ENERGY, "energy_consumption"))
-_FIELD_PROPS: Mapping[int, str] = MappingProxyType(dict(_FIELDS))
-#: A field's key in a GPU's NotSupported memory (next to the group names of ``_GROUPS``), in ``_FIELDS`` order.
-_FIELD_KEYS: Mapping[int, str] = MappingProxyType({field_id: f"field:{field_id}" for field_id, _ in _FIELDS})
 #: Per-field statuses that mean "this driver or GPU has no such field": NotSupported, and InvalidArgument from a
 #: driver whose field table ends before the id (field 191, energy, is r535+).
 _FIELD_ABSENT = frozenset({_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _DEPRECATED, _INVALID_ARGUMENT})
-#: The NotSupported-memory key of the energy fallback, ``nvmlDeviceGetTotalEnergyConsumption``.
+#: The NotSupported-memory keys of the energy counter's two sources: field 191 (r535+), else
+#: ``nvmlDeviceGetTotalEnergyConsumption``.
+_ENERGY_FIELD_KEY = f"field:{_FI_ENERGY}"
 _ENERGY_CALL_KEY = "call:nvmlDeviceGetTotalEnergyConsumption"
 #: NotSupported-memory keys kept for one NVML session only: which field ids answer depends on the driver branch
-#: (field 191 is r535+), and a reload may bring another driver.
-_SESSION_KEYS = (*_FIELD_KEYS.values(), _ENERGY_CALL_KEY)
+#: (field 191 is r535+), and a reload may bring another driver. (The group names are those of ``_GROUPS``.)
+_SESSION_KEYS = ("temperature_memory", "energy", _ENERGY_FIELD_KEY, _ENERGY_CALL_KEY)
+#: How often the energy counter is read by default (``PropertySpec.read_cycle_ms`` of ``energy_consumption``).
+ENERGY_READ_S = PROPERTY_BY_NAME["energy_consumption"].read_cycle_ms / 1000.0
+#: A read of the energy counter falls due this much before its time, so a sample on the grid a hair early (the
+#: collector's slack) takes it rather than the one a cycle later.
+_ENERGY_READ_SLACK_S = 0.5
+#: Reading groups whose NVML call blocks the calling thread: ``nvmlDeviceGetPcieThroughput`` samples the link for
+#: ~20 ms (20.9 ms wall, 0.79 ms CPU per call on an H200). They are read on a thread of their own
+#: (``nvml-blocking``: ``NvmlBackend._serve_blocking``), never in the job that samples every GPU, so that one GPU's
+#: wait delays no other's sample. (A read that hangs there leaves the PCIe values absent; the samples go on.)
+_BLOCKING_GROUPS = frozenset({"pcie_tx", "pcie_rx"})
+#: A blocking read is started this long before its group is expected to be asked for again (the GPU's 1 s
+#: samples start it), so the value it delivers is about a second old; 16 reads of 21 ms fit in it.
+_BLOCKING_LEAD_S = 1.5
+#: The first ask of a blocking group (per GPU and NVML session) waits this long at most for its read, so that
+#: the first samples after start-up have the value.
+_BLOCKING_FIRST_WAIT_S = 1.0
+#: A blocking read's value is handed out while its read started at most this long ago.
+_BLOCKING_FRESH_S = _BLOCKING_LEAD_S + 1.0
 #: The process lists by kind, newest first: v3 (r510+), else v2.
 _PROCESS_LIST_CALLS: Mapping[str, tuple[str, ...]] = {
     "compute": ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
@@ -184,6 +208,9 @@ class SampleRound(NamedTuple):
     events: list[GpuEvent]
     #: The poll's error, when it failed.
     events_error: MapperError | None = None
+    #: Per request, in order: when (the backend clock's monotonic seconds) its GPU's read began; the collector
+    #: measures each sample's lateness against its due time with it.
+    started_s: tuple[float, ...] = ()
 
 
 class NvmlBackend:
@@ -191,6 +218,14 @@ class NvmlBackend:
 
     ``one_shot``: for a command that exits after its calls (``discover``): an NVML that cannot start is a
     PermanentError saying what to do, with no retry wording.
+
+    ``energy_read_s``: how often a GPU's energy counter is read (its catalog read cycle, 60 s, by default; 0: at
+    every sample, the driver's counter each time); in between ``energy_consumption`` is derived from the power
+    readings (``_EnergyTrack``).
+
+    ``blocking_thread``: read the calls that block the calling thread (``_BLOCKING_GROUPS``: PCIe throughput) on
+    a thread of their own, ahead of their ask (the default); False reads them where they are asked for, in the
+    job that samples every GPU (what a test of the values themselves wants: the value of this moment).
 
     ``clock`` times backoffs, the NotSupported cache and sample timestamps. ``call_timeout_s`` bounds every
     public call; ``init_timeout_s`` bounds a call that has to (re-)initialise NVML first (the first call after a
@@ -206,6 +241,8 @@ class NvmlBackend:
         call_timeout_s: float = 5.0,
         init_timeout_s: float = 30.0,
         unsupported_retry_s: float = 600.0,
+        energy_read_s: float | None = None,
+        blocking_thread: bool = True,
         reinit_backoff_s: float = 1.0,
         reinit_backoff_max_s: float = 60.0,
         lost_retry_s: float = 60.0,
@@ -220,6 +257,10 @@ class NvmlBackend:
         self._call_timeout_s = call_timeout_s
         self._init_timeout_s = init_timeout_s
         self._unsupported_retry_s = unsupported_retry_s
+        self._blocking_thread = blocking_thread
+        self._energy_read_s = ENERGY_READ_S if energy_read_s is None else energy_read_s
+        if self._energy_read_s < 0:
+            raise ValueError(f"energy_read_s must be >= 0, got {energy_read_s}")
         self._backoff_s = reinit_backoff_s
         self._backoff_max_s = reinit_backoff_max_s
         self._lost_retry_s = lost_retry_s
@@ -271,6 +312,16 @@ class NvmlBackend:
         #: Per GPU: the newest per-process utilisation sample seen (NVML's CPU timestamp, microseconds).
         self._util_seen_us: dict[str, int] = {}
         self._energy_j: dict[str, float] = {}
+        #: The energy counter between its reads, by GPU (``_EnergyTrack``), and the order GPUs were first read
+        #: in (which spreads their reads over the read cycle).
+        self._energy_tracks: dict[str, _EnergyTrack] = {}
+        self._energy_slots: dict[str, int] = {}
+        #: Reads of the energy counter that came in below the value already given out (held there), by GPU.
+        self.energy_clamps: dict[str, int] = {}
+        #: The blocking reads (``_BLOCKING_GROUPS``): their thread (made on first use) and state by (GPU, group).
+        self._blocking: _Worker | None = None
+        self._blocking_states: dict[tuple[str, str], _BlockingState] = {}
+        self._blocking_lock = threading.Lock()
         self._xid_last: dict[str, int] = {}
         self._pending: list[GpuEvent] = []
         # sampling plans: ``_wanted`` by the names a caller passes (callers pass the same few lists again and
@@ -298,6 +349,10 @@ class NvmlBackend:
                 if self._worker is not None:
                     self._worker.stop()
                     self._worker = None
+            with self._blocking_lock:
+                if self._blocking is not None:
+                    self._blocking.stop()
+                    self._blocking = None
 
     def driver_version(self) -> str:
         return self._call("nvmlSystemGetDriverVersion", lambda: _text(self._nv("nvmlSystemGetDriverVersion")))
@@ -328,7 +383,10 @@ class NvmlBackend:
                 except MapperError as exc:
                     events_error = exc
             out: list[Sample | MapperError] = []
+            started: list[float] = []
+            monotonic = self._clock.monotonic
             for uuid, names in wanted:
+                started.append(monotonic())
                 try:
                     out.append(self._guarded(partial(self._sample, uuid, names), True))
                 except MapperError as exc:
@@ -337,7 +395,7 @@ class NvmlBackend:
                 # A read hung past the job's timeout: the caller has given up on this result, so the events it
                 # took from NVML go back to the next poll instead of being lost with it.
                 self._pending[:0] = polled
-            return SampleRound(out, polled, events_error)
+            return SampleRound(out, polled, events_error, tuple(started))
 
         # Each read above is guarded on its own (init, re-init and retry once, backoff), as a batch of ``sample``
         # calls is: the job as a whole must neither initialise first nor, as a "successful call", reset the
@@ -416,6 +474,7 @@ class NvmlBackend:
         self._locked_memory.pop(uuid, None)
         self._static.pop(uuid, None)
         self._energy_j.pop(uuid, None)
+        self._energy_tracks.pop(uuid, None)
 
     def driver_checks(self, uuid: str, deadline_s: float) -> tuple[CheckResult, ...]:
         """The level-2 checks NVML answers for one GPU (``docs/health.md``): ``nvml-responsive`` (its calls here
@@ -716,6 +775,7 @@ class NvmlBackend:
             for key in _SESSION_KEYS:
                 memo.pop(key, None)
         self._process_fns.clear()
+        self._blocking_states.clear()  # (a read still running answers into a state nobody reads any more)
 
     def _shutdown_session(self) -> None:
         if not self._initialized:
@@ -740,6 +800,7 @@ class NvmlBackend:
         self._static.clear()
         self._lost.clear()
         self._energy_j.clear()
+        self._energy_tracks.clear()
         ts = self._clock.wall_ms()
         for uuid in sorted(set(self._infos) | set(self._names)):
             self._pending.append(GpuEvent(uuid=uuid, ts_ms=ts, kind="driver_reload", detail=why))
@@ -1036,6 +1097,8 @@ class NvmlBackend:
                     if static is None:
                         static = self._static.setdefault(uuid, {})
                     static[group] = tuple((k, v) for k, v in values.items() if k in props)
+        if self._blocking_states:
+            self._prefetch_blocking(uuid, handle, now)
         if not plan.exact:  # a reader also wrote values of its group that were not asked for
             values = {k: v for k, v in values.items() if k in wanted}
             if errors:
@@ -1046,9 +1109,113 @@ class NvmlBackend:
         """The reading plan for ``wanted``, made once per set of names (on the worker thread)."""
         steps = self._steps
         if steps is None:
-            steps = self._steps = tuple((group, props, _bind(reader, self)) for group, props, reader in _GROUPS)
+            steps = self._steps = tuple(
+                (group, props, self._blocking_step(group) if self._is_blocking(group) else _bind(reader, self))
+                for group, props, reader in _GROUPS
+            )
         chosen = tuple(entry for entry in steps if not wanted.isdisjoint(entry[1]))
         return self._plans.put(wanted, _SamplePlan(chosen, wanted))
+
+    # --- blocking reads, on a thread of their own (``_BLOCKING_GROUPS``) ------------------------------------
+    def _is_blocking(self, group: str) -> bool:
+        return self._blocking_thread and group in _BLOCKING_GROUPS
+
+    def _blocking_step(self, group: str) -> Step:
+        return partial(self._serve_blocking, group)
+
+    def _serve_blocking(self, group: str, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        """A blocking group asked for: the value its own thread read at most ``_BLOCKING_FRESH_S`` ago (started
+        ``_BLOCKING_LEAD_S`` before this ask by ``_prefetch_blocking``). The first ask (of this GPU and group in
+        the NVML session) starts a read and waits for it (``_BLOCKING_FIRST_WAIT_S`` at most: once, at start-up).
+        A later ask that finds no fresh value gets an error entry saying so (the value is absent, not stale; the
+        read before the next ask is started ahead of it). NotSupported raises UnsupportedError, as a read here
+        would."""
+        now = self._clock.monotonic()
+        getter = _BLOCKING_GETTERS[group]
+        with self._blocking_lock:
+            state = self._blocking_states.get((uuid, group))
+            first = state is None
+            if state is None:
+                state = self._blocking_states[(uuid, group)] = _BlockingState(_BLOCKING_PERIOD_GUESS_S[group])
+            elif now > state.asked_s:
+                state.period_s = now - state.asked_s
+            state.asked_s = now
+            outcome = state.outcome if now - state.outcome_s <= _BLOCKING_FRESH_S else None
+            start = outcome is None and first and not state.running
+            if start:
+                state.running = True
+                state.started_s = now
+                state.done.clear()
+        if start:
+            self._start_blocking(state, getter, h, now)
+        if outcome is None and first:
+            state.done.wait(_BLOCKING_FIRST_WAIT_S)
+            with self._blocking_lock:
+                outcome = state.outcome
+        if outcome is None:
+            for prop in getter.props:
+                errors[prop] = f"{getter.call} is read on a thread of its own (it blocks): in a later sample"
+            return
+        ok, raw = outcome
+        if ok:
+            value = getter.convert(raw)
+            if len(getter.props) == 1:
+                out[getter.props[0]] = value
+            else:
+                out[getter.props[0]], out[getter.props[1]] = value
+            return
+        code = int(getattr(raw, "value", -1))
+        text = f"{_where(uuid)}{getter.call} failed on its own thread: {raw}"
+        if code in (_NOT_SUPPORTED, _DEPRECATED, _FUNCTION_NOT_FOUND):
+            with self._blocking_lock:  # asked again at its retry time as a first ask (a read waited for)
+                self._blocking_states.pop((uuid, group), None)
+            raise UnsupportedError(text)
+        for prop in getter.props:
+            errors[prop] = text  # (GPU lost, a session gone: the reads of the shared round find those themselves)
+
+    def _prefetch_blocking(self, uuid: str, h: Any, now: float) -> None:
+        """Start each blocking read of this GPU whose group is expected to be asked for within ``_BLOCKING_LEAD_S``
+        (its last ask plus the interval between its last two asks, at first its catalog collect cycle) and that
+        has no read started for that ask yet, so that the ask finds a value about a second old."""
+        for group in _BLOCKING_GROUPS:
+            state = self._blocking_states.get((uuid, group))
+            if state is None:
+                continue
+            with self._blocking_lock:
+                ahead_s = state.asked_s + state.period_s - _BLOCKING_LEAD_S
+                if state.running or now < ahead_s or state.started_s >= ahead_s:
+                    continue
+                state.running = True
+                state.started_s = now
+                state.done.clear()
+            self._start_blocking(state, _BLOCKING_GETTERS[group], h, now)
+
+    def _start_blocking(self, state: _BlockingState, getter: _Getter, h: Any, started_s: float) -> None:
+        """Queue ``getter``'s NVML call on the blocking reads' thread; its outcome lands in ``state``, stamped with
+        ``started_s`` (when it was asked for)."""
+        nvml = self._nvml
+        nvml_error = self._nvml_error
+        lock = self._blocking_lock
+
+        def read() -> None:
+            try:
+                fn = getattr(nvml, getter.call)
+                outcome: tuple[bool, Any] = (True, fn(h, *(getattr(nvml, c) for c in getter.constants)))
+            except nvml_error as exc:
+                outcome = (False, exc)
+            except Exception as exc:  # (a bug or a missing name: an error entry at the ask, not a dead thread)
+                outcome = (False, exc)
+            with lock:
+                state.outcome = outcome
+                state.outcome_s = started_s
+                state.running = False
+            state.done.set()
+
+        with lock:
+            if self._blocking is None:
+                self._blocking = _Worker("nvml-blocking")
+            lane = self._blocking
+        lane.submit(read)
 
     # Each reader makes ONE NVML call (or none) and fills ``out`` in catalog units.
     def _r_identity(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
@@ -1103,68 +1270,100 @@ class NvmlBackend:
         mask = self._nv("nvmlDeviceGetCurrentClocksThrottleReasons", h, uuid=uuid)
         out["clock_event_reasons"], out["clock_event_reasons_text"] = _reasons(mask)
 
-    def _r_fields(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
-        now = self._clock.monotonic()
-        unsupported = self._unsupported.get(uuid)
-        if unsupported:
-            ids = [
-                field_id
-                for field_id, key in _FIELD_KEYS.items()
-                if (retry_at := unsupported.get(key)) is None or now >= retry_at
-            ]
-            if not ids:
-                self._energy_fallback(h, uuid, out, errors, now)
-                return
+    def _r_memory_temperature(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        """Field 82 in a call of its own (with energy in the same call it would cost what the energy counter
+        costs)."""
+        (item,) = self._nv("nvmlDeviceGetFieldValues", h, [_FI_MEMORY_TEMP], uuid=uuid, value=[_FI_MEMORY_TEMP])
+        status = int(item.nvmlReturn)
+        if status == 0:
+            out["temperature_memory"] = int(_field_number(item))
+        elif status in _FIELD_ABSENT:
+            raise UnsupportedError(f"GPU {uuid}: no memory temperature (field {_FI_MEMORY_TEMP}: NVML error {status})")
+        elif status == _GPU_IS_LOST:
+            raise self._translate(self._nvml_error(status), "nvmlDeviceGetFieldValues", uuid, _FI_MEMORY_TEMP, "")
         else:
-            ids = list(_FIELD_KEYS)
-        items = self._nv("nvmlDeviceGetFieldValues", h, ids, uuid=uuid, value=ids)
-        for item in items:
-            field_id = int(item.fieldId)
-            prop = _FIELD_PROPS[field_id]
+            errors["temperature_memory"] = f"nvmlDeviceGetFieldValues field {_FI_MEMORY_TEMP}: NVML error {status}"
+
+    def _r_energy(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str]) -> None:
+        """``energy_consumption`` and its age (``_energy``), with the power this sample read (it reads its groups in
+        ``_GROUPS`` order, power_usage first) or, where power was not asked for, a power reading of its own."""
+        power = out.get("power_usage")
+        power_w = float(power) if isinstance(power, int | float) and not isinstance(power, bool) else None
+        if power_w is None:
+            power_w = self._power_for_energy(h, uuid)
+        energy_j, age_s = self._energy(h, uuid, self._clock.monotonic(), power_w)
+        out["energy_consumption"] = energy_j
+        out["energy_consumption_age"] = age_s
+
+    def _power_for_energy(self, h: Any, uuid: str) -> float | None:
+        """Power (W) to integrate the energy counter with, or None where there is none (NotSupported: remembered
+        as the power_usage group's)."""
+        memo = self._unsupported.get(uuid)
+        if memo and self._clock.monotonic() < memo.get("power_usage", -1.0):
+            return None
+        try:
+            return int(self._nv("nvmlDeviceGetPowerUsage", h, uuid=uuid)) / 1000.0
+        except UnsupportedError:
+            self._unsupported.setdefault(uuid, {})["power_usage"] = self._clock.monotonic() + self._unsupported_retry_s
+            return None
+
+    def _energy(self, h: Any, uuid: str, now: float, power_w: float | None) -> tuple[float, float]:
+        """The GPU's energy counter (J) and how long ago it was read from the driver (s). The driver's counter is
+        read every ``energy_read_s`` (each GPU at its own offset within that cycle, so that their reads, ~4 ms of
+        CPU each on an H200, fall in different rounds); in between the value is the last read plus ``power_w``
+        integrated since (``_EnergyTrack``). Without a power reading every call reads the driver's counter."""
+        track = self._energy_tracks.get(uuid)
+        if track is not None and power_w is not None and now < track.next_read_s:
+            return track.derive(now, power_w), now - track.read_s
+        energy_j = self._read_energy(h, uuid, now)
+        self._check_energy(uuid, energy_j)  # (a reload detected here forgets every GPU's track)
+        track = self._energy_tracks.get(uuid)
+        cycle_s = self._energy_read_s
+        if track is None:
+            slot = self._energy_slots.setdefault(uuid, len(self._energy_slots))
+            offset = (slot * 0.6180339887498949) % 1.0  # spread over the cycle, whatever the number of GPUs
+            self._energy_tracks[uuid] = _EnergyTrack(energy_j, now, power_w, now + cycle_s * (1.0 + offset))
+            return energy_j, 0.0
+        if track.reread(energy_j, now, power_w, now + cycle_s - min(_ENERGY_READ_SLACK_S, cycle_s / 2)):
+            clamps = self.energy_clamps[uuid] = self.energy_clamps.get(uuid, 0) + 1
+            if clamps % 100 == 1:
+                log.warning(
+                    "GPU %s: energy counter read %.3f J, below the %.3f J derived from power since the previous "
+                    "read: held there (%d times)",
+                    uuid,
+                    energy_j,
+                    track.value_j,
+                    clamps,
+                )
+        return track.value_j, 0.0
+
+    def _read_energy(self, h: Any, uuid: str, now: float) -> float:
+        """The driver's energy counter (J): field 191 (r535+, in a call of its own), else
+        ``nvmlDeviceGetTotalEnergyConsumption``; each source remembered as absent for the NVML session when it does
+        not answer. UnsupportedError when neither does."""
+        memo = self._unsupported.setdefault(uuid, {})
+        retry_at = memo.get(_ENERGY_FIELD_KEY)
+        if retry_at is None or now >= retry_at:
+            (item,) = self._nv("nvmlDeviceGetFieldValues", h, [_FI_ENERGY], uuid=uuid, value=[_FI_ENERGY])
             status = int(item.nvmlReturn)
             if status == 0:
-                if unsupported:
-                    unsupported.pop(_FIELD_KEYS[field_id], None)
-                number = _field_number(item)
-                if field_id == _FI_ENERGY:
-                    self._check_energy(uuid, number / 1000.0)
-                    out[prop] = number / 1000.0
-                else:
-                    out[prop] = int(number)
-            elif status in _FIELD_ABSENT:
-                if unsupported is None:
-                    unsupported = self._unsupported.setdefault(uuid, {})
-                unsupported[_FIELD_KEYS[field_id]] = now + self._unsupported_retry_s
-            elif status == _GPU_IS_LOST:
-                raise self._translate(self._nvml_error(status), "nvmlDeviceGetFieldValues", uuid, field_id, "")
-            else:
-                errors[prop] = f"nvmlDeviceGetFieldValues field {field_id}: NVML error {status}"
-        if "energy_consumption" not in out and "energy_consumption" not in errors:
-            self._energy_fallback(h, uuid, out, errors, now)
-
-    def _energy_fallback(self, h: Any, uuid: str, out: dict[str, Value], errors: dict[str, str], now: float) -> None:
-        """Energy from ``nvmlDeviceGetTotalEnergyConsumption`` (mJ, Volta+) where field 191 is absent (drivers
-        before r535); remembered as unsupported like a field when that fails too."""
-        unsupported = self._unsupported.get(uuid)
-        if not unsupported or _FIELD_KEYS[_FI_ENERGY] not in unsupported:
-            return  # the field answered (or failed for another reason): no fallback
-        retry_at = unsupported.get(_ENERGY_CALL_KEY)
+                memo.pop(_ENERGY_FIELD_KEY, None)
+                return _field_number(item) / 1000.0
+            if status == _GPU_IS_LOST:
+                raise self._translate(self._nvml_error(status), "nvmlDeviceGetFieldValues", uuid, _FI_ENERGY, "")
+            if status not in _FIELD_ABSENT:
+                raise PermanentError(f"GPU {uuid}: nvmlDeviceGetFieldValues field {_FI_ENERGY}: NVML error {status}")
+            memo[_ENERGY_FIELD_KEY] = now + self._unsupported_retry_s
+        retry_at = memo.get(_ENERGY_CALL_KEY)
         if retry_at is not None and now < retry_at:
-            return
+            raise UnsupportedError(f"GPU {uuid}: no energy counter (field {_FI_ENERGY} and the call)")
         try:
             energy_mj = self._nv("nvmlDeviceGetTotalEnergyConsumption", h, uuid=uuid)
         except UnsupportedError:
-            unsupported[_ENERGY_CALL_KEY] = now + self._unsupported_retry_s
-            return
-        except (TransientError, NotFoundError, GpuLostError):
+            memo[_ENERGY_CALL_KEY] = now + self._unsupported_retry_s
             raise
-        except PermanentError as exc:
-            errors["energy_consumption"] = f"{exc.reason}: {exc}"
-            return
-        unsupported.pop(_ENERGY_CALL_KEY, None)
-        energy_j = int(energy_mj) / 1000.0
-        self._check_energy(uuid, energy_j)
-        out["energy_consumption"] = energy_j
+        memo.pop(_ENERGY_CALL_KEY, None)
+        return int(energy_mj) / 1000.0
 
     def _check_energy(self, uuid: str, energy_j: float) -> None:
         last = self._energy_j.get(uuid)
@@ -1224,19 +1423,6 @@ class NvmlBackend:
         utilization, source = self._process_utilization(h, uuid, now, unsupported)
         energy_j = power_w = None
         try:
-            energy_j = self._probe(
-                uuid,
-                "processes:energy",
-                now,
-                unsupported,
-                "energy",
-                lambda: int(self._nv("nvmlDeviceGetTotalEnergyConsumption", h, uuid=uuid)) / 1000.0,
-            )
-        except NotFoundError:
-            raise
-        except PermanentError as exc:
-            unsupported["energy"] = exc.reason
-        try:
             power_w = self._probe(
                 uuid,
                 "processes:power",
@@ -1249,6 +1435,16 @@ class NvmlBackend:
             raise
         except PermanentError as exc:
             unsupported["power"] = exc.reason
+        try:
+            # The collect samples' counter (read from the driver every energy_read_s, derived from power in
+            # between), not a read of its own: the driver's counter costs ~4 ms of CPU a read.
+            energy_j = self._probe(
+                uuid, "processes:energy", now, unsupported, "energy", lambda: self._energy(h, uuid, now, power_w)[0]
+            )
+        except NotFoundError:
+            raise
+        except PermanentError as exc:
+            unsupported["energy"] = exc.reason
         procs = []
         for pid in sorted(set(memory) | set(utilization)):
             sm, mem, enc, dec = utilization.get(pid, (None, None, None, None))
@@ -1582,6 +1778,49 @@ class _SamplePlan:
         self.exact = all(props <= wanted for _, props, _ in steps)
 
 
+class _EnergyTrack:
+    """One GPU's energy counter between two reads of the driver's (``NvmlBackend._energy``).
+
+    ``value_j`` is what was given out last. At a read it becomes the driver's counter, exactly; between reads it
+    is that read plus the power readings integrated over time (trapezoids between consecutive readings), and it
+    never decreases: a read that comes in below what was given out (the power readings ran ahead of the counter)
+    leaves it where it is (``reread`` answers True: counted and logged by the backend) and the integral starts
+    again from that read, so the value stays flat until the counter has caught up. A counter that restarted (a
+    driver reload or a GPU reset, found by the backend) gets a new track instead."""
+
+    __slots__ = ("anchor_j", "integral_j", "next_read_s", "power_s", "power_w", "read_s", "value_j")
+
+    def __init__(self, energy_j: float, now_s: float, power_w: float | None, next_read_s: float) -> None:
+        self.anchor_j = energy_j
+        self.value_j = energy_j
+        self.read_s = now_s
+        self.integral_j = 0.0
+        self.power_w = power_w
+        self.power_s = now_s
+        self.next_read_s = next_read_s
+
+    def derive(self, now_s: float, power_w: float) -> float:
+        if self.power_w is not None and now_s > self.power_s:
+            self.integral_j += (self.power_w + power_w) * 0.5 * (now_s - self.power_s)
+        self.power_w, self.power_s = power_w, now_s
+        value = self.anchor_j + self.integral_j
+        if value > self.value_j:
+            self.value_j = value
+        return self.value_j
+
+    def reread(self, energy_j: float, now_s: float, power_w: float | None, next_read_s: float) -> bool:
+        """A new read of the driver's counter; True when it was below the value given out (which then stays)."""
+        clamped = energy_j < self.value_j
+        if not clamped:
+            self.value_j = energy_j
+        self.anchor_j = energy_j
+        self.integral_j = 0.0
+        self.read_s = now_s
+        self.power_w, self.power_s = power_w, now_s
+        self.next_read_s = next_read_s
+        return clamped
+
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
@@ -1633,7 +1872,7 @@ _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
         ),
         ("memory", ("memory_used", "memory_total", "memory_reserved"), NvmlBackend._r_memory),
         ("temperature", ("temperature",), NvmlBackend._r_temperature),
-        ("fields", ("temperature_memory", "energy_consumption"), NvmlBackend._r_fields),
+        ("temperature_memory", ("temperature_memory",), NvmlBackend._r_memory_temperature),
         (
             "temperature_slowdown",
             ("temperature_slowdown",),
@@ -1656,6 +1895,8 @@ _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
         ),
         ("fan_speed", ("fan_speed",), _simple("fan_speed", "nvmlDeviceGetFanSpeed", int)),
         ("power_usage", ("power_usage",), _simple("power_usage", "nvmlDeviceGetPowerUsage", _mw_to_w)),
+        # (after power_usage: the energy counter is integrated from the power this sample read)
+        ("energy", ("energy_consumption", "energy_consumption_age"), NvmlBackend._r_energy),
         (
             "power_limit_enforced",
             ("power_limit_enforced",),
@@ -1742,6 +1983,38 @@ _GROUPS: tuple[tuple[str, frozenset[str], Reader], ...] = tuple(
     )
 )
 
+#: The getters of the blocking groups, run on their own thread (``NvmlBackend._start_blocking``).
+_BLOCKING_GETTERS: Mapping[str, _Getter] = MappingProxyType(
+    {name: reader for name, _, reader in _GROUPS if name in _BLOCKING_GROUPS and isinstance(reader, _Getter)}
+)
+assert set(_BLOCKING_GETTERS) == _BLOCKING_GROUPS
+
+
+class _BlockingState:
+    """One GPU's blocking read of one group: when it was last asked for and how far apart its asks are (at first
+    the catalog's collect cycle), whether a read runs and when the last one was started, and the last outcome
+    ((True, raw value) or (False, the exception)) with the time its read was started."""
+
+    __slots__ = ("asked_s", "done", "outcome", "outcome_s", "period_s", "running", "started_s")
+
+    def __init__(self, period_s: float) -> None:
+        self.asked_s = -math.inf
+        self.period_s = period_s
+        self.running = False
+        self.started_s = -math.inf
+        self.outcome: tuple[bool, Any] | None = None
+        self.outcome_s = -math.inf
+        #: Set when a read has finished (the first ask waits for it).
+        self.done = threading.Event()
+
+
+#: What the interval between a blocking group's asks is taken to be before there were two: its property's
+#: catalog collect cycle.
+_BLOCKING_PERIOD_GUESS_S: Mapping[str, float] = MappingProxyType(
+    {group: PROPERTY_BY_NAME[g.props[0]].collect_cycle_ms / 1000.0 for group, g in _BLOCKING_GETTERS.items()}
+)
+
+
 _ALL_NVML = frozenset(p.name for p in NVML_PROPERTIES)
 
 
@@ -1808,10 +2081,10 @@ class _Worker:
     """One daemon thread running jobs in order. A daemon, so a call hung inside NVML never blocks process exit;
     a plain lock per job as the reply latch (cheaper than a Future's condition variable)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "nvml") -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="nvml", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> _Job:

@@ -472,3 +472,126 @@ def profile(key: str) -> GpuProfile:
         if name.lower() == key.lower():
             return prof
     raise ValueError(f"unknown GPU profile {key!r}; known profiles: {', '.join(PROFILES)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# What NVML calls cost (cost profiles of the simulated NVML)
+# --------------------------------------------------------------------------------------------------
+
+_US = 1e-6
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """What one NVML call costs the thread that makes it: ``cpu_s`` of CPU burnt in the driver, and ``block_s``
+    of waiting that burns none (``nvmlDeviceGetPcieThroughput`` samples the link for ~20 ms)."""
+
+    cpu_s: float = 0.0
+    block_s: float = 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.cpu_s + self.block_s
+
+
+FREE = CallCost()
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Per NVML function (the C name the simulator counts in ``SimNvml.calls``) what a call costs;
+    ``nvmlDeviceGetFieldValues`` costs what its dearest field costs (``fields``, by field id). A function or
+    field not listed costs ``default_call`` / ``default_field``."""
+
+    name: str
+    calls: Mapping[str, CallCost]
+    fields: Mapping[int, CallCost]
+    default_call: CallCost = FREE
+    default_field: CallCost = FREE
+
+    @property
+    def free(self) -> bool:
+        return (
+            self.default_call == FREE
+            and self.default_field == FREE
+            and not any(c != FREE for c in (*self.calls.values(), *self.fields.values()))
+        )
+
+    def call(self, function: str) -> CallCost:
+        return self.calls.get(function, self.default_call)
+
+    def field_batch(self, field_ids: tuple[int, ...] | list[int]) -> CallCost:
+        """One ``nvmlDeviceGetFieldValues`` call for ``field_ids``: the dearest field's CPU and wait."""
+        costs = [self.fields.get(f, self.default_field) for f in field_ids]
+        if not costs:
+            return self.default_field
+        return CallCost(max(c.cpu_s for c in costs), max(c.block_s for c in costs))
+
+
+def _h200() -> CostProfile:
+    """The per-call cost measured on an NVIDIA H200 (driver 580.159.04, nvidia-ml-py 13.615, persistence mode on;
+    ``shared/docs/nvml-facts.md``, "Measured on a real GPU"): CPU of the calling thread per call through pynvml,
+    50 calls each. Where the table gives a range its middle is used; ``(assumed)`` marks a function the pass did
+    not time (it then costs what the common getters cost)."""
+    getter = CallCost(1.1 * _US)  # GetTemperature(V), GetPowerUsage, GetUtilizationRates, ... : 0.9-1.2 us
+    counters = CallCost(1.65 * _US)  # GetTotalEccErrors, GetRemappedRows, GetInforomImageVersion: 1.6-1.7 us
+    lists = CallCost(6.0 * _US)  # GetMemoryInfo (v1 and v2), GetComputeRunningProcesses: 5.5-6.5 us
+    calls = {
+        "nvmlDeviceGetTotalEnergyConsumption": CallCost(4300 * _US),
+        "nvmlDeviceGetPcieThroughput": CallCost(790 * _US, (20900 - 790) * _US),
+        "nvmlDeviceGetSamples": CallCost(302 * _US),
+        "nvmlDeviceGetPowerManagementLimit": CallCost(149 * _US),
+        "nvmlDeviceGetEnforcedPowerLimit": CallCost(0.9 * _US),
+        "nvmlDeviceGetMemoryInfo": lists,
+        "nvmlDeviceGetComputeRunningProcesses_v3": lists,
+        "nvmlDeviceGetComputeRunningProcesses_v2": lists,
+        "nvmlDeviceGetGraphicsRunningProcesses_v3": lists,  # (assumed: as the compute list)
+        "nvmlDeviceGetGraphicsRunningProcesses_v2": lists,  # (assumed)
+        "nvmlDeviceGetProcessUtilization": lists,  # (assumed: NotFound with no process on the GPU)
+        "nvmlDeviceGetProcessesUtilizationInfo": lists,  # (assumed)
+        "nvmlDeviceGetTotalEccErrors": counters,
+        "nvmlDeviceGetRemappedRows": counters,
+        "nvmlDeviceGetInforomImageVersion": counters,
+    }
+    for name in (
+        "nvmlDeviceGetTemperatureV",
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetClockInfo",
+        "nvmlDeviceGetPerformanceState",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+    ):
+        calls[name] = getter
+    fields = {
+        191: CallCost(4190 * _US),  # NVML_FI_DEV_ENERGY: the same cost as nvmlDeviceGetTotalEnergyConsumption
+        82: CallCost(4.7 * _US),  # NVML_FI_DEV_MEMORY_TEMP alone
+    }
+    return CostProfile(
+        "h200",
+        MappingProxyType(calls),
+        MappingProxyType(fields),
+        default_call=getter,  # (assumed)
+        default_field=CallCost(4.7 * _US),  # (assumed: as field 82)
+    )
+
+
+#: The cost profiles ``SimNvml(cost=...)`` knows: ``none`` (every call free: unit tests stay fast, the simulator
+#: is a functional stand-in) and ``h200`` (the measured table: what benchmarks project a real driver with).
+COST_PROFILES: Mapping[str, CostProfile] = MappingProxyType(
+    {
+        "none": CostProfile("none", MappingProxyType({}), MappingProxyType({})),
+        "h200": _h200(),
+    }
+)
+
+
+def cost_profile(key: str | CostProfile) -> CostProfile:
+    """A cost profile by name (case-insensitive), or the profile itself; a clear error for an unknown name."""
+    if isinstance(key, CostProfile):
+        return key
+    found = COST_PROFILES.get(key.lower())
+    if found is None:
+        raise ValueError(f"unknown NVML cost profile {key!r}; known: {', '.join(COST_PROFILES)}")
+    return found

@@ -22,7 +22,7 @@ integrated lazily on each read from the clock delta (steps of at most 0.5 s):
 The control surface for tests and demos (not pynvml names) is at the end of the class: ``gpus``, ``gpu(uuid)``,
 ``set_scenario``, ``set_utilization``, ``set_ambient_c``, ``set_cooling``, ``set_external_power_limit_w``,
 ``start_process``, ``stop_process``, ``set_scenario_processes``, ``pod_tree``, ``driver_reload``, ``inject_gpu_lost``,
-``inject_xid``, ``inject_ecc``, ``inject_errors``, ``set_call_delay_s``, ``set_as_root`` and the ``calls``
+``inject_xid``, ``inject_ecc``, ``inject_errors``, ``set_call_delay_s``, ``set_cost``, ``set_as_root`` and the ``calls``
 counter (calls per pynvml function name).
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import shutil
 import threading
 import time
@@ -42,7 +43,7 @@ from typing import Any
 
 import pynvml
 
-from mapper.edge.gpu.profiles import GpuProfile
+from mapper.edge.gpu.profiles import FREE, CallCost, CostProfile, GpuProfile, cost_profile
 from mapper.edge.gpu.profiles import profile as lookup_profile
 from mapper.edge.health.checks import HealthTools, ProbeResult, SelfCheckResult
 from mapper.errors import PermanentError
@@ -135,6 +136,35 @@ def _hash01(*parts: int) -> float:
 
 def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
+
+
+#: What ``burn_cpu`` hashes while much is left to burn (the hash runs in C without the GIL).
+_BURN_CHUNK = os.urandom(8192)
+#: Below this much left ``burn_cpu`` spins in Python instead (a chunk's hash takes ~10-30 us).
+_BURN_SPIN_S = 100e-6
+#: Burns shorter than this spin on ``perf_counter`` (a vDSO read): ``thread_time`` is a system call of about
+#: 1.5 us, which would make a 1 us call cost 4.
+_BURN_SHORT_S = 20e-6
+
+
+def burn_cpu(seconds: float) -> None:
+    """Burn ``seconds`` of CPU on the calling thread (its ``time.thread_time`` advances by that much, however
+    often the thread is preempted meanwhile). While more than ~0.1 ms is left it hashes in C with the GIL
+    released, as a driver call through ctypes runs, so other Python threads go on; the rest is a short spin.
+    A burn under 20 us spins on the wall clock (as long as the thread is not preempted, the same)."""
+    if seconds < _BURN_SHORT_S:
+        wall = time.perf_counter
+        until = wall() + seconds
+        while wall() < until:
+            pass
+        return
+    now = time.thread_time
+    end = now() + seconds
+    sha = hashlib.sha256
+    while end - now() > _BURN_SPIN_S:
+        sha(_BURN_CHUNK)
+    while now() < end:
+        pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -602,6 +632,13 @@ class SimNvml:
     (``set_call_delay_s``, a slow first call after ``driver_reload``), which are real waits so that the
     backend's timeouts see them. ``as_root=False`` makes every setter raise NoPermission. A ``driver_version``
     whose branch is older than a function (see ``_MIN_DRIVER_MAJOR``) makes that function raise FunctionNotFound.
+
+    ``cost`` (a ``mapper.edge.gpu.profiles.COST_PROFILES`` name or a ``CostProfile``) is what each call costs the
+    thread that makes it, as a real driver's does: ``none`` (the default: tests stay fast) or ``h200`` (the
+    table measured on an H200). The CPU part is really burnt on the calling thread (``time.thread_time``
+    advances by it, so a CPU benchmark sees it; most of it in C with the GIL released, as a ctypes call into the
+    driver is), the blocking part is a wait through ``sleep`` that burns none. ``nvmlDeviceGetFieldValues``
+    costs what its dearest field costs. ``charged_cpu_s`` / ``charged_block_s`` add up what was charged.
     """
 
     NVMLError = pynvml.NVMLError
@@ -619,6 +656,7 @@ class SimNvml:
         driver_version: str = "590.48.01",
         scenario: str = "idle",
         profiles: Sequence[str] | None = None,
+        cost: str | CostProfile = "none",
     ) -> None:
         keys = list(profiles) if profiles is not None else [profile] * count
         if count < 0:
@@ -627,6 +665,11 @@ class SimNvml:
             raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
         self._clock = clock
         self._sleep = sleep
+        self._cost: CostProfile | None = None
+        self.set_cost(cost)
+        #: CPU and waiting time charged by the cost profile, in seconds (every thread together).
+        self.charged_cpu_s = 0.0
+        self.charged_block_s = 0.0
         self._lock = threading.RLock()
         self._as_root = as_root
         self._set_driver_version(driver_version)
@@ -657,6 +700,8 @@ class SimNvml:
     # ----------------------------------------------------------------------------------------------
     def _prologue(self, fname: str) -> None:
         self.calls[fname] += 1
+        if self._cost is not None and fname != "nvmlDeviceGetFieldValues":  # (that one by its fields)
+            self._charge(self._cost.call(fname))
         if self._first_call_delay_s:
             delay, self._first_call_delay_s = self._first_call_delay_s, 0.0
             self._sleep(delay)
@@ -1016,6 +1061,8 @@ class SimNvml:
     def nvmlDeviceGetFieldValues(self, handle: SimHandle, fieldIds: Sequence[int]) -> Any:
         """Real ``c_nvmlFieldValue_t`` items, each with its own ``nvmlReturn`` (NotSupported per field)."""
         gpu = self._device(handle, "nvmlDeviceGetFieldValues")
+        if self._cost is not None:
+            self._charge(self._cost.field_batch([int(f) for f in fieldIds]))
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
         ts_us = int(self._clock() * 1e6)
         for item, field_id in zip(values, fieldIds, strict=True):
@@ -1446,6 +1493,26 @@ class SimNvml:
                 self._delays[key] = seconds
             else:
                 self._delays.pop(key, None)
+
+    def set_cost(self, cost: str | CostProfile) -> None:
+        """What calls cost from now on: a ``COST_PROFILES`` name (``none``, ``h200``) or a ``CostProfile``."""
+        prof = cost_profile(cost)
+        self._cost = None if prof.free else prof
+
+    @property
+    def cost_profile(self) -> str:
+        """The name of the cost profile in force (``none`` when calls are free)."""
+        return self._cost.name if self._cost is not None else "none"
+
+    def _charge(self, cost: CallCost) -> None:
+        if cost is FREE:
+            return
+        if cost.cpu_s > 0:
+            burn_cpu(cost.cpu_s)
+            self.charged_cpu_s += cost.cpu_s
+        if cost.block_s > 0:
+            self._sleep(cost.block_s)
+            self.charged_block_s += cost.block_s
 
     def set_as_root(self, as_root: bool) -> None:
         """False: every setter raises NoPermission, as for a non-root process."""

@@ -467,6 +467,24 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
         [(floatToGoString(le), float(n)) for le, n in s.collect_duration.cumulative()],
         sum_value=s.collect_duration.sum_s,
     )
+    late = HistogramMetricFamily(
+        "gpu_mapper_collect_lateness_seconds",
+        "how long after its due time each GPU's sample was read (other GPUs' reads, the NVML worker, the event loop)",
+    )
+    late.add_metric(
+        [],
+        [(floatToGoString(le), float(n)) for le, n in s.collect_lateness.cumulative()],
+        sum_value=s.collect_lateness.sum_s,
+    )
+    behind = HistogramMetricFamily(
+        "gpu_mapper_collect_behind_other_gpus_seconds",
+        "the part of a GPU sample's lateness spent behind the other GPUs' reads in the same collect round",
+    )
+    behind.add_metric(
+        [],
+        [(floatToGoString(le), float(n)) for le, n in s.collect_behind.cumulative()],
+        sum_value=s.collect_behind.sum_s,
+    )
     return [
         _labelled(
             GaugeMetricFamily,
@@ -585,6 +603,8 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
             s.policy_events.items(),
         ),
         hist,
+        late,
+        behind,
         _labelled(
             CounterMetricFamily,
             "gpu_mapper_collect_errors",

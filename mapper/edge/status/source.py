@@ -26,7 +26,7 @@ from mapper.edge.outbox.publish import Publisher
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.processes.monitor import GpuWorkloads
 from mapper.edge.push.destination import DestinationStatus
-from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
+from mapper.edge.status.stats import LATENESS_BOUNDS_S, DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.edge.status.view import console_table
 
 
@@ -148,11 +148,18 @@ class StatusSource:
         self.dmi_client = dmi_client
         self.dmi_server = dmi_server
         self.push = push
-        #: Durations of the collect rounds.
+        #: Durations of the collect rounds, and how late each GPU's sample was read (``Collector``).
         self.collect_duration = DurationHistogram()
+        self.collect_lateness = DurationHistogram(LATENESS_BOUNDS_S)
+        self.collect_behind = DurationHistogram(LATENESS_BOUNDS_S)
 
     def observe_round(self, duration_s: float) -> None:
         self.collect_duration = self.collect_duration.observe(duration_s)
+
+    def observe_lateness(self, lateness_s: float, behind_s: float) -> None:
+        """A GPU sample's lateness, and the part of it behind the other GPUs' reads of its round."""
+        self.collect_lateness = self.collect_lateness.observe(lateness_s)
+        self.collect_behind = self.collect_behind.observe(behind_s)
 
     def mqtt_state(self) -> str:
         """The default broker: off (none configured), up or down."""
@@ -208,6 +215,8 @@ class StatusSource:
             policy_overrides_active=totals.overrides,
             policy_events=dict(self.publisher.policy_events),
             collect_duration=self.collect_duration,
+            collect_lateness=self.collect_lateness,
+            collect_behind=self.collect_behind,
             collect_errors=dict(self.collector.errors),
             workloads=self.processes.workloads() if self.processes is not None else (),
             process_errors=dict(self.processes.errors) if self.processes is not None else {},

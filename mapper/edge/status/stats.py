@@ -39,6 +39,11 @@ STATUS_FILE_NAME = "status.json"
 #: Default bucket bounds of the collect-duration histogram, in seconds (one GPU sample is ~100 us on the
 #: simulator and a few ms on real NVML; a slow or hung call shows up in the top buckets).
 DEFAULT_DURATION_BOUNDS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Bucket bounds of the collect-lateness histogram, in seconds: how long after its due time a GPU's sample was
+#: read (the target is a p99 of at most 50 ms, docs/benchmarks.md).
+LATENESS_BOUNDS_S: tuple[float, ...] = (
+    0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
 
 
 class SnapshotFormatError(ValueError):
@@ -201,6 +206,10 @@ class MapperSnapshot:
     policy_events: Mapping[tuple[str, str], int] = field(default_factory=dict)
     # --- collection ---
     collect_duration: DurationHistogram = field(default_factory=DurationHistogram)
+    #: How long after its due time each GPU's sample was read (``mapper.edge.control.collect.Collector``).
+    collect_lateness: DurationHistogram = field(default_factory=lambda: DurationHistogram(LATENESS_BOUNDS_S))
+    #: The part of each sample's lateness spent behind the other GPUs' reads in the same round.
+    collect_behind: DurationHistogram = field(default_factory=lambda: DurationHistogram(LATENESS_BOUNDS_S))
     #: Failed samples by error reason (``transient``, ``gpu-lost``, ``timeout``...).
     collect_errors: Mapping[str, int] = field(default_factory=dict)
     # --- who uses the GPUs (the process cycle, docs/processes.md) ---
@@ -268,6 +277,8 @@ class MapperSnapshot:
                     "counts": list(self.collect_duration.counts),
                     "sum_s": self.collect_duration.sum_s,
                 },
+                "lateness": _histogram_out(self.collect_lateness),
+                "behind_other_gpus": _histogram_out(self.collect_behind),
                 "errors": dict(self.collect_errors),
             },
             "processes": {
@@ -319,6 +330,11 @@ class MapperSnapshot:
             )
         except ValueError as exc:
             raise SnapshotFormatError(f"{dur.path}: {exc}") from None
+        # (absent from the status file of a mapper before issue 29)
+        lateness, behind = (
+            _histogram_in(collect.obj(key)) if key in collect.names() else DurationHistogram(LATENESS_BOUNDS_S)
+            for key in ("lateness", "behind_other_gpus")
+        )
         return cls(
             node=r.text("node"),
             taken_at_ms=r.count("taken_at_ms"),
@@ -348,6 +364,8 @@ class MapperSnapshot:
             policy_overrides_active=policy.count_map("overrides_active"),
             policy_events=policy.pairs("events"),
             collect_duration=histogram,
+            collect_lateness=lateness,
+            collect_behind=behind,
             collect_errors=collect.count_map("errors"),
             workloads=tuple(_workloads_from_reader(w) for w in procs.objs("gpus")) if procs else (),
             process_errors=procs.count_map("errors") if procs else {},
@@ -407,6 +425,19 @@ def _push_from_reader(r: _Reader) -> DestinationStatus:
         last_success_ms=r.opt_count("last_success_ms"),
         properties=r.count("properties"),
     )
+
+
+def _histogram_out(h: DurationHistogram) -> dict[str, Any]:
+    return {"bounds_s": list(h.bounds_s), "counts": list(h.counts), "sum_s": h.sum_s}
+
+
+def _histogram_in(r: _Reader) -> DurationHistogram:
+    try:
+        return DurationHistogram(
+            bounds_s=tuple(r.numbers("bounds_s")), counts=tuple(r.counts_list("counts")), sum_s=r.number("sum_s")
+        )
+    except ValueError as exc:
+        raise SnapshotFormatError(f"{r.path}: {exc}") from None
 
 
 def _pairs_out(counts: Mapping[tuple[str, str], int]) -> list[list[str | int]]:
