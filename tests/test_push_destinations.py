@@ -5,6 +5,7 @@ replayed in order, refusals dropped by rule, Retry-After honoured, one dead dest
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from mapper.clock import SystemClock
+from mapper.clock import FakeClock, SystemClock
 from mapper.edge.push.destination import Destination
 from mapper.edge.push.http import HttpWriter
 from mapper.edge.push.otel import OtelWriter
@@ -203,25 +204,26 @@ async def test_otel_sends_one_request_of_gauges_and_sums_with_the_device_and_sam
         assert [p.resource["device.id"] for p in points if p.metric == "temperature"].count("default/gpu1") == 1
 
 
+@pytest.mark.parametrize("status", [429, 503])
 async def test_otel_waits_as_long_as_retry_after_says_then_delivers_in_order(
-    buffer: PushBuffer, running: list[Running]
+    buffer: PushBuffer, running: list[Running], status: int
 ) -> None:
     with OtlpReceiver() as receiver:
         method = PushOtel(receiver.endpoint)
-        receiver.status = 429
+        receiver.status = status
         receiver.extra_headers = {"Retry-After": "2"}
         writer = OtelWriter(method, timeout_s=2.0)
         dest = start(running, Destination(destination_key(method), "otel", buffer, writer, clock=SystemClock()))
         store(buffer, method, [sample(i) for i in range(3)])
         dest.wake()
-        await wait_for(lambda: receiver.answers == [429], what="the first answer")
+        await wait_for(lambda: receiver.answers == [status], what="the first answer")
         refused_at = time.monotonic()
         receiver.status = 200
         receiver.extra_headers = {}
         await wait_for(lambda: len(receiver.snapshot()) == 3, timeout_s=10, what="the retry")
         assert time.monotonic() - refused_at >= 1.9, "not before Retry-After"
         assert [p.value for p in receiver.snapshot()] == [40.0, 41.0, 42.0]
-        assert receiver.answers == [429, 200]
+        assert receiver.answers == [status, 200]
 
 
 async def test_otel_refuses_by_rule_a_400_and_drops_the_batch(buffer: PushBuffer, running: list[Running]) -> None:
@@ -242,22 +244,22 @@ async def test_a_destination_that_never_answers_delays_no_other(buffer: PushBuff
     silent.bind(("127.0.0.1", 0))
     silent.listen(100)
     try:
-        dead = PushHttp("http://127.0.0.1", silent.getsockname()[1], "/dead", timeout_ms=1500)
+        dead = PushHttp("http://127.0.0.1", silent.getsockname()[1], "/dead", timeout_ms=5000)
         with HttpReceiver() as receiver:
             host, port, _ = receiver.url()
             live = PushHttp(host, port, "/live")
             d_dead = start(running, http_destination(buffer, dead))
             d_live = start(running, http_destination(buffer, live))
             store(buffer, dead, [sample(i) for i in range(3)])
-            started = time.monotonic()
             for i in range(3):
                 store(buffer, live, [sample(i)])
                 d_dead.wake()
                 d_live.wake()
                 await wait_for(lambda n=i + 1: len(receiver.snapshot()) == n, what="the live destination")  # type: ignore[misc]
-            assert time.monotonic() - started < 1.0, "the live one did not wait for the dead one"
-            await wait_for(lambda: d_dead.failures >= 1, what="the dead one timing out")
-            assert "1.5 s" in d_dead.last_error and buffer.backlog(d_dead.key)[0] == 3
+            # Every live sample went out while the dead one still waits on its first request (its 5 s bound).
+            assert d_dead.failures == 0 and d_dead.delivered == 0, "the live one did not wait for the dead one"
+            await wait_for(lambda: d_dead.failures >= 1, timeout_s=20, what="the dead one timing out")
+            assert "no answer within 5 s" in d_dead.last_error and buffer.backlog(d_dead.key)[0] == 3
     finally:
         silent.close()
 
@@ -325,3 +327,78 @@ async def test_https_is_checked_against_the_ca_of_the_mappers_config(
 
 def _destination(buf: PushBuffer, method: PushHttp, factory: WriterFactory) -> Destination:
     return Destination(destination_key(method), "http", buf, factory(method), clock=SystemClock(), retry_max_s=1.0)
+
+
+async def test_an_otel_receiver_that_never_answers_times_out_and_its_samples_wait(
+    buffer: PushBuffer, running: list[Running]
+) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(10)
+    try:
+        method = PushOtel(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/metrics")
+        writer = OtelWriter(method, timeout_s=1.0)
+        dest = start(running, Destination(destination_key(method), "otel", buffer, writer, clock=SystemClock()))
+        store(buffer, method, [sample(0), sample(1)])
+        dest.wake()
+        await wait_for(lambda: dest.failures >= 1, what="the request timing out")
+        assert dest.state == "down" and "no answer within 1 s" in dest.last_error
+        assert buffer.backlog(dest.key)[0] == 2, "kept for later, not dropped"
+    finally:
+        silent.close()
+
+
+class StepClock(FakeClock):
+    """A fake clock the destination's own sleeps move forward (its backoff and pacing take no real time)."""
+
+    async def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+        await asyncio.sleep(0)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and words in r.getMessage()]
+
+
+async def test_a_refusal_and_an_outage_are_logged_once_a_minute(
+    buffer: PushBuffer, running: list[Running], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mapper.edge.push.destination")
+    clock = StepClock()
+    with HttpReceiver() as receiver:
+        host, port, _ = receiver.url()
+        method = PushHttp(host, port, "/t")
+        writer = HttpWriter(method, timeout_s=2.0)
+        dest = start(
+            running,
+            Destination(
+                destination_key(method), "http", buffer, writer, clock=clock, retry_max_s=4.0, sleep=clock.sleep
+            ),
+        )
+        # Refused (401): each sample dropped by rule; five within a minute make one line, counting the first.
+        receiver.status = 401
+        for i in range(5):
+            store(buffer, method, [sample(i)])
+            dest.wake()
+            await wait_for(lambda n=i + 1: dest.status().dropped.get("refused") == n, what=f"refusal {i + 1}")  # type: ignore[misc]
+        assert len(warnings_of(caplog, "dropped by rule")) == 1
+        assert "refused 1 samples" in warnings_of(caplog, "dropped by rule")[0] and "401" in dest.last_error
+        # A minute later the next refusal is logged again, with what was refused meanwhile.
+        clock.advance(61)
+        store(buffer, method, [sample(5)])
+        dest.wake()
+        await wait_for(lambda: dest.status().dropped.get("refused") == 6, what="the sixth refusal")
+        refused_lines = warnings_of(caplog, "dropped by rule")
+        assert len(refused_lines) == 2 and "refused 5 samples" in refused_lines[1]
+        assert receiver.answers == [401] * 6, "a refused sample is never sent again"
+
+    # Down (nothing listens): retried with a backoff up to 4 s; logged at the first failure and once a minute after.
+    store(buffer, method, [sample(6)])
+    dest.wake()
+    await wait_for(lambda: dest.failures >= 40, what="forty failed tries")
+    assert clock.monotonic() - 1000.0 >= 61 + 60, "the fake minute went by"
+    down_lines = warnings_of(caplog, "kept")
+    # 40 tries: 1 + 2 + 4 s and then 4 s each, about 160 s of the fake clock: logged at the first and each minute.
+    elapsed_s = clock.monotonic() - 1000.0 - 61
+    assert 2 <= len(down_lines) <= 1 + elapsed_s // 60 + 1, (len(down_lines), elapsed_s)
+    assert buffer.backlog(dest.key)[0] == 1, "kept while down"
