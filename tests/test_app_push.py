@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -233,6 +234,22 @@ def test_the_mapper_pushes_to_http_and_otel_through_an_outage_with_nothing_lost(
         assert hanging["state"] == "down" and "no answer within 2 s" in hanging["last_error"], hanging
         assert hanging["delivered_samples"] == 0 and hanging["backlog_samples"] >= 5, hanging
         assert not [p for p in http.snapshot() if p.path == "/silent"]
+        # ``gpu-mapper status`` against the running mapper says the same, one line per destination.
+        shown = subprocess.run(
+            [sys.executable, "-m", "mapper.cli", "status", "--url", mapper.metrics],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        silent_line = next(line for line in lines if f"127.0.0.1:{silent_port}/silent" in line)
+        assert "DOWN" in silent_line and "last error:" in silent_line and "no answer within 2 s" in silent_line
+        waiting = re.search(r"(\d+) waiting", silent_line)
+        assert waiting is not None and int(waiting.group(1)) >= 5, silent_line
+        otel_line = next(line for line in lines if f"otel {otel.endpoint}" in line)
+        assert ": ok, 0 waiting" in otel_line or ": ok, 1 waiting" in otel_line, otel_line
         metrics = mapper.get("/metrics").decode()
         otel_key = f"otel {otel.endpoint}"
         assert f'gpu_mapper_push_state{{destination="{otel_key}",method="otel",state="ok"}} 1.0' in metrics
