@@ -321,6 +321,16 @@ async def test_https_is_checked_against_the_ca_of_the_mappers_config(
         assert receiver.snapshot()[0].path == "/trusted"
         await wait_for(lambda: bad.failures >= 1, what="the untrusted one failing")
         assert "CERTIFICATE_VERIFY_FAILED" in bad.last_error and buffer.backlog(bad.key)[0] == 1, "kept, not lost"
+    with OtlpReceiver(tls=server_context) as otlp:
+        method = PushOtel(otlp.endpoint)
+        assert method.endpoint_url.startswith("https://localhost:")
+        factory = WriterFactory(timeout_s=2.0, ca_file=str(ca_file))
+        writer = factory(method)
+        dest = start(running, Destination(destination_key(method), "otel", buffer, writer, clock=SystemClock()))
+        store(buffer, method, [sample(0)])
+        dest.wake()
+        await wait_for(lambda: len(otlp.snapshot()) == 1, what="the OTLP export over https")
+        assert otlp.snapshot()[0].value == 40.0
     with pytest.raises(ConfigError, match=r"push\.caFile"):
         WriterFactory(timeout_s=2.0, ca_file=str(tmp_path / "missing.pem"))
 
