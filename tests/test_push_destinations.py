@@ -25,8 +25,9 @@ from mapper.edge.push.wire import encode_sample
 from mapper.edge.push.writers import WriterFactory
 from mapper.edge.storage.pushbuffer import PushBuffer
 from mapper.errors import ConfigError
-from mapper.shared.push import PushHttp, PushOtel, PushSample
+from mapper.shared.push import DbRedis, PushHttp, PushOtel, PushSample, PushSecrets
 from tests.apphelpers import wait_for
+from tests.dbservers import RedisServer
 from tests.pushhelpers import HttpReceiver, OtlpReceiver
 
 #: The samples carry fixed times in the past: the buffer keeps them whatever the day the tests run.
@@ -61,7 +62,7 @@ def sample(i: int, prop: str = "temperature", device: str = "gpu0", *, counter: 
     )
 
 
-def store(buf: PushBuffer, method: PushHttp | PushOtel, samples: list[PushSample]) -> None:
+def store(buf: PushBuffer, method: PushHttp | PushOtel | DbRedis, samples: list[PushSample]) -> None:
     key = destination_key(method)
     buf.put_many([(key, method_to_json(method), s.ts_ms, encode_sample(s)) for s in samples])
 
@@ -113,7 +114,8 @@ async def test_http_posts_the_frameworks_form_in_order_and_an_outage_loses_nothi
         assert first.path == "/gpu/temp"
         assert first.body == b"temperature=40&time=2026-12-04 17:58:03"
         assert first.headers["content-type"] == "application/x-www-form-urlencoded"
-        assert dest.state == "ok"
+        # (The receiver records a post before it answers: the destination sees the answer a moment later.)
+        await wait_for(lambda: dest.delivered == 5 and dest.state == "ok", what="the answers seen")
 
         receiver.stop()
         store(buffer, method, [sample(i) for i in range(5, 12)])
@@ -129,7 +131,8 @@ async def test_http_posts_the_frameworks_form_in_order_and_an_outage_loses_nothi
         times = [f["time"] for f in forms]
         expected = [time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(T0_MS / 1000 + 2 * i)) for i in range(12)]
         assert times == expected, "each post carries its sample's own time"
-        assert buffer.backlog(dest.key) == (0, 0) and dest.state == "ok" and dest.delivered == 12
+        await wait_for(lambda: dest.delivered == 12, what="the last answer seen")
+        assert buffer.backlog(dest.key) == (0, 0) and dest.state == "ok"
     finally:
         receiver.stop()
 
@@ -153,7 +156,7 @@ async def test_a_refusal_is_dropped_by_rule_counted_and_the_next_samples_go_on(
         await wait_for(lambda: len(receiver.snapshot()) == 1, what="the next sample")
         assert receiver.snapshot()[0].form["temperature"] == "42"
         assert receiver.answers == [400, 400, 200], "a refused sample is never sent again"
-        assert dest.state == "ok"
+        await wait_for(lambda: dest.state == "ok", what="the answer seen")
 
 
 async def test_a_5xx_keeps_the_samples_and_they_go_out_when_it_answers_again(
@@ -412,3 +415,26 @@ async def test_a_refusal_and_an_outage_are_logged_once_a_minute(
     elapsed_s = clock.monotonic() - 1000.0 - 61
     assert 2 <= len(down_lines) <= 1 + elapsed_s // 60 + 1, (len(down_lines), elapsed_s)
     assert buffer.backlog(dest.key)[0] == 1, "kept while down"
+
+
+async def test_a_batch_a_db_refused_in_part_drops_only_the_refused_and_counts_the_rest_delivered(
+    tmp_path: Path, buffer: PushBuffer, running: list[Running]
+) -> None:
+    redis = RedisServer(tmp_path, password="pw")
+    redis.start()
+    try:
+        redis.cli("SET", "gpu1", "a string, not a sorted set")  # gpu1's samples: WRONGTYPE, refused
+        method = DbRedis(addr=f"127.0.0.1:{redis.port}")
+        writer = WriterFactory(timeout_s=2.0, secrets=PushSecrets(password="pw"))(method)
+        dest = start(running, Destination(destination_key(method), "redis", buffer, writer, clock=SystemClock()))
+        samples = [sample(i, device="gpu1" if i % 3 == 1 else "gpu0") for i in range(6)]
+        store(buffer, method, samples)
+        dest.wake()
+        await wait_for(lambda: buffer.backlog(dest.key)[0] == 0, what="the batch written or refused")
+        written = [s for s in samples if s.device == "gpu0"]
+        assert [score for _, score in redis.zrange("gpu0")] == [s.ts_ms for s in written]
+        assert dest.delivered == len(written) == 4
+        assert dest.status().dropped == {"refused": 2}
+        assert dest.state == "refused" and "WRONGTYPE" in dest.last_error
+    finally:
+        redis.stop()

@@ -125,6 +125,7 @@ async def test_the_push_status_twin_says_how_each_method_fares(router: PushRoute
             "product_name:otel:refused@not-a-number"
         )
         await wait_for(lambda: len(rx.snapshot()) == 1, what="the push")
+        await wait_for(lambda: {s.state for s in router.statuses() if s.kind == "http"} == {"ok"}, what="its answer")
         step(router, w, T0_MS + 100, {"temperature": 42})  # not due: only the twin is refreshed
         assert w.push_status.startswith("temperature:http:ok,")
         unbound = worker(None)
@@ -268,6 +269,10 @@ async def test_a_device_update_that_moves_a_property_to_another_kind_of_method_a
             ]
             members = [(json.loads(m)["Value"], score) for m, score in redis.zrange("gpu0")]
             assert members == [(str(i), T0_MS + 2000 * i) for i in range(3, 6)]
+            await wait_for(
+                lambda: {s.kind: s.state for s in r.statuses() if s.kind != "http"} == {"otel": "ok", "redis": "ok"},
+                what="their answers seen",
+            )
             step(r, w, T0_MS + 10_100, {"temperature": 5})  # not due: the twin is refreshed
             assert w.push_status == "temperature:otel:ok,temperature:redis:ok"
             r._changed.set()
