@@ -5,6 +5,8 @@ Loops decide what to do from the type alone:
 
 * ``TransientError``: try again later (capped backoff); ``retry_after_s`` is a hint.
 * ``PermanentError``: report it and stop retrying that action until the input changes.
+* ``PartlyRefusedError``: a write of several items refused some of them (``refused``: their positions) and did
+  the rest.
 * ``UnsupportedError``: the capability is absent on this GPU/driver; mark it absent and log once.
 * ``ReadBackMismatchError``: a setter reported success but the GPU reads another value; keep the value pending
   and try again after a backoff.
@@ -13,6 +15,8 @@ Messages name what failed: the GPU (by UUID), the call and the value.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class MapperError(Exception):
@@ -41,6 +45,15 @@ class PermanentError(MapperError):
     """Retrying the same call with the same input will fail the same way."""
 
     reason = "failed"
+
+
+class PartlyRefusedError(PermanentError):
+    """A write of several items refused some of them and did the rest: ``refused`` holds the positions (in the
+    items given) of the refused ones, so the caller counts the others as done."""
+
+    def __init__(self, message: str, *, refused: Iterable[int], reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.refused = tuple(sorted(set(refused)))
 
 
 class UnsupportedError(PermanentError):

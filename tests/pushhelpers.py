@@ -164,15 +164,16 @@ class HttpReceiver(Receiver):
 class OtlpReceiver(Receiver):
     """Decodes each ``ExportMetricsServiceRequest`` into ``points``, answers an empty response."""
 
-    def __init__(self, port: int | None = None) -> None:
-        super().__init__(port)
+    def __init__(self, port: int | None = None, tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(port, tls)
         self.points: list[Point] = []
         self.requests = 0
         self.content_types: list[str] = []
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/metrics"
+        origin = "https://localhost" if self.tls else "http://127.0.0.1"
+        return f"{origin}:{self.port}/v1/metrics"
 
     def record(self, path: str, headers: dict[str, str], body: bytes) -> None:
         assert path == "/v1/metrics", path

@@ -1,13 +1,15 @@
 """The mapper as a process (``gpu-mapper run --sim 1 --devices <folder>``, TZ=UTC) pushing to real receivers:
 http and otel deliver every sample with its own time; both receivers down for a while and back: nothing lost,
-in order; ``/status`` and ``/metrics`` show each destination; a Device update changes a method mid-run; a bad value
-refuses only its method."""
+in order; a destination that never answers delays neither the others nor the collect loop; ``/status`` and
+``/metrics`` show each destination; a Device update changes a method mid-run; a bad value refuses only its method."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,7 +46,9 @@ def sim_uuid() -> str:
         backend.shutdown()
 
 
-def device_doc(uuid: str, http: HttpReceiver, otel: OtlpReceiver, temperature_path: str) -> dict[str, Any]:
+def device_doc(
+    uuid: str, http: HttpReceiver, otel: OtlpReceiver, temperature_path: str, silent_port: int
+) -> dict[str, Any]:
     def prop(name: str, push: dict[str, Any]) -> dict[str, Any]:
         return {"name": name, "reportCycle": CYCLE_MS, "collectCycle": 1000, "reportToCloud": True, "pushMethod": push}
 
@@ -64,6 +68,7 @@ def device_doc(uuid: str, http: HttpReceiver, otel: OtlpReceiver, temperature_pa
                 prop("energy_consumption", {"otel": {"endpointURL": otel.endpoint}}),
                 prop("utilization_gpu", {"anomalyDetection": {"algorithm": "zscore", "threshold": 3, "on": True}}),
                 prop("power_limit", {"http": {"hostName": host, "port": 0}}),
+                prop("clock_sm", {"http": {"hostName": host, "port": silent_port, "requestPath": "/silent"}}),
             ],
         },
     }
@@ -161,11 +166,18 @@ def test_the_mapper_pushes_to_http_and_otel_through_an_outage_with_nothing_lost(
     tmp_path: Path, receivers: tuple[HttpReceiver, OtlpReceiver]
 ) -> None:
     http, otel = receivers
+    # A destination that accepts connections and never answers (each request waits out its 2 s bound): it must
+    # delay neither the other destinations nor the collect loop (the gaps checked below).
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(200)
+    silent_port = silent.getsockname()[1]
+    silent_key = f"http http://127.0.0.1:{silent_port}/silent"
     uuid = sim_uuid()
     devices = tmp_path / "devices"
     devices.mkdir()
     (devices / "model.yaml").write_text(model_yaml())
-    (devices / "gpu0.yaml").write_text(yaml.safe_dump(device_doc(uuid, http, otel, "/temperature")))
+    (devices / "gpu0.yaml").write_text(yaml.safe_dump(device_doc(uuid, http, otel, "/temperature", silent_port)))
     mapper = Mapper(tmp_path, devices, free_port())
     try:
         # Every method delivers, in the framework's formats.
@@ -189,8 +201,9 @@ def test_the_mapper_pushes_to_http_and_otel_through_an_outage_with_nothing_lost(
         down_at_ms = time.time() * 1000
         time.sleep(7)
         status = json.loads(mapper.get("/status"))
-        states = {d["kind"]: d["state"] for d in status["push"]["destinations"]}
-        assert states == {"http": "down", "otel": "down"}, status["push"]
+        states = {d["key"]: d["state"] for d in status["push"]["destinations"]}
+        assert states.pop(silent_key) == "down", status["push"]
+        assert len(states) == 3 and set(states.values()) == {"down"}, status["push"]
         waiting = {d["key"]: d["backlog_samples"] for d in status["push"]["destinations"]}
         assert all(n >= 2 for n in waiting.values()), waiting
         http.start()
@@ -216,9 +229,30 @@ def test_the_mapper_pushes_to_http_and_otel_through_an_outage_with_nothing_lost(
 
         # /status and /metrics show each destination, its state and backlog.
         status = json.loads(mapper.get("/status"))
-        by_kind = {d["kind"]: d for d in status["push"]["destinations"]}
-        assert by_kind["http"]["state"] == "ok" and by_kind["http"]["failures"] >= 1
-        assert by_kind["otel"]["delivered_samples"] >= 8
+        by_key = {d["key"]: d for d in status["push"]["destinations"]}
+        temperature = by_key[f"http http://127.0.0.1:{http.port}/temperature"]
+        assert temperature["state"] == "ok" and temperature["failures"] >= 1
+        assert by_key[f"otel {otel.endpoint}"]["delivered_samples"] >= 8
+        hanging = by_key[silent_key]
+        assert hanging["state"] == "down" and "no answer within 2 s" in hanging["last_error"], hanging
+        assert hanging["delivered_samples"] == 0 and hanging["backlog_samples"] >= 5, hanging
+        assert not [p for p in http.snapshot() if p.path == "/silent"]
+        # ``gpu-mapper status`` against the running mapper says the same, one line per destination.
+        shown = subprocess.run(
+            [sys.executable, "-m", "mapper.cli", "status", "--url", mapper.metrics],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        silent_line = next(line for line in lines if f"127.0.0.1:{silent_port}/silent" in line)
+        assert "DOWN" in silent_line and "last error:" in silent_line and "no answer within 2 s" in silent_line
+        waiting = re.search(r"(\d+) waiting", silent_line)
+        assert waiting is not None and int(waiting.group(1)) >= 5, silent_line
+        otel_line = next(line for line in lines if f"otel {otel.endpoint}" in line)
+        assert ": ok, 0 waiting" in otel_line or ": ok, 1 waiting" in otel_line, otel_line
         metrics = mapper.get("/metrics").decode()
         otel_key = f"otel {otel.endpoint}"
         assert f'gpu_mapper_push_state{{destination="{otel_key}",method="otel",state="ok"}} 1.0' in metrics
@@ -228,13 +262,14 @@ def test_the_mapper_pushes_to_http_and_otel_through_an_outage_with_nothing_lost(
         assert "spec.properties[5].pushMethod.http.port: must be 1..65535, got 0" in log
 
         # A Device update that changes a property's method mid-run: its samples go to the new one from then on.
-        (devices / "gpu0.yaml").write_text(yaml.safe_dump(device_doc(uuid, http, otel, "/temperature2")))
+        (devices / "gpu0.yaml").write_text(yaml.safe_dump(device_doc(uuid, http, otel, "/temperature2", silent_port)))
         wait_until(lambda: len(http_times(http, "/temperature2")) >= 2, mapper, 30, "posts to the new path")
         old, new = http_times(http, "/temperature"), http_times(http, "/temperature2")
         assert old[-1] < new[0], "the old method got nothing after the new one took over"
         check_complete_and_in_order(old + new, "temperature across the change")
     finally:
         code = mapper.stop()
+        silent.close()
     assert code == 0, mapper.text()[-3000:]
 
 

@@ -5,6 +5,7 @@ replayed in order, refusals dropped by rule, Retry-After honoured, one dead dest
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from mapper.clock import SystemClock
+from mapper.clock import FakeClock, SystemClock
 from mapper.edge.push.destination import Destination
 from mapper.edge.push.http import HttpWriter
 from mapper.edge.push.otel import OtelWriter
@@ -24,8 +25,9 @@ from mapper.edge.push.wire import encode_sample
 from mapper.edge.push.writers import WriterFactory
 from mapper.edge.storage.pushbuffer import PushBuffer
 from mapper.errors import ConfigError
-from mapper.shared.push import PushHttp, PushOtel, PushSample
+from mapper.shared.push import DbRedis, PushHttp, PushOtel, PushSample, PushSecrets
 from tests.apphelpers import wait_for
+from tests.dbservers import RedisServer
 from tests.pushhelpers import HttpReceiver, OtlpReceiver
 
 #: The samples carry fixed times in the past: the buffer keeps them whatever the day the tests run.
@@ -60,7 +62,7 @@ def sample(i: int, prop: str = "temperature", device: str = "gpu0", *, counter: 
     )
 
 
-def store(buf: PushBuffer, method: PushHttp | PushOtel, samples: list[PushSample]) -> None:
+def store(buf: PushBuffer, method: PushHttp | PushOtel | DbRedis, samples: list[PushSample]) -> None:
     key = destination_key(method)
     buf.put_many([(key, method_to_json(method), s.ts_ms, encode_sample(s)) for s in samples])
 
@@ -112,7 +114,8 @@ async def test_http_posts_the_frameworks_form_in_order_and_an_outage_loses_nothi
         assert first.path == "/gpu/temp"
         assert first.body == b"temperature=40&time=2026-12-04 17:58:03"
         assert first.headers["content-type"] == "application/x-www-form-urlencoded"
-        assert dest.state == "ok"
+        # (The receiver records a post before it answers: the destination sees the answer a moment later.)
+        await wait_for(lambda: dest.delivered == 5 and dest.state == "ok", what="the answers seen")
 
         receiver.stop()
         store(buffer, method, [sample(i) for i in range(5, 12)])
@@ -128,7 +131,8 @@ async def test_http_posts_the_frameworks_form_in_order_and_an_outage_loses_nothi
         times = [f["time"] for f in forms]
         expected = [time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(T0_MS / 1000 + 2 * i)) for i in range(12)]
         assert times == expected, "each post carries its sample's own time"
-        assert buffer.backlog(dest.key) == (0, 0) and dest.state == "ok" and dest.delivered == 12
+        await wait_for(lambda: dest.delivered == 12, what="the last answer seen")
+        assert buffer.backlog(dest.key) == (0, 0) and dest.state == "ok"
     finally:
         receiver.stop()
 
@@ -152,7 +156,7 @@ async def test_a_refusal_is_dropped_by_rule_counted_and_the_next_samples_go_on(
         await wait_for(lambda: len(receiver.snapshot()) == 1, what="the next sample")
         assert receiver.snapshot()[0].form["temperature"] == "42"
         assert receiver.answers == [400, 400, 200], "a refused sample is never sent again"
-        assert dest.state == "ok"
+        await wait_for(lambda: dest.state == "ok", what="the answer seen")
 
 
 async def test_a_5xx_keeps_the_samples_and_they_go_out_when_it_answers_again(
@@ -203,25 +207,26 @@ async def test_otel_sends_one_request_of_gauges_and_sums_with_the_device_and_sam
         assert [p.resource["device.id"] for p in points if p.metric == "temperature"].count("default/gpu1") == 1
 
 
+@pytest.mark.parametrize("status", [429, 503])
 async def test_otel_waits_as_long_as_retry_after_says_then_delivers_in_order(
-    buffer: PushBuffer, running: list[Running]
+    buffer: PushBuffer, running: list[Running], status: int
 ) -> None:
     with OtlpReceiver() as receiver:
         method = PushOtel(receiver.endpoint)
-        receiver.status = 429
+        receiver.status = status
         receiver.extra_headers = {"Retry-After": "2"}
         writer = OtelWriter(method, timeout_s=2.0)
         dest = start(running, Destination(destination_key(method), "otel", buffer, writer, clock=SystemClock()))
         store(buffer, method, [sample(i) for i in range(3)])
         dest.wake()
-        await wait_for(lambda: receiver.answers == [429], what="the first answer")
+        await wait_for(lambda: receiver.answers == [status], what="the first answer")
         refused_at = time.monotonic()
         receiver.status = 200
         receiver.extra_headers = {}
         await wait_for(lambda: len(receiver.snapshot()) == 3, timeout_s=10, what="the retry")
         assert time.monotonic() - refused_at >= 1.9, "not before Retry-After"
         assert [p.value for p in receiver.snapshot()] == [40.0, 41.0, 42.0]
-        assert receiver.answers == [429, 200]
+        assert receiver.answers == [status, 200]
 
 
 async def test_otel_refuses_by_rule_a_400_and_drops_the_batch(buffer: PushBuffer, running: list[Running]) -> None:
@@ -242,22 +247,22 @@ async def test_a_destination_that_never_answers_delays_no_other(buffer: PushBuff
     silent.bind(("127.0.0.1", 0))
     silent.listen(100)
     try:
-        dead = PushHttp("http://127.0.0.1", silent.getsockname()[1], "/dead", timeout_ms=1500)
+        dead = PushHttp("http://127.0.0.1", silent.getsockname()[1], "/dead", timeout_ms=5000)
         with HttpReceiver() as receiver:
             host, port, _ = receiver.url()
             live = PushHttp(host, port, "/live")
             d_dead = start(running, http_destination(buffer, dead))
             d_live = start(running, http_destination(buffer, live))
             store(buffer, dead, [sample(i) for i in range(3)])
-            started = time.monotonic()
             for i in range(3):
                 store(buffer, live, [sample(i)])
                 d_dead.wake()
                 d_live.wake()
                 await wait_for(lambda n=i + 1: len(receiver.snapshot()) == n, what="the live destination")  # type: ignore[misc]
-            assert time.monotonic() - started < 1.0, "the live one did not wait for the dead one"
-            await wait_for(lambda: d_dead.failures >= 1, what="the dead one timing out")
-            assert "1.5 s" in d_dead.last_error and buffer.backlog(d_dead.key)[0] == 3
+            # Every live sample went out while the dead one still waits on its first request (its 5 s bound).
+            assert d_dead.failures == 0 and d_dead.delivered == 0, "the live one did not wait for the dead one"
+            await wait_for(lambda: d_dead.failures >= 1, timeout_s=20, what="the dead one timing out")
+            assert "no answer within 5 s" in d_dead.last_error and buffer.backlog(d_dead.key)[0] == 3
     finally:
         silent.close()
 
@@ -319,9 +324,117 @@ async def test_https_is_checked_against_the_ca_of_the_mappers_config(
         assert receiver.snapshot()[0].path == "/trusted"
         await wait_for(lambda: bad.failures >= 1, what="the untrusted one failing")
         assert "CERTIFICATE_VERIFY_FAILED" in bad.last_error and buffer.backlog(bad.key)[0] == 1, "kept, not lost"
+    with OtlpReceiver(tls=server_context) as otlp:
+        method = PushOtel(otlp.endpoint)
+        assert method.endpoint_url.startswith("https://localhost:")
+        factory = WriterFactory(timeout_s=2.0, ca_file=str(ca_file))
+        writer = factory(method)
+        dest = start(running, Destination(destination_key(method), "otel", buffer, writer, clock=SystemClock()))
+        store(buffer, method, [sample(0)])
+        dest.wake()
+        await wait_for(lambda: len(otlp.snapshot()) == 1, what="the OTLP export over https")
+        assert otlp.snapshot()[0].value == 40.0
     with pytest.raises(ConfigError, match=r"push\.caFile"):
         WriterFactory(timeout_s=2.0, ca_file=str(tmp_path / "missing.pem"))
 
 
 def _destination(buf: PushBuffer, method: PushHttp, factory: WriterFactory) -> Destination:
     return Destination(destination_key(method), "http", buf, factory(method), clock=SystemClock(), retry_max_s=1.0)
+
+
+async def test_an_otel_receiver_that_never_answers_times_out_and_its_samples_wait(
+    buffer: PushBuffer, running: list[Running]
+) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(10)
+    try:
+        method = PushOtel(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/metrics")
+        writer = OtelWriter(method, timeout_s=1.0)
+        dest = start(running, Destination(destination_key(method), "otel", buffer, writer, clock=SystemClock()))
+        store(buffer, method, [sample(0), sample(1)])
+        dest.wake()
+        await wait_for(lambda: dest.failures >= 1, what="the request timing out")
+        assert dest.state == "down" and "no answer within 1 s" in dest.last_error
+        assert buffer.backlog(dest.key)[0] == 2, "kept for later, not dropped"
+    finally:
+        silent.close()
+
+
+class StepClock(FakeClock):
+    """A fake clock the destination's own sleeps move forward (its backoff and pacing take no real time)."""
+
+    async def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+        await asyncio.sleep(0)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and words in r.getMessage()]
+
+
+async def test_a_refusal_and_an_outage_are_logged_once_a_minute(
+    buffer: PushBuffer, running: list[Running], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mapper.edge.push.destination")
+    clock = StepClock()
+    with HttpReceiver() as receiver:
+        host, port, _ = receiver.url()
+        method = PushHttp(host, port, "/t")
+        writer = HttpWriter(method, timeout_s=2.0)
+        dest = start(
+            running,
+            Destination(
+                destination_key(method), "http", buffer, writer, clock=clock, retry_max_s=4.0, sleep=clock.sleep
+            ),
+        )
+        # Refused (401): each sample dropped by rule; five within a minute make one line, counting the first.
+        receiver.status = 401
+        for i in range(5):
+            store(buffer, method, [sample(i)])
+            dest.wake()
+            await wait_for(lambda n=i + 1: dest.status().dropped.get("refused") == n, what=f"refusal {i + 1}")  # type: ignore[misc]
+        assert len(warnings_of(caplog, "dropped by rule")) == 1
+        assert "refused 1 samples" in warnings_of(caplog, "dropped by rule")[0] and "401" in dest.last_error
+        # A minute later the next refusal is logged again, with what was refused meanwhile.
+        clock.advance(61)
+        store(buffer, method, [sample(5)])
+        dest.wake()
+        await wait_for(lambda: dest.status().dropped.get("refused") == 6, what="the sixth refusal")
+        refused_lines = warnings_of(caplog, "dropped by rule")
+        assert len(refused_lines) == 2 and "refused 5 samples" in refused_lines[1]
+        assert receiver.answers == [401] * 6, "a refused sample is never sent again"
+
+    # Down (nothing listens): retried with a backoff up to 4 s; logged at the first failure and once a minute after.
+    store(buffer, method, [sample(6)])
+    dest.wake()
+    await wait_for(lambda: dest.failures >= 40, what="forty failed tries")
+    assert clock.monotonic() - 1000.0 >= 61 + 60, "the fake minute went by"
+    down_lines = warnings_of(caplog, "kept")
+    # 40 tries: 1 + 2 + 4 s and then 4 s each, about 160 s of the fake clock: logged at the first and each minute.
+    elapsed_s = clock.monotonic() - 1000.0 - 61
+    assert 2 <= len(down_lines) <= 1 + elapsed_s // 60 + 1, (len(down_lines), elapsed_s)
+    assert buffer.backlog(dest.key)[0] == 1, "kept while down"
+
+
+async def test_a_batch_a_db_refused_in_part_drops_only_the_refused_and_counts_the_rest_delivered(
+    tmp_path: Path, buffer: PushBuffer, running: list[Running]
+) -> None:
+    redis = RedisServer(tmp_path, password="pw")
+    redis.start()
+    try:
+        redis.cli("SET", "gpu1", "a string, not a sorted set")  # gpu1's samples: WRONGTYPE, refused
+        method = DbRedis(addr=f"127.0.0.1:{redis.port}")
+        writer = WriterFactory(timeout_s=2.0, secrets=PushSecrets(password="pw"))(method)
+        dest = start(running, Destination(destination_key(method), "redis", buffer, writer, clock=SystemClock()))
+        samples = [sample(i, device="gpu1" if i % 3 == 1 else "gpu0") for i in range(6)]
+        store(buffer, method, samples)
+        dest.wake()
+        await wait_for(lambda: buffer.backlog(dest.key)[0] == 0, what="the batch written or refused")
+        written = [s for s in samples if s.device == "gpu0"]
+        assert [score for _, score in redis.zrange("gpu0")] == [s.ts_ms for s in written]
+        assert dest.delivered == len(written) == 4
+        assert dest.status().dropped == {"refused": 2}
+        assert dest.state == "refused" and "WRONGTYPE" in dest.last_error
+    finally:
+        redis.stop()

@@ -16,7 +16,7 @@ import pytest
 import trustme
 
 from mapper.edge.push import influxdb2 as push_influxdb2
-from mapper.errors import PermanentError, TransientError
+from mapper.errors import PartlyRefusedError, PermanentError, TransientError
 from mapper.shared.push import DbInfluxdb2, PushSample, PushSecrets, PushWriter
 from tests.dbservers import RecordingProxy, VictoriaMetrics
 
@@ -301,6 +301,7 @@ async def test_a_sample_no_line_can_carry_is_refused_alone(
         await writer.aclose()
     assert caught.value.reason == "bad-value"
     assert "2 of 4 samples refused" in str(caught.value) and "not a finite number" in str(caught.value)
+    assert isinstance(caught.value, PartlyRefusedError) and caught.value.refused == (1, 2), "which were refused"
     assert stored(vm, measurement, 2) == [(t0, 41.0), (t0 + 3000, 43.0)]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mapper.edge.push import mysql as push_mysql
-from mapper.errors import PermanentError, TransientError
+from mapper.errors import PartlyRefusedError, PermanentError, TransientError
 from mapper.shared.push import DbMysql, PushSample, PushSecrets, PushWriter
 from tests.dbservers import CuttingProxy, MariaDb
 
@@ -293,6 +293,7 @@ async def test_a_row_or_table_the_server_refuses_is_refused_alone(
         await writer.aclose()
     message = str(caught.value)
     assert "2 of 5 samples refused" in message
+    assert isinstance(caught.value, PartlyRefusedError) and caught.value.refused == (1, 3), "which were refused"
     assert "Incorrect table name" in message  # the first refused (tables are made before the rows go in)
     assert caught.value.reason == "mysql-1103"
     t0_s = T0_MS // 1000

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mapper.edge.push import redis as push_redis
-from mapper.errors import PermanentError, TransientError
+from mapper.errors import PartlyRefusedError, PermanentError, TransientError
 from mapper.shared.push import DbRedis, PushSample, PushSecrets, PushWriter
 from tests.dbservers import CuttingProxy, RedisServer
 
@@ -205,6 +205,7 @@ async def test_a_key_of_another_type_refuses_its_samples_only(redis: RedisServer
         await writer.aclose()
     assert caught.value.reason == "redis-WRONGTYPE"
     assert "1 of 3" in str(caught.value) and "default/edge-1-gpu1/temperature" in str(caught.value)
+    assert isinstance(caught.value, PartlyRefusedError) and caught.value.refused == (1,), "which was refused"
     assert [score for _, score in redis.zrange("edge-1-gpu0")] == [T0_MS, T0_MS + 1000]
     assert redis.cli("GET", "edge-1-gpu1") == "a string, not a sorted set"
 

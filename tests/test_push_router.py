@@ -4,6 +4,7 @@ property names; the ``push_status`` twin; a method changed mid-run; destinations
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,9 +24,10 @@ from mapper.edge.push.spec import destination_key, parse_push_method
 from mapper.edge.push.writers import WriterFactory
 from mapper.edge.storage.pushbuffer import PushBuffer
 from mapper.shared.model import DeviceConfig, DeviceProperty, Sample
-from mapper.shared.push import PushHttp
+from mapper.shared.push import PushHttp, PushSecrets
 from tests.apphelpers import wait_for
-from tests.pushhelpers import HttpReceiver
+from tests.dbservers import RedisServer
+from tests.pushhelpers import HttpReceiver, OtlpReceiver
 
 UUID = "GPU-7a1c2e44-0b1d-4c55-9e0f-12ab34cd56ef"
 #: The samples carry fixed times in the past: the buffer keeps them whatever the day the tests run.
@@ -123,6 +125,7 @@ async def test_the_push_status_twin_says_how_each_method_fares(router: PushRoute
             "product_name:otel:refused@not-a-number"
         )
         await wait_for(lambda: len(rx.snapshot()) == 1, what="the push")
+        await wait_for(lambda: {s.state for s in router.statuses() if s.kind == "http"} == {"ok"}, what="its answer")
         step(router, w, T0_MS + 100, {"temperature": 42})  # not due: only the twin is refreshed
         assert w.push_status.startswith("temperature:http:ok,")
         unbound = worker(None)
@@ -229,3 +232,55 @@ async def test_a_device_that_names_a_method_reports_the_push_status_twin_and_one
         assert "push_status" not in {t.name for t in device_twins(workers[1])}
     finally:
         backend.shutdown()
+
+
+async def test_a_device_update_that_moves_a_property_to_another_kind_of_method_and_adds_a_db_method(
+    tmp_path: Path,
+) -> None:
+    """http to otel, and a redis dbMethod added, mid-run: each sample goes to the method named when it was taken."""
+    redis = RedisServer(tmp_path, password="pw")
+    redis.start()
+    buf = PushBuffer(tmp_path / "push.db", max_bytes=10**7, max_age_s=KEEP_S)
+    r = PushRouter(
+        "edge-1",
+        buf,
+        WriterFactory(timeout_s=2.0, secrets=PushSecrets(password="pw")),
+        clock=SystemClock(),
+        default_report_cycle_ms=5000,
+    )
+    task = asyncio.create_task(r.run())
+    try:
+        with HttpReceiver() as http, OtlpReceiver() as otel:
+            w = worker(device(prop("temperature", {"http": {"hostName": "http://127.0.0.1", "port": http.port}})))
+            for i in range(3):
+                step(r, w, T0_MS + 2000 * i, {"temperature": i})
+            await wait_for(lambda: len(http.snapshot()) == 3, what="the http pushes")
+            redis_method = {"redisClientConfig": {"addr": f"127.0.0.1:{redis.port}"}}
+            w.device = device(
+                prop("temperature", {"otel": {"endpointURL": otel.endpoint}, "dbMethod": {"redis": redis_method}})
+            )
+            for i in range(3, 6):
+                step(r, w, T0_MS + 2000 * i, {"temperature": i})
+            await wait_for(lambda: len(otel.snapshot()) == 3, what="the otel points")
+            await wait_for(lambda: len(redis.zrange("gpu0")) == 3, what="the redis members")
+            assert [p.form["temperature"] for p in http.snapshot()] == ["0", "1", "2"], "http got nothing after"
+            assert [(p.metric, p.value, p.time_ms) for p in otel.snapshot()] == [
+                ("temperature", float(i), T0_MS + 2000 * i) for i in range(3, 6)
+            ]
+            members = [(json.loads(m)["Value"], score) for m, score in redis.zrange("gpu0")]
+            assert members == [(str(i), T0_MS + 2000 * i) for i in range(3, 6)]
+            await wait_for(
+                lambda: {s.kind: s.state for s in r.statuses() if s.kind != "http"} == {"otel": "ok", "redis": "ok"},
+                what="their answers seen",
+            )
+            step(r, w, T0_MS + 10_100, {"temperature": 5})  # not due: the twin is refreshed
+            assert w.push_status == "temperature:otel:ok,temperature:redis:ok"
+            r._changed.set()
+            http_key = destination_key(PushHttp("http://127.0.0.1", http.port))
+            await wait_for(lambda: http_key not in r.destinations, what="the http destination closed")
+            assert sorted(s.kind for s in r.statuses()) == ["otel", "redis"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        buf.close()
+        redis.stop()

@@ -8,7 +8,8 @@ oldest first, up to the writer's ``max_batch`` at a time, and deletes them from 
   again after a backoff (1 s doubling to ``retry_max_s``, never sooner than the error's ``retry_after_s``: an
   OTLP receiver's ``Retry-After``), so what waited goes out in order once the destination answers again;
 * a ``PermanentError`` (a 4xx, an authentication refused) drops them by rule: counted (``refused``), logged once a
-  minute, never retried; the next samples are tried as they come;
+  minute, never retried; the next samples are tried as they come. A ``PartlyRefusedError`` (a DB writer refused
+  some samples of the batch and wrote the rest) drops only those; the rest count as delivered;
 * sending is paced to ``rate_per_s`` samples a second (a token bucket of one batch), so a long backlog is
   replayed at that rate, not in one burst.
 
@@ -26,7 +27,7 @@ from typing import Protocol
 
 from mapper.clock import Clock, TokenBucket
 from mapper.edge.push.wire import decode_sample
-from mapper.errors import PermanentError, TransientError
+from mapper.errors import PartlyRefusedError, PermanentError, TransientError
 from mapper.shared.push import PushSample, PushWriter
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,12 @@ class Destination:
         try:
             async with asyncio.timeout(self.write_timeout_s):
                 await self.writer.write(samples)
+        except PartlyRefusedError as exc:
+            refused = {ids[i] for i in exc.refused if 0 <= i < len(ids)}
+            written = [i for i in ids if i not in refused]
+            if written:
+                self._delivered(written)
+            self._refused([i for i in ids if i in refused], exc)
         except PermanentError as exc:
             self._refused(ids, exc)
         except (TransientError, TimeoutError) as exc:
@@ -197,15 +204,18 @@ class Destination:
             log.exception("push %s: the writer raised; its samples are kept and tried again", self.key)
             await self._failed(exc, 0.0)
         else:
-            self.store.ack(self.key, ids)
-            self.delivered += len(ids)
-            self.last_success_ms = self.clock.wall_ms()
-            if self.state in ("down", "refused"):
-                waiting = self.store.backlog(self.key)[0]
-                log.info("push %s: delivering again (%d samples still waiting)", self.key, waiting)
-            self.state = "ok"
-            self._backoff_s = 1.0
-            self._logged_down_s = None
+            self._delivered(ids)
+
+    def _delivered(self, ids: list[int]) -> None:
+        self.store.ack(self.key, ids)
+        self.delivered += len(ids)
+        self.last_success_ms = self.clock.wall_ms()
+        if self.state in ("down", "refused"):
+            waiting = self.store.backlog(self.key)[0]
+            log.info("push %s: delivering again (%d samples still waiting)", self.key, waiting)
+        self.state = "ok"
+        self._backoff_s = 1.0
+        self._logged_down_s = None
 
     async def _failed(self, exc: BaseException, retry_after_s: float) -> None:
         self.failures += 1

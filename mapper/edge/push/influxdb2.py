@@ -9,7 +9,7 @@ most ``BATCH_LINES`` lines); ``numeric=True`` writes a sample that has a number 
 Answers: 2xx delivered; 429, 408 and 5xx (but 501 and 505), a timeout or a connection that fails are a
 ``TransientError`` (``Retry-After`` honoured); any other answer is a ``PermanentError`` naming the status and
 the server's message. A sample no line can carry (a value with a line break; with ``numeric``, a number that is
-not finite) is refused by itself: the others are written, then a ``PermanentError`` names what was refused.
+not finite) is refused by itself: the others are written, then a ``PartlyRefusedError`` names what was refused.
 
 Idempotence: InfluxDB keeps one value per series, field and timestamp, so writing a point again overwrites it
 with itself. Still, when a long write fails part way (a later request of it), the lines already answered 2xx
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from mapper.errors import PermanentError, TransientError, short_repr
+from mapper.errors import PartlyRefusedError, PermanentError, TransientError, short_repr
 from mapper.shared.push import DbInfluxdb2, PushSample, PushSecrets, PushWriter
 
 #: Lines per request (InfluxDB advises batches of about 5000 lines).
@@ -218,16 +218,19 @@ class Influxdb2Writer:
     async def write(self, samples: Sequence[PushSample]) -> None:
         lines: list[str] = []
         refused: list[str] = []
-        for sample in samples:
+        positions: list[int] = []
+        for i, sample in enumerate(samples):
             try:
                 lines.append(self.line(sample))
             except ValueError as exc:
                 refused.append(f"{sample.namespace}/{sample.device}/{sample.property}@{sample.ts_ms}: {exc}")
+                positions.append(i)
         if lines:
             await self._run(self._deliver, lines)
         if refused:
-            raise PermanentError(
+            raise PartlyRefusedError(
                 f"{self.key}: {len(refused)} of {len(samples)} samples refused (the rest written): {refused[0]}",
+                refused=positions,
                 reason="bad-value",
             )
 

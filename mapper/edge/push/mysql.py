@@ -16,7 +16,7 @@ wait timeout, deadlock, shutdown in progress, disk full, ...) are a ``TransientE
 back and the framework retries the batch. Access denied and an unknown database are a ``PermanentError`` for the
 batch. A row the server refuses (a value too long for TEXT, a time out of DATETIME's range, a table name over 64
 characters, no right to create it) is refused by itself: the batch's other rows are committed, then a
-``PermanentError`` names the refused ones.
+``PartlyRefusedError`` names the refused ones (and says which they were, so the rest count as delivered).
 
 Idempotence: a transaction that failed before COMMIT left nothing; one whose COMMIT went out with no answer may
 or may not have landed, and retrying it blindly could write it twice. So the writer remembers one row of that
@@ -40,7 +40,7 @@ import pymysql
 import pymysql.err
 
 from mapper.edge.push.address import host_port
-from mapper.errors import PermanentError, TransientError, short_repr
+from mapper.errors import PartlyRefusedError, PermanentError, TransientError, short_repr
 from mapper.shared.push import DbMysql, PushSample, PushSecrets, PushWriter
 
 DEFAULT_PORT = 3306
@@ -77,6 +77,8 @@ TRANSIENT_CODES = frozenset(
 )
 #: Samples remembered as landed by a write the framework saw fail; beyond this the memory is dropped.
 MAX_REMEMBERED_SAMPLES = 100_000
+#: A refused sample: (reason, text, the sample).
+_Refused = tuple[str, str, PushSample]
 #: Errors of the connection itself: the whole batch refused.
 ACCESS_CODES = frozenset({1044, 1045, 1698})  # access denied (to the database, for the user, without a password)
 UNKNOWN_DATABASE = 1049
@@ -190,8 +192,10 @@ class MysqlWriter:
             return
         refused = await self._run(self._deliver, list(samples))
         if refused:
-            raise PermanentError(
+            refused_ids = {id(sample) for _, _, sample in refused}
+            raise PartlyRefusedError(
                 f"{self.key}: {len(refused)} of {len(samples)} samples refused (the rest written): {refused[0][1]}",
+                refused=[i for i, sample in enumerate(samples) if id(sample) in refused_ids],
                 reason=refused[0][0],
             )
 
@@ -213,8 +217,8 @@ class MysqlWriter:
 
     # -- in the writer's thread --
 
-    def _deliver(self, samples: list[PushSample]) -> list[tuple[str, str]]:
-        """Write ``samples``; the refused ones as (reason, text)."""
+    def _deliver(self, samples: list[PushSample]) -> list[_Refused]:
+        """Write ``samples``; the refused ones as (reason, text, sample)."""
         try:
             conn = self._connection()
             return self._write_batch(conn, samples)
@@ -265,10 +269,8 @@ class MysqlWriter:
             except (pymysql.err.MySQLError, OSError):
                 pass
 
-    def _write_batch(
-        self, conn: pymysql.connections.Connection[Any], samples: list[PushSample]
-    ) -> list[tuple[str, str]]:
-        refused: list[tuple[str, str]] = []
+    def _write_batch(self, conn: pymysql.connections.Connection[Any], samples: list[PushSample]) -> list[_Refused]:
+        refused: list[_Refused] = []
         rows: dict[str, list[tuple[PushSample, str]]] = {}
         for sample in samples:
             table = table_name(sample)
@@ -279,7 +281,7 @@ class MysqlWriter:
                 sample.value.encode("utf-8")
                 table.encode("utf-8")
             except (ValueError, OverflowError, OSError) as exc:
-                refused.append(("bad-value", f"{_name(sample)}: {exc}"))
+                refused.append(("bad-value", f"{_name(sample)}: {exc}", sample))
                 continue
             rows.setdefault(table, []).append((sample, text))
         with conn.cursor() as cursor:
@@ -293,7 +295,7 @@ class MysqlWriter:
                     if is_transient(exc):
                         raise _Transient(exc) from None
                     refused += [
-                        (f"mysql-{_error_code(exc)}", f"{_name(s)}: {_error_text(exc)}") for s, _ in rows[table]
+                        (f"mysql-{_error_code(exc)}", f"{_name(s)}: {_error_text(exc)}", s) for s, _ in rows[table]
                     ]
                     del rows[table]
                     continue
@@ -316,7 +318,7 @@ class MysqlWriter:
         conn: pymysql.connections.Connection[Any],
         cursor: pymysql.cursors.Cursor,
         rows: dict[str, list[tuple[PushSample, str]]],
-        refused: list[tuple[str, str]],
+        refused: list[_Refused],
     ) -> None:
         conn.begin()
         try:
@@ -353,7 +355,7 @@ class MysqlWriter:
                     except pymysql.err.MySQLError as exc:
                         if is_transient(exc):
                             raise
-                        refused.append((f"mysql-{_error_code(exc)}", f"{_name(sample)}: {_error_text(exc)}"))
+                        refused.append((f"mysql-{_error_code(exc)}", f"{_name(sample)}: {_error_text(exc)}", sample))
                         continue
                     inserted.append((table, sample.ts_ms, sample.value))
                     if probe is None and cursor.lastrowid:

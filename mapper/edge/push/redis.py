@@ -12,8 +12,8 @@ The client is our own, RESP2 over asyncio streams (the four commands we send nee
 bounded by ``timeout_s``: the connect, each flush, each reply. A connection that fails or times out is dropped
 and a ``TransientError`` raised; so is a reply Redis gives while it cannot write for now (LOADING, BUSY, OOM,
 MISCONF, READONLY, MASTERDOWN, TRYAGAIN, ...). A wrong password, a password the server needs and we lack
-(NOAUTH), a db it does not have, or a key holding another type (WRONGTYPE, refused for that key's samples only:
-the others are written) is a ``PermanentError`` with Redis's message.
+(NOAUTH), a db it does not have, or a key holding another type is a ``PermanentError`` with Redis's message
+(WRONGTYPE refuses that key's samples only: the others are written, and a ``PartlyRefusedError`` says which).
 
 Idempotence: a retry sends every ZADD of the batch again; a member already in the set with the same score is
 left as it is (the same sample is the same bytes), so a batch that partly landed is written once.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mapper.edge.push.address import host_port
-from mapper.errors import PermanentError, TransientError, short_repr
+from mapper.errors import PartlyRefusedError, PermanentError, TransientError, short_repr
 from mapper.shared.push import DbRedis, PushSample, PushSecrets, PushWriter
 
 DEFAULT_PORT = 6379
@@ -147,13 +147,15 @@ class RedisWriter:
         commands: list[list[bytes]] = []
         owners: list[PushSample] = []
         refused: list[str] = []
-        for sample in samples:
+        positions: list[int] = []
+        for i, sample in enumerate(samples):
             try:
                 member = member_json(sample).encode("utf-8")
                 commands.append([b"ZADD", sample.device.encode("utf-8"), b"%d" % sample.ts_ms, member])
                 owners.append(sample)
             except UnicodeEncodeError as exc:
                 refused.append(f"{_name(sample)}: {exc.reason}")
+                positions.append(i)
         async with self._lock:
             replies: list[Reply] = []
             for start in range(0, len(commands), PIPELINE_COMMANDS):
@@ -169,10 +171,13 @@ class RedisWriter:
                 await self._drop()
                 raise PermanentError(f"{self.key}: {short_repr(reply.message, 200)}", reason="auth")
         refused += [f"{_name(sample)}: {short_repr(reply.message, 200)}" for sample, reply in failed]
+        failed_ids = {id(sample) for sample, _ in failed}
+        positions += [i for i, sample in enumerate(samples) if id(sample) in failed_ids]
         if refused:
             code = failed[0][1].code if failed else ""
-            raise PermanentError(
+            raise PartlyRefusedError(
                 f"{self.key}: {len(refused)} of {len(samples)} samples refused (the rest written): {refused[0]}",
+                refused=positions,
                 reason=(f"redis-{code}" if code.isascii() and code.isalnum() else "refused") if failed else "bad-value",
             )
 
