@@ -25,11 +25,13 @@ from mapper.edge.processes.leak import LeakConfig
 from mapper.edge.processes.loop import telemetry_values
 from mapper.edge.processes.monitor import ProcessMonitor
 from mapper.edge.processes.workloads import PodInfo, ProcessOwner
-from mapper.edge.status.stats import GpuSnapshot
+from mapper.edge.status.nodestream import NodeStream
+from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.shared.model import GpuInfo, Sample
+from mapper.shared.naming import NODE_DEVICE
 from mapper.shared.settings import MqttSettings
 from mapper.tools.discover import device_name
-from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch
+from mapper.wire.telemetry import BatchEncoder, DecodedBatch, EncodedBatch, Route, decode_batch
 from mapper.wire.topics import state_topic, telemetry_topic
 from tests.apphelpers import wait_for
 
@@ -108,6 +110,75 @@ def stream(
     return out
 
 
+#: The buffer cap of the mapper of ``node_stream``: its buffer fills to 90 % of it over the stream.
+NODE_BUFFER_MAX_BYTES = 256 << 20
+
+
+def node_snapshot(i_s: int, ts_ms: int, *, node: str = NODE, gpus: int = 2) -> MapperSnapshot:
+    """What a mapper of ``gpus`` GPUs would show ``i_s`` seconds into ``node_stream``: a broker link that holds, a
+    buffer filling up (90 % of its cap at 900 s), a drop every 5 minutes, DMI calls, desired-state actions, a
+    thermal policy holding an override, collect rounds of 2 ms and now and then 300 ms."""
+    hist = DurationHistogram()
+    for k in range(i_s):
+        hist = hist.observe(0.3 if k % 50 == 0 else 0.002)
+    return MapperSnapshot(
+        node=node,
+        taken_at_ms=ts_ms,
+        version="0.1.0",
+        mode="dmi",
+        gpus=tuple(GpuSnapshot(info=GpuInfo(f"GPU-{g}", g, "H100")) for g in range(gpus)),
+        buffer_bytes=NODE_BUFFER_MAX_BYTES * min(i_s, 900) // 1000,
+        buffer_batches=i_s // 10,
+        buffer_max_bytes=NODE_BUFFER_MAX_BYTES,
+        buffer_oldest_age_s=float(i_s),
+        buffer_drops={"age": i_s // 300},
+        telemetry_published_batches=3 * i_s,
+        telemetry_published_bytes=600 * i_s,
+        mqtt_enabled=True,
+        mqtt_connected=True,
+        mqtt_reconnects=1,
+        dmi_registered=True,
+        dmi_rpcs={("ReportDeviceStatus", "ok"): i_s // 20, ("MapperRegister", "ok"): 1},
+        reconcile_actions={("power_limit", "applied"): 1 + i_s // 100},
+        drift_reapplies={"power_limit": i_s // 200},
+        desired_rejections={"out-of-range": i_s // 400},
+        policy_overrides_active={"thermal": 1},
+        policy_events={("thermal", "engage"): 1 + i_s // 300},
+        collect_duration=hist,
+        collect_errors={"transient": i_s // 250},
+    )
+
+
+def node_stream(
+    *, seconds: int = 60, start_ms: int | None = None, node: str = NODE, boot_id: str = "5c1f0e9a", every_s: int = 20
+) -> list[Published]:
+    """The node stream (the mapper's own series) the mapper of ``stream`` would publish over the same time: a sample
+    of ``node_snapshot`` every ``every_s`` (the report cycle), cut by the mapper's own ``NodeStream``."""
+    start = start_ms if start_ms is not None else int(time.time() * 1000) - seconds * 1000
+    clock = FakeClock(start_wall_ms=start)
+    made: list[tuple[EncodedBatch, Route | None]] = []
+    snap = {"i": 0}
+    ns = NodeStream(
+        node,
+        boot_id,
+        lambda: node_snapshot(snap["i"], clock.wall_ms(), node=node),
+        lambda batch, route: made.append((batch, route)),
+        clock=clock,
+        cycle_s=every_s,
+        window_s=3 * every_s,
+    )
+    for i in range(0, seconds, every_s):
+        clock.advance(float(every_s))
+        snap["i"] = i + every_s
+        ns.sample()
+    ns.flush()
+    out = []
+    for batch, route in made:
+        assert route is not None
+        out.append(Published(route.topic, batch.payload, decode_batch(batch.payload)))
+    return out
+
+
 #: The XID the state messages of GPU 0 count (one more every XID_EVERY_S of sample time), and its desired power
 #: limit (the other GPUs have neither).
 XID, XID_EVERY_S, DESIRED_W = 48, 300, 300.0
@@ -142,7 +213,8 @@ def states(batches: list[Published]) -> Iterator[tuple[str, bytes]]:
     """The retained state message of every device of ``batches`` (its last sample)."""
     last: dict[tuple[str, str], Published] = {}
     for p in batches:
-        last[(p.batch.node, p.batch.device)] = p
+        if p.batch.device != NODE_DEVICE:  # the node stream has no state message
+            last[(p.batch.node, p.batch.device)] = p
     for p in last.values():
         device = p.batch.device
         uuid = p.batch.uuid or _uuid_of(batches, device)
@@ -248,6 +320,7 @@ def expected_samples(batches: list[Published], *, with_states: bool = True) -> i
     conv = Converter()
     req = PendingRequest(0.0)
     uuids = {p.batch.device: p.batch.uuid for p in batches if p.batch.uuid}
+    uuids[NODE_DEVICE] = ""  # the node stream's batches have none
     seen = set()
     total = 0
     for p in batches:

@@ -20,12 +20,15 @@ import pytest
 import yaml
 
 from mapper.bridge.core import bridged_series_names
+from mapper.shared.naming import BRIDGE_JOB
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import wait_for
 from tests.bridgehelpers import (
+    NODE,
     FlakyReceiver,
     bridge_settings,
     expected_samples,
+    node_stream,
     publish_all,
     publish_states,
     running_bridge,
@@ -246,22 +249,28 @@ async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_
         prom.stop()
 
 
-def _grafana_to_promql(expr: str) -> str:
-    """A dashboard expression as Prometheus evaluates it: variables matched to anything, label_values(sel, l)
-    as its selector."""
-    text = re.sub(r"label_values\(([^,)]+(?:\{[^}]*\})?)\s*,[^)]*\)", r"\1", expr)
-    return text.replace("$node", ".+").replace("$gpu", ".+").replace("$instance", ".+")
+def _grafana_to_promql(expr: str, job: str = BRIDGE_JOB) -> str:
+    """A dashboard expression as Prometheus evaluates it: the source ``job``, the other variables matched to
+    anything, label_values(sel, l) as its selector."""
+    text = re.sub(r"label_values\(([^,{)]+(?:\{[^}]*\})?)\s*,[^)]*\)", r"\1", expr)
+    return text.replace("$job", job).replace("$node", ".+").replace("$gpu", ".+").replace("$instance", ".+")
 
 
-async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_series_draw_from_the_bridge(
+async def test_every_dashboard_and_alert_expression_parses_and_draws_from_the_bridge_alone(
     tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
+    """A cloud Prometheus fed only by the bridge: every panel's expression and every alert's draws data, the
+    mapper's own series (the node stream) and the GPUs' health (the state messages) included."""
     batches = stream(gpus=2, seconds=900, processes_every_s=5)
+    node = node_stream(seconds=900)  # the same mapper's own series over the same 15 minutes
     periodic = state_stream(batches)  # the state messages of every report cycle: the status series over time
     async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
         publish_states(mosquitto.url, periodic)
         publish_all(mosquitto.url, batches)
-        await wait_for(lambda: bridge.stats.batches_written >= len(batches), timeout_s=60, what="every batch written")
+        publish_all(mosquitto.url, node, with_states=False)
+        await wait_for(
+            lambda: bridge.stats.batches_written >= len(batches) + len(node), timeout_s=60, what="every batch written"
+        )
         await wait_for(
             lambda: bridge.stats.state_messages_written >= len(periodic) + 2, timeout_s=30, what="the states written"
         )
@@ -275,6 +284,7 @@ async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_seri
     for expr in dash + alerts:
         result = prometheus.query(expr, at)  # raises naming the error when it does not parse
         refs = metric_refs(expr)
+        assert refs and refs <= bridged, f"{expr} reads {sorted(refs - bridged)}, which the bridge does not write"
         if refs and refs <= bridged:
             on_gpu_series += 1
             drawn |= refs
@@ -290,7 +300,27 @@ async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_seri
     gpu_refs |= {n for e in dash + alerts for n in metric_refs(e) if n == "gpu_mapper_device_state"}
     assert gpu_refs <= drawn, f"not drawn from the bridge: {sorted(gpu_refs - drawn)}"
     assert {"gpu_xid_errors_total", "gpu_power_limit_desired_watts", "gpu_mapper_device_state"} <= drawn
-    assert on_gpu_series >= 23
+    # and so is every series of the mapper itself they read, and the GPUs' health
+    every_ref = {n for e in dash + alerts for n in metric_refs(e)}
+    assert every_ref <= drawn, f"not drawn from the bridge: {sorted(every_ref - drawn)}"
+    assert {
+        "gpu_mapper_collect_duration_seconds_bucket",
+        "gpu_mapper_buffer_bytes",
+        "gpu_mapper_health_status",
+    } <= drawn
+    [build] = prometheus.query("gpu_mapper_build_info", at)
+    assert build["metric"] == {"__name__": "gpu_mapper_build_info", "job": BRIDGE_JOB, "node": NODE, "mode": "dmi",
+                               "version": "0.1.0"}  # fmt: skip
+    assert on_gpu_series == len(dash + alerts) >= 23 + 16
+    # the Source variable lists the bridge; the Node variable the node, from the bridged series alone
+    [source] = [v["definition"] for v in dashboard()["templating"]["list"] if v["name"] == "job"]
+    assert {s["metric"]["job"] for s in prometheus.query(_grafana_to_promql(source), at)} == {BRIDGE_JOB}
+    # the alerts evaluate on the bridged series: the buffer 90 % full is over the 80 % threshold, the GPUs healthy
+    by_name = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    [full] = prometheus.query(by_name["GpuMapperBufferNearlyFull"], at)
+    assert full["metric"]["node"] == NODE and full["metric"]["job"] == BRIDGE_JOB
+    assert prometheus.query(by_name["GpuHealthDegraded"], at) == []
+    assert len(prometheus.query('gpu_mapper_health_status{level="0",status="healthy"} == 1', at)) == 2
 
 
 @pytest.fixture
@@ -542,7 +572,8 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
         out = {}
         for name in (*_STATUS_SERIES, "gpu_power_usage_watts"):
             for series in prometheus.query(name, time.time()):
-                labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k != "__name__"))
+                assert series["metric"]["job"] == BRIDGE_JOB  # every series the bridge writes says so
+                labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k not in ("__name__", "job")))
                 out[(name, labels)] = 0.0 if name == "gpu_power_usage_watts" else float(series["value"][1])
         return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from dataclasses import replace
@@ -216,9 +217,14 @@ def test_device_state_and_policy_state_are_exported_per_gpu() -> None:
     assert reg.get_sample_value("gpu_power_limit_desired_watts", gpu_labels()) == 650
 
 
+def node_value(reg: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """A sample of the mapper's own series: every one is labelled with the node."""
+    return reg.get_sample_value(name, {"node": "edge1", **(labels or {})})
+
+
 def test_mapper_self_metrics_cover_buffer_links_desired_state_policies_and_collection() -> None:
     reg = scrape(make_snapshot())
-    g = reg.get_sample_value
+    g = functools.partial(node_value, reg)
     assert g("gpu_mapper_buffer_bytes") == 1_500_000
     assert g("gpu_mapper_buffer_batches") == 12
     assert g("gpu_mapper_buffer_max_bytes") == 256 * 2**20
@@ -242,7 +248,7 @@ def test_mapper_self_metrics_cover_buffer_links_desired_state_policies_and_colle
 
 def test_collect_duration_is_a_histogram_with_cumulative_buckets() -> None:
     reg = scrape(make_snapshot())
-    g = reg.get_sample_value
+    g = functools.partial(node_value, reg)
     assert g("gpu_mapper_collect_duration_seconds_count") == 3
     assert g("gpu_mapper_collect_duration_seconds_sum") == pytest.approx(3.0034)
     assert g("gpu_mapper_collect_duration_seconds_bucket", {"le": "0.001"}) == 1
@@ -319,7 +325,7 @@ def test_the_metric_names_list_matches_the_catalog_and_the_collector() -> None:
 
 def test_an_empty_node_still_renders_self_metrics() -> None:
     reg = scrape(MapperSnapshot(node="edge1"))
-    assert reg.get_sample_value("gpu_mapper_gpus") == 0
+    assert node_value(reg, "gpu_mapper_gpus") == 0
     assert reg.get_sample_value("gpu_temperature_celsius", gpu_labels()) is None
 
 
