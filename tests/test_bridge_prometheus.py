@@ -33,6 +33,7 @@ from tests.bridgehelpers import (
     publish_states,
     running_bridge,
     state_stream,
+    states,
     stream,
 )
 from tests.brokers import Mosquitto, free_port
@@ -247,6 +248,81 @@ async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_
         assert sum(int(r[4]) for r in rows) == refused, listing.stdout  # NUM SAMPLES column
     finally:
         prom.stop()
+
+
+def _promtool_dump(blocks: Path) -> set[tuple[tuple[tuple[str, str], ...], int, float]]:
+    """Every sample of a promtool block directory: (sorted labels with __name__, ts_ms, value)."""
+    (blocks / "wal").mkdir(exist_ok=True)  # promtool 2.42's dump opens the directory as a TSDB, WAL and all
+    dump = subprocess.run(
+        ["promtool", "tsdb", "dump", str(blocks)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    out = set()
+    for line in dump.splitlines():
+        labels, value, ts = line.rsplit(" ", 2)
+        fields = re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)
+        out.add((tuple(sorted(fields)), int(ts), float(value)))
+    return out
+
+
+async def test_a_buffer_export_backfilled_with_promtool_holds_exactly_what_the_bridge_wrote_for_the_same_samples(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """The same batches (GPUs with their processes, and the mapper's own node stream) and state snapshots, once in a
+    mapper's buffer file exported with ``buffer export --format openmetrics`` and backfilled by promtool, once
+    through the bridge into Prometheus: the same series, labels and values at the same times."""
+    from mapper.clock import FakeClock
+    from mapper.edge.outbox.records import StoredBatch
+    from mapper.edge.storage.buffer import Buffer
+    from mapper.wire.state import parse_state
+
+    batches = stream(gpus=2, seconds=300, processes_every_s=5)
+    node = node_stream(seconds=300)
+    snapshots = list(states(batches))  # each device's last state message, as the buffer's latest table keeps it
+    db = tmp_path / "telemetry.db"
+    buf = Buffer(db, max_bytes=10**9, max_age_s=10**9, clock=FakeClock(start_wall_ms=batches[-1].batch.ts_last_ms))
+    for p in batches + node:
+        b = p.batch
+        buf.put(StoredBatch(b.device, b.uuid, b.boot_id, b.seq, b.ts_first_ms, b.ts_last_ms, p.topic, p.payload))
+    for _, payload in snapshots:
+        buf.put_latest(parse_state(payload).device, payload)
+    buf.close()
+
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_states(mosquitto.url, snapshots)
+        await wait_for(lambda: bridge.stats.state_messages >= len(snapshots), timeout_s=30, what="the states read")
+        publish_all(mosquitto.url, batches + node, with_states=False)
+        await wait_for(
+            lambda: bridge.stats.batches_written >= len(batches) + len(node), timeout_s=60, what="every batch written"
+        )
+        await wait_for(lambda: bridge.idle, timeout_s=30, what="all written")
+    bridged = set()
+    raw = prometheus.raw_samples(f'{{job="{BRIDGE_JOB}"}}', time.time() + 1, 900)
+    for labels, points in raw.items():
+        bridged |= {(labels, ts, v) for ts, v in points}
+
+    om = tmp_path / "backlog.om"
+    cli = [sys.executable, "-m", "mapper.cli", "buffer", "export", str(db), "--format", "openmetrics", "-o", str(om)]
+    out = await asyncio.to_thread(subprocess.run, cli, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    blocks = tmp_path / "blocks"
+    made = await asyncio.to_thread(
+        subprocess.run,
+        ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om), str(blocks)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    exported = await asyncio.to_thread(_promtool_dump, blocks)
+
+    names = {dict(labels)["__name__"] for labels, _, _ in exported}
+    # the GPUs' series, their processes' and pods', the status of the snapshots and the mapper's own
+    assert {"gpu_power_usage_watts", "gpu_clock_sm_hertz", "gpu_pod_energy_joules_total"} <= names
+    assert {"gpu_mapper_device_state", "gpu_mapper_health_status", "gpu_mapper_buffer_bytes"} <= names
+    assert not [n for n in names if not n.startswith("gpu_")]
+    assert len(bridged) == expected_samples(batches + node, with_states=True)
+    only_bridged, only_exported = sorted(bridged - exported)[:5], sorted(exported - bridged)[:5]
+    assert exported == bridged, f"only bridged: {only_bridged}; only exported: {only_exported}"
 
 
 def _grafana_to_promql(expr: str, job: str = BRIDGE_JOB) -> str:
