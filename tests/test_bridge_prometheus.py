@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 import pytest
 import yaml
@@ -247,6 +248,82 @@ async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_
         rows = [line.split() for line in listing.stdout.splitlines()[1:] if line.strip()]
         assert sum(int(r[4]) for r in rows) == refused, listing.stdout  # NUM SAMPLES column
     finally:
+        prom.stop()
+
+
+def _mapper_process(argv: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "mapper.cli", *argv], cwd=REPO, stdout=log, stderr=log)
+
+
+def _series_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text: str = resp.read().decode()
+        return text
+
+
+async def test_scraped_and_bridged_at_once_each_source_shows_every_gpu_once_and_the_mappers_own_series(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    """docs/operations.md, "Scraping and bridging at once": one Prometheus scrapes a running mapper (job
+    gpu-mapper) and receives the bridge's remote write of the same mapper's stream. Every GPU is there twice (the
+    doubling the issue saw: 4 GPUs of a node of 2); the dashboard's Source variable lists both jobs, and with
+    either one its Node row counts each GPU once and its mapper row draws one series per node."""
+    metrics_port = free_port()
+    prom = Prometheus(tmp_path, scrape={"gpu-mapper": f"127.0.0.1:{metrics_port}"})
+    prom.start()
+    (tmp_path / "devices").mkdir()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("telemetry: {window: 1s}\ndefaults: {reportCycle: 1s}\n")  # batches and node stream every 1 s
+    argv = ["run", "--sim", "2", "--node-name", "edge-9", "--config", str(cfg), "--devices", str(tmp_path / "devices")]
+    argv += ["--data-dir", str(tmp_path / "data"), "--metrics-addr", f"127.0.0.1:{metrics_port}"]
+    argv += ["--mqtt", mosquitto.url]
+    log = (tmp_path / "mapper.log").open("ab")
+    mapper = _mapper_process(argv, log)
+    jobs = {"gpu-mapper", BRIDGE_JOB}
+    try:
+        async with running_bridge(bridge_settings(mosquitto.url, prom.write_url, tmp_path)) as bridge:
+
+            def both_sources() -> bool:
+                assert mapper.poll() is None, (tmp_path / "mapper.log").read_text()[-3000:]
+                gpus = {s["metric"]["job"]: s["value"][1] for s in prom.query("count by (job) (gpu_info)")}
+                own = {s["metric"]["job"] for s in prom.query("gpu_mapper_buffer_max_bytes")}
+                return gpus == {"gpu-mapper": "2", BRIDGE_JOB: "2"} and own == jobs
+
+            await wait_for(both_sources, timeout_s=120, what="the scraped and the bridged series")
+            assert bridge.stats.batches_written > 0
+        at = time.time()
+        # the store holds every GPU twice: a query that picks no source counts 4 GPUs on a node of 2
+        [doubled] = prom.query('count by (node) (gpu_info{node="edge-9"})', at)
+        assert doubled["value"][1] == "4"
+        # the dashboard's Source variable offers both, and each source draws each GPU once
+        board = dashboard()
+        variables = {v["name"]: v["definition"] for v in board["templating"]["list"] if "definition" in v}
+        assert {s["metric"]["job"] for s in prom.query(_grafana_to_promql(variables["job"]), at)} == jobs
+        stats = {p["title"]: p["targets"][0]["expr"] for p in board["panels"] if p.get("type") == "stat"}
+        metrics = _series_text(f"http://127.0.0.1:{metrics_port}/metrics")
+        caps = [line for line in metrics.splitlines() if line.startswith("gpu_power_limit_enforced_watts{")]
+        assert len(caps) == 2
+        cap_w = sum(float(line.rsplit(" ", 1)[1]) for line in caps)
+        for job in sorted(jobs):
+            [gpus] = prom.query(_grafana_to_promql(stats["GPUs"], job), at)
+            assert (gpus["metric"], gpus["value"][1]) == ({"node": "edge-9"}, "2"), job
+            [cap] = prom.query(_grafana_to_promql(stats["Power cap"], job), at)
+            assert float(cap["value"][1]) == cap_w, job  # the two GPUs' caps once, not twice
+            nodes = {s["metric"]["node"] for s in prom.query(_grafana_to_promql(variables["node"], job), at)}
+            assert nodes == {"edge-9"}, job
+            # the mapper row: one series a node, from either source
+            for name in ("gpu_mapper_buffer_max_bytes", "gpu_mapper_mqtt_connected", "gpu_mapper_gpus"):
+                [one] = prom.query(f'{name}{{job="{job}", node="edge-9"}}', at)
+                want = {"gpu_mapper_gpus": "2", "gpu_mapper_mqtt_connected": "1"}.get(name)
+                assert want is None or one["value"][1] == want, (job, name)
+    finally:
+        mapper.send_signal(signal.SIGTERM)
+        try:
+            mapper.wait(20)
+        except subprocess.TimeoutExpired:
+            mapper.kill()
+            mapper.wait(10)
+        log.close()
         prom.stop()
 
 
