@@ -403,3 +403,24 @@ def test_label_texts_kept_between_scrapes_follow_changed_labels_and_the_cache_bo
     # Past its bound the cache started afresh: it holds the second scrape's label sets only.
     label_sets = {tuple(s.labels.items()) for fam in scrape(second).collect() for s in fam.samples if s.labels}
     assert len(renderer._label_texts) == len(label_sets)
+
+
+def test_docs_metrics_md_lists_every_series_of_metrics_and_of_the_bridge() -> None:
+    """docs/metrics.md stays true: every series name /metrics can show and the bridge can write is on it (a
+    histogram's parts by the histogram's name), and it names no gpu_ series that neither writes."""
+    import re
+    from pathlib import Path
+
+    from mapper.bridge.core import series_types
+    from mapper.edge.status.metrics import metric_names
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"`(gpu_[a-z0-9_]+)`", text))
+    written = set(metric_names()) | set(series_types())
+
+    def family(name: str) -> str:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        return base if base + "_bucket" in written else name
+
+    assert {family(n) for n in written} - documented == set()
+    assert documented - {family(n) for n in written} == set()
