@@ -59,11 +59,13 @@ def stream(
     seed: int = 3,
     every_s: int = 1,
     processes_every_s: int = 0,
+    cap_first_w: float | None = None,
 ) -> list[Published]:
     """Batches a mapper on ``gpus`` simulated H100s would publish for ``seconds`` of sampling every ``every_s``
     (every property), ending now unless ``start_ms`` is given. Returned in publish order. ``processes_every_s``:
     the process cycle's rows too, at that cycle (the simulator's trainer of each GPU in pod ``ml/trainer-<i>``, and
-    on the first GPU a process that leaks)."""
+    on the first GPU a process that leaks). ``cap_first_w``: the first GPU's power limit (W), set before sampling
+    (its clocks are then held back by the power cap whenever its load would draw more)."""
     start = start_ms if start_ms is not None else int(time.time() * 1000) - seconds * 1000
     clock = FakeClock(start_wall_ms=start)
     sim = SimNvml(gpus, "H100", clock=clock.monotonic, seed=seed, scenario="training")
@@ -75,6 +77,8 @@ def stream(
     monitor = ProcessMonitor(leak=LeakConfig(window_s=300.0, threshold_bytes=256 << 20))
     try:
         infos = backend.list_gpus()
+        if cap_first_w is not None:  # the first GPU under a power cap, as the mapper applies a desired one
+            backend.set_power_limit(infos[0].uuid, cap_first_w)
         if processes_every_s:  # the first GPU also runs a process that leaks 4 MiB/s beside its trainer
             sim.start_process(infos[0].uuid, 4242, 1 << 30, weight=0.2, growth_bytes_per_s=float(4 << 20))
         driver = backend.driver_version()

@@ -6,12 +6,16 @@ import asyncio
 import itertools
 import os
 import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +29,7 @@ from mapper.shared.naming import BRIDGE_JOB
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import wait_for
 from tests.bridgehelpers import (
+    DESIRED_W,
     NODE,
     FlakyReceiver,
     bridge_settings,
@@ -409,12 +414,12 @@ def _grafana_to_promql(expr: str, job: str = BRIDGE_JOB) -> str:
     return text.replace("$job", job).replace("$node", ".+").replace("$gpu", ".+").replace("$instance", ".+")
 
 
-async def test_every_dashboard_and_alert_expression_parses_and_draws_from_the_bridge_alone(
-    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
-) -> None:
-    """A cloud Prometheus fed only by the bridge: every panel's expression and every alert's draws data, the
-    mapper's own series (the node stream) and the GPUs' health (the state messages) included."""
-    batches = stream(gpus=2, seconds=900, processes_every_s=5)
+async def _bridged_scenario(tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus) -> float:
+    """A mapper of two simulated GPUs over 15 minutes, bridged into ``prometheus`` alone: its batches (processes
+    and pods included), its node stream (the mapper's own series) and the state messages of every report cycle
+    (the status and health series over time). Returns the time of the last sample (s)."""
+    # GPU 0 runs under the power cap its state messages ask for (DESIRED_W): its clocks are held back by it
+    batches = stream(gpus=2, seconds=900, processes_every_s=5, cap_first_w=DESIRED_W)
     node = node_stream(seconds=900)  # the same mapper's own series over the same 15 minutes
     periodic = state_stream(batches)  # the state messages of every report cycle: the status series over time
     async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
@@ -427,7 +432,15 @@ async def test_every_dashboard_and_alert_expression_parses_and_draws_from_the_br
         await wait_for(
             lambda: bridge.stats.state_messages_written >= len(periodic) + 2, timeout_s=30, what="the states written"
         )
-    at = batches[-1].batch.ts_last_ms / 1000
+    return batches[-1].batch.ts_last_ms / 1000
+
+
+async def test_every_dashboard_and_alert_expression_parses_and_draws_from_the_bridge_alone(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """A cloud Prometheus fed only by the bridge: every panel's expression and every alert's draws data, the
+    mapper's own series (the node stream) and the GPUs' health (the state messages) included."""
+    at = await _bridged_scenario(tmp_path, mosquitto, prometheus)
     bridged = bridged_series_names()
     dash = [_grafana_to_promql(e) for e in exprs(dashboard())]
     rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yaml").read_text())
@@ -792,3 +805,101 @@ async def test_without_a_state_message_a_devices_batches_wait_once_then_go_witho
     for labels, points in power.items():
         assert "gpu" not in dict(labels) and len(points) == 60, labels
     assert not prometheus.query("gpu_mapper_device_state", time.time() + 1), "no status without the status keys"
+
+
+CHROMIUM = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+#: The browser window: wide enough for the dashboard's 24 columns, tall enough for every row.
+WINDOW = (1600, 3300)
+
+
+def _chromium(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Headless Chromium on ``url``; it waits (in virtual time) until the page's queries are done."""
+    assert CHROMIUM is not None
+    cmd = [CHROMIUM, "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--force-device-scale-factor=1"]
+    cmd += [f"--window-size={WINDOW[0]},{WINDOW[1]}", "--virtual-time-budget=60000", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def _png_pixels(data: bytes) -> tuple[int, int, int, bytes]:
+    """(width, height, bytes per pixel, the unfiltered rows) of an 8-bit, non-interlaced RGB or RGBA PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, b"", b""
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        header, idat = (body, idat) if kind == b"IHDR" else (header, idat + body if kind == b"IDAT" else idat)
+        pos += 12 + length
+    width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", header)
+    assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+    bpp = 3 if color == 2 else 4
+    raw, stride = zlib.decompress(idat), width * bpp
+    out, prev = bytearray(), bytearray(stride)
+    for row in range(height):
+        kind, line = raw[row * (stride + 1)], bytearray(raw[row * (stride + 1) + 1 : (row + 1) * (stride + 1)])
+        for i in range(stride):
+            a, b = line[i - bpp] if i >= bpp else 0, prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif kind == 4:
+                p_ = a + b - c
+                pa, pb, pc = abs(p_ - a), abs(p_ - b), abs(p_ - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        out += line
+        prev = line
+    return width, height, bpp, bytes(out)
+
+
+def _coloured_pixels(png: tuple[int, int, int, bytes], rect: tuple[int, int, int, int]) -> int:
+    """Pixels in ``rect`` (x, y, w, h) of a saturated colour (channels more than 60 apart): a drawn series; the
+    page's background, borders, text and "No data" are greys."""
+    width, _, bpp, pixels = png
+    x0, y0, w, h = rect
+    n = 0
+    for y in range(y0, y0 + h):
+        row = pixels[(y * width + x0) * bpp : (y * width + x0 + w) * bpp]
+        for i in range(0, len(row), bpp):
+            rgb = row[i : i + 3]
+            n += max(rgb) - min(rgb) > 60
+    return n
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium-headless-shell is installed by scripts/bootstrap.sh --test")
+async def test_the_dashboard_drawn_in_headless_chromium_has_data_in_every_panel_from_the_bridge_alone(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """The dashboard as a user sees it without Grafana: deploy/grafana/preview.html runs every panel's own PromQL
+    against a Prometheus fed only by the bridge (the scenario above) and draws it; headless Chromium renders it.
+    Every panel of the dashboard JSON says it drew data, and its part of the screenshot shows a drawn series."""
+    at = await _bridged_scenario(tmp_path, mosquitto, prometheus)
+    query = urllib.parse.urlencode({"prometheus": prometheus.url, "end": f"{at:.3f}", "range": "1200"})
+    url = (REPO / "deploy" / "grafana" / "preview.html").as_uri() + "?" + query
+    dom = (await asyncio.to_thread(_chromium, url, "--dump-dom")).stdout
+    assert re.search(r'<body[^>]*data-done="true"', dom), dom[-3000:]
+    assert "data-error" not in dom.split('<div id="grid"', 1)[0], "the page itself failed"
+    assert f"Source (job): {BRIDGE_JOB}" in dom, "the Source variable's first value: the bridge, the only job"
+    drawn = {}
+    for tag in re.findall(r'<div class="panel"[^>]*>', dom):
+        attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', tag))
+        drawn[int(attrs["id"])] = attrs
+    panels = {p["id"]: p for p in dashboard()["panels"] if p["type"] != "row"}
+    assert set(drawn) == set(panels), "one drawn panel per panel of the dashboard"
+    not_drawn = {panels[i]["title"]: (a["state"], a.get("error", "")) for i, a in drawn.items() if a["state"] != "data"}
+    assert not not_drawn, f"panels without data: {not_drawn}"
+    stats = {panels[i]["title"]: int(a["series"]) for i, a in drawn.items() if panels[i]["type"] == "stat"}
+    assert stats == {"GPUs": 1, "Power draw": 1, "Power cap": 1, "Hottest GPU": 1}  # one node: one value each
+
+    shot = tmp_path / "dashboard.png"
+    made = await asyncio.to_thread(_chromium, url, f"--screenshot={shot}")
+    assert shot.exists(), made.stderr[-2000:]
+    png = _png_pixels(shot.read_bytes())
+    assert png[:2] == WINDOW
+    for i, a in drawn.items():
+        x, y, w, h = (int(v) for v in a["rect"].split(","))
+        assert w > 50 and h > 20 and y + h <= WINDOW[1], f"{panels[i]['title']} is outside the screenshot: {a['rect']}"
+        assert _coloured_pixels(png, (x, y, w, h)) >= 20, f"{panels[i]['title']}: nothing drawn in the screenshot"
+    print(f"screenshot of {len(drawn)} panels, every one with data: {shot}")

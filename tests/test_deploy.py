@@ -334,6 +334,14 @@ def test_the_dashboard_matches_its_builder() -> None:
     )
 
 
+def test_the_preview_page_holds_the_dashboard_itself() -> None:
+    """deploy/grafana/preview.html draws the panels of the JSON it embeds: that JSON is gpu-mapper.json's."""
+    page = (DEPLOY / "grafana" / "preview.html").read_text()
+    m = re.search(r'<script id="dashboard" type="application/json">\n(.*?)\n</script>', page, re.DOTALL)
+    assert m is not None, "preview.html has no dashboard element"
+    assert json.loads(m.group(1)) == dashboard(), "run python3 deploy/grafana/build_dashboard.py --preview"
+
+
 def test_every_dashboard_expression_uses_only_metrics_the_collector_emits() -> None:
     known = metric_names()
     used: set[str] = set()

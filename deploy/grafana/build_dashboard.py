@@ -8,9 +8,14 @@ Every expression selects one source, `job="$job"` (the "Source" variable: a sing
 a Prometheus that both scrapes the mappers (its scrape job's name) and receives `gpu-mapper bridge`'s remote write
 (job="gpu-mapper-bridge") holds every series twice, and the dashboard shows one copy (docs/operations.md).
 The mapper's own series are selected by `node`, the label they carry both ways (a bridged series has no `instance`).
+
+With --preview it writes the dashboard into deploy/grafana/preview.html instead (the page that draws the panels
+without Grafana; tests/test_deploy.py checks it holds this dashboard).
 """
 
 import json
+import pathlib
+import sys
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 J = 'job="$job"'
@@ -417,4 +422,19 @@ dashboard = {
     "annotations": {"list": []},
     "panels": panels,
 }
-print(json.dumps(dashboard, indent=2))
+
+
+def embed(page: str, board: dict) -> str:
+    """``page`` (preview.html) with ``board`` as the JSON of its ``<script id="dashboard">`` element."""
+    head, sep, rest = page.partition('<script id="dashboard" type="application/json">\n')
+    _, end, tail = rest.partition("\n</script>")
+    if not sep or not end:
+        raise SystemExit('preview.html has no <script id="dashboard" type="application/json"> element')
+    return head + sep + json.dumps(board, indent=1).replace("</", "<\\/") + end + tail
+
+
+if "--preview" in sys.argv[1:]:
+    preview = pathlib.Path(__file__).resolve().parent / "preview.html"
+    preview.write_text(embed(preview.read_text(), dashboard))
+else:
+    print(json.dumps(dashboard, indent=2))
