@@ -232,6 +232,7 @@ _BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--mqtt-reconnect-max-backoff", "mqtt_reconnect_max_s", "DURATION", "longest wait between reconnects (30s)"),
     ("--topic", "topic", "FILTER", "telemetry topic filter (default gpu-mapper/+/+/+/telemetry)"),
     ("--state-topic", "state_topic", "FILTER", "retained state messages (default: --topic with .../state)"),
+    ("--node-topic", "node_topic", "FILTER", "the mappers' own series (default: gpu-mapper/+/metrics beside --topic)"),
     ("--group", "group", "NAME", "shared-subscription group of the replicas (default gpu-mapper-bridge)"),
     ("--remote-write", "remote_write", "URL", "remote-write endpoint, e.g. http://prometheus:9090/api/v1/write"),
     ("--remote-write-version", "remote_write_version", "1|2", "remote write 1.0 (default) or 2.0 with fallback"),

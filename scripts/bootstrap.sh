@@ -16,6 +16,8 @@ if [ "$want_test" = 1 ]; then
   command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
   # prometheus: promtool, and the real server the bridge tests write to (remote-write receiver)
   { command -v promtool >/dev/null && command -v prometheus >/dev/null; } || need_apt+=(prometheus)
+  # headless Chromium: the dashboard preview page (deploy/grafana/preview.html) rendered and screenshotted
+  command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || need_apt+=(chromium-headless-shell)
   # gcc builds the stand-in libnvidia-ml.so.1 the NVML tests run the real pynvml over (tests/nvml_standin.py)
   command -v gcc >/dev/null || need_apt+=(gcc)
   [ -f /usr/include/stdlib.h ] || need_apt+=(libc6-dev)

@@ -27,11 +27,13 @@ from mapper.edge.processes.leak import LeakConfig
 from mapper.edge.processes.loop import telemetry_values
 from mapper.edge.processes.monitor import ProcessMonitor
 from mapper.edge.processes.workloads import PodInfo, ProcessOwner
-from mapper.edge.status.stats import GpuSnapshot
+from mapper.edge.status.nodestream import NodeStream
+from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.shared.model import GpuInfo, Sample
+from mapper.shared.naming import NODE_DEVICE
 from mapper.shared.settings import MqttSettings
 from mapper.tools.discover import device_name
-from mapper.wire.telemetry import BatchEncoder, DecodedBatch, decode_batch
+from mapper.wire.telemetry import BatchEncoder, DecodedBatch, EncodedBatch, Route, decode_batch
 from mapper.wire.topics import state_topic, telemetry_topic
 from tests.apphelpers import wait_for
 
@@ -59,11 +61,13 @@ def stream(
     seed: int = 3,
     every_s: int = 1,
     processes_every_s: int = 0,
+    cap_first_w: float | None = None,
 ) -> list[Published]:
     """Batches a mapper on ``gpus`` simulated H100s would publish for ``seconds`` of sampling every ``every_s``
     (every property), ending now unless ``start_ms`` is given. Returned in publish order. ``processes_every_s``:
     the process cycle's rows too, at that cycle (the simulator's trainer of each GPU in pod ``ml/trainer-<i>``, and
-    on the first GPU a process that leaks)."""
+    on the first GPU a process that leaks). ``cap_first_w``: the first GPU's power limit (W), set before sampling
+    (its clocks are then held back by the power cap whenever its load would draw more)."""
     start = start_ms if start_ms is not None else int(time.time() * 1000) - seconds * 1000
     clock = FakeClock(start_wall_ms=start)
     sim = SimNvml(gpus, "H100", clock=clock.monotonic, seed=seed, scenario="training")
@@ -75,6 +79,8 @@ def stream(
     monitor = ProcessMonitor(leak=LeakConfig(window_s=300.0, threshold_bytes=256 << 20))
     try:
         infos = backend.list_gpus()
+        if cap_first_w is not None:  # the first GPU under a power cap, as the mapper applies a desired one
+            backend.set_power_limit(infos[0].uuid, cap_first_w)
         if processes_every_s:  # the first GPU also runs a process that leaks 4 MiB/s beside its trainer
             sim.start_process(infos[0].uuid, 4242, 1 << 30, weight=0.2, growth_bytes_per_s=float(4 << 20))
         driver = backend.driver_version()
@@ -107,6 +113,75 @@ def stream(
                 )
     finally:
         backend.shutdown()
+    return out
+
+
+#: The buffer cap of the mapper of ``node_stream``: its buffer fills to 90 % of it over the stream.
+NODE_BUFFER_MAX_BYTES = 256 << 20
+
+
+def node_snapshot(i_s: int, ts_ms: int, *, node: str = NODE, gpus: int = 2) -> MapperSnapshot:
+    """What a mapper of ``gpus`` GPUs would show ``i_s`` seconds into ``node_stream``: a broker link that holds, a
+    buffer filling up (90 % of its cap at 900 s), a drop every 5 minutes, DMI calls, desired-state actions, a
+    thermal policy holding an override, collect rounds of 2 ms and now and then 300 ms."""
+    hist = DurationHistogram()
+    for k in range(i_s):
+        hist = hist.observe(0.3 if k % 50 == 0 else 0.002)
+    return MapperSnapshot(
+        node=node,
+        taken_at_ms=ts_ms,
+        version="0.1.0",
+        mode="dmi",
+        gpus=tuple(GpuSnapshot(info=GpuInfo(f"GPU-{g}", g, "H100")) for g in range(gpus)),
+        buffer_bytes=NODE_BUFFER_MAX_BYTES * min(i_s, 900) // 1000,
+        buffer_batches=i_s // 10,
+        buffer_max_bytes=NODE_BUFFER_MAX_BYTES,
+        buffer_oldest_age_s=float(i_s),
+        buffer_drops={"age": i_s // 300},
+        telemetry_published_batches=3 * i_s,
+        telemetry_published_bytes=600 * i_s,
+        mqtt_enabled=True,
+        mqtt_connected=True,
+        mqtt_reconnects=1,
+        dmi_registered=True,
+        dmi_rpcs={("ReportDeviceStatus", "ok"): i_s // 20, ("MapperRegister", "ok"): 1},
+        reconcile_actions={("power_limit", "applied"): 1 + i_s // 100},
+        drift_reapplies={"power_limit": i_s // 200},
+        desired_rejections={"out-of-range": i_s // 400},
+        policy_overrides_active={"thermal": 1},
+        policy_events={("thermal", "engage"): 1 + i_s // 300},
+        collect_duration=hist,
+        collect_errors={"transient": i_s // 250},
+    )
+
+
+def node_stream(
+    *, seconds: int = 60, start_ms: int | None = None, node: str = NODE, boot_id: str = "5c1f0e9a", every_s: int = 20
+) -> list[Published]:
+    """The node stream (the mapper's own series) the mapper of ``stream`` would publish over the same time: a sample
+    of ``node_snapshot`` every ``every_s`` (the report cycle), cut by the mapper's own ``NodeStream``."""
+    start = start_ms if start_ms is not None else int(time.time() * 1000) - seconds * 1000
+    clock = FakeClock(start_wall_ms=start)
+    made: list[tuple[EncodedBatch, Route | None]] = []
+    snap = {"i": 0}
+    ns = NodeStream(
+        node,
+        boot_id,
+        lambda: node_snapshot(snap["i"], clock.wall_ms(), node=node),
+        lambda batch, route: made.append((batch, route)),
+        clock=clock,
+        cycle_s=every_s,
+        window_s=3 * every_s,
+    )
+    for i in range(0, seconds, every_s):
+        clock.advance(float(every_s))
+        snap["i"] = i + every_s
+        ns.sample()
+    ns.flush()
+    out = []
+    for batch, route in made:
+        assert route is not None
+        out.append(Published(route.topic, batch.payload, decode_batch(batch.payload)))
     return out
 
 
@@ -144,7 +219,8 @@ def states(batches: list[Published]) -> Iterator[tuple[str, bytes]]:
     """The retained state message of every device of ``batches`` (its last sample)."""
     last: dict[tuple[str, str], Published] = {}
     for p in batches:
-        last[(p.batch.node, p.batch.device)] = p
+        if p.batch.device != NODE_DEVICE:  # the node stream has no state message
+            last[(p.batch.node, p.batch.device)] = p
     for p in last.values():
         device = p.batch.device
         uuid = p.batch.uuid or _uuid_of(batches, device)
@@ -266,6 +342,20 @@ def expected_samples(batches: list[Published], *, with_states: bool = True) -> i
         process_cycle = name.startswith(("pod:", "leak:")) or name.startswith("processes_")
         return 1 if (process_cycle or (spec is not None and spec.prom_name)) and is_number(v) else 0
 
+    def node_samples_of(name: str, v: object) -> int:
+        # the node stream (docs/telemetry.md): each value is one sample of the mapper's own series
+        return 1 if is_number(v) else 0
+
+    def health_samples_of(health: dict[str, Any]) -> int:
+        # docs/bridge.md: each level, subsystem and check one sample per status; the probe's outcome and latency;
+        # one per probe outcome counted; the InfoROM versions one
+        statuses = 3  # healthy, degraded, unhealthy
+        n = statuses * (len(health.get("levels", {})) + len(health.get("subsystems", {})) + len(health["checks"]))
+        probe = health.get("probe")
+        if probe is not None:
+            n += 1 + (1 if probe.get("latency_s") is not None else 0)
+        return n + len(health.get("probes", {})) + (1 if "inforom" in health else 0)
+
     seen = set()
     total = 0
     for p in batches:
@@ -273,13 +363,15 @@ def expected_samples(batches: list[Published], *, with_states: bool = True) -> i
         if key in seen:
             continue
         seen.add(key)
-        total += sum(samples_of(n, v) for row in p.batch.samples for n, v in row.values.items())
+        count = node_samples_of if p.batch.device == NODE_DEVICE else samples_of
+        total += sum(count(n, v) for row in p.batch.samples for n, v in row.values.items())
     if with_states:
         for _, payload in states(batches):
             doc = json.loads(payload)
             total += len(DEVICE_STATES) if doc.get("state") else 0
             total += len(doc.get("xid_errors") or {})
             total += 1 if doc.get("power_limit_desired_w") is not None else 0
+            total += health_samples_of(doc["health"]) if doc.get("health") else 0
     return total
 
 

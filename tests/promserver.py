@@ -25,8 +25,10 @@ def prometheus_binary() -> str:
 
 
 class Prometheus:
-    def __init__(self, workdir: Path, *, ooo_window: str = "2h") -> None:
+    def __init__(self, workdir: Path, *, ooo_window: str = "2h", scrape: dict[str, str] | None = None) -> None:
+        """``scrape``: scrape jobs, job name -> target ``host:port``, every second (none by default)."""
         self.workdir = workdir
+        self.scrape = scrape or {}
         self.port = free_port()
         self.ooo_window = ooo_window
         self.data = workdir / f"prom-data-{self.port}"
@@ -43,8 +45,13 @@ class Prometheus:
         return self.url + "/api/v1/write"
 
     def start(self, timeout_s: float = 60.0) -> None:
+        jobs = "".join(
+            f"  - job_name: {job}\n    scrape_interval: 1s\n    static_configs: [{{targets: ['{target}']}}]\n"
+            for job, target in self.scrape.items()
+        )
         self.config.write_text(
             f"global:\n  scrape_interval: 1h\nstorage:\n  tsdb:\n    out_of_order_time_window: {self.ooo_window}\n"
+            + (f"scrape_configs:\n{jobs}" if jobs else "")
         )
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(

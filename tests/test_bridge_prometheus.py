@@ -7,35 +7,46 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 import pytest
 import yaml
 
 from mapper.bridge.core import bridged_series_names
+from mapper.shared.naming import BRIDGE_JOB
 from mapper.wire.telemetry import decode_batch
 from tests.apphelpers import wait_for
 from tests.bridgehelpers import (
+    DESIRED_W,
+    NODE,
     FlakyReceiver,
     bridge_settings,
     decoded_values,
     expected_samples,
+    node_stream,
     publish_all,
     publish_states,
     running_bridge,
     state_stream,
+    states,
     stream,
 )
 from tests.brokers import Mosquitto, free_port
 from tests.promserver import Prometheus
+from tests.realparts import require
 from tests.test_deploy import dashboard, exprs, metric_refs
 
 pytestmark = pytest.mark.slow
@@ -259,26 +270,191 @@ async def test_a_request_refused_with_400_is_spooled_and_exports_to_openmetrics_
         prom.stop()
 
 
-def _grafana_to_promql(expr: str) -> str:
-    """A dashboard expression as Prometheus evaluates it: variables matched to anything, label_values(sel, l)
-    as its selector."""
-    text = re.sub(r"label_values\(([^,)]+(?:\{[^}]*\})?)\s*,[^)]*\)", r"\1", expr)
-    return text.replace("$node", ".+").replace("$gpu", ".+").replace("$instance", ".+")
+def _mapper_process(argv: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "mapper.cli", *argv], cwd=REPO, stdout=log, stderr=log)
 
 
-async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_series_draw_from_the_bridge(
+def _series_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text: str = resp.read().decode()
+        return text
+
+
+async def test_scraped_and_bridged_at_once_each_source_shows_every_gpu_once_and_the_mappers_own_series(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    """docs/operations.md, "Scraping and bridging at once": one Prometheus scrapes a running mapper (job
+    gpu-mapper) and receives the bridge's remote write of the same mapper's stream. Every GPU is there twice (the
+    doubling the issue saw: 4 GPUs of a node of 2); the dashboard's Source variable lists both jobs, and with
+    either one its Node row counts each GPU once and its mapper row draws one series per node."""
+    metrics_port = free_port()
+    prom = Prometheus(tmp_path, scrape={"gpu-mapper": f"127.0.0.1:{metrics_port}"})
+    prom.start()
+    (tmp_path / "devices").mkdir()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("telemetry: {window: 1s}\ndefaults: {reportCycle: 1s}\n")  # batches and node stream every 1 s
+    argv = ["run", "--sim", "2", "--node-name", "edge-9", "--config", str(cfg), "--devices", str(tmp_path / "devices")]
+    argv += ["--data-dir", str(tmp_path / "data"), "--metrics-addr", f"127.0.0.1:{metrics_port}"]
+    argv += ["--mqtt", mosquitto.url]
+    log = (tmp_path / "mapper.log").open("ab")
+    mapper = _mapper_process(argv, log)
+    jobs = {"gpu-mapper", BRIDGE_JOB}
+    try:
+        async with running_bridge(bridge_settings(mosquitto.url, prom.write_url, tmp_path)) as bridge:
+
+            def both_sources() -> bool:
+                assert mapper.poll() is None, (tmp_path / "mapper.log").read_text()[-3000:]
+                gpus = {s["metric"]["job"]: s["value"][1] for s in prom.query("count by (job) (gpu_info)")}
+                own = {s["metric"]["job"] for s in prom.query("gpu_mapper_buffer_max_bytes")}
+                return gpus == {"gpu-mapper": "2", BRIDGE_JOB: "2"} and own == jobs
+
+            await wait_for(both_sources, timeout_s=120, what="the scraped and the bridged series")
+            assert bridge.stats.batches_written > 0
+        at = time.time()
+        # the store holds every GPU twice: a query that picks no source counts 4 GPUs on a node of 2
+        [doubled] = prom.query('count by (node) (gpu_info{node="edge-9"})', at)
+        assert doubled["value"][1] == "4"
+        # the dashboard's Source variable offers both, and each source draws each GPU once
+        board = dashboard()
+        variables = {v["name"]: v["definition"] for v in board["templating"]["list"] if "definition" in v}
+        assert {s["metric"]["job"] for s in prom.query(_grafana_to_promql(variables["job"]), at)} == jobs
+        stats = {p["title"]: p["targets"][0]["expr"] for p in board["panels"] if p.get("type") == "stat"}
+        metrics = _series_text(f"http://127.0.0.1:{metrics_port}/metrics")
+        caps = [line for line in metrics.splitlines() if line.startswith("gpu_power_limit_enforced_watts{")]
+        assert len(caps) == 2
+        cap_w = sum(float(line.rsplit(" ", 1)[1]) for line in caps)
+        for job in sorted(jobs):
+            [gpus] = prom.query(_grafana_to_promql(stats["GPUs"], job), at)
+            assert (gpus["metric"], gpus["value"][1]) == ({"node": "edge-9"}, "2"), job
+            [cap] = prom.query(_grafana_to_promql(stats["Power cap"], job), at)
+            assert float(cap["value"][1]) == cap_w, job  # the two GPUs' caps once, not twice
+            nodes = {s["metric"]["node"] for s in prom.query(_grafana_to_promql(variables["node"], job), at)}
+            assert nodes == {"edge-9"}, job
+            # the mapper row: one series a node, from either source
+            for name in ("gpu_mapper_buffer_max_bytes", "gpu_mapper_mqtt_connected", "gpu_mapper_gpus"):
+                [one] = prom.query(f'{name}{{job="{job}", node="edge-9"}}', at)
+                want = {"gpu_mapper_gpus": "2", "gpu_mapper_mqtt_connected": "1"}.get(name)
+                assert want is None or one["value"][1] == want, (job, name)
+    finally:
+        mapper.send_signal(signal.SIGTERM)
+        try:
+            mapper.wait(20)
+        except subprocess.TimeoutExpired:
+            mapper.kill()
+            mapper.wait(10)
+        log.close()
+        prom.stop()
+
+
+def _promtool_dump(blocks: Path) -> set[tuple[tuple[tuple[str, str], ...], int, float]]:
+    """Every sample of a promtool block directory: (sorted labels with __name__, ts_ms, value)."""
+    (blocks / "wal").mkdir(exist_ok=True)  # promtool 2.42's dump opens the directory as a TSDB, WAL and all
+    dump = subprocess.run(
+        ["promtool", "tsdb", "dump", str(blocks)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    out = set()
+    for line in dump.splitlines():
+        labels, value, ts = line.rsplit(" ", 2)
+        fields = re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)
+        out.add((tuple(sorted(fields)), int(ts), float(value)))
+    return out
+
+
+async def test_a_buffer_export_backfilled_with_promtool_holds_exactly_what_the_bridge_wrote_for_the_same_samples(
     tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
 ) -> None:
-    batches = stream(gpus=2, seconds=900, processes_every_s=5)
+    """The same batches (GPUs with their processes, and the mapper's own node stream) and state snapshots, once in a
+    mapper's buffer file exported with ``buffer export --format openmetrics`` and backfilled by promtool, once
+    through the bridge into Prometheus: the same series, labels and values at the same times."""
+    from mapper.clock import FakeClock
+    from mapper.edge.outbox.records import StoredBatch
+    from mapper.edge.storage.buffer import Buffer
+    from mapper.wire.state import parse_state
+
+    batches = stream(gpus=2, seconds=300, processes_every_s=5)
+    node = node_stream(seconds=300)
+    snapshots = list(states(batches))  # each device's last state message, as the buffer's latest table keeps it
+    db = tmp_path / "telemetry.db"
+    buf = Buffer(db, max_bytes=10**9, max_age_s=10**9, clock=FakeClock(start_wall_ms=batches[-1].batch.ts_last_ms))
+    for p in batches + node:
+        b = p.batch
+        buf.put(StoredBatch(b.device, b.uuid, b.boot_id, b.seq, b.ts_first_ms, b.ts_last_ms, p.topic, p.payload))
+    for _, payload in snapshots:
+        buf.put_latest(parse_state(payload).device, payload)
+    buf.close()
+
+    async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
+        publish_states(mosquitto.url, snapshots)
+        await wait_for(lambda: bridge.stats.state_messages >= len(snapshots), timeout_s=30, what="the states read")
+        publish_all(mosquitto.url, batches + node, with_states=False)
+        await wait_for(
+            lambda: bridge.stats.batches_written >= len(batches) + len(node), timeout_s=60, what="every batch written"
+        )
+        await wait_for(lambda: bridge.idle, timeout_s=30, what="all written")
+    bridged = set()
+    raw = prometheus.raw_samples(f'{{job="{BRIDGE_JOB}"}}', time.time() + 1, 900)
+    for labels, points in raw.items():
+        bridged |= {(labels, ts, v) for ts, v in points}
+
+    om = tmp_path / "backlog.om"
+    cli = [sys.executable, "-m", "mapper.cli", "buffer", "export", str(db), "--format", "openmetrics", "-o", str(om)]
+    out = await asyncio.to_thread(subprocess.run, cli, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    blocks = tmp_path / "blocks"
+    made = await asyncio.to_thread(
+        subprocess.run,
+        ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om), str(blocks)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    exported = await asyncio.to_thread(_promtool_dump, blocks)
+
+    names = {dict(labels)["__name__"] for labels, _, _ in exported}
+    # the GPUs' series, their processes' and pods', the status of the snapshots and the mapper's own
+    assert {"gpu_power_usage_watts", "gpu_clock_sm_hertz", "gpu_pod_energy_joules_total"} <= names
+    assert {"gpu_mapper_device_state", "gpu_mapper_health_status", "gpu_mapper_buffer_bytes"} <= names
+    assert not [n for n in names if not n.startswith("gpu_")]
+    assert len(bridged) == expected_samples(batches + node, with_states=True)
+    only_bridged, only_exported = sorted(bridged - exported)[:5], sorted(exported - bridged)[:5]
+    assert exported == bridged, f"only bridged: {only_bridged}; only exported: {only_exported}"
+
+
+def _grafana_to_promql(expr: str, job: str = BRIDGE_JOB) -> str:
+    """A dashboard expression as Prometheus evaluates it: the source ``job``, the other variables matched to
+    anything, label_values(sel, l) as its selector."""
+    text = re.sub(r"label_values\(([^,{)]+(?:\{[^}]*\})?)\s*,[^)]*\)", r"\1", expr)
+    return text.replace("$job", job).replace("$node", ".+").replace("$gpu", ".+").replace("$instance", ".+")
+
+
+async def _bridged_scenario(tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus) -> float:
+    """A mapper of two simulated GPUs over 15 minutes, bridged into ``prometheus`` alone: its batches (processes
+    and pods included), its node stream (the mapper's own series) and the state messages of every report cycle
+    (the status and health series over time). Returns the time of the last sample (s)."""
+    # GPU 0 runs under the power cap its state messages ask for (DESIRED_W): its clocks are held back by it
+    batches = stream(gpus=2, seconds=900, processes_every_s=5, cap_first_w=DESIRED_W)
+    node = node_stream(seconds=900)  # the same mapper's own series over the same 15 minutes
     periodic = state_stream(batches)  # the state messages of every report cycle: the status series over time
     async with running_bridge(bridge_settings(mosquitto.url, prometheus.write_url, tmp_path)) as bridge:
         publish_states(mosquitto.url, periodic)
         publish_all(mosquitto.url, batches)
-        await wait_for(lambda: bridge.stats.batches_written >= len(batches), timeout_s=60, what="every batch written")
+        publish_all(mosquitto.url, node, with_states=False)
+        await wait_for(
+            lambda: bridge.stats.batches_written >= len(batches) + len(node), timeout_s=60, what="every batch written"
+        )
         await wait_for(
             lambda: bridge.stats.state_messages_written >= len(periodic) + 2, timeout_s=30, what="the states written"
         )
-    at = batches[-1].batch.ts_last_ms / 1000
+    return batches[-1].batch.ts_last_ms / 1000
+
+
+async def test_every_dashboard_and_alert_expression_parses_and_draws_from_the_bridge_alone(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """A cloud Prometheus fed only by the bridge: every panel's expression and every alert's draws data, the
+    mapper's own series (the node stream) and the GPUs' health (the state messages) included."""
+    at = await _bridged_scenario(tmp_path, mosquitto, prometheus)
     bridged = bridged_series_names()
     dash = [_grafana_to_promql(e) for e in exprs(dashboard())]
     rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yaml").read_text())
@@ -288,6 +464,7 @@ async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_seri
     for expr in dash + alerts:
         result = prometheus.query(expr, at)  # raises naming the error when it does not parse
         refs = metric_refs(expr)
+        assert refs and refs <= bridged, f"{expr} reads {sorted(refs - bridged)}, which the bridge does not write"
         if refs and refs <= bridged:
             on_gpu_series += 1
             drawn |= refs
@@ -303,7 +480,27 @@ async def test_every_dashboard_and_alert_expression_parses_and_those_on_gpu_seri
     gpu_refs |= {n for e in dash + alerts for n in metric_refs(e) if n == "gpu_mapper_device_state"}
     assert gpu_refs <= drawn, f"not drawn from the bridge: {sorted(gpu_refs - drawn)}"
     assert {"gpu_xid_errors_total", "gpu_power_limit_desired_watts", "gpu_mapper_device_state"} <= drawn
-    assert on_gpu_series >= 23
+    # and so is every series of the mapper itself they read, and the GPUs' health
+    every_ref = {n for e in dash + alerts for n in metric_refs(e)}
+    assert every_ref <= drawn, f"not drawn from the bridge: {sorted(every_ref - drawn)}"
+    assert {
+        "gpu_mapper_collect_duration_seconds_bucket",
+        "gpu_mapper_buffer_bytes",
+        "gpu_mapper_health_status",
+    } <= drawn
+    [build] = prometheus.query("gpu_mapper_build_info", at)
+    assert build["metric"] == {"__name__": "gpu_mapper_build_info", "job": BRIDGE_JOB, "node": NODE, "mode": "dmi",
+                               "version": "0.1.0"}  # fmt: skip
+    assert on_gpu_series == len(dash + alerts) >= 23 + 16
+    # the Source variable lists the bridge; the Node variable the node, from the bridged series alone
+    [source] = [v["definition"] for v in dashboard()["templating"]["list"] if v["name"] == "job"]
+    assert {s["metric"]["job"] for s in prometheus.query(_grafana_to_promql(source), at)} == {BRIDGE_JOB}
+    # the alerts evaluate on the bridged series: the buffer 90 % full is over the 80 % threshold, the GPUs healthy
+    by_name = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    [full] = prometheus.query(by_name["GpuMapperBufferNearlyFull"], at)
+    assert full["metric"]["node"] == NODE and full["metric"]["job"] == BRIDGE_JOB
+    assert prometheus.query(by_name["GpuHealthDegraded"], at) == []
+    assert len(prometheus.query('gpu_mapper_health_status{level="0",status="healthy"} == 1', at)) == 2
 
 
 @pytest.fixture
@@ -555,7 +752,8 @@ async def test_a_mappers_status_series_and_identity_labels_reach_prometheus_as_i
         out = {}
         for name in (*_STATUS_SERIES, "gpu_power_usage_watts"):
             for series in prometheus.query(name, time.time()):
-                labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k != "__name__"))
+                assert series["metric"]["job"] == BRIDGE_JOB  # every series the bridge writes says so
+                labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k not in ("__name__", "job")))
                 out[(name, labels)] = 0.0 if name == "gpu_power_usage_watts" else float(series["value"][1])
         return out
 
@@ -834,3 +1032,101 @@ async def test_a_jetsons_batches_reach_prometheus_in_base_units_as_its_own_metri
         latest = [v for t, v in got[key] if t <= at_ms][-1]  # the store's value at the time of that sample
         assert latest == pytest.approx(value, rel=1e-12), f"{key}: the store has {latest}, /metrics {value}"
     assert {"gpu_frequency_hertz", "gpu_rail_power_watts", "gpu_utilization_ratio"} <= {n for n, _ in want}
+
+
+CHROMIUM = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+#: The browser window: wide enough for the dashboard's 24 columns, tall enough for every row.
+WINDOW = (1600, 3300)
+
+
+def _chromium(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Headless Chromium on ``url``; it waits (in virtual time) until the page's queries are done."""
+    assert CHROMIUM is not None
+    cmd = [CHROMIUM, "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--force-device-scale-factor=1"]
+    cmd += [f"--window-size={WINDOW[0]},{WINDOW[1]}", "--virtual-time-budget=60000", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def _png_pixels(data: bytes) -> tuple[int, int, int, bytes]:
+    """(width, height, bytes per pixel, the unfiltered rows) of an 8-bit, non-interlaced RGB or RGBA PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, b"", b""
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        header, idat = (body, idat) if kind == b"IHDR" else (header, idat + body if kind == b"IDAT" else idat)
+        pos += 12 + length
+    width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", header)
+    assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+    bpp = 3 if color == 2 else 4
+    raw, stride = zlib.decompress(idat), width * bpp
+    out, prev = bytearray(), bytearray(stride)
+    for row in range(height):
+        kind, line = raw[row * (stride + 1)], bytearray(raw[row * (stride + 1) + 1 : (row + 1) * (stride + 1)])
+        for i in range(stride):
+            a, b = line[i - bpp] if i >= bpp else 0, prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif kind == 4:
+                p_ = a + b - c
+                pa, pb, pc = abs(p_ - a), abs(p_ - b), abs(p_ - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        out += line
+        prev = line
+    return width, height, bpp, bytes(out)
+
+
+def _coloured_pixels(png: tuple[int, int, int, bytes], rect: tuple[int, int, int, int]) -> int:
+    """Pixels in ``rect`` (x, y, w, h) of a saturated colour (channels more than 60 apart): a drawn series; the
+    page's background, borders, text and "No data" are greys."""
+    width, _, bpp, pixels = png
+    x0, y0, w, h = rect
+    n = 0
+    for y in range(y0, y0 + h):
+        row = pixels[(y * width + x0) * bpp : (y * width + x0 + w) * bpp]
+        for i in range(0, len(row), bpp):
+            rgb = row[i : i + 3]
+            n += max(rgb) - min(rgb) > 60
+    return n
+
+
+async def test_the_dashboard_drawn_in_headless_chromium_has_data_in_every_panel_from_the_bridge_alone(
+    tmp_path: Path, mosquitto: Mosquitto, prometheus: Prometheus
+) -> None:
+    """The dashboard as a user sees it without Grafana: deploy/grafana/preview.html runs every panel's own PromQL
+    against a Prometheus fed only by the bridge (the scenario above) and draws it; headless Chromium renders it.
+    Every panel of the dashboard JSON says it drew data, and its part of the screenshot shows a drawn series."""
+    require(CHROMIUM is not None, "chromium-headless-shell is not installed (scripts/bootstrap.sh --test installs it)")
+    at = await _bridged_scenario(tmp_path, mosquitto, prometheus)
+    query = urllib.parse.urlencode({"prometheus": prometheus.url, "end": f"{at:.3f}", "range": "1200"})
+    url = (REPO / "deploy" / "grafana" / "preview.html").as_uri() + "?" + query
+    dom = (await asyncio.to_thread(_chromium, url, "--dump-dom")).stdout
+    assert re.search(r'<body[^>]*data-done="true"', dom), dom[-3000:]
+    assert "data-error" not in dom.split('<div id="grid"', 1)[0], "the page itself failed"
+    assert f"Source (job): {BRIDGE_JOB}" in dom, "the Source variable's first value: the bridge, the only job"
+    drawn = {}
+    for tag in re.findall(r'<div class="panel"[^>]*>', dom):
+        attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', tag))
+        drawn[int(attrs["id"])] = attrs
+    panels = {p["id"]: p for p in dashboard()["panels"] if p["type"] != "row"}
+    assert set(drawn) == set(panels), "one drawn panel per panel of the dashboard"
+    not_drawn = {panels[i]["title"]: (a["state"], a.get("error", "")) for i, a in drawn.items() if a["state"] != "data"}
+    assert not not_drawn, f"panels without data: {not_drawn}"
+    stats = {panels[i]["title"]: int(a["series"]) for i, a in drawn.items() if panels[i]["type"] == "stat"}
+    assert stats == {"GPUs": 1, "Power draw": 1, "Power cap": 1, "Hottest GPU": 1}  # one node: one value each
+
+    shot = tmp_path / "dashboard.png"
+    made = await asyncio.to_thread(_chromium, url, f"--screenshot={shot}")
+    assert shot.exists(), made.stderr[-2000:]
+    png = _png_pixels(shot.read_bytes())
+    assert png[:2] == WINDOW
+    for i, a in drawn.items():
+        x, y, w, h = (int(v) for v in a["rect"].split(","))
+        assert w > 50 and h > 20 and y + h <= WINDOW[1], f"{panels[i]['title']} is outside the screenshot: {a['rect']}"
+        assert _coloured_pixels(png, (x, y, w, h)) >= 20, f"{panels[i]['title']}: nothing drawn in the screenshot"
+    print(f"screenshot of {len(drawn)} panels, every one with data: {shot}")

@@ -14,10 +14,11 @@ from mapper.clock import FakeClock
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.status.metrics import snapshot_metrics
-from mapper.edge.status.stats import GpuSnapshot, MapperSnapshot
+from mapper.edge.status.nodestream import node_values
+from mapper.edge.status.stats import DurationHistogram, GpuSnapshot, MapperSnapshot
 from mapper.errors import ConfigError
 from mapper.shared import naming
-from mapper.shared.model import DEVICE_STATES, GpuInfo
+from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample
 from mapper.wire.state import GpuIdentity, parse_state, state_payload
 from mapper.wire.telemetry import decode_batch, encode_batch
 
@@ -40,9 +41,10 @@ def a_sample():  # type: ignore[no-untyped-def]
 
 
 def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the_same_labels_and_value() -> None:
-    # The telemetry batch and the retained state message the mapper would send for one GPU, through the bridge's
-    # conversion, give exactly the GPU series the mapper's own /metrics shows for it: names, labels (gpu index,
-    # driver_version and pci_bus_id included), values.
+    # The telemetry batch and the retained state message the mapper would send for one GPU, and its node stream's
+    # sample, through the bridge's conversion, give exactly the series the mapper's own /metrics shows: names,
+    # labels (gpu index, driver_version and pci_bus_id included; the node on the mapper's own), values; the bridge
+    # adds job="gpu-mapper-bridge" to each.
     info, sample = a_sample()
     device = "default/edge-1-gpu0"
     product = str(sample.values["product_name"])
@@ -55,7 +57,18 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
         xid_errors={79: 2, 48: 1},
         desired_power_limit_w=450.0,
     )
-    snap = MapperSnapshot(node="edge-1", driver_version="550.54.15", gpus=(gpu,))
+    snap = MapperSnapshot(
+        node="edge-1",
+        taken_at_ms=sample.ts_ms + 900,
+        version="0.1.0",
+        driver_version="550.54.15",
+        gpus=(gpu,),
+        buffer_bytes=4096,
+        buffer_drops={"size": 2},
+        dmi_rpcs={("ReportDeviceStatus", "ok"): 5},
+        collect_duration=DurationHistogram().observe(0.003).observe(0.2),
+        process_errors={"nvml": 1},
+    )
     mapper_side = {}
     for fam in snapshot_metrics(snap):
         for s in fam.samples:
@@ -65,6 +78,16 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
     batch = decode_batch(
         encode_batch([sample], node="edge-1", device=device, uuid=info.uuid, boot_id="ab12cd34", seq=0).payload
     )
+    node_batch = decode_batch(
+        encode_batch(
+            [Sample("", snap.taken_at_ms, node_values(snap))],
+            node="edge-1",
+            device=naming.NODE_DEVICE,
+            uuid="",
+            boot_id="ab12cd34",
+            seq=0,
+        ).payload
+    )
     at_ms = sample.ts_ms + 700
     status = parse_state(gpu.state_message(device, driver_version="550.54.15", at_ms=at_ms))
     assert status.identity == GpuIdentity("3", "00000000:17:00.0", "550.54.15") and status.has_samples
@@ -72,16 +95,27 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
     conv = Converter()
     n = conv.add(req, batch, info.uuid, status.identity)
     n_status = conv.add_status(req, "edge-1", status, info.uuid, status.identity)
+    n_node = conv.add(req, node_batch, "", status.identity)
     bridge_side = {}
     status_names = {naming.DEVICE_STATE.name, naming.XID_ERRORS.series_name, naming.DESIRED_POWER_LIMIT.name}
+    status_names |= {naming.HEALTH_STATUS.name, naming.HEALTH_SUBSYSTEM.name}
     for buf in req.series():
         labels = dict(buf.labels)
         name = labels.pop("__name__")
+        assert labels.pop("job") == "gpu-mapper-bridge", name
         [(ts, value)] = buf.samples()
-        assert ts == (at_ms if name in status_names else sample.ts_ms), name
+        # (the node stream's series: the mapper's own, no GPU labels)
+        at = at_ms if name in status_names else sample.ts_ms if "uuid" in labels else snap.taken_at_ms
+        assert ts == at, name
         bridge_side[(name, tuple(sorted(labels.items())))] = value
-    assert n > 30 and n_status == len(DEVICE_STATES) + 2 + 1
-    assert n + n_status == len(bridge_side)
+    # the state message: every device state, two XID codes, the desired cap, and each of the four health levels
+    # and nine subsystems as one series per status (the GPU has no driver check or probe yet)
+    assert n > 30 and n_status == len(DEVICE_STATES) + 2 + 1 + (4 + 9) * 3
+    # the node stream: 14 gauges and counters without labels (GPUs, 4 of the buffer, 2 of replay, 2 published,
+    # 3 of MQTT, DMI registered, standalone), build info, one drop reason, one RPC, one process error, and the
+    # histogram's 12 buckets (11 bounds and +Inf), sum and count
+    assert n_node == 14 + 1 + 1 + 1 + 1 + 12 + 2
+    assert n + n_status + n_node == len(bridge_side)
     assert bridge_side == mapper_side
     assert ("gpu_clock_event_reason_active", ()) not in bridge_side
     assert {k[0] for k in bridge_side} >= {
@@ -187,8 +221,10 @@ def test_a_state_without_a_desired_power_limit_or_xids_writes_the_state_alone() 
     status = parse_state(gpu.state_message("default/g", driver_version="", at_ms=5000))
     assert status.identity == GpuIdentity("0", "", "")
     req = PendingRequest(0.0)
-    assert Converter().add_status(req, "n", status, "GPU-1", status.identity) == len(DEVICE_STATES)
-    got = {dict(b.labels)["state"]: b.samples() for b in req.series()}
+    # the device state, and the health of the four levels and nine subsystems, one series per status
+    assert Converter().add_status(req, "n", status, "GPU-1", status.identity) == len(DEVICE_STATES) + (4 + 9) * 3
+    states = [b for b in req.series() if dict(b.labels)["__name__"] == "gpu_mapper_device_state"]
+    got = {dict(b.labels)["state"]: b.samples() for b in states}
     assert got == {s: [(5000, 1.0 if s == "online" else 0.0)] for s in DEVICE_STATES}
 
 
@@ -416,6 +452,7 @@ def test_the_workload_series_of_the_telemetry_stream_are_bridged_as_the_mappers_
     for buf in req.series():
         labels = dict(buf.labels)
         name = labels.pop("__name__")
+        assert labels.pop("job") == "gpu-mapper-bridge"
         [(ts, value)] = buf.samples()
         assert ts == report.ts_ms
         bridge_side[(name, tuple(sorted(labels.items())))] = value

@@ -25,8 +25,9 @@ from mapper.cli import main
 from mapper.clock import FakeClock
 from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.edge.outbox.records import StoredBatch
+from mapper.edge.status.stats import GpuSnapshot
 from mapper.edge.storage.buffer import Buffer
-from mapper.shared.model import Sample, Value
+from mapper.shared.model import GpuInfo, Sample, Value
 from mapper.tools import buffer as buffertool
 from mapper.wire.telemetry import BatchEncoder
 from mapper.wire.topics import telemetry_topic
@@ -155,13 +156,49 @@ def _parse(text: str) -> Value:
         return text
 
 
-def test_an_openmetrics_export_makes_a_promtool_block_that_holds_every_sample(tmp_path: Path) -> None:
+#: What the OpenMetrics export (the bridge's and /metrics' names) calls the properties of ``_values`` and the factor
+#: from the catalog's unit to the series' base unit, written out here by hand (docs/metrics.md); the string pstate
+#: and the custom property have no series.
+_PROM = {
+    "power_usage": ("gpu_power_usage_watts", 1.0),
+    "temperature": ("gpu_temperature_celsius", 1.0),
+    "persistence_mode": ("gpu_persistence_mode", 1.0),
+}
+_NO_SERIES = ("pstate", "x.custom ünicode")
+
+
+def _dump(blocks: Path) -> list[tuple[str, dict[str, str], int, float]]:
+    """Every sample of a promtool block directory: (name, labels, ts_ms, value)."""
+    (blocks / "wal").mkdir(exist_ok=True)  # promtool 2.42's dump opens the directory as a TSDB, WAL and all
+    dump = subprocess.run(
+        ["promtool", "tsdb", "dump", str(blocks)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    out = []
+    for line in dump.splitlines():
+        labels, value, ts = line.rsplit(" ", 2)
+        fields = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+        out.append((fields.pop("__name__"), fields, int(ts), float(value)))
+    return out
+
+
+def test_an_openmetrics_export_makes_a_promtool_block_with_the_names_labels_and_units_of_the_bridge(
+    tmp_path: Path,
+) -> None:
     require(shutil.which("promtool") is not None, "promtool is not installed (scripts/bootstrap.sh --test installs it)")
     db = tmp_path / "telemetry.db"
     stored = _fill(db, seconds=900)
+    # gpu0's state snapshot as the mapper keeps it: its identity (NVML index 0, driver, PCI bus id) and status
+    at_ms = max(ts for ts, *_ in stored)
+    info = GpuInfo(UUID, 0, "H100", pci_bus_id="00000000:17:00.0", driver_version="580.65.06")
+    snap = GpuSnapshot(info=info, device="default/gpu0", state="online")
+    buf = Buffer(db, max_bytes=10**9, max_age_s=10**9, clock=FakeClock(start_wall_ms=at_ms))
+    buf.put_latest("default/gpu0", snap.state_message("default/gpu0", driver_version="", at_ms=at_ms))
+    buf.close()
     om = tmp_path / "backlog.om"
     code, _, err = _cli("export", str(db), "--format", "openmetrics", "-o", str(om), "--progress")
     assert code == 0 and "100.0%" in err, "the progress bar reached its end"
+    left_out = sum(1 for _, _, prop, _ in stored if prop in _NO_SERIES)
+    assert f"note: {left_out} values of properties that have no Prometheus series" in err
     blocks = tmp_path / "tsdb"
     subprocess.run(
         ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om), str(blocks)],
@@ -169,29 +206,27 @@ def test_an_openmetrics_export_makes_a_promtool_block_that_holds_every_sample(tm
         capture_output=True,
         timeout=120,
     )
-    (blocks / "wal").mkdir(exist_ok=True)  # promtool 2.42's dump opens the directory as a TSDB, WAL and all
-    dump = subprocess.run(
-        ["promtool", "tsdb", "dump", str(blocks)], check=True, capture_output=True, text=True, timeout=120
-    ).stdout
+    samples = _dump(blocks)
     got = set()
-    for line in dump.splitlines():
-        labels, value, ts = line.rsplit(" ", 2)
-        fields = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
-        name = fields.pop("__name__")
-        prop = name.removeprefix("gpu_")
-        if prop.endswith("_info"):
-            got.add((int(ts), fields["device"], prop.removesuffix("_info"), fields["value"]))
-        else:
-            got.add((int(ts), fields["device"], prop, float(value)))
+    for name, labels, ts, value in samples:
+        if name.startswith("gpu_mapper_"):
+            continue  # the status of the snapshot, below
+        got.add((ts, name, tuple(sorted(labels.items())), value))
     want = set()
     for ts, device, prop, value in stored:
-        name = re.sub(r"[^a-zA-Z0-9_]", "_", prop)
-        if isinstance(value, str):
-            want.add((ts, device, name, value))
-        else:
-            want.add((ts, device, name, float(value)))
+        if prop in _NO_SERIES:
+            continue
+        name, scale = _PROM[prop]
+        gpu = device.removeprefix("default/")
+        labels = {"device": gpu, "node": NODE, "uuid": UUID, "job": "gpu-mapper-bridge"}
+        if gpu == "gpu0":
+            labels["gpu"] = "0"  # from its state snapshot; gpu1 has none
+        want.add((ts, name, tuple(sorted(labels.items())), float(value) * scale))
     assert got == want
-    assert len(got) == len(stored)
+    # the state snapshot's status at the time it was taken, labelled as gpu0's series
+    state = {s[1]["state"]: s[3] for s in samples if s[0] == "gpu_mapper_device_state" and s[2] == at_ms}
+    assert state["online"] == 1.0 and sum(state.values()) == 1.0
+    assert {s[1]["gpu"] for s in samples if s[0] == "gpu_mapper_device_state"} == {"0"}
 
 
 #: A writer that keeps the buffer file open and stores a batch every few ms, printing how many it stored.

@@ -308,7 +308,8 @@ _PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right",
 def metric_refs(expr: str) -> set[str]:
     """Metric names in a PromQL expression (identifiers followed by ``{``, ``[`` or used bare, not functions,
     label names in ``by (...)``, or quoted strings)."""
-    text = re.sub(r"label_values\(([^,)]+)(,[^)]*)?\)", r"\1", expr)  # Grafana: label_values(metric, label)
+    # Grafana: label_values(metric, label), the metric's selector with commas of its own
+    text = re.sub(r"label_values\(([^,{)]+(?:\{[^}]*\})?)\s*(,[^)]*)?\)", r"\1", expr)
     text = re.sub(r'"[^"]*"', '""', text)
     text = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", " ", text)
     text = re.sub(r"\{[^}]*\}", "{}", text)
@@ -331,6 +332,14 @@ def test_the_dashboard_matches_its_builder() -> None:
     assert json.loads(out.stdout) == dashboard(), (
         "run deploy/grafana/build_dashboard.py > deploy/grafana/gpu-mapper.json"
     )
+
+
+def test_the_preview_page_holds_the_dashboard_itself() -> None:
+    """deploy/grafana/preview.html draws the panels of the JSON it embeds: that JSON is gpu-mapper.json's."""
+    page = (DEPLOY / "grafana" / "preview.html").read_text()
+    m = re.search(r'<script id="dashboard" type="application/json">\n(.*?)\n</script>', page, re.DOTALL)
+    assert m is not None, "preview.html has no dashboard element"
+    assert json.loads(m.group(1)) == dashboard(), "run python3 deploy/grafana/build_dashboard.py --preview"
 
 
 def test_every_dashboard_expression_uses_only_metrics_the_collector_emits() -> None:
@@ -359,6 +368,7 @@ def test_the_metric_reference_parser_finds_names_and_skips_functions_and_labels(
     assert metric_refs(expr) == {"gpu_mapper_collect_duration_seconds_bucket"}
     assert metric_refs("gpu_a / gpu_b") == {"gpu_a", "gpu_b"}
     assert metric_refs('label_values(gpu_info{node=~"$node"}, uuid)') == {"gpu_info"}
+    assert metric_refs('label_values(gpu_info{job="$job", node=~"$node"}, uuid)') == {"gpu_info"}
 
 
 def test_the_dashboard_has_node_and_gpu_variables_and_unique_panel_ids() -> None:

@@ -83,7 +83,7 @@ def test_metrics_serves_the_prometheus_text_format(server: MetricsServer) -> Non
     assert status == 200
     assert ctype.startswith("text/plain")
     assert f'gpu_temperature_celsius{{device="edge1-gpu0",gpu="0",node="edge1",uuid="{H100}"}} 61.0' in body
-    assert "gpu_mapper_buffer_bytes 1.5e+06" in body
+    assert 'gpu_mapper_buffer_bytes{node="edge1"} 1.5e+06' in body
 
 
 def test_healthz_is_ok_while_every_loop_beats(server: MetricsServer, beats: Beats) -> None:

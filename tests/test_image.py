@@ -319,7 +319,7 @@ def test_the_images_entrypoint_runs_the_mapper_which_answers_healthz_and_sends_b
                 assert batch.samples and batch.samples[0].values
                 uuids.add(batch.uuid)
         with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-            assert "gpu_mapper_gpus 2.0" in resp.read().decode()
+            assert 'gpu_mapper_gpus{node="image-node"} 2.0' in resp.read().decode()
         print(f"/healthz answered and batches of {len(uuids)} simulated GPUs reached mosquitto ({how}); image "
               f"{image.unpacked_bytes / 1e6:.1f} MB unpacked, {image.archive_bytes / 1e6:.1f} MB archive")  # fmt: skip
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from dataclasses import replace
@@ -219,9 +220,14 @@ def test_device_state_and_policy_state_are_exported_per_gpu() -> None:
     assert reg.get_sample_value("gpu_power_limit_desired_watts", gpu_labels()) == 650
 
 
+def node_value(reg: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """A sample of the mapper's own series: every one is labelled with the node."""
+    return reg.get_sample_value(name, {"node": "edge1", **(labels or {})})
+
+
 def test_mapper_self_metrics_cover_buffer_links_desired_state_policies_and_collection() -> None:
     reg = scrape(make_snapshot())
-    g = reg.get_sample_value
+    g = functools.partial(node_value, reg)
     assert g("gpu_mapper_buffer_bytes") == 1_500_000
     assert g("gpu_mapper_buffer_batches") == 12
     assert g("gpu_mapper_buffer_max_bytes") == 256 * 2**20
@@ -245,7 +251,7 @@ def test_mapper_self_metrics_cover_buffer_links_desired_state_policies_and_colle
 
 def test_collect_duration_is_a_histogram_with_cumulative_buckets() -> None:
     reg = scrape(make_snapshot())
-    g = reg.get_sample_value
+    g = functools.partial(node_value, reg)
     assert g("gpu_mapper_collect_duration_seconds_count") == 3
     assert g("gpu_mapper_collect_duration_seconds_sum") == pytest.approx(3.0034)
     assert g("gpu_mapper_collect_duration_seconds_bucket", {"le": "0.001"}) == 1
@@ -339,7 +345,7 @@ def test_the_metric_names_list_matches_the_catalog_and_the_collector() -> None:
 
 def test_an_empty_node_still_renders_self_metrics() -> None:
     reg = scrape(MapperSnapshot(node="edge1"))
-    assert reg.get_sample_value("gpu_mapper_gpus") == 0
+    assert node_value(reg, "gpu_mapper_gpus") == 0
     assert reg.get_sample_value("gpu_temperature_celsius", gpu_labels()) is None
 
 
@@ -417,3 +423,24 @@ def test_label_texts_kept_between_scrapes_follow_changed_labels_and_the_cache_bo
     # Past its bound the cache started afresh: it holds the second scrape's label sets only.
     label_sets = {tuple(s.labels.items()) for fam in scrape(second).collect() for s in fam.samples if s.labels}
     assert len(renderer._label_texts) == len(label_sets)
+
+
+def test_docs_metrics_md_lists_every_series_of_metrics_and_of_the_bridge() -> None:
+    """docs/metrics.md stays true: every series name /metrics can show and the bridge can write is on it (a
+    histogram's parts by the histogram's name), and it names no gpu_ series that neither writes."""
+    import re
+    from pathlib import Path
+
+    from mapper.bridge.core import series_types
+    from mapper.edge.status.metrics import metric_names
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"`(gpu_[a-z0-9_]+)`", text))
+    written = set(metric_names()) | set(series_types())
+
+    def family(name: str) -> str:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        return base if base + "_bucket" in written else name
+
+    assert {family(n) for n in written} - documented == set()
+    assert documented - {family(n) for n in written} == set()

@@ -85,7 +85,11 @@ def test_a_state_message_with_the_gpus_status_is_these_bytes() -> None:
         b'"values":{"temperature":61,"power_usage":312.5,"product_name":"NVIDIA H100"},'
         b'"at_ms":2000,"state":"online",'
         b'"gpu":{"index":3,"pci_bus_id":"00000000:17:00.0","driver_version":"550.54.15"},'
-        b'"xid_errors":{"13":1,"79":2},"power_limit_desired_w":500.0}'
+        b'"xid_errors":{"13":1,"79":2},"power_limit_desired_w":500.0'
+        b',"health":{"levels":{"0":"healthy","1":"healthy","2":"healthy","3":"healthy"},'
+        b'"subsystems":{"pcie":"healthy","nvlink":"healthy","memory":"healthy","thermal":"healthy",'
+        b'"power":"healthy","driver":"healthy","inforom":"healthy","engine":"healthy","cuda":"healthy"},'
+        b'"checks":{},"probes":{}}}'
     )
 
 
@@ -93,7 +97,11 @@ def test_a_gpu_without_a_sample_or_a_desired_power_limit_still_says_its_status()
     gpu = GpuSnapshot(info=GpuInfo(uuid="GPU-2", index=0, name="T4", pci_bus_id="p", driver_version="535.1"))
     assert gpu.state_message("default/h", driver_version="550", at_ms=5000) == (
         b'{"device":"default/h","uuid":"GPU-2","ts_ms":0,"values":{},"at_ms":5000,"state":"unknown",'
-        b'"gpu":{"index":0,"pci_bus_id":"p","driver_version":"535.1"},"xid_errors":{}}'
+        b'"gpu":{"index":0,"pci_bus_id":"p","driver_version":"535.1"},"xid_errors":{}'
+        b',"health":{"levels":{"0":"healthy","1":"healthy","2":"healthy","3":"healthy"},'
+        b'"subsystems":{"pcie":"healthy","nvlink":"healthy","memory":"healthy","thermal":"healthy",'
+        b'"power":"healthy","driver":"healthy","inforom":"healthy","engine":"healthy","cuda":"healthy"},'
+        b'"checks":{},"probes":{}}}'
     )
 
 

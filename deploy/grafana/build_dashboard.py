@@ -3,13 +3,25 @@
 
 tests/test_deploy.py fails when the committed JSON differs from what this prints, and when an expression uses a
 metric name that mapper/edge/status/metrics.py does not emit.
+
+Every expression selects one source, `job="$job"` (the "Source" variable: a single value, the first by default):
+a Prometheus that both scrapes the mappers (its scrape job's name) and receives `gpu-mapper bridge`'s remote write
+(job="gpu-mapper-bridge") holds every series twice, and the dashboard shows one copy (docs/operations.md).
+The mapper's own series are selected by `node`, the label they carry both ways (a bridged series has no `instance`).
+
+With --preview it writes the dashboard into deploy/grafana/preview.html instead (the page that draws the panels
+without Grafana; tests/test_deploy.py checks it holds this dashboard).
 """
 
 import json
+import pathlib
+import sys
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
-G = '{node=~"$node", uuid=~"$gpu"}'
-M = '{instance=~"$instance"}'
+J = 'job="$job"'
+N = f'{{{J}, node=~"$node"}}'
+G = f'{{{J}, node=~"$node", uuid=~"$gpu"}}'
+M = N
 panels = []
 y = 0
 pid = 0
@@ -77,16 +89,16 @@ def stat(title, expr, unit, x, w=6, h=4, legend=""):
 
 
 row("Node")
-stat("GPUs", 'count by (node) (gpu_info{node=~"$node"})', "none", 0, legend="{{node}}")
-stat("Power draw", 'sum by (node) (gpu_power_usage_watts{node=~"$node"})', "watt", 6, legend="{{node}}")
-stat("Power cap", 'sum by (node) (gpu_power_limit_enforced_watts{node=~"$node"})', "watt", 12, legend="{{node}}")
-stat("Hottest GPU", 'max by (node) (gpu_temperature_celsius{node=~"$node"})', "celsius", 18, legend="{{node}}")
+stat("GPUs", f"count by (node) (gpu_info{N})", "none", 0, legend="{{node}}")
+stat("Power draw", f"sum by (node) (gpu_power_usage_watts{N})", "watt", 6, legend="{{node}}")
+stat("Power cap", f"sum by (node) (gpu_power_limit_enforced_watts{N})", "watt", 12, legend="{{node}}")
+stat("Hottest GPU", f"max by (node) (gpu_temperature_celsius{N})", "celsius", 18, legend="{{node}}")
 y += 4
 ts(
     "Node power: draw vs cap",
     [
-        ('sum by (node) (gpu_power_usage_watts{node=~"$node"})', "{{node}} draw"),
-        ('sum by (node) (gpu_power_limit_enforced_watts{node=~"$node"})', "{{node}} cap"),
+        (f"sum by (node) (gpu_power_usage_watts{N})", "{{node}} draw"),
+        (f"sum by (node) (gpu_power_limit_enforced_watts{N})", "{{node}} cap"),
     ],
     "watt",
     0,
@@ -95,7 +107,7 @@ ts(
 ts(
     "Node energy rate",
     [
-        ('sum by (node) (rate(gpu_energy_consumption_joules_total{node=~"$node"}[5m]))', "{{node}}"),
+        (f"sum by (node) (rate(gpu_energy_consumption_joules_total{N}[5m]))", "{{node}}"),
     ],
     "watt",
     12,
@@ -160,7 +172,7 @@ ts(
     "Throttle reasons (clock event reasons active)",
     [
         (
-            'gpu_clock_event_reason_active{node=~"$node", uuid=~"$gpu", reason!="gpu_idle"} == 1',
+            f'gpu_clock_event_reason_active{{{J}, node=~"$node", uuid=~"$gpu", reason!="gpu_idle"}} == 1',
             "{{device}} {{reason}}",
         ),
     ],
@@ -193,8 +205,8 @@ row("Pods (who uses the GPU)")
 ts(
     "GPU power by pod",
     [
-        ('sum by (namespace, pod) (gpu_pod_power_watts{node=~"$node", uuid=~"$gpu"})', "{{namespace}}/{{pod}}"),
-        ('sum by (node) (gpu_idle_power_watts{node=~"$node", uuid=~"$gpu"})', "{{node}} idle"),
+        (f"sum by (namespace, pod) (gpu_pod_power_watts{G})", "{{namespace}}/{{pod}}"),
+        (f"sum by (node) (gpu_idle_power_watts{G})", "{{node}} idle"),
     ],
     "watt",
     0,
@@ -203,7 +215,7 @@ ts(
 ts(
     "GPU memory by pod",
     [
-        ('sum by (namespace, pod) (gpu_pod_memory_used_bytes{node=~"$node", uuid=~"$gpu"})', "{{namespace}}/{{pod}}"),
+        (f"sum by (namespace, pod) (gpu_pod_memory_used_bytes{G})", "{{namespace}}/{{pod}}"),
         (f"gpu_process_memory_leak_suspected{G} == 1", "leak suspected: pid {{pid}} {{namespace}}/{{pod}}"),
     ],
     "bytes",
@@ -214,7 +226,7 @@ ts(
     "GPU energy by pod (last hour)",
     [
         (
-            'sum by (namespace, pod) (increase(gpu_pod_energy_joules_total{node=~"$node", uuid=~"$gpu"}[1h]))',
+            f"sum by (namespace, pod) (increase(gpu_pod_energy_joules_total{G}[1h]))",
             "{{namespace}}/{{pod}}",
         ),
     ],
@@ -225,7 +237,7 @@ ts(
     "SM share by pod",
     [
         (
-            'sum by (namespace, pod) (gpu_pod_sm_utilization_ratio{node=~"$node", uuid=~"$gpu"})',
+            f"sum by (namespace, pod) (gpu_pod_sm_utilization_ratio{G})",
             "{{namespace}}/{{pod}}",
         ),
     ],
@@ -238,8 +250,8 @@ row("gpu-mapper")
 ts(
     "Offline buffer backlog",
     [
-        (f"gpu_mapper_buffer_bytes{M}", "{{instance}} buffered"),
-        (f"gpu_mapper_buffer_max_bytes{M}", "{{instance}} cap"),
+        (f"gpu_mapper_buffer_bytes{M}", "{{node}} buffered"),
+        (f"gpu_mapper_buffer_max_bytes{M}", "{{node}} cap"),
     ],
     "bytes",
     0,
@@ -248,7 +260,7 @@ ts(
 ts(
     "Oldest unsent batch and replay",
     [
-        (f"gpu_mapper_buffer_oldest_unsent_age_seconds{M}", "{{instance}} oldest unsent age"),
+        (f"gpu_mapper_buffer_oldest_unsent_age_seconds{M}", "{{node}} oldest unsent age"),
     ],
     "s",
     8,
@@ -258,10 +270,10 @@ ts(
     "Telemetry drops and publishes",
     [
         (
-            f"sum by (instance, reason) (rate(gpu_mapper_buffer_dropped_batches_total{M}[5m]))",
-            "{{instance}} dropped ({{reason}})",
+            f"sum by (node, reason) (rate(gpu_mapper_buffer_dropped_batches_total{M}[5m]))",
+            "{{node}} dropped ({{reason}})",
         ),
-        (f"rate(gpu_mapper_telemetry_published_batches_total{M}[5m])", "{{instance}} published"),
+        (f"rate(gpu_mapper_telemetry_published_batches_total{M}[5m])", "{{node}} published"),
     ],
     "ops",
     16,
@@ -271,9 +283,9 @@ y += 8
 ts(
     "Links",
     [
-        (f"gpu_mapper_mqtt_connected{M}", "{{instance}} MQTT connected"),
-        (f"gpu_mapper_dmi_registered{M}", "{{instance}} EdgeCore registered"),
-        (f"increase(gpu_mapper_mqtt_reconnects_total{M}[10m])", "{{instance}} MQTT reconnects / 10m"),
+        (f"gpu_mapper_mqtt_connected{M}", "{{node}} MQTT connected"),
+        (f"gpu_mapper_dmi_registered{M}", "{{node}} EdgeCore registered"),
+        (f"increase(gpu_mapper_mqtt_reconnects_total{M}[10m])", "{{node}} MQTT reconnects / 10m"),
     ],
     "none",
     0,
@@ -283,8 +295,8 @@ ts(
     "DMI calls to EdgeCore",
     [
         (
-            f"sum by (instance, method, result) (rate(gpu_mapper_dmi_rpcs_total{M}[5m]))",
-            "{{instance}} {{method}} {{result}}",
+            f"sum by (node, method, result) (rate(gpu_mapper_dmi_rpcs_total{M}[5m]))",
+            "{{node}} {{method}} {{result}}",
         ),
     ],
     "reqps",
@@ -296,12 +308,12 @@ ts(
     "Collect duration (p50, p99)",
     [
         (
-            f"histogram_quantile(0.5, sum by (instance, le) (rate(gpu_mapper_collect_duration_seconds_bucket{M}[5m])))",
-            "{{instance}} p50",
+            f"histogram_quantile(0.5, sum by (node, le) (rate(gpu_mapper_collect_duration_seconds_bucket{M}[5m])))",
+            "{{node}} p50",
         ),
         (
-            f"histogram_quantile(0.99, sum by (instance, le) (rate(gpu_mapper_collect_duration_seconds_bucket{M}[5m])))",
-            "{{instance}} p99",
+            f"histogram_quantile(0.99, sum by (node, le) (rate(gpu_mapper_collect_duration_seconds_bucket{M}[5m])))",
+            "{{node}} p99",
         ),
     ],
     "s",
@@ -313,16 +325,16 @@ ts(
     "Desired state: actions, drift re-applies, rejections",
     [
         (
-            f"sum by (instance, property, result) (increase(gpu_mapper_reconcile_actions_total{M}[10m]))",
-            "{{instance}} {{property}} {{result}}",
+            f"sum by (node, property, result) (increase(gpu_mapper_reconcile_actions_total{M}[10m]))",
+            "{{node}} {{property}} {{result}}",
         ),
         (
-            f"sum by (instance, property) (increase(gpu_mapper_drift_reapplies_total{M}[10m]))",
-            "{{instance}} drift {{property}}",
+            f"sum by (node, property) (increase(gpu_mapper_drift_reapplies_total{M}[10m]))",
+            "{{node}} drift {{property}}",
         ),
         (
-            f"sum by (instance, reason) (increase(gpu_mapper_desired_rejections_total{M}[10m]))",
-            "{{instance}} rejected {{reason}}",
+            f"sum by (node, reason) (increase(gpu_mapper_desired_rejections_total{M}[10m]))",
+            "{{node}} rejected {{reason}}",
         ),
     ],
     "none",
@@ -331,10 +343,10 @@ ts(
 ts(
     "Local policies",
     [
-        (f"gpu_mapper_policy_overrides_active{M}", "{{instance}} {{policy}} overriding"),
+        (f"gpu_mapper_policy_overrides_active{M}", "{{node}} {{policy}} overriding"),
         (
-            f"sum by (instance, policy, action) (increase(gpu_mapper_policy_events_total{M}[10m]))",
-            "{{instance}} {{policy}} {{action}}",
+            f"sum by (node, policy, action) (increase(gpu_mapper_policy_events_total{M}[10m]))",
+            "{{node}} {{policy}} {{action}}",
         ),
     ],
     "none",
@@ -345,7 +357,7 @@ y += 8
 dashboard = {
     "title": "gpu-mapper: KubeEdge GPUs",
     "uid": "gpu-mapper",
-    "description": "GPUs of KubeEdge edge nodes as reported by gpu-mapper (power, temperature, utilisation, clocks, throttle reasons) and the mapper itself (buffer backlog, links, desired state, policies).",
+    "description": "GPUs of KubeEdge edge nodes as reported by gpu-mapper (power, temperature, utilisation, clocks, throttle reasons) and the mapper itself (buffer backlog, links, desired state, policies), scraped or through gpu-mapper bridge (the Source variable picks one).",
     "tags": ["gpu", "kubeedge", "gpu-mapper"],
     "timezone": "browser",
     "schemaVersion": 39,
@@ -366,12 +378,26 @@ dashboard = {
                 "refresh": 1,
             },
             {
+                "name": "job",
+                "type": "query",
+                "label": "Source",
+                "description": "Where the series come from: the Prometheus job that scrapes the mappers, or gpu-mapper-bridge (the telemetry stream). One at a time, so that a store that has both shows each GPU once.",
+                "datasource": DS,
+                "query": {"query": "label_values(gpu_info, job)", "refId": "job"},
+                "definition": "label_values(gpu_info, job)",
+                "multi": False,
+                "includeAll": False,
+                "refresh": 2,
+                "current": {},
+                "sort": 1,
+            },
+            {
                 "name": "node",
                 "type": "query",
                 "label": "Node",
                 "datasource": DS,
-                "query": {"query": "label_values(gpu_info, node)", "refId": "node"},
-                "definition": "label_values(gpu_info, node)",
+                "query": {"query": 'label_values(gpu_info{job="$job"}, node)', "refId": "node"},
+                "definition": 'label_values(gpu_info{job="$job"}, node)',
                 "multi": True,
                 "includeAll": True,
                 "refresh": 2,
@@ -383,21 +409,8 @@ dashboard = {
                 "type": "query",
                 "label": "GPU (uuid)",
                 "datasource": DS,
-                "query": {"query": 'label_values(gpu_info{node=~"$node"}, uuid)', "refId": "gpu"},
-                "definition": 'label_values(gpu_info{node=~"$node"}, uuid)',
-                "multi": True,
-                "includeAll": True,
-                "refresh": 2,
-                "current": {},
-                "sort": 1,
-            },
-            {
-                "name": "instance",
-                "type": "query",
-                "label": "Mapper instance",
-                "datasource": DS,
-                "query": {"query": 'label_values(gpu_mapper_build_info{node=~"$node"}, instance)', "refId": "instance"},
-                "definition": 'label_values(gpu_mapper_build_info{node=~"$node"}, instance)',
+                "query": {"query": 'label_values(gpu_info{job="$job", node=~"$node"}, uuid)', "refId": "gpu"},
+                "definition": 'label_values(gpu_info{job="$job", node=~"$node"}, uuid)',
                 "multi": True,
                 "includeAll": True,
                 "refresh": 2,
@@ -409,4 +422,19 @@ dashboard = {
     "annotations": {"list": []},
     "panels": panels,
 }
-print(json.dumps(dashboard, indent=2))
+
+
+def embed(page: str, board: dict) -> str:
+    """``page`` (preview.html) with ``board`` as the JSON of its ``<script id="dashboard">`` element."""
+    head, sep, rest = page.partition('<script id="dashboard" type="application/json">\n')
+    _, end, tail = rest.partition("\n</script>")
+    if not sep or not end:
+        raise SystemExit('preview.html has no <script id="dashboard" type="application/json"> element')
+    return head + sep + json.dumps(board, indent=1).replace("</", "<\\/") + end + tail
+
+
+if "--preview" in sys.argv[1:]:
+    preview = pathlib.Path(__file__).resolve().parent / "preview.html"
+    preview.write_text(embed(preview.read_text(), dashboard))
+else:
+    print(json.dumps(dashboard, indent=2))

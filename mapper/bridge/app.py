@@ -4,7 +4,9 @@ Intake: one MQTT 5 session (``mapper.net.mqtt.MqttSession``) with a persistent s
 expiry) and a shared subscription ``$share/<group>/<topic>``, so that N replicas in one group split the stream and
 a restarted replica gets what arrived meanwhile. Every telemetry message is acknowledged (PUBACK, paho's manual
 ack) only after its samples were written (2xx) or kept in the spool (a refusal): a crash or an outage of the
-receiver loses nothing, the broker sends the unacknowledged messages again. The retained ``state`` messages
+receiver loses nothing, the broker sends the unacknowledged messages again. The node streams (the mappers' own
+series, ``gpu_mapper_*``, on ``gpu-mapper/{node}/metrics``) come the same way, through a second shared
+subscription, and are written at once (no GPU uuid to wait for). The retained ``state`` messages
 (a plain subscription: shared ones get no retained messages) give the GPU uuid of batches whose header omits it,
 the GPU's identity labels (``gpu``, ``driver_version``, ``pci_bus_id``: a device's batches wait up to
 ``uuid_wait_s`` for it) and the status series (``gpu_mapper_device_state``, ``gpu_xid_errors_total``,
@@ -53,6 +55,7 @@ from mapper.bridge.metrics import BridgeMetricsServer
 from mapper.errors import ConfigError, TransientError
 from mapper.net.http import LoopHeartbeat
 from mapper.net.mqtt import ReceivedMessage, session_from_settings
+from mapper.shared.naming import NODE_DEVICE
 from mapper.wire import topics
 from mapper.wire.state import NO_IDENTITY, DeviceStatus, GpuIdentity, parse_state
 from mapper.wire.telemetry import BatchCodec, BatchFormatError, DecodedBatch, decode_batch
@@ -364,6 +367,10 @@ class Bridge:
         )
         self.metrics.start()
         self.session.subscribe_acked(self.settings.shared_filter, self._on_batch, qos=1)
+        if self.settings.node_filter:
+            # The mappers' own series: batches too (a shared subscription, deduplicated like a GPU's).
+            node_shared = topics.shared_subscription(self.settings.group, self.settings.node_filter)
+            self.session.subscribe_acked(node_shared, self._on_batch, qos=1)
         if self.settings.state_filter:
             self.session.subscribe_acked(self.settings.state_filter, self._on_state, qos=1)
         await self.session.start()
@@ -476,6 +483,9 @@ class Bridge:
             self.session.ack(message)
             return
         self.stats.samples_received += sum(len(s.values) for s in batch.samples)
+        if batch.device == NODE_DEVICE:  # a node stream: the mapper's own series, no GPU to wait for
+            self._accept(message, batch, "")
+            return
         if batch.uuid:
             self._learn(batch.node, batch.device, batch.uuid)
         uuid = batch.uuid or self._uuids.get((batch.node, batch.device), "")

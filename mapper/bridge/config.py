@@ -40,6 +40,8 @@ class BridgeSettings:
     topic: str = topics.TELEMETRY_FILTER
     #: Retained state messages (they carry the GPU uuid); "" derives it from ``topic`` (".../state").
     state_topic: str = ""
+    #: The node streams (the mappers' own series); "" derives it from ``topic`` (``gpu-mapper/+/metrics``).
+    node_topic: str = ""
     group: str = "gpu-mapper-bridge"
     remote_write: str | None = None
     remote_write_version: int = 1
@@ -72,6 +74,11 @@ class BridgeSettings:
         """``state_topic``, else the state messages beside ``topic``'s telemetry ("" when it names none)."""
         return self.state_topic or topics.state_filter_beside(self.topic)
 
+    @property
+    def node_filter(self) -> str:
+        """``node_topic``, else the node streams beside ``topic``'s telemetry ("" when it names none)."""
+        return self.node_topic or topics.node_filter_beside(self.topic)
+
 
 #: flag/env name -> (file key path under ``bridge.``, kind)
 BRIDGE_KEYS: dict[str, tuple[str, str]] = {
@@ -81,6 +88,7 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
     "mqtt_reconnect_max_s": ("mqtt.reconnectMaxBackoff", "duration"),
     "topic": ("topic", "str"),
     "state_topic": ("stateTopic", "str"),
+    "node_topic": ("nodeTopic", "str"),
     "group": ("group", "str"),
     "remote_write": ("remoteWrite.url", "str"),
     "remote_write_version": ("remoteWrite.version", "int"),

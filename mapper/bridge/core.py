@@ -11,8 +11,13 @@ the bridge's counters.
   ``pci_bus_id``; a label the identity does not give is left out. Non-finite values are skipped (as ``/metrics``
   does).
 * ``Converter.add_status`` turns the status a state message carries (``DeviceStatus``) into samples at the time
-  the snapshot was taken: ``gpu_mapper_device_state{state}`` 0/1 for every state, ``gpu_xid_errors_total{xid}``
-  and ``gpu_power_limit_desired_watts``.
+  the snapshot was taken: ``gpu_mapper_device_state{state}`` 0/1 for every state, ``gpu_xid_errors_total{xid}``,
+  ``gpu_power_limit_desired_watts`` and the health families (``naming.health_samples``).
+* A batch of a node stream (device ``naming.NODE_DEVICE``: the mapper's own series, each telemetry series name a
+  ``naming.sample_key``) becomes the ``gpu_mapper_*`` series of ``naming.NODE_FAMILIES``, labelled ``node`` and
+  the family's labels; a name that is no sample of those families (a newer mapper's) is skipped.
+* Every series is labelled ``job="gpu-mapper-bridge"`` (``naming.BRIDGE_JOB``): a store that also scrapes the
+  mapper tells the two copies apart by it.
 * ``SeqDedup`` remembers, per (node, device, boot id, topic), the sequence ranges already written (with their
   time ranges), so that a batch seen again is dropped; the bridge checks a merged batch part by part (each part
   is a batch it replaced, ``DecodedBatch.split``), so it contributes only the batches not written yet. A batch is
@@ -47,6 +52,13 @@ _PACK_DOUBLE = struct.Struct("<d").pack
 _PLAIN, _REASONS, _MODE, _INFO, _POLICY, _STATE, _XID, _DESIRED = range(8)
 # Table keys of the status series (no property has a name like these).
 _STATE_KEY, _XID_KEY, _DESIRED_KEY = "@device_state", "@xid_errors", "@power_limit_desired"
+# Series ids of the health series (with the family name and label values) and of the node stream's (its name).
+_HEALTH_KEY, _NODE_KEY = "@health", "@node"
+
+
+def _metric_type(t: naming.FamilyType) -> MetricType:
+    """The remote-write type of a family's samples (a histogram's buckets, sum and count go as ``unknown``)."""
+    return "unknown" if t == "histogram" else t
 
 
 @dataclass(frozen=True)
@@ -83,26 +95,40 @@ def _table() -> dict[str, tuple[int, Any, str, MetricType, str]]:
     out: dict[str, tuple[int, Any, str, MetricType, str]] = {}
     for ps in naming.PROPERTY_SERIES:
         f = ps.family
-        out[ps.spec.name] = (_PLAIN, ps.scale, f.series_name, f.type, f.doc)
+        out[ps.spec.name] = (_PLAIN, ps.scale, f.series_name, _metric_type(f.type), f.doc)
     r, m, i, p = naming.CLOCK_EVENT_REASON, naming.COMPUTE_MODE, naming.GPU_INFO, naming.POLICY_STATE
-    out[naming.CLOCK_EVENT_REASONS_PROPERTY] = (_REASONS, None, r.series_name, r.type, r.doc)
-    out[naming.COMPUTE_MODE_PROPERTY] = (_MODE, None, m.series_name, m.type, m.doc)
-    out[naming.PRODUCT_NAME_PROPERTY] = (_INFO, None, i.series_name, i.type, i.doc)
-    out[naming.POLICY_STATE_PROPERTY] = (_POLICY, None, p.series_name, p.type, p.doc)
+    t = _metric_type
+    out[naming.CLOCK_EVENT_REASONS_PROPERTY] = (_REASONS, None, r.series_name, t(r.type), r.doc)
+    out[naming.COMPUTE_MODE_PROPERTY] = (_MODE, None, m.series_name, t(m.type), m.doc)
+    out[naming.PRODUCT_NAME_PROPERTY] = (_INFO, None, i.series_name, t(i.type), i.doc)
+    out[naming.POLICY_STATE_PROPERTY] = (_POLICY, None, p.series_name, t(p.type), p.doc)
     s, x, d = naming.DEVICE_STATE, naming.XID_ERRORS, naming.DESIRED_POWER_LIMIT
-    out[_STATE_KEY] = (_STATE, None, s.series_name, s.type, s.doc)
-    out[_XID_KEY] = (_XID, None, x.series_name, x.type, x.doc)
-    out[_DESIRED_KEY] = (_DESIRED, None, d.series_name, d.type, d.doc)
+    out[_STATE_KEY] = (_STATE, None, s.series_name, t(s.type), s.doc)
+    out[_XID_KEY] = (_XID, None, x.series_name, t(x.type), x.doc)
+    out[_DESIRED_KEY] = (_DESIRED, None, d.series_name, t(d.type), d.doc)
     for series, f in naming.PROCESS_GPU_SERIES.items():
-        out[series] = (_PLAIN, 1.0, f.series_name, f.type, f.doc)
+        out[series] = (_PLAIN, 1.0, f.series_name, t(f.type), f.doc)
     return out
+
+
+#: The health families a state message gives (``naming.health_samples``).
+_HEALTH_FAMILIES = (
+    naming.HEALTH_STATUS,
+    naming.HEALTH_SUBSYSTEM,
+    naming.HEALTH_CHECK,
+    naming.HEALTH_PROBE_LATENCY,
+    naming.HEALTH_PROBE_SUCCESS,
+    naming.HEALTH_PROBES,
+    naming.INFOROM_INFO,
+)
 
 
 def series_types() -> dict[str, MetricType]:
     """Every series name the bridge can write -> its type (for the OpenMetrics export)."""
     types = {name: mtype for _, _, name, mtype, _ in _table().values()}
-    types.update({f.series_name: f.type for f in naming.POD_TELEMETRY_FIELDS.values()})
-    types[naming.LEAK_SUSPECTED.series_name] = naming.LEAK_SUSPECTED.type
+    families = (*naming.POD_TELEMETRY_FIELDS.values(), naming.LEAK_SUSPECTED, *_HEALTH_FAMILIES)
+    types.update({f.series_name: _metric_type(f.type) for f in families})
+    types.update({name: _metric_type(f.type) for name, f in naming.node_sample_families().items()})
     return types
 
 
@@ -122,6 +148,9 @@ class Converter:
         #: Workload series (``naming.pod_series`` names) -> their handler and extra labels; at most
         #: ``max_series`` (then it starts afresh).
         self._pods: dict[str, tuple[int, Any, str, MetricType, str, dict[str, str]]] = {}
+        #: Node stream series names -> (series name, type, help, labels after node), None for one that is no
+        #: sample of the mapper's own families; at most ``max_series`` (then it starts afresh).
+        self._nodes: dict[str, tuple[str, MetricType, str, dict[str, str]] | None] = {}
         self._extra_label = {
             _REASONS: naming.CLOCK_EVENT_REASON.labels[0],
             _MODE: naming.COMPUTE_MODE.labels[0],
@@ -134,16 +163,62 @@ class Converter:
         self._info_labels = naming.GPU_INFO.labels[1:]
         assert self._info_labels == ("driver_version", "pci_bus_id"), "GpuIdentity fills these two"
 
+    @staticmethod
+    def _base_labels(base: _Base) -> dict[str, str]:
+        """The labels every series of ``base`` carries: a GPU's, or the node alone for a node stream."""
+        node, device, uuid, ident = base
+        if device == naming.NODE_DEVICE:
+            return {naming.NODE_LABEL: node, "job": naming.BRIDGE_JOB}
+        return {
+            "device": naming.device_label(device),
+            "node": node,
+            "uuid": uuid,
+            "gpu": ident.gpu,
+            "job": naming.BRIDGE_JOB,
+        }
+
+    def _template(
+        self, key: tuple[_Base, Any], name: str, labels: dict[str, str], mtype: MetricType, doc: str
+    ) -> _Template:
+        if len(self._templates) >= self.max_series:
+            self._templates = {}
+        pairs = sorted_labels(name, labels)
+        t = self._templates[key] = _Template(pairs, label_bytes(pairs), mtype, doc)
+        return t
+
+    @staticmethod
+    def _new_buf(t: _Template, sid: Any, bufs: dict[Any, SeriesBuf]) -> SeriesBuf:
+        buf = SeriesBuf.__new__(SeriesBuf)
+        buf.labels, buf.labels_v1, buf.mtype, buf.help = t.labels, t.labels_v1, t.mtype, t.help
+        buf.stamps, buf.parts, buf.last_ts, buf.unsorted = [], [], -(1 << 63), False
+        bufs[sid] = buf
+        return buf
+
+    def _named_buf(
+        self,
+        base: _Base,
+        sid: Any,
+        bufs: dict[Any, SeriesBuf],
+        name: str,
+        mtype: MetricType,
+        doc: str,
+        extra: dict[str, str],
+    ) -> SeriesBuf:
+        """The buffer of a series named outside the conversion table (health, the node stream's)."""
+        key = (base, sid)
+        t = self._templates.get(key)
+        if t is None:
+            t = self._template(key, name, {**self._base_labels(base), **extra}, mtype, doc)
+        return self._new_buf(t, sid, bufs)
+
     def _buf(self, base: _Base, sid: Any, bufs: dict[Any, SeriesBuf]) -> SeriesBuf:
         key = (base, sid)
         t = self._templates.get(key)
         if t is None:
-            if len(self._templates) >= self.max_series:
-                self._templates = {}
-            node, device, uuid, ident = base
+            _, _, _, ident = base
             prop, extra = (sid, None) if isinstance(sid, str) else sid
             entry = self._table.get(prop)
-            labels = {"device": naming.device_label(device), "node": node, "uuid": uuid, "gpu": ident.gpu}
+            labels = self._base_labels(base)
             if entry is None:  # a workload series (``_pod``)
                 kind, _, name, mtype, doc, who = self._pods[prop]
                 labels.update(who)
@@ -153,13 +228,8 @@ class Converter:
                 labels[self._extra_label[kind]] = extra
             if kind == _INFO:
                 labels.update(zip(self._info_labels, (ident.driver_version, ident.pci_bus_id), strict=True))
-            pairs = sorted_labels(name, labels)
-            t = self._templates[key] = _Template(pairs, label_bytes(pairs), mtype, doc)
-        buf = SeriesBuf.__new__(SeriesBuf)
-        buf.labels, buf.labels_v1, buf.mtype, buf.help = t.labels, t.labels_v1, t.mtype, t.help
-        buf.stamps, buf.parts, buf.last_ts, buf.unsorted = [], [], -(1 << 63), False
-        bufs[sid] = buf
-        return buf
+            t = self._template(key, name, labels, mtype, doc)
+        return self._new_buf(t, sid, bufs)
 
     def add(
         self,
@@ -173,6 +243,8 @@ class Converter:
         bufs = req.streams.get(base)
         if bufs is None:
             bufs = req.streams[base] = {}
+        if batch.device == naming.NODE_DEVICE:
+            return self._add_node(req, batch, base, bufs)
         table = self._table
         pack = _PACK_DOUBLE
         isfinite = math.isfinite
@@ -237,8 +309,63 @@ class Converter:
         head, tail = sample_affixes(ts)
         for sid, x in values:
             self._append(base, sid, bufs, ts, head + _PACK_DOUBLE(x) + tail)
-        req.samples += len(values)
-        return len(values)
+        added = len(values)
+        h = status.health
+        if h is not None:
+            for family, extra, x in naming.health_samples(
+                h.levels, h.subsystems, h.checks, h.probe, h.probes, h.inforom
+            ):
+                sid = (_HEALTH_KEY, family.name, extra)
+                buf = bufs.get(sid)
+                if buf is None:
+                    labels = dict(zip(family.labels, extra, strict=True))
+                    name, mtype = family.series_name, _metric_type(family.type)
+                    buf = self._named_buf(base, sid, bufs, name, mtype, family.doc, labels)
+                self._push(buf, ts, head + _PACK_DOUBLE(x) + tail)
+                added += 1
+        req.samples += added
+        return added
+
+    def _add_node(self, req: PendingRequest, batch: DecodedBatch, base: _Base, bufs: dict[Any, SeriesBuf]) -> int:
+        """A node stream's batch: its samples of the mapper's own families; the number added."""
+        nodes = self._nodes
+        added = 0
+        for row in batch.samples:
+            ts = row.ts_ms
+            head, tail = sample_affixes(ts)
+            for key, v in row.values.items():
+                x = naming.number(v)
+                if x is None:
+                    continue
+                sid = (_NODE_KEY, key)
+                buf = bufs.get(sid)
+                if buf is None:
+                    if key not in nodes:
+                        if len(nodes) >= self.max_series:
+                            nodes.clear()
+                        found = naming.node_sample(key)
+                        nodes[key] = (
+                            None
+                            if found is None
+                            else (found[1], _metric_type(found[0].type), found[0].doc, dict(found[2]))
+                        )
+                    h = nodes[key]
+                    if h is None:
+                        continue
+                    buf = self._named_buf(base, sid, bufs, h[0], h[1], h[2], h[3])
+                self._push(buf, ts, head + _PACK_DOUBLE(x) + tail)
+                added += 1
+        req.samples += added
+        return added
+
+    @staticmethod
+    def _push(buf: SeriesBuf, ts: int, part: bytes) -> None:
+        if ts <= buf.last_ts:
+            buf.unsorted = True
+        else:
+            buf.last_ts = ts
+        buf.stamps.append(ts)
+        buf.parts.append(part)
 
     def _append(self, base: _Base, sid: Any, bufs: dict[Any, SeriesBuf], ts: int, part: bytes) -> None:
         """One encoded sample at ``ts`` onto series ``sid``'s buffer (made on first use). ``add``'s plain values
@@ -270,7 +397,7 @@ class Converter:
                 f, who = naming.LEAK_SUSPECTED, dict(zip(naming.PROCESS_LABELS, leak, strict=True))
             if len(self._pods) >= self.max_series:
                 self._pods = {}
-            h = self._pods[name] = (_PLAIN, 1.0, f.series_name, f.type, f.doc, who)
+            h = self._pods[name] = (_PLAIN, 1.0, f.series_name, _metric_type(f.type), f.doc, who)
         return h
 
     @staticmethod

@@ -299,10 +299,13 @@ def _om_ts(ts_ms: int) -> str:
     return f"{sign}{ms // 1000}.{ms % 1000:03d}"
 
 
-def render_openmetrics(series: Iterable[DecodedSeries], types: Mapping[str, MetricType]) -> Iterator[str]:
-    """OpenMetrics text, ending in ``# EOF``: every family contiguous, every series in timestamp order with one
-    sample per timestamp (series met more than once are merged). ``types`` maps a series name to its type; a
-    counter's family is named without ``_total``; a name not in ``types`` is ``unknown``."""
+def render_openmetrics(
+    series: Iterable[DecodedSeries], types: Mapping[str, MetricType], *, eof: bool = True
+) -> Iterator[str]:
+    """OpenMetrics text, ending in ``# EOF`` (unless ``eof`` is False: a part of a longer text): every family
+    contiguous, every series in timestamp order with one sample per timestamp (series met more than once are
+    merged). ``types`` maps a series name to its type; a counter's family is named without ``_total``; a name not
+    in ``types`` is ``unknown``."""
     merged: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
     for labels, samples in series:
         key = tuple(sorted(labels.items()))
@@ -326,4 +329,5 @@ def render_openmetrics(series: Iterable[DecodedSeries], types: Mapping[str, Metr
             head = f"{name}{{{text}}} " if text else f"{name} "
             for ts in sorted(points):
                 yield f"{head}{_om_value(points[ts])} {_om_ts(ts)}\n"
-    yield "# EOF\n"
+    if eof:
+        yield "# EOF\n"

@@ -42,6 +42,7 @@ from mapper.edge.push.writers import WriterFactory
 from mapper.edge.status.housekeeping import DEFAULT_INTERVAL_S as HOUSEKEEPING_INTERVAL_S
 from mapper.edge.status.housekeeping import Housekeeping
 from mapper.edge.status.metrics import MetricsServer, write_status_file
+from mapper.edge.status.nodestream import SAMPLES_PER_BATCH, NodeStream
 from mapper.edge.status.source import StatusSource, run_console
 from mapper.edge.status.stats import MapperSnapshot, Readiness
 from mapper.edge.storage.buffer import Buffer
@@ -161,6 +162,7 @@ class MapperApp:
         self.compactor: Compactor | None = None
         self.health: HealthMonitor | None = None
         self.processes: ProcessLoop | None = None
+        self.node_stream: NodeStream | None = None
         self.dmi_server: DmiServer | None = None
         self.dmi_client: DmiClient | None = None
         self.dmi_reporter: DmiReporter | None = None
@@ -322,6 +324,23 @@ class MapperApp:
             push=self.push,
         )
 
+        # The mapper's own series into the telemetry stream (the node stream: the cloud's view of the mapper's
+        # health where it cannot scrape the node), one sample every report cycle; only with a broker to carry it.
+        if self.session is not None:
+            cycle_s = s.report_cycle_ms / 1000
+            self.node_stream = NodeStream(
+                node,
+                self.boot_id,
+                self.status.snapshot,
+                self.shipper.submit,
+                clock=clock,
+                cycle_s=cycle_s,
+                window_s=max(s.telemetry_window_s, SAMPLES_PER_BATCH * cycle_s),
+                fmt=fmt,
+                qos=s.mqtt.qos,
+                codec=self.streams.codec,
+            )
+
         # Reporting: each bound Device's twins and state over DMI and/or EventBus; with each periodic twin report
         # its retained state message (the snapshot's) to the shipper.
         eventbus = self.publisher.publish_soon if self.session is not None and s.eventbus_enabled else None
@@ -466,6 +485,8 @@ class MapperApp:
             self._spawn("shipper", self.shipper.run())
         if self.compactor is not None:
             self._spawn("compactor", self.compactor.run())
+        if self.node_stream is not None:
+            self._spawn("node-stream", self.node_stream.run(self._beat))
         self._spawn("housekeeping", self.housekeeping.run())
         self._spawn("push", self.push.run())
         if self.processes is not None:
@@ -539,6 +560,8 @@ class MapperApp:
             # stored yet (a collector that crashed in the middle of publishing its round).
             self.streams.flush_all()
             self.push.store_round()
+            if self.node_stream is not None:
+                self.node_stream.flush()
             with contextlib.suppress(Exception):
                 await self.shipper.stop(timeout_s=2.0)
             await self.publisher.publish_offline(timeout_s=2.0)

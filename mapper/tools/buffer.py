@@ -12,7 +12,9 @@ compaction are imported by the commands that use them, not here.
   stop its writes). Run them on a copy, or with the mapper stopped.
 * ``export`` writes JSON lines, CSV (``ts_ms,device,property,value``, what ``benchmarks/buffer.py --input``
   reads) or OpenMetrics text that ``promtool tsdb create-blocks-from openmetrics`` accepts (the way to backfill
-  a Prometheus with a backlog older than its out-of-order window). A progress bar goes to stderr when it is a
+  a Prometheus with a backlog older than its out-of-order window): the series exactly as ``gpu-mapper bridge``
+  writes them (its own conversion, named by ``mapper.shared.naming`` as ``/metrics`` is), so that a backfill
+  lines up with the dashboard and the alert rules. A progress bar goes to stderr when it is a
   terminal (or with ``--progress``).
 
 "In use" is read from SQLite's own locks: every connection to a WAL database holds a shared lock on byte 128 of
@@ -25,9 +27,7 @@ import argparse
 import csv
 import fcntl
 import json
-import math
 import os
-import re
 import sqlite3
 import struct
 import sys
@@ -244,30 +244,6 @@ class _Progress:
             self.err.write("\n")
 
 
-def _prom_name(prop: str) -> str:
-    name = "gpu_" + re.sub(r"[^a-zA-Z0-9_]", "_", prop)
-    return name
-
-
-def _label(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _om_value(v: Any) -> str | None:
-    """The sample value as OpenMetrics text; None for a value it cannot carry (a string, written as _info)."""
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "NaN"
-        if math.isinf(v):
-            return "+Inf" if v > 0 else "-Inf"
-        return repr(v)
-    return None
-
-
 def export(
     path: Path,
     fmt: str,
@@ -303,7 +279,12 @@ def export(
                         text = ("true" if value else "false") if isinstance(value, bool) else value
                         w.writerow((s.ts_ms, b.device, name, text))
         else:
-            _openmetrics(batches, out)
+            skipped = _openmetrics(db, batches, out, err)
+            if skipped:
+                err.write(
+                    f"note: {skipped} values of properties that have no Prometheus series (strings, custom "
+                    "properties) are not in the OpenMetrics export; --format jsonl or csv has every value\n"
+                )
         db.execute("COMMIT")
         bar.close()
     finally:
@@ -326,46 +307,81 @@ def _decoded(
             err.write(f"\nwarning: row {row.id} ({row.device}) does not decode, skipped: {exc}\n")
 
 
-def _openmetrics(batches: Iterator[DecodedBatch], out: IO[str]) -> None:
-    """Families contiguous and each series in time order (what create-blocks-from openmetrics wants): each family's
-    samples are spooled to a temporary file, then sorted one family at a time. Labels: node, device; a string
-    property becomes ``<name>_info{...,value="..."} 1``; booleans 0/1; timestamps in seconds (ms precision)."""
+#: The OpenMetrics export converts this many samples at a time before spooling them to disk.
+_SPILL_SAMPLES = 200_000
+
+
+def _openmetrics(db: sqlite_utils.Database, batches: Iterator[DecodedBatch], out: IO[str], err: IO[str]) -> int:
+    """The batches as ``gpu-mapper bridge`` writes them, in OpenMetrics text: every value goes through the
+    bridge's own conversion (``mapper.bridge.core.Converter``, named by ``mapper.shared.naming`` as ``/metrics``
+    is), labelled with the GPU's uuid and identity from the device's state snapshot (the buffer's ``latest``
+    table, which also gives the status series at the time it was taken) and ``job="gpu-mapper-bridge"``; the node
+    stream's batches are the mapper's own ``gpu_mapper_*`` series. Families contiguous, each series in time order
+    with one sample per timestamp (what ``promtool tsdb create-blocks-from openmetrics`` wants): samples are
+    spooled to a temporary file per series name, then sorted one name at a time. Returns the number of values
+    left out (no Prometheus series: strings, custom properties, non-finite numbers)."""
+    from mapper.bridge.core import Converter, PendingRequest, series_types
+    from mapper.bridge.remotewrite import render_openmetrics
+    from mapper.wire.state import NO_IDENTITY, DeviceStatus, parse_state
+
+    statuses: dict[str, DeviceStatus] = {}
+    for device, payload in db.execute("SELECT device, payload FROM latest ORDER BY device").fetchall():
+        try:
+            statuses[str(device)] = parse_state(bytes(payload))
+        except ValueError as exc:
+            err.write(f"\nwarning: the state snapshot of {device} does not read, its GPU's labels left out: {exc}\n")
+    conv = Converter()
+    nodes: dict[str, str] = {}
+    uuids: dict[str, str] = {}
+    values = added = 0
     with tempfile.TemporaryDirectory(prefix="gpu-mapper-export-") as tmp:
         spools: dict[str, IO[str]] = {}
+
+        def spill(req: PendingRequest) -> None:
+            for buf in req.series():
+                labels = dict(buf.labels)
+                name = labels["__name__"]
+                fh = spools.get(name)
+                if fh is None:
+                    fh = spools[name] = open(Path(tmp) / f"{len(spools)}.txt", "w+")  # noqa: SIM115
+                key = json.dumps(sorted(labels.items()), separators=(",", ":"))
+                fh.writelines(f"{key}\t{ts}\t{v!r}\n" for ts, v in buf.samples())
+
         try:
+            req = PendingRequest(0.0)
             for b in batches:
-                base = f'node="{_label(b.node)}",device="{_label(b.device)}"'
-                for s in b.samples:
-                    for name, value in s.values.items():
-                        text = _om_value(value)
-                        if text is None:
-                            family = _prom_name(name) + "_info"
-                            line = f'{family}{{{base},value="{_label(str(value))}"}} 1'
-                        else:
-                            family = _prom_name(name)
-                            line = f"{family}{{{base}}} {text}"
-                        fh = spools.get(family)
-                        if fh is None:
-                            fh = spools[family] = open(Path(tmp) / f"{len(spools)}.txt", "w+")  # noqa: SIM115
-                        fh.write(f"{s.ts_ms}\t{line}\n")
-            for family, fh in spools.items():
+                nodes.setdefault(b.device, b.node)
+                st = statuses.get(b.device)
+                if b.uuid:  # a stream's first batch names its GPU; the bridge remembers it for the next ones
+                    uuids[b.device] = b.uuid
+                uuid = b.uuid or uuids.get(b.device) or (st.uuid if st is not None else "")
+                ident = st.identity if st is not None and st.identity is not None else NO_IDENTITY
+                values += sum(len(s.values) for s in b.samples)
+                added += conv.add(req, b, uuid, ident)
+                if req.samples >= _SPILL_SAMPLES:
+                    spill(req)
+                    req = PendingRequest(0.0)
+            only_node = next(iter(set(nodes.values()))) if len(set(nodes.values())) == 1 else ""
+            for device, st in statuses.items():
+                node = nodes.get(device, only_node)
+                ident = st.identity if st.identity is not None else NO_IDENTITY
+                conv.add_status(req, node, st, st.uuid, ident)
+            spill(req)
+            types = series_types()
+            for name in sorted(spools):
+                fh = spools[name]
                 fh.seek(0)
-                lines = []
-                for raw in fh:
-                    ts_text, text = raw.rstrip("\n").split("\t", 1)
-                    lines.append((text.split("}", 1)[0], int(ts_text), text))
-                lines.sort(key=lambda t: (t[0], t[1]))
-                out.write(f"# TYPE {family} gauge\n")
-                prev: tuple[str, int] | None = None
-                for labels, ts, text in lines:
-                    if prev == (labels, ts):
-                        continue  # the same series at the same millisecond: Prometheus keeps one
-                    prev = (labels, ts)
-                    out.write(f"{text} {ts // 1000}.{ts % 1000:03d}\n")
+                series: dict[str, dict[int, float]] = {}
+                for line in fh:
+                    key, ts_text, v_text = line.rstrip("\n").split("\t")
+                    series.setdefault(key, {}).setdefault(int(ts_text), float(v_text))
+                decoded = [(dict(json.loads(k)), sorted(points.items())) for k, points in series.items()]
+                out.writelines(render_openmetrics(decoded, types, eof=False))
         finally:
             for fh in spools.values():
                 fh.close()
     out.write("# EOF\n")
+    return values - added
 
 
 def compact(

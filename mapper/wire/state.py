@@ -7,8 +7,10 @@ it for the GPU uuid of batches whose header omits it, the GPU's identity labels 
 One JSON object: ``device``, ``uuid``, ``ts_ms`` and ``values`` (the latest sample, catalog units), then the
 mapper's status of the GPU (``GpuStatus``; all optional: a reader takes a message without them, as mappers
 before them sent): when the snapshot was taken (``at_ms``), the device ``state``, the GPU's identity (``gpu``:
-``{"index", "pci_bus_id", "driver_version"}``), the XID events seen by code (``xid_errors``: ``{"79": 1}``) and
-the desired power limit in W (``power_limit_desired_w``, only when one is set).
+``{"index", "pci_bus_id", "driver_version"}``), the XID events seen by code (``xid_errors``: ``{"79": 1}``),
+the desired power limit in W (``power_limit_desired_w``, only when one is set) and the GPU's health (``health``,
+``GpuHealth``: the status of each level, subsystem and driver check by name, the last CUDA probe, the probes run
+by outcome and the InfoROM versions; docs/telemetry.md). A reader skips keys it does not know.
 """
 
 from __future__ import annotations
@@ -20,10 +22,94 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mapper.shared.model import DEVICE_STATES, Sample
+from mapper.shared.naming import HEALTH_STATUSES
 
 #: The status keys of a state message, after ``device``, ``uuid``, ``ts_ms`` and ``values``.
 STATE_AT_MS, STATE_STATE, STATE_GPU = "at_ms", "state", "gpu"
 STATE_XID_ERRORS, STATE_POWER_LIMIT_DESIRED_W = "xid_errors", "power_limit_desired_w"
+STATE_HEALTH = "health"
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """A GPU's health as the state message carries it (``mapper.shared.naming.health_samples`` turns it into the
+    health families, on ``/metrics`` and on the bridge alike). Statuses are ``healthy``, ``degraded`` or
+    ``unhealthy``."""
+
+    #: (level, status): 0 (overall), then levels 1, 2 and 3.
+    levels: tuple[tuple[int, str], ...] = ()
+    #: (subsystem, status) of every subsystem.
+    subsystems: tuple[tuple[str, str], ...] = ()
+    #: (check, status) of the latest level-2 checks.
+    checks: tuple[tuple[str, str], ...] = ()
+    #: The last CUDA probe: (passed, latency in s or None); None when none ran or it was skipped.
+    probe: tuple[bool, float | None] | None = None
+    #: CUDA probes run, by outcome.
+    probes: tuple[tuple[str, int], ...] = ()
+    #: The InfoROM versions (image, OEM, ECC, power); None without an InfoROM check.
+    inforom: tuple[str, ...] | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "levels": {str(lv): s for lv, s in self.levels},
+            "subsystems": dict(self.subsystems),
+            "checks": dict(self.checks),
+            "probes": dict(self.probes),
+        }
+        if self.probe is not None:
+            doc["probe"] = {"passed": self.probe[0], "latency_s": self.probe[1]}
+        if self.inforom is not None:
+            doc["inforom"] = list(self.inforom)
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: object) -> GpuHealth:
+        """ValueError saying what is wrong when ``doc`` is not ``to_doc``'s."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"{STATE_HEALTH!r} is not an object")
+
+        def statuses(key: str) -> dict[str, str]:
+            table = doc.get(key) or {}
+            if not isinstance(table, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v in HEALTH_STATUSES for k, v in table.items()
+            ):
+                raise ValueError(f"{STATE_HEALTH}.{key} is not an object of health statuses")
+            return table
+
+        levels = statuses("levels")
+        if not all(k.isdigit() for k in levels):
+            raise ValueError(f"{STATE_HEALTH}.levels: a level is not a number")
+        probe = doc.get("probe")
+        passed_latency: tuple[bool, float | None] | None = None
+        if probe is not None:
+            passed, latency = (probe.get("passed"), probe.get("latency_s")) if isinstance(probe, dict) else (0, 0)
+            if not isinstance(passed, bool) or not (latency is None or _finite(latency)):
+                raise ValueError(f"{STATE_HEALTH}.probe is not {{passed, latency_s}}")
+            passed_latency = (passed, None if latency is None else float(latency))
+        probes = doc.get("probes") or {}
+        if not isinstance(probes, dict) or not all(_count(n) for n in probes.values()):
+            raise ValueError(f"{STATE_HEALTH}.probes is not an object of counts")
+        inforom = doc.get("inforom")
+        if inforom is not None and (
+            not isinstance(inforom, list) or len(inforom) != 4 or not all(isinstance(v, str) for v in inforom)
+        ):
+            raise ValueError(f"{STATE_HEALTH}.inforom is not a list of four versions")
+        return cls(
+            levels=tuple((int(k), v) for k, v in levels.items()),
+            subsystems=tuple(statuses("subsystems").items()),
+            checks=tuple(statuses("checks").items()),
+            probe=passed_latency,
+            probes=tuple((str(k), int(n)) for k, n in probes.items()),
+            inforom=None if inforom is None else tuple(inforom),
+        )
+
+
+def _finite(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+
+
+def _count(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,6 +133,8 @@ class GpuStatus:
     xid_errors: Mapping[int, int] = field(default_factory=dict)
     #: The power cap asked for (W); None when none is.
     power_limit_desired_w: float | None = None
+    #: The GPU's health; None: not sent.
+    health: GpuHealth | None = None
 
 
 def state_payload(device: str, sample: Sample, status: GpuStatus | None = None) -> bytes:
@@ -64,6 +152,8 @@ def state_payload(device: str, sample: Sample, status: GpuStatus | None = None) 
         doc[STATE_XID_ERRORS] = {str(k): v for k, v in sorted(status.xid_errors.items())}
         if status.power_limit_desired_w is not None:
             doc[STATE_POWER_LIMIT_DESIRED_W] = status.power_limit_desired_w
+        if status.health is not None:
+            doc[STATE_HEALTH] = status.health.to_doc()
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
@@ -101,11 +191,15 @@ class DeviceStatus:
     #: (XID code as text, events seen) by code.
     xid_errors: tuple[tuple[str, int], ...] = ()
     power_limit_desired_w: float | None = None
+    #: The GPU's health; None: the message has none (a mapper before it).
+    health: GpuHealth | None = None
 
     @property
     def has_samples(self) -> bool:
         """It carries a status to write (and the time to write it at)."""
-        return self.at_ms is not None and bool(self.state or self.xid_errors or self.power_limit_desired_w is not None)
+        return self.at_ms is not None and bool(
+            self.state or self.xid_errors or self.power_limit_desired_w is not None or self.health is not None
+        )
 
 
 def parse_state(payload: bytes) -> DeviceStatus:
@@ -150,4 +244,8 @@ def parse_state(payload: bytes) -> DeviceStatus:
         isinstance(desired, bool) or not isinstance(desired, int | float) or not math.isfinite(desired)
     ):
         raise ValueError(f"{STATE_POWER_LIMIT_DESIRED_W} {desired!r} is not a number of W")
-    return DeviceStatus(device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired))
+    health_doc = doc.get(STATE_HEALTH)
+    health = None if health_doc is None else GpuHealth.from_doc(health_doc)
+    return DeviceStatus(
+        device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired), health
+    )

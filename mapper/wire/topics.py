@@ -8,12 +8,15 @@ gpu-mapper's own topics, under ``gpu-mapper/{node}/`` (``device`` is the Device'
 * ``{node}/{namespace}/{name}/live``: each sample at once (``telemetry.live``), QoS 0, never stored
 * ``{node}/{namespace}/{name}/desired/ack`` and ``.../events``: desired-state acks and policy events
 * ``{node}/status``: ``online`` / ``offline``, retained; ``offline`` is also the session's last will
+* ``{node}/metrics``: the node stream, telemetry batches of the mapper's own series (``gpu_mapper_*``), QoS 1,
+  stored and replayed like a device's; outside ``TELEMETRY_FILTER``, so a bridge that predates it never sees it
 
 KubeEdge's EventBus topics, under ``$hw/events/``: ``device/{namespace}/{name}/twin/update`` (and its
 ``/delta`` and ``/result``), ``device/{namespace}/{name}/state/update``, ``node/{node}/membership/updated``.
 
-The bridge subscribes to ``TELEMETRY_FILTER`` as a shared subscription (``shared_subscription``) and to the
-state messages beside it (``state_filter_beside``).
+The bridge subscribes to ``TELEMETRY_FILTER`` as a shared subscription (``shared_subscription``), to the node
+streams beside it (``node_filter_beside``, shared too) and to the state messages beside it
+(``state_filter_beside``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def status_topic(node: str) -> str:
     return f"{ROOT}/{node}/status"
 
 
+def node_metrics_topic(node: str) -> str:
+    """``gpu-mapper/{node}/metrics``: the batches of the mapper's own series (its node stream)."""
+    return f"{ROOT}/{node}/metrics"
+
+
 def node_of(topic: str) -> str:
     """The node of a device topic (``gpu-mapper/{node}/{namespace}/{name}/...``, one segment after the device);
     ValueError when the topic has too few segments to name one."""
@@ -76,6 +84,16 @@ def state_filter_beside(telemetry_filter: str) -> str:
     ``.../state``); "" when it does not end in ``telemetry``."""
     head, sep, last = telemetry_filter.rpartition("/")
     return f"{head}/state" if sep and last == "telemetry" else ""
+
+
+def node_filter_beside(telemetry_filter: str) -> str:
+    """The node streams of the nodes whose telemetry ``telemetry_filter`` takes (``A/+/+/telemetry`` ->
+    ``A/metrics``: the device's two levels and ``telemetry`` give way to ``metrics``); "" when it does not end in
+    ``telemetry`` after at least three levels."""
+    parts = telemetry_filter.split("/")
+    if len(parts) < 4 or parts[-1] != "telemetry":
+        return ""
+    return "/".join([*parts[:-3], "metrics"])
 
 
 # --------------------------------------------------------------------------------------------------

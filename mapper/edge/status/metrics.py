@@ -27,7 +27,7 @@ import os
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,11 @@ from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_n
 from prometheus_client.samples import Sample as PromSample
 from prometheus_client.utils import floatToGoString
 
-from mapper.edge.health.checks import STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
+from mapper.edge.health.checks import CheckResult, HealthReport, ProbeResult
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
 from mapper.edge.push.destination import STATES as PUSH_STATES
 from mapper.edge.push.destination import DestinationStatus
+from mapper.edge.status.series import node_series
 from mapper.edge.status.stats import STATUS_FILE_NAME, GpuSnapshot, MapperSnapshot, Readiness, SnapshotFormatError
 from mapper.edge.status.view import render_status
 from mapper.errors import ConfigError, NotFoundError, TransientError
@@ -272,38 +273,25 @@ def snapshot_metrics(snap: MapperSnapshot) -> list[Metric]:
 
 
 def _health_metrics(snap: MapperSnapshot) -> list[Metric]:
-    """The three health levels, the subsystems, the level-2 checks, the probe and the InfoROM (``docs/health.md``)."""
-    status, subsystem, check = (
-        _family(f) for f in (naming.HEALTH_STATUS, naming.HEALTH_SUBSYSTEM, naming.HEALTH_CHECK)
+    """The three health levels, the subsystems, the level-2 checks, the probe and the InfoROM (``docs/health.md``):
+    ``naming.health_samples`` of each GPU's ``health_status``, as its state message carries them to the bridge."""
+    families = (
+        naming.HEALTH_STATUS,
+        naming.HEALTH_SUBSYSTEM,
+        naming.HEALTH_CHECK,
+        naming.HEALTH_PROBE_LATENCY,
+        naming.HEALTH_PROBE_SUCCESS,
+        naming.HEALTH_PROBES,
+        naming.INFOROM_INFO,
     )
-    latency, success, probes, inforom = (
-        _family(f)
-        for f in (naming.HEALTH_PROBE_LATENCY, naming.HEALTH_PROBE_SUCCESS, naming.HEALTH_PROBES, naming.INFOROM_INFO)
-    )
+    fams = {f.name: _family(f) for f in families}
     for g in snap.gpus:
         labels = [g.info.uuid, str(g.info.index), naming.device_label(g.device), g.node or snap.node]
-        h = g.health
-        for level, current in ((0, h.status), *((lv, s) for lv, s, _ in h.levels)):
-            for s in STATUSES:
-                status.add_metric([*labels, str(level), s], 1 if current == s else 0)
-        for name in SUBSYSTEMS:
-            current = h.subsystem_status(name)
-            for s in STATUSES:
-                subsystem.add_metric([*labels, name, s], 1 if current == s else 0)
-        for c in h.checks:
-            for s in STATUSES:
-                check.add_metric([*labels, c.name, s], 1 if c.status == s else 0)
-            if c.name == "inforom":
-                d = dict(c.detail)
-                versions = [d.get(k, "N/A") for k in ("image_version", "oem_version", "ecc_version", "power_version")]
-                inforom.add_metric([*labels, *versions], 1)
-        if g.health_probe is not None and g.health_probe.outcome != "skipped":
-            success.add_metric(labels, 1 if g.health_probe.passed else 0)
-            if g.health_probe.latency_s is not None:
-                latency.add_metric(labels, g.health_probe.latency_s)
-        for outcome, n in sorted(g.probes.items()):
-            probes.add_metric([*labels, outcome], n)
-    return [status, subsystem, check, latency, success, probes, inforom]
+        h = g.health_status()
+        samples = naming.health_samples(h.levels, h.subsystems, h.checks, h.probe, h.probes, h.inforom)
+        for family, extra, value in samples:
+            fams[family.name].add_metric([*labels, *extra], value)
+    return list(fams.values())
 
 
 def _sample_name(fam: Metric) -> str:
@@ -363,52 +351,12 @@ def workload_metrics(snap: MapperSnapshot) -> list[Metric]:
             fams[naming.POD_MEMORY.name].add_metric(who, p.memory_used_bytes)
             if p.sm_ratio is not None:
                 fams[naming.POD_SM.name].add_metric(who, p.sm_ratio)
-    errors = _labelled(
-        CounterMetricFamily,
-        "gpu_mapper_process_errors",
-        "process cycles of a GPU that failed, by reason",
-        ("reason",),
-        _keyed(snap.process_errors),
-    )
-    return [*fams.values(), errors]
+    return list(fams.values())
 
 
 def _family(f: naming.Family) -> GaugeMetricFamily | CounterMetricFamily:
     kind = CounterMetricFamily if f.type == "counter" else GaugeMetricFamily
     return kind(f.name, f.doc, labels=f.all_labels)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
-
-
-def _labelled(
-    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
-    name: str,
-    doc: str,
-    labels: tuple[str, ...],
-    counts: Iterable[tuple[tuple[str, ...], float]],
-) -> Metric:
-    fam = kind(name, doc, labels=labels)
-    for key, n in sorted(counts):
-        fam.add_metric(list(key), n)
-    return fam
-
-
-def _keyed(counts: Mapping[str, int]) -> list[tuple[tuple[str, ...], float]]:
-    return [((k,), v) for k, v in counts.items()]
-
-
-def _standing(s: MapperSnapshot) -> dict[str, int]:
-    """The refusals standing now, by source; every source that ever refused one has a value (0 once fixed)."""
-    out = dict.fromkeys(s.config_errors, 0)
-    for c in s.config_refused:
-        out[c.source] = out.get(c.source, 0) + 1
-    return out
 
 
 def push_metrics(snap: MapperSnapshot) -> list[Metric]:
@@ -460,159 +408,13 @@ def push_metrics(snap: MapperSnapshot) -> list[Metric]:
     return [state, backlog, backlog_bytes, delivered, failures, dropped, last_ok, last_error]
 
 
-def _self_metrics(s: MapperSnapshot) -> list[Metric]:
-    hist = HistogramMetricFamily("gpu_mapper_collect_duration_seconds", "time to sample every GPU of the node once")
-    hist.add_metric(
-        [],
-        [(floatToGoString(le), float(n)) for le, n in s.collect_duration.cumulative()],
-        sum_value=s.collect_duration.sum_s,
-    )
-    late = HistogramMetricFamily(
-        "gpu_mapper_collect_lateness_seconds",
-        "how long after its due time each GPU's sample was read (other GPUs' reads, the NVML worker, the event loop)",
-    )
-    late.add_metric(
-        [],
-        [(floatToGoString(le), float(n)) for le, n in s.collect_lateness.cumulative()],
-        sum_value=s.collect_lateness.sum_s,
-    )
-    behind = HistogramMetricFamily(
-        "gpu_mapper_collect_behind_other_gpus_seconds",
-        "the part of a GPU sample's lateness spent behind the other GPUs' reads in the same collect round",
-    )
-    behind.add_metric(
-        [],
-        [(floatToGoString(le), float(n)) for le, n in s.collect_behind.cumulative()],
-        sum_value=s.collect_behind.sum_s,
-    )
-    return [
-        _labelled(
-            GaugeMetricFamily,
-            "gpu_mapper_build_info",
-            "always 1, labelled with the mapper version, mode and node",
-            ("version", "mode", "node"),
-            [((s.version, s.mode, s.node), 1)],
-        ),
-        _gauge("gpu_mapper_gpus", "GPUs the mapper sees on this node", len(s.gpus)),
-        _gauge("gpu_mapper_buffer_bytes", "bytes of telemetry batches waiting in the offline buffer", s.buffer_bytes),
-        _gauge("gpu_mapper_buffer_batches", "telemetry batches waiting in the offline buffer", s.buffer_batches),
-        _gauge("gpu_mapper_buffer_max_bytes", "size cap of the offline buffer", s.buffer_max_bytes),
-        _gauge(
-            "gpu_mapper_buffer_oldest_unsent_age_seconds",
-            "age of the oldest batch not yet acknowledged by the broker (0 when the buffer is empty)",
-            s.buffer_oldest_age_s or 0.0,
-        ),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_buffer_dropped_batches",
-            "telemetry batches dropped from the offline buffer, by reason",
-            ("reason",),
-            _keyed(s.buffer_drops),
-        ),
-        _gauge(
-            "gpu_mapper_replay_remaining_batches",
-            "batches still to replay after a reconnect",
-            s.replay_remaining_batches,
-        ),
-        _gauge(
-            "gpu_mapper_replay_remaining_bytes", "bytes still to replay after a reconnect", s.replay_remaining_bytes
-        ),
-        _counter(
-            "gpu_mapper_telemetry_published_batches",
-            "telemetry batches acknowledged by the broker",
-            s.telemetry_published_batches,
-        ),
-        _counter(
-            "gpu_mapper_telemetry_published_bytes",
-            "bytes of telemetry batches acknowledged by the broker",
-            s.telemetry_published_bytes,
-        ),
-        _gauge("gpu_mapper_mqtt_enabled", "1 when a broker is configured", 1 if s.mqtt_enabled else 0),
-        _gauge("gpu_mapper_mqtt_connected", "1 while the MQTT session is up", 1 if s.mqtt_connected else 0),
-        _counter("gpu_mapper_mqtt_reconnects", "MQTT reconnects since the mapper started", s.mqtt_reconnects),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_mqtt_inbound_dropped",
-            "messages from the broker (deltas, membership updates) dropped at the door, by reason",
-            ("reason",),
-            _keyed(s.mqtt_inbound_dropped),
-        ),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_config_errors",
-            "configuration inputs refused (a devices file that does not parse, a Device that does not convert or "
-            "validate, a config file edit), by source; the Devices they name keep their previous version",
-            ("source",),
-            _keyed(s.config_errors),
-        ),
-        _labelled(
-            GaugeMetricFamily,
-            "gpu_mapper_config_refused",
-            "configuration inputs that stand refused now, by source (see /status, config.refused)",
-            ("source",),
-            _keyed(_standing(s)),
-        ),
-        _gauge(
-            "gpu_mapper_dmi_registered",
-            "1 while registered with EdgeCore over DMI (always 0 in standalone mode)",
-            1 if s.dmi_registered else 0,
-        ),
-        _gauge(
-            "gpu_mapper_standalone", "1 in standalone mode (Devices from files)", 1 if s.mode == "standalone" else 0
-        ),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_dmi_rpcs",
-            "DMI calls to EdgeCore by method and result",
-            ("method", "result"),
-            s.dmi_rpcs.items(),
-        ),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_reconcile_actions",
-            "desired-state actions by property and result",
-            ("property", "result"),
-            s.reconcile_actions.items(),
-        ),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_drift_reapplies",
-            "settings found changed behind the mapper's back and applied again, by property",
-            ("property",),
-            _keyed(s.drift_reapplies),
-        ),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_desired_rejections",
-            "desired values refused, by reason",
-            ("reason",),
-            _keyed(s.desired_rejections),
-        ),
-        _labelled(
-            GaugeMetricFamily,
-            "gpu_mapper_policy_overrides_active",
-            "GPUs on which a local policy holds an override now, by policy",
-            ("policy",),
-            _keyed(s.policy_overrides_active),
-        ),
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_policy_events",
-            "local policy decisions by policy and action",
-            ("policy", "action"),
-            s.policy_events.items(),
-        ),
-        hist,
-        late,
-        behind,
-        _labelled(
-            CounterMetricFamily,
-            "gpu_mapper_collect_errors",
-            "failed GPU samples, by reason",
-            ("reason",),
-            _keyed(s.collect_errors),
-        ),
-    ]
+def _self_metrics(snap: MapperSnapshot) -> list[Metric]:
+    """The mapper's own families (``node_series``: what the node stream carries too), labelled with the node."""
+    kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
+    fams = {f.name: kinds[f.type](f.name, f.doc, labels=f.all_labels) for f in naming.NODE_FAMILIES}
+    for family, name, labels, value in node_series(snap):
+        fams[family.name].samples.append(PromSample(name, {naming.NODE_LABEL: snap.node, **dict(labels)}, value))
+    return list(fams.values())
 
 
 def _FULL_EXAMPLE() -> MapperSnapshot:

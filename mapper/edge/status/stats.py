@@ -22,13 +22,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, CheckResult, HealthReport, ProbeResult
+from mapper.edge.health.checks import HEALTHY_REPORT, STATUSES, SUBSYSTEMS, CheckResult, HealthReport, ProbeResult
 from mapper.edge.kubeedge.registry import CONFIG_SOURCES, ConfigProblem
 from mapper.edge.processes.monitor import GpuWorkloads, PodUse, ProcessRow
 from mapper.edge.push.destination import STATES as PUSH_STATES
 from mapper.edge.push.destination import DestinationStatus
 from mapper.shared.model import DEVICE_STATES, GpuInfo, Sample, Value
-from mapper.wire.state import GpuStatus, state_payload
+from mapper.shared.naming import INFOROM_VERSIONS
+from mapper.wire.state import GpuHealth, GpuStatus, state_payload
 
 #: Version of the JSON layout written by ``MapperSnapshot.to_json``.
 SNAPSHOT_FORMAT = 1
@@ -140,10 +141,27 @@ class GpuSnapshot:
             return None
         return self.sample.values.get(name)
 
+    def health_status(self) -> GpuHealth:
+        """The GPU's health as ``/metrics`` shows it and its state message carries it: the status of the overall
+        verdict (level 0) and of each level, of every subsystem and of the latest driver checks, the last CUDA
+        probe (none when skipped), the probes run and the InfoROM versions (``N/A`` where not reported)."""
+        h = self.health
+        inforom = next((dict(c.detail) for c in h.checks if c.name == "inforom"), None)
+        probe = self.health_probe
+        return GpuHealth(
+            levels=((0, h.status), *((lv, s) for lv, s, _ in h.levels)),
+            subsystems=tuple((name, h.subsystem_status(name)) for name in SUBSYSTEMS),
+            checks=tuple((c.name, c.status) for c in h.checks),
+            probe=None if probe is None or probe.outcome == "skipped" else (probe.passed, probe.latency_s),
+            probes=tuple(sorted(self.probes.items())),
+            inforom=None if inforom is None else tuple(inforom.get(k, "N/A") for k in INFOROM_VERSIONS),
+        )
+
     def state_message(self, device: str, *, driver_version: str, at_ms: int) -> bytes:
         """The retained state message of ``device`` with this GPU's status (``mapper.wire.state``): what the
-        bridge turns into ``gpu_mapper_device_state``, ``gpu_xid_errors_total``, ``gpu_power_limit_desired_watts``
-        and the ``gpu``, ``driver_version`` and ``pci_bus_id`` labels, as the mapper's ``/metrics`` shows them.
+        bridge turns into ``gpu_mapper_device_state``, ``gpu_xid_errors_total``, ``gpu_power_limit_desired_watts``,
+        the health families and the ``gpu``, ``driver_version`` and ``pci_bus_id`` labels, as the mapper's
+        ``/metrics`` shows them.
         ``driver_version``: the node's, for a GPU that does not say its own; ``at_ms``: when the snapshot was
         taken."""
         i = self.info
@@ -155,6 +173,7 @@ class GpuSnapshot:
             driver_version=i.driver_version or driver_version,
             xid_errors=self.xid_errors,
             power_limit_desired_w=self.desired_power_limit_w,
+            health=self.health_status(),
         )
         return state_payload(device, self.sample if self.sample is not None else Sample(i.uuid, 0, {}), status)
 
