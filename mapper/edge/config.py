@@ -22,9 +22,11 @@ from mapper.shared.settings import (
     MqttSettings,
     convert,
     env_variable,
+    key_tree,
     layered_values,
     lookup,
     read_config_file,
+    refuse_unknown_keys,
     take_mqtt_settings,
 )
 
@@ -185,6 +187,11 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
 #: Environment variables read (each overrides the file, and is overridden by the flag of the same name).
 ENV_KEYS: dict[str, str] = {name: env_variable(MAPPER_ENV_PREFIX, name) for name in _FILE_KEYS}
 
+#: Every key the mapper reads in the config file: its settings', ``processes.idlePower`` (GPU -> watts, checked
+#: by ``_idle_power``), ``policies`` (checked by ``mapper.edge.control.policy``) and the bridge's ``bridge``
+#: (checked by ``mapper.bridge.config``). Any other key, at any depth, is refused naming its path.
+FILE_KEY_TREE = key_tree([*(path for path, _ in _FILE_KEYS.values()), "processes.idlePower", "policies", "bridge"])
+
 #: The top-level keys of the mapper's settings in the config file (``mapper.shared.settings.CONFIG_SECTIONS``
 #: holds them, with ``policies`` and the bridge's ``bridge``: a test checks that they agree).
 FILE_SECTIONS = frozenset(path.split(".")[0] for path, _ in _FILE_KEYS.values())
@@ -206,6 +213,7 @@ def load_settings(
     if file_path is None:
         file_path = flags.get("config") or env.get("GPU_MAPPER_CONFIG")
     file_data = read_config_file(file_path) if file_path else {}
+    refuse_unknown_keys(file_data, FILE_KEY_TREE, where=f"config file {file_path}: ")
 
     values = layered_values(_FILE_KEYS, file_data, env, ENV_KEYS, flags)
     given = frozenset(values)
