@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,7 +28,7 @@ from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.kubeedge.binding import Bindings
 from mapper.edge.kubeedge.devicefiles import watch_folder
-from mapper.edge.kubeedge.doorlimit import InboundLimiter
+from mapper.edge.kubeedge.doorlimit import InboundLimiter, Versioned
 from mapper.edge.kubeedge.registry import Registry
 from mapper.edge.kubeedge.report import Reporter, twins_of
 from mapper.edge.outbox.compact import Compactor, compaction_settings
@@ -349,7 +349,17 @@ class MapperApp:
             if s.eventbus_enabled:
                 # Behind the door's limits: size, then a token of the message's device (docs/security.md).
                 limit = s.inbound_max_bytes
-                self.session.subscribe(DELTA_FILTER, self.inbound.gate(self.bindings.on_delta, limit))
+                # Desired values over a device's rate wait for its next token (the newest per property wins)
+                # and are acked pending/deferred meanwhile.
+                delta_door = self.inbound.gate_latest(
+                    self.bindings.read_delta,
+                    self.bindings.apply_delta,
+                    limit,
+                    schedule=lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback),
+                    on_deferred=self._deferred,
+                    message="EventBus delta",
+                )
+                self.session.subscribe(DELTA_FILTER, delta_door)
                 self.session.subscribe(
                     membership_topic(self.node), self.inbound.gate(self.bindings.on_membership, limit)
                 )
@@ -476,6 +486,10 @@ class MapperApp:
             await self.publisher.publish_offline(timeout_s=2.0)
         with contextlib.suppress(Exception):
             await self.sessions.close(timeout_s=3.0)
+        if self._built:
+            # Desired values still waiting at the door for their device's rate: into the desired store, which the
+            # next start enforces (no message comes in any more).
+            self.inbound.flush()
         if self.dmi_server is not None:
             await self.dmi_server.stop(grace_s=1.0)
         if self.dmi_client is not None:
@@ -494,6 +508,12 @@ class MapperApp:
     # ==============================================================================================
     # callbacks the parts were handed when they were made
     # ==============================================================================================
+    def _deferred(self, device_key: str, values: Mapping[str, Versioned]) -> None:
+        """Desired values that started to wait at the door: their ``pending``/``deferred`` acks out (or kept)."""
+        uuid, acks = self.bindings.deferred_acks(device_key, values)
+        if acks:
+            self.publisher.publish_step(device_key, uuid, acks, ())
+
     async def _on_registered(self, devices: list[DeviceConfig], models: list[DeviceModelConfig]) -> None:
         """EdgeCore's registration reply (the DMI client's callback), to the bindings. The one part reached
         through the root: the bindings report through the reporter, which sends through the DMI client, so the

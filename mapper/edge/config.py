@@ -85,7 +85,9 @@ class Settings:
     #: Largest gRPC message the mapper's own DMI server receives or sends (EdgeCore's Devices and models).
     dmi_max_message_bytes: int = 4 * 1024**2
     #: Messages from the broker (deltas, membership updates): per device, messages per second and burst, and
-    #: the largest payload parsed. The excess is dropped, counted and logged once per minute.
+    #: the largest payload parsed. A desired value over the rate waits for the device's next token (the newest
+    #: per property wins); what is dropped (a value superseded while it waited, a membership update over the
+    #: rate, a payload too large) is counted and logged once per minute.
     inbound_rate_per_s: float = 2.0
     inbound_burst: int = 20
     inbound_max_bytes: int = 64 * 1024

@@ -459,6 +459,12 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
             ("reason",),
             _keyed(s.mqtt_inbound_dropped),
         ),
+        _counter(
+            "gpu_mapper_mqtt_inbound_deferred",
+            "desired values from the broker that waited for their device's inbound rate (applied once it allowed, "
+            "or superseded by a newer value while they waited)",
+            s.mqtt_inbound_deferred,
+        ),
         _gauge(
             "gpu_mapper_dmi_registered",
             "1 while registered with EdgeCore over DMI (always 0 in standalone mode)",
