@@ -33,8 +33,10 @@ from mapper.wire import topics
 class BridgeSettings:
     #: The cloud-side broker (``mqtt.url``: mqtt:// or mqtts://), its credentials and TLS files. Secrets are
     #: never shown by repr; each can come from a file (``...passwordFile``, ``mqtt.keyPasswordFile``).
-    #: ``mqtt.client_id`` is stable per replica: the broker keeps the session (and its share of the stream)
-    #: under it. (``eventbus`` and ``qos`` are the mapper's: the bridge has no such keys.)
+    #: ``mqtt.client_id``: the broker keeps the session (and its share of the stream) under it; empty (the
+    #: default): ``<group>-<hostname>``, or ``<group>-<hostname>-<n>`` where another process of this host holds
+    #: that (``mapper.net.mqtt.ClientIdClaim``). (``eventbus`` and ``qos`` are the mapper's: the bridge has no such
+    #: keys.)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     mqtt_session_expiry_s: float = 3600.0
     mqtt_receive_maximum: int = 1000

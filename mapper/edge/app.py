@@ -46,7 +46,7 @@ from mapper.edge.storage.datadir import require_data_dir
 from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.net.http import LoopHeartbeat
-from mapper.net.mqtt import MqttSession, MqttSessions, mapper_session
+from mapper.net.mqtt import ClientIdClaim, MqttSession, MqttSessions, mapper_session
 from mapper.shared.model import DeviceConfig, DeviceModelConfig, GpuInfo
 from mapper.wire.payloads import STATUS_OFFLINE, STATUS_ONLINE
 from mapper.wire.topics import DELTA_FILTER, membership_topic, status_topic
@@ -134,7 +134,12 @@ class MapperApp:
         #: Every GPU's worker by UUID, shared by the parts that read them; filled by ``_build``.
         self.workers: dict[str, GpuWorker] = {}
         self.registry = Registry(node_gpus=self.workers.keys)
-        self.sessions = MqttSessions(settings.mqtt.client_id or f"gpu-mapper-{settings.node_name}")
+        #: The MQTT client id: the configured one, else ``gpu-mapper-<node>`` or, where another process of this
+        #: host holds that, ``gpu-mapper-<node>-<n>`` (held until shutdown; a broker would let two processes with
+        #: one id take each other's session over). Other brokers' sessions add a suffix of their own.
+        self.client_id_claim = None if settings.mqtt.client_id else ClientIdClaim(f"gpu-mapper-{settings.node_name}")
+        self.client_id = settings.mqtt.client_id or (self.client_id_claim.client_id if self.client_id_claim else "")
+        self.sessions = MqttSessions(self.client_id)
         #: Deltas and membership updates from the broker: per-device token buckets (docs/security.md).
         self.inbound = InboundLimiter(
             "EventBus messages", settings.inbound_rate_per_s, settings.inbound_burst, clock=self.clock
@@ -204,7 +209,9 @@ class MapperApp:
         # buffer, so an ack or event kept there goes after the batches cut before it), the publisher (acks and
         # policy events, kept through the streams while the broker is down; fire-and-forget messages).
         if s.mqtt.url:
-            self.session = mapper_session(s.mqtt.url, s.mqtt, node, status_topic(node), STATUS_OFFLINE)
+            self.session = mapper_session(
+                s.mqtt.url, s.mqtt, node, status_topic(node), STATUS_OFFLINE, client_id=self.client_id
+            )
             self.sessions.add(self.session)
         self.shipper = TelemetryShipper(
             self.buffer,
@@ -486,6 +493,8 @@ class MapperApp:
             await self.publisher.publish_offline(timeout_s=2.0)
         with contextlib.suppress(Exception):
             await self.sessions.close(timeout_s=3.0)
+        if self.client_id_claim is not None:
+            self.client_id_claim.close()
         if self._built:
             # Desired values still waiting at the door for their device's rate: into the desired store, which the
             # next start enforces (no message comes in any more).
