@@ -226,7 +226,7 @@ _BRIDGE_FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--mqtt-cert-file", "mqtt_cert_file", "FILE", "client certificate for mqtts://"),
     ("--mqtt-key-file", "mqtt_key_file", "FILE", "client key for mqtts://"),
     ("--mqtt-key-password-file", "mqtt_key_password_file", "FILE", "passphrase of an encrypted --mqtt-key-file"),
-    ("--mqtt-client-id", "mqtt_client_id", "ID", "MQTT client id, stable per replica (default <group>-<hostname>)"),
+    ("--mqtt-client-id", "mqtt_client_id", "ID", "MQTT client id (default <group>-<hostname>[-N]: one per process)"),
     ("--mqtt-session-expiry", "mqtt_session_expiry_s", "DURATION", "how long the broker keeps the session (1h)"),
     ("--mqtt-receive-maximum", "mqtt_receive_maximum", "N", "unacknowledged messages the broker may send (1000)"),
     ("--mqtt-reconnect-max-backoff", "mqtt_reconnect_max_s", "DURATION", "longest wait between reconnects (30s)"),

@@ -54,7 +54,7 @@ from mapper.bridge.core import BridgeStats, Converter, PendingRequest, SeqDedup,
 from mapper.bridge.metrics import BridgeMetricsServer
 from mapper.errors import ConfigError, TransientError
 from mapper.net.http import LoopHeartbeat
-from mapper.net.mqtt import ReceivedMessage, session_from_settings
+from mapper.net.mqtt import ClientIdClaim, ReceivedMessage, session_from_settings
 from mapper.shared.naming import NODE_DEVICE
 from mapper.wire import topics
 from mapper.wire.state import NO_IDENTITY, DeviceStatus, GpuIdentity, parse_state
@@ -323,7 +323,14 @@ class Bridge:
         self.codec = BatchCodec(dictionary_id=0)
         self._rng = rng or random.Random()
         self._now = monotonic
-        client_id = settings.mqtt.client_id or f"{settings.group}-{socket.gethostname()}"
+        # The configured client id, else ``<group>-<hostname>`` or, where another process of this host holds
+        # that, ``<group>-<hostname>-<n>``: held until the bridge stops, so two replicas on one host never take
+        # each other's session over, and a restarted one resumes its own (the lowest free id).
+        self.client_id_claim = (
+            None if settings.mqtt.client_id else ClientIdClaim(f"{settings.group}-{socket.gethostname()}")
+        )
+        client_id = settings.mqtt.client_id or (self.client_id_claim.client_id if self.client_id_claim else "")
+        self.client_id = client_id
         self.session = session_from_settings(
             settings.mqtt.url,
             settings.mqtt,
@@ -387,6 +394,8 @@ class Bridge:
             await self._write_loop(stop)
         finally:
             await self.session.stop()
+            if self.client_id_claim is not None:
+                self.client_id_claim.close()
             self.metrics.stop()
             self._pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(self.client.close)

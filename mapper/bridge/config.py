@@ -19,9 +19,11 @@ from mapper.shared.settings import (
     MQTT_KEYS,
     MqttSettings,
     env_variable,
+    key_tree,
     layered_values,
     read_config_file,
     read_secret_file,
+    refuse_unknown_keys,
     take_mqtt_settings,
 )
 from mapper.wire import topics
@@ -31,8 +33,10 @@ from mapper.wire import topics
 class BridgeSettings:
     #: The cloud-side broker (``mqtt.url``: mqtt:// or mqtts://), its credentials and TLS files. Secrets are
     #: never shown by repr; each can come from a file (``...passwordFile``, ``mqtt.keyPasswordFile``).
-    #: ``mqtt.client_id`` is stable per replica: the broker keeps the session (and its share of the stream)
-    #: under it. (``eventbus`` and ``qos`` are the mapper's: the bridge has no such keys.)
+    #: ``mqtt.client_id``: the broker keeps the session (and its share of the stream) under it; empty (the
+    #: default): ``<group>-<hostname>``, or ``<group>-<hostname>-<n>`` where another process of this host holds
+    #: that (``mapper.net.mqtt.ClientIdClaim``). (``eventbus`` and ``qos`` are the mapper's: the bridge has no such
+    #: keys.)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     mqtt_session_expiry_s: float = 3600.0
     mqtt_receive_maximum: int = 1000
@@ -111,6 +115,9 @@ BRIDGE_KEYS: dict[str, tuple[str, str]] = {
     "log_level": ("log.level", "str"),
 }
 
+#: The keys of the ``bridge:`` section: any other, at any depth, is refused naming its path.
+BRIDGE_KEY_TREE = key_tree(path for path, _ in BRIDGE_KEYS.values())
+
 #: Environment variables read (each overrides the file and is overridden by its flag).
 BRIDGE_ENV_KEYS: dict[str, str] = {name: env_variable(BRIDGE_ENV_PREFIX, name) for name in BRIDGE_KEYS}
 CONFIG_ENV = "GPU_MAPPER_BRIDGE_CONFIG"
@@ -137,14 +144,6 @@ def _remote_write_password_from_file(values: dict[str, Any]) -> None:
     values[name] = read_secret_file(path, key)
 
 
-def _known_paths(node: Any, prefix: str = "") -> list[str]:
-    out: list[str] = []
-    if isinstance(node, Mapping):
-        for k, v in node.items():
-            out.extend(_known_paths(v, f"{prefix}{k}.") if isinstance(v, Mapping) else [f"{prefix}{k}"])
-    return out
-
-
 def load_bridge_settings(
     file_path: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -162,10 +161,7 @@ def load_bridge_settings(
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config file {file_path}: bridge: must be a mapping")
         section = raw
-        valid = {path for path, _ in BRIDGE_KEYS.values()}
-        unknown = sorted(set(_known_paths(section)) - valid)
-        if unknown:
-            raise ConfigError(f"config file {file_path}: unknown key(s) bridge.{', bridge.'.join(unknown)}")
+        refuse_unknown_keys(section, BRIDGE_KEY_TREE, "bridge.", where=f"config file {file_path}: ")
     values = layered_values(BRIDGE_KEYS, section, env, BRIDGE_ENV_KEYS, flags, key_prefix="bridge.")
     mqtt = take_mqtt_settings(values, key_prefix="bridge.")
     _remote_write_password_from_file(values)

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,7 +28,7 @@ from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.kubeedge.binding import Bindings
 from mapper.edge.kubeedge.devicefiles import watch_folder
-from mapper.edge.kubeedge.doorlimit import InboundLimiter
+from mapper.edge.kubeedge.doorlimit import InboundLimiter, Versioned
 from mapper.edge.kubeedge.registry import Registry
 from mapper.edge.kubeedge.report import Reporter, twins_of
 from mapper.edge.outbox.compact import Compactor, compaction_settings
@@ -51,7 +51,7 @@ from mapper.edge.storage.pushbuffer import PushBuffer
 from mapper.edge.storage.store import DesiredStore
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.net.http import LoopHeartbeat
-from mapper.net.mqtt import MAPPER_RECONNECT_MAX_S, MqttSession, MqttSessions, mapper_session
+from mapper.net.mqtt import MAPPER_RECONNECT_MAX_S, ClientIdClaim, MqttSession, MqttSessions, mapper_session
 from mapper.shared.model import DeviceConfig, DeviceModelConfig, GpuInfo
 from mapper.wire.payloads import STATUS_OFFLINE, STATUS_ONLINE
 from mapper.wire.topics import DELTA_FILTER, membership_topic, status_topic
@@ -141,8 +141,13 @@ class MapperApp:
         #: Every GPU's worker by UUID, shared by the parts that read them; filled by ``_build``.
         self.workers: dict[str, GpuWorker] = {}
         self.registry = Registry(node_gpus=self.workers.keys)
+        #: The MQTT client id: the configured one, else ``gpu-mapper-<node>`` or, where another process of this
+        #: host holds that, ``gpu-mapper-<node>-<n>`` (held until shutdown; a broker would let two processes with
+        #: one id take each other's session over). Other brokers' sessions add a suffix of their own.
+        self.client_id_claim = None if settings.mqtt.client_id else ClientIdClaim(f"gpu-mapper-{settings.node_name}")
+        self.client_id = settings.mqtt.client_id or (self.client_id_claim.client_id if self.client_id_claim else "")
         self.sessions = MqttSessions(
-            settings.mqtt.client_id or f"gpu-mapper-{settings.node_name}",
+            self.client_id,
             reconnect_max_s=MAPPER_RECONNECT_MAX_S,
             reconnect_log_level=logging.DEBUG,  # the shipper logs a broker's return (what waited, the replay)
         )
@@ -230,7 +235,9 @@ class MapperApp:
         # buffer, so an ack or event kept there goes after the batches cut before it), the publisher (acks and
         # policy events, kept through the streams while the broker is down; fire-and-forget messages).
         if s.mqtt.url:
-            self.session = mapper_session(s.mqtt.url, s.mqtt, node, status_topic(node), STATUS_OFFLINE)
+            self.session = mapper_session(
+                s.mqtt.url, s.mqtt, node, status_topic(node), STATUS_OFFLINE, client_id=self.client_id
+            )
             self.sessions.add(self.session)
         self.shipper = TelemetryShipper(
             self.buffer,
@@ -434,7 +441,17 @@ class MapperApp:
             if s.eventbus_enabled:
                 # Behind the door's limits: size, then a token of the message's device (docs/security.md).
                 limit = s.inbound_max_bytes
-                self.session.subscribe(DELTA_FILTER, self.inbound.gate(self.bindings.on_delta, limit))
+                # Desired values over a device's rate wait for its next token (the newest per property wins)
+                # and are acked pending/deferred meanwhile.
+                delta_door = self.inbound.gate_latest(
+                    self.bindings.read_delta,
+                    self.bindings.apply_delta,
+                    limit,
+                    schedule=lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback),
+                    on_deferred=self._deferred,
+                    message="EventBus delta",
+                )
+                self.session.subscribe(DELTA_FILTER, delta_door)
                 self.session.subscribe(
                     membership_topic(self.node), self.inbound.gate(self.bindings.on_membership, limit)
                 )
@@ -567,6 +584,12 @@ class MapperApp:
             await self.publisher.publish_offline(timeout_s=2.0)
         with contextlib.suppress(Exception):
             await self.sessions.close(timeout_s=3.0)
+        if self.client_id_claim is not None:
+            self.client_id_claim.close()
+        if self._built:
+            # Desired values still waiting at the door for their device's rate: into the desired store, which the
+            # next start enforces (no message comes in any more).
+            self.inbound.flush()
         if self.dmi_server is not None:
             await self.dmi_server.stop(grace_s=1.0)
         if self.dmi_client is not None:
@@ -587,6 +610,12 @@ class MapperApp:
     # ==============================================================================================
     # callbacks the parts were handed when they were made
     # ==============================================================================================
+    def _deferred(self, device_key: str, values: Mapping[str, Versioned]) -> None:
+        """Desired values that started to wait at the door: their ``pending``/``deferred`` acks out (or kept)."""
+        uuid, acks = self.bindings.deferred_acks(device_key, values)
+        if acks:
+            self.publisher.publish_step(device_key, uuid, acks, ())
+
     async def _on_registered(
         self, devices: list[DeviceConfig], models: list[DeviceModelConfig], rejected: list[tuple[str, str]]
     ) -> None:

@@ -23,10 +23,12 @@ from mapper.shared.settings import (
     MqttSettings,
     convert,
     env_variable,
+    key_tree,
     layered_values,
     lookup,
     read_config_file,
     read_secret_file,
+    refuse_unknown_keys,
     take_mqtt_settings,
 )
 
@@ -92,7 +94,9 @@ class Settings:
     #: Largest gRPC message the mapper's own DMI server receives or sends (EdgeCore's Devices and models).
     dmi_max_message_bytes: int = 4 * 1024**2
     #: Messages from the broker (deltas, membership updates): per device, messages per second and burst, and
-    #: the largest payload parsed. The excess is dropped, counted and logged once per minute.
+    #: the largest payload parsed. A desired value over the rate waits for the device's next token (the newest
+    #: per property wins); what is dropped (a value superseded while it waited, a membership update over the
+    #: rate, a payload too large) is counted and logged once per minute.
     inbound_rate_per_s: float = 2.0
     inbound_burst: int = 20
     inbound_max_bytes: int = 64 * 1024
@@ -228,6 +232,11 @@ PUSH_SECRET_VARIABLES = {"token": "TOKEN", "password": "PASSWORD", "username": "
 #: Environment variables read (each overrides the file, and is overridden by the flag of the same name).
 ENV_KEYS: dict[str, str] = {name: env_variable(MAPPER_ENV_PREFIX, name) for name in _FILE_KEYS}
 
+#: Every key the mapper reads in the config file: its settings', ``processes.idlePower`` (GPU -> watts, checked
+#: by ``_idle_power``), ``policies`` (checked by ``mapper.edge.control.policy``) and the bridge's ``bridge``
+#: (checked by ``mapper.bridge.config``). Any other key, at any depth, is refused naming its path.
+FILE_KEY_TREE = key_tree([*(path for path, _ in _FILE_KEYS.values()), "processes.idlePower", "policies", "bridge"])
+
 #: The top-level keys of the mapper's settings in the config file (``mapper.shared.settings.CONFIG_SECTIONS``
 #: holds them, with ``policies`` and the bridge's ``bridge``: a test checks that they agree).
 FILE_SECTIONS = frozenset(path.split(".")[0] for path, _ in _FILE_KEYS.values())
@@ -249,6 +258,7 @@ def load_settings(
     if file_path is None:
         file_path = flags.get("config") or env.get("GPU_MAPPER_CONFIG")
     file_data = read_config_file(file_path) if file_path else {}
+    refuse_unknown_keys(file_data, FILE_KEY_TREE, where=f"config file {file_path}: ")
 
     values = layered_values(_FILE_KEYS, file_data, env, ENV_KEYS, flags)
     given = frozenset(values)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
+import os
 import random
 import re
 import socket
@@ -852,6 +854,59 @@ class MqttSessions:
         await asyncio.gather(*(s.stop(timeout_s) for s in sessions), return_exceptions=True)
 
 
+#: Prefix of the abstract Unix socket names that hold the default client ids (``ClientIdClaim``).
+_CLAIM_PREFIX = "gpu-mapper/mqtt-client-id/"
+
+
+class ClientIdClaim:
+    """The default MQTT client id of one process: ``base`` (``gpu-mapper-<node>``, ``<group>-<hostname>``) where
+    no other process of this host holds it, else ``base-1``, ``base-2``, ... the first free one.
+
+    A broker takes a session over when a second client connects with its id, so two processes on one host with
+    the same config (two bridge replicas, two mappers during a rolling update) must not share one. Each id is
+    held by binding a Linux abstract Unix socket named after it: the name is released by the kernel when the
+    process ends, however it ends (SIGKILL too), and it is shared by the processes of one network namespace,
+    which includes containers with the host's network, the ones that share its host name. So the id is unique
+    among the live processes, and stable across restarts (a restarted process takes the lowest free one again,
+    and a persistent session, the bridge's, resumes). No file is written. ``close`` gives the id back.
+    ``max_slots`` ids are tried; where none is free (or abstract sockets are not there: not Linux), the id is
+    ``base-<pid>`` and a warning says so."""
+
+    def __init__(self, base: str, *, max_slots: int = 64) -> None:
+        if not base:
+            raise ConfigError("MQTT client id: the base of a default one must not be empty")
+        self._socket: socket.socket | None = None
+        self.client_id = ""
+        for slot in range(max_slots):
+            candidate = base if slot == 0 else f"{base}-{slot}"
+            digest = hashlib.sha256(candidate.encode()).hexdigest()[:32]  # a name fits sun_path whatever the base
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                sock.bind(b"\0" + (_CLAIM_PREFIX + digest).encode())
+            except OSError as exc:
+                sock.close()
+                if exc.errno == errno.EADDRINUSE:
+                    continue
+                log.warning("MQTT client id: cannot hold %s on this host (%s); using a per-process id", base, exc)
+                break
+            self._socket = sock
+            self.client_id = candidate
+            return
+        else:
+            log.warning("MQTT client id: %s and %d more are held by other processes here", base, max_slots - 1)
+        self.client_id = f"{base}-{os.getpid()}"
+
+    @property
+    def held(self) -> bool:
+        """Whether this claim holds its id on the host (False: the ``base-<pid>`` fallback)."""
+        return self._socket is not None
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
 def session_from_settings(url: str, settings: MqttSettings, client_id: str, **session_kwargs: Any) -> MqttSession:
     """A session to ``url`` with the credentials and TLS files of ``settings`` (the ``mqtt:`` settings of the
     mapper or of the bridge); ``session_kwargs``: the rest of ``MqttSession``'s (last will, MQTT 5, ...)."""
@@ -874,16 +929,24 @@ def session_from_settings(url: str, settings: MqttSettings, client_id: str, **se
 MAPPER_RECONNECT_MAX_S = 4.0
 
 
-def mapper_session(url: str, settings: MqttSettings, node: str, will_topic: str, will_payload: bytes) -> MqttSession:
+def mapper_session(
+    url: str,
+    settings: MqttSettings,
+    node: str,
+    will_topic: str,
+    will_payload: bytes,
+    *,
+    client_id: str = "",
+) -> MqttSession:
     """The default broker's session of the mapper on ``node`` (``mqtt:`` settings: credentials, TLS, client id,
-    by default ``gpu-mapper-<node>``): its last will (``will_payload`` on ``will_topic``, both the wire's: the
-    caller's) marks the mapper offline; it tries again
-    at most ``MAPPER_RECONNECT_MAX_S`` apart, and says its return at debug level (the shipper logs it, with what
+    else ``client_id``, the process's default (``ClientIdClaim``), else ``gpu-mapper-<node>``): its last will
+    (``will_payload`` on ``will_topic``, both the wire's: the caller's) marks the mapper offline; it tries again at
+    most ``MAPPER_RECONNECT_MAX_S`` apart, and says its return at debug level (the shipper logs it, with what
     waited and how long the replay took)."""
     return session_from_settings(
         url,
         settings,
-        settings.client_id or f"gpu-mapper-{node}",
+        settings.client_id or client_id or f"gpu-mapper-{node}",
         will_topic=will_topic,
         will_payload=will_payload,
         reconnect_max_s=MAPPER_RECONNECT_MAX_S,

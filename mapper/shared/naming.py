@@ -374,6 +374,12 @@ MQTT_INBOUND_DROPPED = _node(
     "messages from the broker (deltas, membership updates) dropped at the door, by reason",
     ("reason",),
 )
+MQTT_INBOUND_DEFERRED = _node(
+    "gpu_mapper_mqtt_inbound_deferred",
+    "counter",
+    "desired values from the broker that waited for their device's inbound rate (applied once it allowed, or "
+    "superseded by a newer value while they waited)",
+)
 DMI_REGISTERED = _node(
     "gpu_mapper_dmi_registered", "gauge", "1 while registered with EdgeCore over DMI (always 0 in standalone mode)"
 )
@@ -446,6 +452,7 @@ NODE_FAMILIES: tuple[Family, ...] = (
     MQTT_CONNECTED,
     MQTT_RECONNECTS,
     MQTT_INBOUND_DROPPED,
+    MQTT_INBOUND_DEFERRED,
     DMI_REGISTERED,
     STANDALONE,
     DMI_RPCS,

@@ -12,9 +12,10 @@ path, the variable or the flag. Secrets can come from files (``read_secret_file`
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,13 +200,80 @@ def layered_values(
 
 
 # --------------------------------------------------------------------------------------------------
+# Keys
+# --------------------------------------------------------------------------------------------------
+
+#: The keys a mapping may have: key -> the keys of the mapping under it, or None for a leaf (a value of any
+#: shape, checked by whoever reads it: a converter, ``policies``' parser, the bridge's own check).
+KeyTree = Mapping[str, "KeyTree | None"]
+
+
+def key_tree(paths: Iterable[str]) -> dict[str, Any]:
+    """The ``KeyTree`` of dotted key paths (``["mqtt.url", "mqtt.qos", "nodeName"]``), in their order."""
+    tree: dict[str, Any] = {}
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = tree
+        for part in parents:
+            child = node.setdefault(part, {})
+            if child is None:
+                raise AssertionError(f"{path}: {part} is a leaf and a section")
+            node = child
+        if isinstance(node.get(leaf), dict):
+            raise AssertionError(f"{path}: a section and a leaf")
+        node[leaf] = None
+    return tree
+
+
+def unknown_keys(node: Mapping[Any, Any], allowed: KeyTree, prefix: str = "") -> list[str]:
+    """What is wrong with the keys of ``node`` (nested mappings) against ``allowed``, one line per fault, each
+    naming its key path (``prefix`` + ``mqtt.urll``): a key not allowed (with the closest allowed key, where one
+    is close: ``mqtt.urll: unknown key; did you mean url?``), or a section given as something other than a
+    mapping. Empty when all is well. A section given as null is empty."""
+    faults: list[str] = []
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if not isinstance(key, str) or key not in allowed:
+            faults.append(f"{path}: unknown key{_suggestion(key, allowed)}")
+            continue
+        below = allowed[key]
+        if below is None or value is None:
+            continue
+        if not isinstance(value, Mapping):
+            keys = ", ".join(below)
+            faults.append(f"{path}: expected a mapping (with keys {keys}), got {type(value).__name__} {value!r}")
+            continue
+        faults.extend(unknown_keys(value, below, path + "."))
+    return faults
+
+
+def refuse_unknown_keys(node: Mapping[Any, Any], allowed: KeyTree, prefix: str = "", *, where: str = "") -> None:
+    """Raise a ``ConfigError`` listing every fault ``unknown_keys`` finds (each line after ``where``, such as
+    ``config file c.yaml: ``). The one check of keys every settings loader and the policies' parser use."""
+    faults = unknown_keys(node, allowed, prefix)
+    if faults:
+        raise ConfigError(where + "; ".join(faults))
+
+
+def _suggestion(key: Any, allowed: Iterable[str]) -> str:
+    """``; did you mean url?`` where an allowed key is close to ``key`` (case aside), else the allowed keys."""
+    choices = list(allowed)
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {by_lower[close[0]]}?"
+    return f" (expected one of {', '.join(choices)})"
+
+
+# --------------------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------------------
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The config file as a mapping: YAML, or a ConfigMap manifest whose ``data.config.yaml`` holds it. A
-    top-level key outside ``CONFIG_SECTIONS`` is refused (a misspelt section would otherwise be ignored)."""
+    top-level key outside ``CONFIG_SECTIONS`` is refused (a misspelt section would otherwise be ignored); the
+    keys inside each section are checked by the process that reads it (``refuse_unknown_keys``)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -231,9 +299,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: data.config.yaml is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: data.config.yaml must be a mapping, got {type(data).__name__}")
-    unknown = sorted(str(key) for key in set(data) - CONFIG_SECTIONS)
-    if unknown:
-        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
+    refuse_unknown_keys(data, key_tree(sorted(CONFIG_SECTIONS)), where=f"config file {path}: ")
     return data
 
 

@@ -35,7 +35,7 @@ from mapper.edge.health.checks import HEALTHY_REPORT, CheckResult, HealthReport,
 from mapper.edge.health.xid import DEFAULT_FATAL_XIDS, XidPolicy
 from mapper.errors import ConfigError
 from mapper.shared.model import TWIN_VALUE_RE, Constraints, GpuEvent, PolicyLimit, Value, format_number, twin_safe
-from mapper.shared.settings import parse_duration_s
+from mapper.shared.settings import key_tree, parse_duration_s, refuse_unknown_keys
 
 log = logging.getLogger(__name__)
 
@@ -332,10 +332,8 @@ def _section(raw: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any] |
 
 
 def _check_keys(raw: Mapping[str, Any], allowed: Iterable[str], path: str) -> None:
-    allowed_list = list(allowed)
-    for key in raw:
-        if not isinstance(key, str) or key not in allowed_list:
-            raise ConfigError(f"{path}.{key}: unknown key (expected one of {', '.join(allowed_list)})")
+    """The keys of one section: the shared check (``mapper.shared.settings``), each key a leaf read here."""
+    refuse_unknown_keys(raw, key_tree(allowed), path + ".")
 
 
 def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:

@@ -64,6 +64,7 @@ __all__ = [
     "Status",
     "Target",
     "allowed_values",
+    "deferred_ack",
     "desired_status_twin",
     "group_of",
     "observed_desired_value",
@@ -775,6 +776,25 @@ def allowed_values(prop: str, constraints: Constraints | None) -> str:
     if len(clocks) == 1:
         return f"{lo_c:g} MHz"
     return f"one of {len(clocks)} clocks in {lo_c:g}-{hi_c:g} MHz"
+
+
+def deferred_ack(uuid: str, prop: str, raw: Value, source: str, version_ms: int, now_ms: int) -> Ack:
+    """The ack of a desired value that waits for its device's inbound rate (``mapper.edge.kubeedge.doorlimit``):
+    ``pending``, reason ``deferred``. Its ``applied`` (or ``rejected``) ack follows once it is applied, unless a
+    newer value for the property supersedes it while it waits (then that one's does)."""
+    return Ack(
+        uuid=uuid,
+        property=prop,
+        desired=_json_scalar(raw),
+        source=source,
+        version_ms=version_ms,
+        result="pending",
+        reason="deferred",
+        applied_at_ms=None,
+        effective_value="",
+        reported_value="",
+        ts_ms=now_ms,
+    )
 
 
 # --------------------------------------------------------------------------------------------------

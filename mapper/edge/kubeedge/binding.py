@@ -6,7 +6,9 @@ desired state from every source:
 * the registry (``on_device_change``, its listener): Devices added, updated, moved to another GPU or removed,
   from EdgeCore over DMI (``on_registered``, ``RegisterDevice`` / ``UpdateDevice``) or from the devices folder
   (``apply_folder``); their desired values are the ``cloud`` source (``file`` in standalone mode);
-* EventBus deltas (``on_delta``): an edge application's desired values, the ``edge`` source;
+* EventBus deltas (``on_delta``, or ``read_delta`` then ``apply_delta`` behind the app's door, where values
+  over the device's rate wait and are acked ``pending``/``deferred``: ``deferred_acks``): an edge application's
+  desired values, the ``edge`` source;
 * the desired store: what an earlier run persisted is enforced again at start (``restore_desired``), and every
   change is saved (``save_desired``).
 
@@ -31,7 +33,9 @@ from mapper.clock import Clock
 from mapper.edge.control.collect import GpuWorker, TickResult, unbound_device
 from mapper.edge.control.desired import DesiredState, Source
 from mapper.edge.control.policy import PolicyEngine
+from mapper.edge.control.reconcile import Ack, deferred_ack
 from mapper.edge.kubeedge.devicefiles import FolderContents
+from mapper.edge.kubeedge.doorlimit import Versioned, message_key
 from mapper.edge.kubeedge.registry import (
     ConfigErrors,
     ConfigProblem,
@@ -252,33 +256,74 @@ class Bindings:
 
     # --- EventBus ------------------------------------------------------------------------------------------------
     def on_delta(self, topic: str, payload: bytes) -> None:
-        """An edge application set desired values through ``twin/update/delta``."""
+        """An edge application set desired values through ``twin/update/delta``: read and applied at once (the
+        app's door reads and applies in two steps, ``read_delta`` and ``apply_delta``, so that values over the
+        device's rate can wait)."""
         try:
-            delta = parse_delta(topic, payload, max_bytes=self.max_delta_bytes)
+            values = self.read_delta(topic, payload)
         except ValueError as exc:
             log.warning("EventBus delta refused: %s", exc)
             return
+        if values:
+            self.apply_delta(message_key(topic), values)
+
+    def read_delta(self, topic: str, payload: bytes) -> dict[str, Versioned]:
+        """The writable properties a delta sets, each with its version (the delta's timestamp, else the time it
+        is read): empty when its Device's GPU is not on this mapper. ValueError naming what is wrong: a
+        malformed delta, or no such Device."""
+        delta = parse_delta(topic, payload, max_bytes=self.max_delta_bytes)
         try:
             device = self.registry.get_device(delta.namespace, delta.name)
         except MapperError:
-            log.warning("EventBus delta for %s/%s: no such GPU device on this mapper", delta.namespace, delta.name)
-            return
-        worker = self.workers.get(device.uuid)
-        if worker is None:
-            return
+            raise ValueError(f"delta for {delta.namespace}/{delta.name}: no such GPU device on this mapper") from None
+        if device.uuid not in self.workers:
+            return {}
         version = delta.timestamp_ms or self.clock.wall_ms()
-        changed = []
+        values: dict[str, Versioned] = {}
         for prop, raw in delta.values.items():
             spec = PROPERTY_BY_NAME.get(prop)
             if spec is None or not spec.writable:
                 log.warning("EventBus delta for %s: %s is not a writable GPU property; ignored", device.key, prop)
                 continue
-            if worker.desired.set(prop, raw, "edge", version) is not None:
-                changed.append(prop)
+            values[prop] = Versioned(raw, version)
+        return values
+
+    def apply_delta(self, device_key: str, values: Mapping[str, Versioned]) -> None:
+        """Desired values of the ``edge`` source for the Device ``namespace/name`` (``read_delta``'s, now or
+        after they waited at the door): set, saved, and the GPU's next step woken."""
+        worker = self._worker_of(device_key)
+        if worker is None:
+            return
+        changed = [p for p, v in values.items() if worker.desired.set(p, v.value, "edge", v.version_ms) is not None]
         if changed:
-            log.info("EventBus delta for %s: desired %s", device.key, ", ".join(changed))
-            self.save_desired(worker, device.key)
+            log.info("EventBus delta for %s: desired %s", device_key, ", ".join(changed))
+            self.save_desired(worker, device_key)
             worker.wake()
+
+    def deferred_acks(self, device_key: str, values: Mapping[str, Versioned]) -> tuple[str, list[Ack]]:
+        """The acks of desired values that wait at the door for the device's rate: ``pending``, reason
+        ``deferred``, one per property that starts to wait (a value equal to the one in force already, which
+        will change nothing and get no other ack, gets none). The GPU's UUID and the acks; none when the
+        Device's GPU is not here."""
+        worker = self._worker_of(device_key)
+        if worker is None:
+            return "", []
+        now_ms = self.clock.wall_ms()
+        acks = []
+        for prop, v in values.items():
+            current = worker.desired.get(prop)
+            if current is not None and current.source == "edge" and current.raw == v.value:
+                continue
+            acks.append(deferred_ack(worker.uuid, prop, v.value, "edge", v.version_ms, now_ms))
+        return worker.uuid, acks
+
+    def _worker_of(self, device_key: str) -> GpuWorker | None:
+        namespace, _, name = device_key.partition("/")
+        try:
+            device = self.registry.get_device(namespace, name)
+        except MapperError:
+            return None
+        return self.workers.get(device.uuid)
 
     def on_membership(self, topic: str, payload: bytes) -> None:
         try:

@@ -43,6 +43,7 @@ def node_series(snap: MapperSnapshot) -> list[NodeSample]:
         (n.MQTT_CONNECTED, 1 if s.mqtt_connected else 0),
         (n.MQTT_RECONNECTS, s.mqtt_reconnects),
         (n.MQTT_INBOUND_DROPPED, _keyed(s.mqtt_inbound_dropped)),
+        (n.MQTT_INBOUND_DEFERRED, s.mqtt_inbound_deferred),
         (n.DMI_REGISTERED, 1 if s.dmi_registered else 0),
         (n.STANDALONE, 1 if s.mode == "standalone" else 0),
         (n.DMI_RPCS, _pairs(s.dmi_rpcs)),

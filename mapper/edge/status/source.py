@@ -207,6 +207,7 @@ class StatusSource:
             mqtt_connected=self.session.connected if self.session is not None else False,
             mqtt_reconnects=self.session.reconnects if self.session is not None else 0,
             mqtt_inbound_dropped=dict(self.inbound.dropped),
+            mqtt_inbound_deferred=self.inbound.deferred,
             dmi_registered=self.dmi_client.registered if self.dmi_client is not None else False,
             dmi_rpcs=dmi_rpcs,
             reconcile_actions=totals.actions,

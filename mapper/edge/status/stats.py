@@ -205,8 +205,11 @@ class MapperSnapshot:
     mqtt_enabled: bool = False
     mqtt_connected: bool = False
     mqtt_reconnects: int = 0
-    #: Messages from the broker dropped at the door, by reason (``rate-limited``, ``too-large``).
+    #: Messages from the broker dropped at the door, by reason (``rate-limited``, ``too-large``, ``superseded``,
+    #: ``refused``).
     mqtt_inbound_dropped: Mapping[str, int] = field(default_factory=dict)
+    #: Desired values that waited at the door for their device's rate (applied later, or ``superseded``).
+    mqtt_inbound_deferred: int = 0
     # --- DMI (issue 3) ---
     dmi_registered: bool = False
     #: RPCs by (method, result); result is ``ok`` or a short error code (``unavailable``, ``rate_limited``...).
@@ -279,6 +282,7 @@ class MapperSnapshot:
                 "connected": self.mqtt_connected,
                 "reconnects": self.mqtt_reconnects,
                 "inbound_dropped": dict(self.mqtt_inbound_dropped),
+                "inbound_deferred": self.mqtt_inbound_deferred,
             },
             "dmi": {"registered": self.dmi_registered, "rpcs": _pairs_out(self.dmi_rpcs)},
             "desired": {
@@ -375,6 +379,7 @@ class MapperSnapshot:
             mqtt_reconnects=mqtt.count("reconnects"),
             # Absent from the status file of a mapper older than this field.
             mqtt_inbound_dropped=mqtt.count_map("inbound_dropped") if "inbound_dropped" in mqtt.names() else {},
+            mqtt_inbound_deferred=mqtt.count("inbound_deferred") if "inbound_deferred" in mqtt.names() else 0,
             dmi_registered=dmi.flag("registered"),
             dmi_rpcs=dmi.pairs("rpcs"),
             reconcile_actions=desired.pairs("reconcile_actions"),
