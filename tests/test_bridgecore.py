@@ -111,10 +111,11 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
     # the state message: every device state, two XID codes, the desired cap, and each of the four health levels
     # and nine subsystems as one series per status (the GPU has no driver check or probe yet)
     assert n > 30 and n_status == len(DEVICE_STATES) + 2 + 1 + (4 + 9) * 3
-    # the node stream: 14 gauges and counters without labels (GPUs, 4 of the buffer, 2 of replay, 2 published,
-    # 3 of MQTT, DMI registered, standalone), build info, one drop reason, one RPC, one process error, and the
-    # histogram's 12 buckets (11 bounds and +Inf), sum and count
-    assert n_node == 14 + 1 + 1 + 1 + 1 + 12 + 2
+    # the node stream: 15 gauges and counters without labels (GPUs, 4 of the buffer, 2 of replay, 2 published,
+    # 4 of MQTT, DMI registered, standalone), build info, one drop reason, one RPC, one process error, the collect
+    # duration histogram's 12 buckets (11 bounds and +Inf), sum and count, and the two lateness histograms' 15
+    # buckets (14 bounds and +Inf), sum and count each
+    assert n_node == 15 + 1 + 1 + 1 + 1 + (12 + 2) + 2 * (15 + 2)
     assert n + n_status + n_node == len(bridge_side)
     assert bridge_side == mapper_side
     assert ("gpu_clock_event_reason_active", ()) not in bridge_side
@@ -164,6 +165,7 @@ def test_a_jetsons_float_values_are_written_in_base_units_as_its_own_metrics_sho
         labels = dict(buf.labels)
         [(ts, value)] = buf.samples()
         assert ts == sample.ts_ms
+        assert labels.pop("job") == naming.BRIDGE_JOB  # the bridge's mark; the mapper's own /metrics has none
         bridge_side[(labels.pop("__name__"), tuple(sorted(labels.items())))] = value
     by_name = {name: value for (name, _), value in bridge_side.items()}
     mhz, percent = 1_000_000, 0.01
@@ -181,7 +183,10 @@ def test_a_jetsons_float_values_are_written_in_base_units_as_its_own_metrics_sho
     mapper_side = {}
     for fam in snapshot_metrics(MapperSnapshot(node="jetson-1", gpus=(gpu,))):
         for s in fam.samples:
-            if s.name in bridged_series_names() and s.name not in {"gpu_mapper_device_state", "gpu_info"}:
+            # (the GPU's series of this batch: the mapper's own, labelled with the node alone, come through its node
+            # stream; the device state, gpu_info and the health families through the state message)
+            from_state = s.name in {"gpu_mapper_device_state", "gpu_info"} or s.name.startswith("gpu_mapper_health")
+            if "uuid" in s.labels and s.name in bridged_series_names() and not from_state:
                 labels = {k: v for k, v in s.labels.items() if v}
                 mapper_side[(s.name, tuple(sorted(labels.items())))] = s.value
     bridge_side = {k: x for k, x in bridge_side.items() if k[0] != "gpu_info"}

@@ -262,7 +262,7 @@ def test_collect_duration_is_a_histogram_with_cumulative_buckets() -> None:
 
 def test_collect_lateness_is_a_histogram_with_buckets_down_to_a_millisecond() -> None:
     reg = scrape(make_snapshot())
-    g = reg.get_sample_value
+    g = functools.partial(node_value, reg)
     assert g("gpu_mapper_collect_lateness_seconds_count") == 3
     assert g("gpu_mapper_collect_lateness_seconds_sum") == pytest.approx(0.0825)
     assert g("gpu_mapper_collect_lateness_seconds_bucket", {"le": "0.001"}) == 1

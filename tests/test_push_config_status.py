@@ -106,7 +106,11 @@ def test_the_destinations_go_through_the_status_json_and_an_older_file_without_t
 
 
 def test_gpu_mapper_status_shows_each_destinations_state_backlog_and_last_error() -> None:
-    text = render_status(snapshot())
+    # (the wide form: one line a destination; the default form wraps a line at 120 columns, the error included)
+    narrow = render_status(snapshot())
+    assert max(len(line) for line in narrow.splitlines()) <= 120
+    assert "last error: http http://10.0.0.5:8080:" in " ".join(narrow.split())
+    text = render_status(snapshot(), wide=True)
     lines = text.splitlines()
     down = next(line for line in lines if "http://10.0.0.5:8080/temp" in line)
     assert "DOWN" in down and "12 waiting (2.0 KiB)" in down and "300 delivered" in down
