@@ -21,7 +21,6 @@ wait bounded by ``timeout_s``; the event loop and the default executor never wai
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 import http.client
 import json
@@ -29,10 +28,9 @@ import math
 import ssl
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Sequence
 
+from mapper.edge.push.ownthread import OwnThread
 from mapper.errors import PartlyRefusedError, PermanentError, TransientError, short_repr
 from mapper.shared.push import DbInfluxdb2, PushSample, PushSecrets, PushWriter
 
@@ -44,8 +42,6 @@ MAX_ANSWER_BYTES = 64 * 1024
 MAX_RETRY_AFTER_S = 3600.0
 #: Lines remembered as delivered by a write that then failed part way; beyond this the memory is dropped.
 MAX_REMEMBERED_LINES = 100_000
-
-_T = TypeVar("_T")
 
 
 def make_writer(
@@ -195,8 +191,7 @@ class Influxdb2Writer:
         self._batch_lines = batch_lines
         self._conn: http.client.HTTPConnection | None = None
         self._landed: set[str] = set()
-        self._executor: ThreadPoolExecutor | None = None
-        self._closed = False
+        self._thread = OwnThread("push-influxdb2")
 
     def __repr__(self) -> str:
         return f"Influxdb2Writer({self.key!r})"
@@ -226,7 +221,7 @@ class Influxdb2Writer:
                 refused.append(f"{sample.namespace}/{sample.device}/{sample.property}@{sample.ts_ms}: {exc}")
                 positions.append(i)
         if lines:
-            await self._run(self._deliver, lines)
+            await self._thread.run(self._deliver, lines)
         if refused:
             raise PartlyRefusedError(
                 f"{self.key}: {len(refused)} of {len(samples)} samples refused (the rest written): {refused[0]}",
@@ -235,20 +230,7 @@ class Influxdb2Writer:
             )
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._executor is not None:
-            executor, self._executor = self._executor, None
-            await asyncio.get_running_loop().run_in_executor(executor, self._drop_connection)
-            executor.shutdown(wait=False)
-
-    async def _run(self, fn: Callable[[list[str]], _T], lines: list[str]) -> _T:
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="push-influxdb2")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, lines)
+        await self._thread.close(self._drop_connection)
 
     # -- in the writer's thread --
 

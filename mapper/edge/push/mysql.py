@@ -29,17 +29,16 @@ the COMMIT and its answer (the framework's buffer then replays it), or the table
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import pymysql
 import pymysql.err
 
 from mapper.edge.push.address import host_port
+from mapper.edge.push.ownthread import OwnThread
 from mapper.errors import PartlyRefusedError, PermanentError, TransientError, short_repr
 from mapper.shared.push import DbMysql, PushSample, PushSecrets, PushWriter
 
@@ -84,7 +83,6 @@ ACCESS_CODES = frozenset({1044, 1045, 1698})  # access denied (to the database, 
 UNKNOWN_DATABASE = 1049
 NO_SUCH_TABLE = 1146
 
-_T = TypeVar("_T")
 _Ident = tuple[str, int, str]
 
 
@@ -181,8 +179,7 @@ class MysqlWriter:
         self._uncertain: tuple[_Probe, frozenset[_Ident]] | None = None
         #: Samples known to be in the database that a write still failed around (left out when written again).
         self._landed: set[_Ident] = set()
-        self._executor: ThreadPoolExecutor | None = None
-        self._closed = False
+        self._thread = OwnThread("push-mysql")
 
     def __repr__(self) -> str:
         return f"MysqlWriter({self.key!r})"
@@ -190,7 +187,7 @@ class MysqlWriter:
     async def write(self, samples: Sequence[PushSample]) -> None:
         if not samples:
             return
-        refused = await self._run(self._deliver, list(samples))
+        refused = await self._thread.run(self._deliver, list(samples))
         if refused:
             refused_ids = {id(sample) for _, _, sample in refused}
             raise PartlyRefusedError(
@@ -200,20 +197,7 @@ class MysqlWriter:
             )
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._executor is not None:
-            executor, self._executor = self._executor, None
-            await asyncio.get_running_loop().run_in_executor(executor, self._drop)
-            executor.shutdown(wait=False)
-
-    async def _run(self, fn: Callable[[list[PushSample]], _T], samples: list[PushSample]) -> _T:
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="push-mysql")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, samples)
+        await self._thread.close(self._drop)
 
     # -- in the writer's thread --
 
