@@ -51,7 +51,58 @@ TARGET_DIR = Path(__file__).resolve().parent.parent / "mapper" / "wire" / DICTIO
 #: Catalog properties added after the current dictionary was trained, left out of its training samples so that
 #: the same inputs still give the same bytes (a new dictionary id may take them in). Batches holding them encode
 #: and decode as any other; only their compression does not profit from the dictionary.
-NEWER_THAN_DICTIONARY = frozenset({"memory_reserved"})
+NEWER_THAN_DICTIONARY = frozenset({"memory_reserved", "energy_consumption_age"})
+#: Catalog cycles changed after the current dictionary was trained, at the cycles it was trained with (PCIe
+#: throughput went from 5 s to 30 s when its ~20 ms blocking read moved off the shared round).
+TRAINED_CYCLES_S = {"pcie_tx": 5, "pcie_rx": 5}
+#: The order the backend gave a sample's values in when the dictionary was trained (the encoder writes columns
+#: in the order they first appear): the energy counter, now derived from the power reading, comes after it today.
+TRAINED_ORDER = (
+    "uuid",
+    "product_name",
+    "utilization_gpu",
+    "utilization_memory",
+    "memory_used",
+    "memory_total",
+    "temperature",
+    "temperature_memory",
+    "energy_consumption",
+    "temperature_slowdown",
+    "temperature_shutdown",
+    "fan_speed",
+    "power_usage",
+    "power_limit_enforced",
+    "power_limit_min",
+    "power_limit_max",
+    "power_limit_default",
+    "power_limit",
+    "clock_sm",
+    "clock_memory",
+    "clock_sm_max",
+    "clock_event_reasons",
+    "clock_event_reasons_text",
+    "pstate",
+    "pcie_tx",
+    "pcie_rx",
+    "ecc_errors_corrected",
+    "ecc_errors_uncorrected",
+    "remapped_rows_uncorrectable",
+    "remapped_rows_pending",
+    "xid_last",
+    "locked_gpu_clock_min",
+    "locked_gpu_clock_max",
+    "locked_memory_clock_min",
+    "locked_memory_clock_max",
+    "persistence_mode",
+    "compute_mode",
+)
+
+
+def trained_order(sample: Sample) -> Sample:
+    """``sample`` with its values in ``TRAINED_ORDER`` (a name it does not list after those it does)."""
+    rank = {name: i for i, name in enumerate(TRAINED_ORDER)}
+    names = sorted(sample.values, key=lambda n: rank.get(n, len(rank)))
+    return Sample(sample.uuid, sample.ts_ms, {n: sample.values[n] for n in names})
 
 
 def training_bodies() -> list[bytes]:
@@ -60,14 +111,19 @@ def training_bodies() -> list[bytes]:
     its catalog collect cycle: 1, 5, 10 or 60 s), the others every property every second; the uuid in the
     header of each GPU's first batch only (and where a batch holds the uuid), as a ``BatchEncoder`` writes it."""
     cycles_s = {
-        p.name: max(1, p.collect_cycle_ms // 1000) for p in NVML_PROPERTIES if p.name not in NEWER_THAN_DICTIONARY
+        p.name: TRAINED_CYCLES_S.get(p.name, max(1, p.collect_cycle_ms // 1000))
+        for p in NVML_PROPERTIES
+        if p.name not in NEWER_THAN_DICTIONARY
     }
     every = list(cycles_s)
     rng = random.Random(SEED)
     clock = FakeClock(start_wall_ms=1_700_000_000_000)
     profiles = sorted(PROFILES)
     sim = SimNvml.from_profiles(profiles, seed=SEED % 1000, clock=clock.monotonic)
-    backend = NvmlBackend(sim, clock=clock)
+    # (the energy counter and PCIe throughput read at every sample they are due in, as the backend did when the
+    # dictionary was trained; the mapper now reads the counter every 60 s, deriving it from power in between, and
+    # PCIe on a thread of its own ahead of its ask)
+    backend = NvmlBackend(sim, clock=clock, energy_read_s=0, blocking_thread=False)
     backend.init()
     bodies: list[bytes] = []
     try:
@@ -83,7 +139,7 @@ def training_bodies() -> list[bytes]:
                 due = [name for name, c in cycles_s.items() if second % c == 0]
                 for i, g in enumerate(gpus):
                     catalog = (phase + i) % CATALOG_EVERY == 1
-                    pending[g.uuid].append(backend.sample(g.uuid, due if catalog else every))
+                    pending[g.uuid].append(trained_order(backend.sample(g.uuid, due if catalog else every)))
                 if (second + 1) % WINDOW_S:
                     continue
                 for i, g in enumerate(gpus):

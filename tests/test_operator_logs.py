@@ -32,6 +32,7 @@ from mapper.net.mqtt import MAPPER_RECONNECT_MAX_S, MqttSession, mapper_session
 from mapper.shared.model import GpuInfo, Sample
 from mapper.shared.settings import MqttSettings
 from mapper.tools.discover import device_yaml
+from mapper.wire.payloads import STATUS_OFFLINE
 from mapper.wire.telemetry import EncodedBatch, encode_batch
 from tests.apphelpers import fast_settings, running_app, wait_for
 from tests.brokers import Mosquitto
@@ -205,7 +206,7 @@ async def test_a_broker_outage_is_one_line_out_one_line_back_with_a_true_replay_
 def test_the_mappers_session_waits_at_most_its_cap_between_attempts() -> None:
     """The back-off doubles from 0.5 s and stops at the mapper's cap (with jitter below it), however long the
     broker is away; the mapper's session says its return at debug level (the shipper's line says it)."""
-    session = mapper_session("mqtt://127.0.0.1:1", MqttSettings(url="mqtt://127.0.0.1:1"), "n1", "t")
+    session = mapper_session("mqtt://127.0.0.1:1", MqttSettings(url="mqtt://127.0.0.1:1"), "n1", "t", STATUS_OFFLINE)
     assert session.reconnect_max_s == MAPPER_RECONNECT_MAX_S <= ATTEMPTS_APART_S
     assert session.reconnect_log_level == logging.DEBUG
     delays = [session._next_delay() for _ in range(40)]
