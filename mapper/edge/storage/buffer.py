@@ -18,9 +18,10 @@ file (``<file>-reserve``, ``reserve_bytes``) that it deletes at the first full w
 When a write still cannot be stored (nothing left to drop, a read-only mount, an I/O error), the buffer keeps the
 batches in memory (``memory_max_bytes``; the oldest dropped beyond it, counted), in the same id order, and
 serves them from there (``pending``, ``ack``, the latest state snapshots too): telemetry goes on to the broker.
-``degraded`` says why (``data dir full``, ``data dir read-only``...). Once a write works again (tried at most once
-a second) the batches kept in memory are stored, the reserve made again when the file system has room for it,
-and ``degraded`` cleared. ``close`` stores what it can and counts the rest as dropped. No call raises a raw
+``degraded`` says why (``data dir full``, ``data dir read-only``...). The file is tried again at most once a second,
+whichever write met the full disk first, by the same policy (the reserve, then the oldest dropped); once a write
+works the batches kept in memory are stored, the reserve made again when the file system has room for it twice
+over, and ``degraded`` cleared. ``close`` stores what it can and counts the rest as dropped. No call raises a raw
 ``sqlite3`` error: a write that cannot be done is a ``TransientError`` (or kept in memory).
 
 Writes: ``put`` stores one batch, ``put_many`` several (a collect round's) in one transaction, as the same
@@ -533,60 +534,64 @@ class Buffer:
             self._count_drop(*drop)
 
     def _store(self, rows: Sequence[_Row]) -> int:
-        """Insert checked rows in one transaction that also enforces the bounds; the id of the first row."""
+        """Insert checked rows in one transaction that also enforces the bounds; the id of the first row. While
+        degraded (with memory) they join what memory holds, and all of it is written when a retry is due."""
         n = len(rows)
-        if self.degraded and self.memory_max_bytes and not self._try_write_again():
-            return self._keep(rows, self.degraded)
+        if self.degraded and self.memory_max_bytes:
+            first_id = self._keep(rows, self.degraded)
+            self._try_write_again()
+            return first_id
         first_id = self._next_id
-        numbered = list(enumerate(rows, first_id))
-        released = False
-        for _attempt in range(8):
-            try:
-                added, drops = self._run_raw(self._write(numbered))
-                break
-            except sqlite3.OperationalError as exc:
-                self._rollback()
-                why = _unwritable(exc)
-                if why is None:
-                    raise TransientError(f"buffer {self.path}: cannot store {_batches(n)}: {exc}") from None
-                if why != DATA_DIR_FULL:
-                    return self._keep(rows, why)
-                self._degrade(why)
-                if not released:
-                    released = True
-                    if self._make_room():
-                        continue  # the reserve's room: the same write again
-                if self._batches - len(self._acked) <= 0:
-                    if self.memory_max_bytes:
-                        return self._keep(rows, why)
-                    self._count_lost(rows, "disk_full")
-                    raise TransientError(
-                        f"buffer {self.path}: disk full and nothing left to drop; {_batches(n)} lost"
-                    ) from None
-                oldest = max(1, (self._batches - len(self._acked)) // 10)
-                log.warning("buffer %s: disk full; dropping the %d oldest batches", self.path, oldest)
-                try:
-                    self._drop_oldest(oldest, "disk_full")
-                except MapperError as drop_exc:
-                    log.warning("buffer %s: dropping the oldest failed too: %s", self.path, drop_exc)
-                    if self.memory_max_bytes:
-                        return self._keep(rows, why)
-                    self._count_lost(rows, "disk_full")
-                    raise TransientError(f"buffer {self.path}: disk full; {_batches(n)} lost") from None
-        else:
+        result = self._write_rows(list(enumerate(rows, first_id)), drop_oldest=True)
+        if isinstance(result, str):
             if self.memory_max_bytes:
-                return self._keep(rows, DATA_DIR_FULL)
-            self._count_lost(rows, "disk_full")
-            raise TransientError(f"buffer {self.path}: disk still full after dropping; {_batches(n)} lost")
+                return self._keep(rows, result)
+            self._degrade(result)
+            self._count_lost(rows, _drop_reason(result))
+            raise TransientError(f"buffer {self.path}: {result}; {_batches(n)} lost")
         self._next_id = first_id + n
-        self._committed(n, added, drops)
+        self._committed(n, *result)
         if self.degraded:
             self._recovered()
         return first_id
 
+    def _write_rows(self, numbered: Sequence[tuple[int, _Row]], *, drop_oldest: bool) -> tuple[int, list[_Drop]] | str:
+        """Write rows (each with its id) in one transaction, by the full-disk policy: on a full disk the reserve
+        file goes (and the WAL is checkpointed), then, with ``drop_oldest``, the oldest 10 % of the file's batches
+        (counted ``disk_full``), and the write is tried again (8 tries in all). The write's result (bytes added,
+        drops), or why the data dir does not take it (``DATA_DIR_FULL``...; then nothing of it is stored).
+        ``TransientError`` for any other failure."""
+        n = len(numbered)
+        for _attempt in range(8):
+            try:
+                return self._run_raw(self._write(numbered))
+            except sqlite3.Error as exc:
+                self._rollback()
+                why = _unwritable(exc)
+                if why is None:
+                    raise TransientError(f"buffer {self.path}: cannot store {_batches(n)}: {exc}") from None
+            if why != DATA_DIR_FULL:
+                return why
+            self._degrade(why)
+            if self._make_room():
+                continue  # the reserve's room: the same write again
+            in_file = self._batches - len(self._acked)
+            if not drop_oldest or in_file <= 0:
+                return why
+            oldest = max(1, in_file // 10)
+            log.warning("buffer %s: disk full; dropping the %d oldest batches", self.path, oldest)
+            try:
+                self._drop_oldest(oldest, "disk_full")
+            except MapperError as exc:
+                log.warning("buffer %s: dropping the oldest failed too: %s", self.path, exc)
+                return why
+        return DATA_DIR_FULL
+
     # --- a data dir that cannot be written ----------------------------------------------------------------------
 
     def _degrade(self, why: str) -> None:
+        """The data dir does not take a write (``why``): logged when that starts or changes; the next try of the
+        file is due ``RETRY_WRITE_S`` after the first failure (a retry sets its own time)."""
         if self.degraded != why:
             kept = (
                 f"telemetry the file cannot take is kept in memory (up to {self.memory_max_bytes} bytes, the oldest "
@@ -595,28 +600,32 @@ class Buffer:
                 else "telemetry the file cannot take is dropped (counted)"
             )
             log.error("buffer %s: %s; collection, policies and desired state go on; %s", self.path, why, kept)
+        if not self.degraded:
+            self._last_write_try = self.clock.monotonic()
         self.degraded = why
-        self._last_write_try = self.clock.monotonic()
 
     def _try_write_again(self) -> bool:
-        """While degraded: whether the file takes writes again (tried at most every ``RETRY_WRITE_S``): the rows
-        and snapshots kept in memory are stored first, in one transaction. False while it still does not."""
+        """While degraded: whether the file takes writes again (tried at most every ``RETRY_WRITE_S``): what memory
+        holds is written, by the full-disk policy (the oldest dropped to make room). False while it does not."""
         now = self.clock.monotonic()
         if self._last_write_try is not None and now - self._last_write_try < RETRY_WRITE_S:
             return False
         self._last_write_try = now
-        return self._flush_memory()
+        return self._flush_memory(drop_oldest=True)
 
-    def _flush_memory(self, chunk: int = 256) -> bool:
-        """Store what memory holds (rows in id order, ``chunk`` rows a transaction, then the latest snapshots);
-        True when all of it is stored (or there was nothing), False when the file still cannot take the rest (what
-        it took is stored and gone from memory)."""
+    def _flush_memory(self, *, drop_oldest: bool, chunk: int = 256) -> bool:
+        """Store what memory holds (rows in id order, ``chunk`` rows a transaction, each by ``_write_rows``; then
+        the latest snapshots); True when all of it is stored (or there was nothing), False when the file still
+        cannot take the rest (what it took is stored and gone from memory)."""
         stored = 0
         try:
             while self._memory or self._acked:
                 rows = [(row_id, row) for row_id, (row, _) in list(self._memory.items())[:chunk]]
-                added, drops = self._run_raw(self._write(rows))
-                self._committed(len(rows), added, drops)
+                result = self._write_rows(rows, drop_oldest=drop_oldest)
+                if isinstance(result, str):
+                    self.degraded = result
+                    return False
+                self._committed(len(rows), *result)
                 for row_id, _ in rows:
                     self._memory_bytes -= self._memory.pop(row_id)[1]
                 stored += len(rows)
@@ -625,16 +634,15 @@ class Buffer:
                 del self._memory_latest[device]
         except sqlite3.Error as exc:
             self._rollback()
-            why = _unwritable(exc) if isinstance(exc, sqlite3.OperationalError) else None
+            why = _unwritable(exc)
             if why is not None:
                 self.degraded = why
-            if stored:
-                log.info("buffer %s: %s of those kept in memory stored", self.path, _batches(stored))
             return False
         except MapperError:
             return False
-        if stored:
-            log.info("buffer %s: %s kept in memory stored", self.path, _batches(stored))
+        finally:
+            if stored:
+                log.info("buffer %s: %s of those kept in memory stored", self.path, _batches(stored))
         self._recovered()
         return True
 
@@ -1125,7 +1133,7 @@ class Buffer:
         """Store what memory holds if the file takes it now (else it is counted as dropped), checkpoint, close.
         Never raises for a file that cannot be written."""
         kept = self._memory or self._memory_latest or self._acked
-        if not self._closed and kept and not self._flush_memory() and self._memory:
+        if not self._closed and kept and not self._flush_memory(drop_oldest=False) and self._memory:
             lost = [row for row, _ in self._memory.values()]
             self._count_lost(lost, _drop_reason(self.degraded or DATA_DIR_FULL))
             log.error(
