@@ -255,6 +255,8 @@ class Buffer:
         #: write that works).
         self._acked: dict[int, int] = {}
         self._last_write_try: float | None = None
+        #: Whether a failed drop of the oldest was logged while degraded (it is tried again every second).
+        self._drop_failure_logged = False
         self._conn: sqlite3.Connection | None = None
         self._closed = False
         self._last_drop_log: float | None = None
@@ -579,11 +581,18 @@ class Buffer:
             if not drop_oldest or in_file <= 0:
                 return why
             oldest = max(1, in_file // 10)
-            log.warning("buffer %s: disk full; dropping the %d oldest batches", self.path, oldest)
+            log.debug("buffer %s: disk full; dropping the %d oldest batches", self.path, oldest)  # counted, logged
             try:
                 self._drop_oldest(oldest, "disk_full")
             except MapperError as exc:
-                log.warning("buffer %s: dropping the oldest failed too: %s", self.path, exc)
+                if not self._drop_failure_logged:  # once while degraded: tried again every second
+                    self._drop_failure_logged = True
+                    log.warning(
+                        "buffer %s: dropping the oldest failed too (what the file cannot take is kept in memory; "
+                        "logged once until the data dir takes writes again): %s",
+                        self.path,
+                        exc,
+                    )
                 return why
         return DATA_DIR_FULL
 
@@ -641,8 +650,8 @@ class Buffer:
         except MapperError:
             return False
         finally:
-            if stored:
-                log.info("buffer %s: %s of those kept in memory stored", self.path, _batches(stored))
+            if stored:  # every second while degraded: not at INFO
+                log.debug("buffer %s: %s of those kept in memory stored", self.path, _batches(stored))
         self._recovered()
         return True
 
@@ -653,6 +662,7 @@ class Buffer:
         if self.degraded:
             log.warning("buffer %s: the data dir takes writes again (it was: %s)", self.path, self.degraded)
         self.degraded = ""
+        self._drop_failure_logged = False
 
     def _keep(self, rows: Sequence[_Row], why: str) -> int:
         """Keep rows the file cannot take in memory (ids as if stored); beyond ``memory_max_bytes`` the oldest kept
@@ -686,9 +696,10 @@ class Buffer:
         self._log_drop(len(rows))
 
     def _make_room(self) -> bool:
-        """At the first full write of a call: the reserve file goes (its room lets the WAL take a delete, and a
-        checkpoint the pages it moves into the file), and the WAL is checkpointed into the file (so that it is
-        reused from its start). True when a reserve file was deleted."""
+        """At a full write: the reserve file goes (its room lets the WAL take a delete, and a checkpoint the pages
+        it moves into the file), and the WAL is checkpointed into the file so that the next write reuses it from
+        its start (RESTART, not TRUNCATE: a WAL given back to the file system would be room the reserve, or another
+        process, takes, and the next write would meet a full disk again). True when a reserve file was deleted."""
         released = False
         try:
             self.reserve_path.unlink()
@@ -699,7 +710,7 @@ class Buffer:
         except OSError as exc:
             log.warning("buffer %s: cannot delete the reserve file: %s", self.path, exc)
         try:
-            self._run_raw(lambda conn: conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone())
+            self._run_raw(lambda conn: conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone())
         except (sqlite3.Error, MapperError):
             pass  # what it could copy is copied
         return released
