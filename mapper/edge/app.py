@@ -194,7 +194,12 @@ class MapperApp:
 
         # The files: the telemetry buffer and the desired store.
         self.buffer = Buffer(
-            self.data_dir / "telemetry.db", max_bytes=s.buffer_max_bytes, max_age_s=s.buffer_max_age_s, clock=clock
+            self.data_dir / "telemetry.db",
+            max_bytes=s.buffer_max_bytes,
+            max_age_s=s.buffer_max_age_s,
+            clock=clock,
+            memory_max_bytes=s.buffer_memory_max_bytes,
+            reserve_bytes=s.buffer_reserve_bytes,
         )
         self.store = DesiredStore(self.data_dir / "desired.db", now_ms=clock.wall_ms)
 
@@ -338,6 +343,7 @@ class MapperApp:
             self._beat,
             self.housekeeping_interval_s,
             config_errors=self.registry.config_errors,
+            retry_saves=self.bindings.save_unsaved,
         )
         self._built = True
 
@@ -471,7 +477,10 @@ class MapperApp:
         if self._built:
             # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
             # stored yet (a collector that crashed in the middle of publishing its round).
-            self.streams.flush_all()
+            try:
+                self.streams.flush_all()
+            except Exception:  # a bug: what it could store is stored; the rest of the shutdown goes on
+                log.exception("storing the last samples at shutdown failed")
             with contextlib.suppress(Exception):
                 await self.shipper.stop(timeout_s=2.0)
             await self.publisher.publish_offline(timeout_s=2.0)
@@ -486,9 +495,20 @@ class MapperApp:
                 self.housekeeping.write_status(self.snapshot())
             self.metrics.stop()
         if self.buffer is not None:
-            self.buffer.close()
+            try:
+                self.buffer.close()
+            except Exception:
+                log.exception("closing the buffer failed")
         if self.store is not None:
-            self.store.close()
+            if self._built:
+                try:  # desired states a full data dir kept from being saved: saved now if it takes them
+                    self.bindings.save_unsaved()
+                except Exception:
+                    log.exception("saving the desired state at shutdown failed")
+            try:
+                self.store.close()
+            except Exception:
+                log.exception("closing the desired store failed")
         with contextlib.suppress(MapperError):
             await asyncio.to_thread(self.backend.shutdown)
 
@@ -528,7 +548,10 @@ class MapperApp:
     def readiness(self) -> Readiness:
         registered = self.dmi_client.registered if self.dmi_client is not None else False
         return Readiness(
-            nvml_initialised=self.nvml_ready, dmi_registered=registered, standalone=not self.settings.dmi_enabled
+            nvml_initialised=self.nvml_ready,
+            dmi_registered=registered,
+            standalone=not self.settings.dmi_enabled,
+            degraded=self.status.degraded() if self._built else (),
         )
 
     def snapshot(self) -> MapperSnapshot:

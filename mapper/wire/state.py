@@ -8,7 +8,8 @@ One JSON object: ``device``, ``uuid``, ``ts_ms`` and ``values`` (the latest samp
 mapper's status of the GPU (``GpuStatus``; all optional: a reader takes a message without them, as mappers
 before them sent): when the snapshot was taken (``at_ms``), the device ``state``, the GPU's identity (``gpu``:
 ``{"index", "pci_bus_id", "driver_version"}``), the XID events seen by code (``xid_errors``: ``{"79": 1}``) and
-the desired power limit in W (``power_limit_desired_w``, only when one is set).
+the desired power limit in W (``power_limit_desired_w``, only when one is set), and what of the mapper runs
+degraded (``degraded``: ``data dir full``; only while something does).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mapper.shared.model import DEVICE_STATES, Sample
 #: The status keys of a state message, after ``device``, ``uuid``, ``ts_ms`` and ``values``.
 STATE_AT_MS, STATE_STATE, STATE_GPU = "at_ms", "state", "gpu"
 STATE_XID_ERRORS, STATE_POWER_LIMIT_DESIRED_W = "xid_errors", "power_limit_desired_w"
+STATE_DEGRADED = "degraded"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,6 +49,8 @@ class GpuStatus:
     xid_errors: Mapping[int, int] = field(default_factory=dict)
     #: The power cap asked for (W); None when none is.
     power_limit_desired_w: float | None = None
+    #: What of the mapper runs degraded (``data dir full``); "" when nothing does (the key is left out).
+    degraded: str = ""
 
 
 def state_payload(device: str, sample: Sample, status: GpuStatus | None = None) -> bytes:
@@ -64,6 +68,8 @@ def state_payload(device: str, sample: Sample, status: GpuStatus | None = None) 
         doc[STATE_XID_ERRORS] = {str(k): v for k, v in sorted(status.xid_errors.items())}
         if status.power_limit_desired_w is not None:
             doc[STATE_POWER_LIMIT_DESIRED_W] = status.power_limit_desired_w
+        if status.degraded:
+            doc[STATE_DEGRADED] = status.degraded
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
@@ -101,6 +107,8 @@ class DeviceStatus:
     #: (XID code as text, events seen) by code.
     xid_errors: tuple[tuple[str, int], ...] = ()
     power_limit_desired_w: float | None = None
+    #: What of the mapper runs degraded, "" when nothing does (or the message does not say).
+    degraded: str = ""
 
     @property
     def has_samples(self) -> bool:
@@ -150,4 +158,9 @@ def parse_state(payload: bytes) -> DeviceStatus:
         isinstance(desired, bool) or not isinstance(desired, int | float) or not math.isfinite(desired)
     ):
         raise ValueError(f"{STATE_POWER_LIMIT_DESIRED_W} {desired!r} is not a number of W")
-    return DeviceStatus(device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired))
+    degraded = doc.get(STATE_DEGRADED) or ""
+    if not isinstance(degraded, str):
+        raise ValueError(f"{STATE_DEGRADED} {degraded!r} is not a string")
+    return DeviceStatus(
+        device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired), degraded
+    )

@@ -439,6 +439,26 @@ def _self_metrics(s: MapperSnapshot) -> list[Metric]:
             ("reason",),
             _keyed(s.buffer_drops),
         ),
+        _labelled(
+            CounterMetricFamily,
+            "gpu_mapper_buffer_dropped_samples",
+            "samples (one GPU's readings at one time) in the telemetry batches dropped from the offline buffer, by "
+            "reason",
+            ("reason",),
+            _keyed(s.buffer_dropped_samples),
+        ),
+        _gauge(
+            "gpu_mapper_buffer_memory_batches",
+            "telemetry batches kept in memory because the data dir cannot take them",
+            s.buffer_memory_batches,
+        ),
+        _labelled(
+            GaugeMetricFamily,
+            "gpu_mapper_degraded",
+            "1 while the mapper runs degraded, by reason (data dir full, data dir read-only, ...)",
+            ("reason",),
+            [((why,), 1) for why in s.degraded],
+        ),
         _gauge(
             "gpu_mapper_replay_remaining_batches",
             "batches still to replay after a reconnect",
@@ -629,7 +649,8 @@ class MetricsServer(HttpServer):
             if problems:
                 return 503, TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
             mode = "standalone" if ready.standalone else "registered with EdgeCore"
-            return 200, TEXT, f"ready ({mode})\n".encode()
+            degraded = "".join(f"; degraded: {d}" for d in ready.degraded)
+            return 200, TEXT, f"ready ({mode}){degraded}\n".encode()
         if path == "/status":
             try:
                 snap = self.call(self._snapshot)
