@@ -597,3 +597,41 @@ def test_a_full_disk_met_first_by_a_state_snapshot_still_frees_the_reserve_and_s
         again = _open(fs / "t.db", fake_clock)
         assert _seqs(again) == list(range(6)) and again.latest() == {"default/gpu0": snapshot}
         again.close()
+
+
+@NEEDS_ROOT
+def test_a_buffer_opened_on_a_full_data_dir_reads_its_file_keeps_new_batches_in_memory_and_stores_them_later(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    """A restart on a full data dir: SQLite cannot even open the file for writing. The buffer reads what the file
+    holds, keeps new batches in memory (ids above the file's), takes acks of both, and once space returns opens the
+    file for writing and stores them: all in one order, nothing moved aside."""
+    with small_tmpfs(tmp_path / "fs", 1024**2) as fs:
+        first = _open(fs / "t.db", fake_clock)
+        for seq in range(10):
+            first.put(_real(fake_clock, seq))
+        first.close()
+        filler = fill(fs)
+        with pytest.raises(sqlite3.OperationalError):  # what stopped the mapper's start before
+            sqlite3.connect(fs / "t.db").execute("PRAGMA journal_mode=WAL").fetchone()
+        buf = _open(fs / "t.db", fake_clock, memory_max_bytes=1_000_000)
+        assert buf.degraded == "data dir full"
+        assert _seqs(buf) == list(range(10)), "what the file holds is read"
+        for seq in range(10, 15):
+            buf.put(_real(fake_clock, seq))
+        rows = buf.pending(100)
+        assert [r.seq for r in rows] == list(range(15)) and buf.stats().memory_batches == 5
+        assert [r.id for r in rows] == sorted(r.id for r in rows)
+        buf.ack_many([rows[0].id, rows[12].id])  # one of the file's (deferred), one of memory's
+        expected = [s for s in range(15) if s not in (0, 12)]
+        assert _seqs(buf) == expected and buf.stats().batches == 13
+        filler.unlink()
+        fake_clock.advance(2.0)
+        buf.put(_real(fake_clock, 15))
+        assert buf.degraded == "" and buf.stats().memory_batches == 0
+        assert _seqs(buf) == [*expected, 15]
+        buf.close()
+        assert not list(fs.glob("*.corrupt-*"))
+        again = _open(fs / "t.db", fake_clock)
+        assert _seqs(again) == [*expected, 15] and again.stats().batches == 14
+        again.close()

@@ -217,8 +217,36 @@ def test_a_data_dir_that_fills_up_under_a_running_mapper_degrades_never_stops_an
 
             # Full again, and stopped there: SIGTERM stores what it can and exits 0, no traceback.
             mosquitto.stop()
-            fill(data)
+            filler = fill(data)
             wait(lambda: "degraded: data dir full" in http(base + "/readyz")[1], 60, "degraded again", proc)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+
+            # Started again on the full disk (a restart by the kubelet, a reboot): it starts degraded, never exits,
+            # enforces the caps, and stores again once space returns; nothing of the data dir is moved aside.
+            fill(data, "filler-2")  # what the shutdown left free
+            assert free_bytes(data) == 0
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            wait(lambda: "degraded: data dir full" in http(base + "/readyz")[1], 60, "started degraded", proc)
+            assert http(base + "/readyz")[0] == 200 and http(base + "/healthz")[0] == 200
+            wait(lambda: limits() == caps, 60, "the caps enforced after a start on the full disk", proc)
+            wait(
+                lambda: (metric(http(base + "/metrics")[1], "gpu_mapper_buffer_memory_batches") or 0) > 0,
+                60,
+                "new batches kept in memory",
+                proc,
+            )
+            filler.unlink()
+            (data / "filler-2").unlink()
+            wait(lambda: "degraded" not in http(base + "/readyz")[1], 60, "/readyz no longer degraded", proc)
+            wait(
+                lambda: metric(http(base + "/metrics")[1], "gpu_mapper_buffer_memory_batches") == 0,
+                30,
+                "nothing left in memory after the start on a full disk",
+                proc,
+            )
+            assert not list(data.glob("*.corrupt-*")), "nothing taken for corrupt"
+            assert stored_caps(data) == caps, "the desired store kept"
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(30) == 0
         finally:

@@ -21,8 +21,10 @@ serves them from there (``pending``, ``ack``, the latest state snapshots too): t
 ``degraded`` says why (``data dir full``, ``data dir read-only``...). The file is tried again at most once a second,
 whichever write met the full disk first, by the same policy (the reserve, then the oldest dropped); once a write
 works the batches kept in memory are stored, the reserve made again when the file system has room for it twice
-over, and ``degraded`` cleared. ``close`` stores what it can and counts the rest as dropped. No call raises a raw
-``sqlite3`` error: a write that cannot be done is a ``TransientError`` (or kept in memory).
+over, and ``degraded`` cleared. A file the data dir does not let open at all (a start on a full or read-only
+data dir) is read through a read-only connection and the buffer starts degraded (``_open_read_only``). ``close``
+stores what it can and counts the rest as dropped. No call raises a raw ``sqlite3`` error: a write that cannot be
+done is a ``TransientError`` (or kept in memory).
 
 Writes: ``put`` stores one batch, ``put_many`` several (a collect round's) in one transaction, as the same
 puts would one by one; both enforce the bounds in the transaction that stores. All calls are quick, synchronous
@@ -41,7 +43,13 @@ from typing import Any, Literal, TypeVar
 
 from mapper.clock import Clock, SystemClock
 from mapper.edge.outbox.records import CompactionRow, StoredBatch, peek_header
-from mapper.edge.storage.sqlitefiles import move_aside
+from mapper.edge.storage.sqlitefiles import (
+    DATA_DIR_FULL,
+    DEGRADED_AT_START,
+    move_aside,
+    open_read_only,
+    unwritable_reason,
+)
 from mapper.errors import ConfigError, MapperError, PermanentError, TransientError
 from mapper.wire.telemetry import MERGED_FORMAT_VERSION, MERGED_VERSIONS, batch_rows
 
@@ -56,19 +64,16 @@ _SIZE_SQL = f"(length(payload) + {ROW_OVERHEAD_BYTES})"
 #: of each costs less in small pages (measured: docs/benchmarks.md); a few fixed pages for the small tables.
 PAGE_SIZE = 1024
 DROP_REASONS = ("size", "age", "disk_full", "unwritable", "corrupt")
-#: What ``Buffer.degraded`` says of a data dir that cannot be written.
-DATA_DIR_FULL = "data dir full"
-DATA_DIR_READ_ONLY = "data dir read-only"
-DATA_DIR_UNWRITABLE = "data dir unwritable"
+#: What ``Buffer.degraded`` says of a data dir that cannot be written (``mapper.edge.storage.sqlitefiles``).
+#: Ids of what a buffer opened read-only keeps in memory start this far above the largest id its file shows: the
+#: file's ``-wal`` (not read) may hold rows with larger ids, and the memory's rows must never meet them.
+READ_ONLY_ID_GAP = 2**32
 #: While degraded, a write to the file is tried again at most this often (s); in between, batches go to memory.
 RETRY_WRITE_S = 1.0
 Synchronous = Literal["OFF", "NORMAL", "FULL"]
 
-_SQLITE_READONLY = 8
-_SQLITE_IOERR = 10
 _SQLITE_CORRUPT = 11
 _SQLITE_FULL = 13
-_SQLITE_CANTOPEN = 14
 _SQLITE_NOTADB = 26
 _T = TypeVar("_T")
 
@@ -117,21 +122,6 @@ def _is_full(exc: sqlite3.DatabaseError) -> bool:
     if code is not None and code & 0xFF == _SQLITE_FULL:
         return True
     return "database or disk is full" in str(exc).lower()
-
-
-def _unwritable(exc: sqlite3.Error) -> str | None:
-    """Why a write failed because the data dir cannot take it (full, read-only, an I/O error), or None (locked,
-    busy, anything else: worth a retry as it is)."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    primary = code & 0xFF if code is not None else None
-    text = str(exc).lower()
-    if primary == _SQLITE_FULL or "database or disk is full" in text:
-        return DATA_DIR_FULL
-    if primary == _SQLITE_READONLY or "readonly" in text or "read-only" in text:
-        return DATA_DIR_READ_ONLY
-    if primary in (_SQLITE_IOERR, _SQLITE_CANTOPEN) or "disk i/o error" in text or "unable to open" in text:
-        return DATA_DIR_UNWRITABLE
-    return None
 
 
 def _drop_reason(why: str) -> str:
@@ -255,6 +245,11 @@ class Buffer:
         #: write that works).
         self._acked: dict[int, int] = {}
         self._last_write_try: float | None = None
+        #: Why the file is open read-only ("" while it is open for writing): a start on a data dir that takes no
+        #: writes (``_open_read_only``); it is opened for writing again by the next retry that can.
+        self._read_only = ""
+        #: What the last write that failed met, as the error of a call that could not store says it.
+        self._write_failure = ""
         #: Whether a failed drop of the oldest was logged while degraded (it is tried again every second).
         self._drop_failure_logged = False
         self._conn: sqlite3.Connection | None = None
@@ -280,7 +275,66 @@ class Buffer:
             except (_Corrupt, sqlite3.Error) as exc2:
                 raise PermanentError(f"buffer {self.path}: a fresh database does not open either: {exc2}") from None
         except sqlite3.Error as exc:
-            raise PermanentError(f"buffer {self.path}: cannot open: {exc}") from None
+            why = self._why(exc)
+            if why is None or why not in DEGRADED_AT_START or self.memory_max_bytes <= 0:
+                raise PermanentError(f"buffer {self.path}: cannot open: {exc}") from None
+            self._open_read_only(why, exc)
+
+    def _why(self, exc: sqlite3.Error) -> str | None:
+        """Why a call failed because the data dir cannot take a write (``unwritable_reason``), or None."""
+        return unwritable_reason(exc, self.path.parent)
+
+    def _open_read_only(self, why: str, exc: sqlite3.Error) -> None:
+        """The data dir does not let the file open for writing (full: SQLite cannot even extend its ``-shm``;
+        read-only): what the file holds is read through a read-only connection (``open_read_only``; an empty
+        in-memory buffer when even that fails), the buffer starts degraded, new batches go to memory with ids
+        ``READ_ONLY_ID_GAP`` above the file's, and each retry first tries to open the file for writing."""
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = open_read_only(self.path)
+            if not {"meta", "streams", "batches", "latest"} <= _table_names(conn):
+                raise sqlite3.DatabaseError("not a buffer file (yet)")
+            version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if version is None or int(version[0]) != SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"schema {version and version[0]}, not {SCHEMA_VERSION}")
+            read = "what it holds is read from it"
+        except (sqlite3.Error, ValueError) as read_exc:
+            if conn is not None:
+                conn.close()
+            conn = sqlite3.connect(":memory:", isolation_level=None)
+            self._create_schema(conn, self.clock.wall_ms())
+            read = f"nothing of it can be read now ({read_exc}): it is left as it is"
+        epoch = conn.execute("SELECT value FROM meta WHERE key = 'epoch_ms'").fetchone()
+        row = conn.execute(
+            f"SELECT COUNT(*), COALESCE(SUM({_SIZE_SQL}), 0), COALESCE(MAX(id), 0) FROM batches"
+        ).fetchone()
+        self._conn = conn
+        self._batches, self._bytes = int(row[0]), int(row[1])
+        self._epoch_ms = int(epoch[0])
+        self._next_id = max(self._next_id, int(row[2]) + 1 + READ_ONLY_ID_GAP)
+        self._streams = {}
+        self._read_only = why
+        log.error("buffer %s: cannot open it for writing (%s: %s); %s", self.path, why, exc, read)
+        self._degrade(why)
+
+    def _reopen(self) -> bool:
+        """A file open read-only (``_open_read_only``) opened for writing, when the data dir lets it now."""
+        read_only = self._conn
+        self._conn = None
+        try:
+            self._connect()
+        except (_Corrupt, sqlite3.Error) as exc:
+            self._conn = read_only
+            why = self._why(exc) if isinstance(exc, sqlite3.Error) else None
+            log.debug("buffer %s: still cannot open it for writing: %s", self.path, exc)
+            if why is not None:
+                self.degraded = why
+            return False
+        if read_only is not None:
+            read_only.close()
+        log.warning("buffer %s: open for writing again", self.path)
+        self._read_only = ""
+        return True
 
     def _connect(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -448,6 +502,8 @@ class Buffer:
                 return op(self._conn)
             except sqlite3.DatabaseError as exc:
                 self._rollback()
+                if _is_corrupt(exc) and self._read_only:  # read as the last checkpoint left it: never moved aside
+                    raise
                 if _is_corrupt(exc) and attempt == 1:
                     self._move_aside(str(exc))
                     self._open()
@@ -550,7 +606,7 @@ class Buffer:
                 return self._keep(rows, result)
             self._degrade(result)
             self._count_lost(rows, _drop_reason(result))
-            raise TransientError(f"buffer {self.path}: {result}; {_batches(n)} lost")
+            raise TransientError(f"buffer {self.path}: {self._write_failure}; {_batches(n)} lost")
         self._next_id = first_id + n
         self._committed(n, *result)
         if self.degraded:
@@ -569,9 +625,10 @@ class Buffer:
                 return self._run_raw(self._write(numbered))
             except sqlite3.Error as exc:
                 self._rollback()
-                why = _unwritable(exc)
+                why = self._why(exc)
                 if why is None:
                     raise TransientError(f"buffer {self.path}: cannot store {_batches(n)}: {exc}") from None
+            self._write_failure = why
             if why != DATA_DIR_FULL:
                 return why
             self._degrade(why)
@@ -579,6 +636,7 @@ class Buffer:
                 continue  # the reserve's room: the same write again
             in_file = self._batches - len(self._acked)
             if not drop_oldest or in_file <= 0:
+                self._write_failure = "disk full and nothing left to drop" if drop_oldest else why
                 return why
             oldest = max(1, in_file // 10)
             log.debug("buffer %s: disk full; dropping the %d oldest batches", self.path, oldest)  # counted, logged
@@ -594,6 +652,7 @@ class Buffer:
                         exc,
                     )
                 return why
+        self._write_failure = "disk still full after dropping"
         return DATA_DIR_FULL
 
     # --- a data dir that cannot be written ----------------------------------------------------------------------
@@ -626,6 +685,8 @@ class Buffer:
         """Store what memory holds (rows in id order, ``chunk`` rows a transaction, each by ``_write_rows``; then
         the latest snapshots); True when all of it is stored (or there was nothing), False when the file still
         cannot take the rest (what it took is stored and gone from memory)."""
+        if self._read_only and not self._reopen():
+            return False
         stored = 0
         try:
             while self._memory or self._acked:
@@ -643,7 +704,7 @@ class Buffer:
                 del self._memory_latest[device]
         except sqlite3.Error as exc:
             self._rollback()
-            why = _unwritable(exc)
+            why = self._why(exc)
             if why is not None:
                 self.degraded = why
             return False
@@ -893,7 +954,7 @@ class Buffer:
             count, size = self._run_raw(delete)
         except sqlite3.OperationalError as exc:
             self._rollback()
-            if _unwritable(exc) is None:
+            if self._why(exc) is None:
                 raise TransientError(f"buffer {self.path}: {exc}") from None
             self._defer_acks(ids)
             return
@@ -940,7 +1001,7 @@ class Buffer:
             self._run_raw(self._upsert_latest(device, payload, ts))
         except sqlite3.Error as exc:
             self._rollback()
-            why = _unwritable(exc) if isinstance(exc, sqlite3.OperationalError) else None
+            why = self._why(exc) if isinstance(exc, sqlite3.OperationalError) else None
             if why is None or not self.memory_max_bytes:
                 raise TransientError(f"buffer {self.path}: {exc}") from None
             self._degrade(why)
@@ -1157,7 +1218,8 @@ class Buffer:
         self._closed = True
         if self._conn is not None:
             try:
-                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                if not self._read_only:
+                    self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.Error as exc:
                 log.warning("buffer %s: checkpoint at close failed: %s", self.path, exc)
             self._conn.close()
