@@ -111,11 +111,11 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
     # the state message: every device state, two XID codes, the desired cap, and each of the four health levels
     # and nine subsystems as one series per status (the GPU has no driver check or probe yet)
     assert n > 30 and n_status == len(DEVICE_STATES) + 2 + 1 + (4 + 9) * 3
-    # the node stream: 15 gauges and counters without labels (GPUs, 4 of the buffer, 2 of replay, 2 published,
+    # the node stream: 16 gauges and counters without labels (GPUs, 5 of the buffer, 2 of replay, 2 published,
     # 4 of MQTT, DMI registered, standalone), build info, one drop reason, one RPC, one process error, the collect
     # duration histogram's 12 buckets (11 bounds and +Inf), sum and count, and the two lateness histograms' 15
     # buckets (14 bounds and +Inf), sum and count each
-    assert n_node == 15 + 1 + 1 + 1 + 1 + (12 + 2) + 2 * (15 + 2)
+    assert n_node == 16 + 1 + 1 + 1 + 1 + (12 + 2) + 2 * (15 + 2)
     assert n + n_status + n_node == len(bridge_side)
     assert bridge_side == mapper_side
     assert ("gpu_clock_event_reason_active", ()) not in bridge_side

@@ -13,6 +13,7 @@ from mapper.edge.storage.buffer import ROW_OVERHEAD_BYTES, Buffer
 from mapper.errors import ConfigError, PermanentError, TransientError
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import encode_batch
+from tests.smallfs import NEEDS_ROOT, ext4_that_fails, fill, free_bytes, small_tmpfs
 
 
 def _put(buf: Buffer, clock: FakeClock, seq: int, *, device: str = "default/gpu0", size: int = 200) -> int:
@@ -469,3 +470,203 @@ def test_put_many_that_cannot_fit_stores_none_and_counts_each_as_lost(tmp_path: 
     assert buf.pending(10) == []
     assert (buf.stats().batches, buf.stats().drops_by_reason["disk_full"]) == (0, 3)
     assert buf.put_many([_item(fake_clock, 3, size=1000)]) != []  # and the buffer still works
+
+
+# --------------------------------------------------------------------------------------------------
+# A data dir that fills up or turns read-only: a real tmpfs
+# --------------------------------------------------------------------------------------------------
+
+ROWS = 10
+
+
+def _real(clock: FakeClock, seq: int) -> StoredBatch:
+    """A real telemetry batch of ``ROWS`` samples (noisy values: a few hundred bytes), its seq ``seq``."""
+    import random
+
+    from mapper.shared.model import Sample
+    from mapper.wire.telemetry import encode_batch
+
+    rng = random.Random(seq)
+    t0 = clock.wall_ms()
+    samples = [
+        Sample("GPU-1", t0 + i * 1000, {"power_usage": rng.uniform(50, 700), "temperature": rng.randint(30, 90)})
+        for i in range(ROWS)
+    ]
+    b = encode_batch(samples, node="n", device="default/gpu0", uuid="GPU-1", boot_id="0badf00d", seq=seq)
+    clock.advance(0.001)
+    return StoredBatch(
+        b.device,
+        b.uuid,
+        b.boot_id,
+        b.seq,
+        b.ts_first_ms,
+        b.ts_last_ms,
+        "gpu-mapper/n/default/gpu0/telemetry",
+        b.payload,
+    )
+
+
+def _seqs(buf: Buffer) -> list[int]:
+    return [r.seq for r in buf.pending(100_000)]
+
+
+@NEEDS_ROOT
+def test_a_full_data_dir_keeps_batches_in_memory_drops_the_oldest_counted_and_stores_them_when_space_returns(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    with small_tmpfs(tmp_path / "fs", 2 * 1024**2) as fs:
+        buf = _open(fs / "t.db", fake_clock, memory_max_bytes=30_000, reserve_bytes=256 * 1024)
+        assert buf.reserve_path.stat().st_size == 256 * 1024, "the reserve is made, with real blocks"
+        for seq in range(20):
+            buf.put(_real(fake_clock, seq))
+        filler = fill(fs)
+        assert free_bytes(fs) == 0
+        seq = 20
+        for seq in range(20, 400):  # nothing raises, whatever the file system says
+            buf.put(_real(fake_clock, seq))
+        assert buf.degraded == "data dir full"
+        assert not buf.reserve_path.exists(), "the reserve went to make room"
+        stats = buf.stats()
+        assert stats.degraded == "data dir full" and stats.memory_batches > 0
+        kept = _seqs(buf)
+        dropped = stats.drops_by_reason["disk_full"]
+        assert dropped > 0, "memory is bounded: the oldest kept there were dropped"
+        assert len(kept) + dropped == 400 and stats.batches == len(kept)
+        assert kept == sorted(kept) and kept[-1] == 399, "id order is seq order; the newest kept"
+        assert stats.drop_samples_by_reason["disk_full"] == dropped * ROWS
+
+        # Acknowledged: a row in the file (its delete deferred while the file cannot be written) and one in memory.
+        rows = buf.pending(100_000)
+        buf.ack_many([rows[0].id, rows[-1].id])
+        assert _seqs(buf) == kept[1:-1] and buf.stats().batches == len(kept) - 2
+
+        # Space returns: the next write stores what memory holds (at most once a second it is tried).
+        filler.unlink()
+        fake_clock.advance(2.0)
+        buf.put(_real(fake_clock, 400))
+        assert buf.degraded == "" and buf.stats().memory_batches == 0
+        assert buf.reserve_path.stat().st_size == 256 * 1024, "the reserve is made again"
+        assert _seqs(buf) == [*kept[1:-1], 400]
+        buf.close()
+        again = _open(fs / "t.db", fake_clock)
+        assert _seqs(again) == [*kept[1:-1], 400], "all of it in the file"
+        again.close()
+
+
+@NEEDS_ROOT
+def test_at_close_a_full_data_dir_stores_what_it_can_and_counts_the_rest(tmp_path: Path, fake_clock: FakeClock) -> None:
+    with small_tmpfs(tmp_path / "fs", 1024**2) as fs:
+        buf = _open(fs / "t.db", fake_clock, memory_max_bytes=10_000_000, reserve_bytes=64 * 1024)
+        for seq in range(10):
+            buf.put(_real(fake_clock, seq))
+        fill(fs)
+        total = 1500  # far more than the reserve's 64 KiB can take
+        for seq in range(10, total):
+            buf.put(_real(fake_clock, seq))
+        buf.put_latest("default/gpu0", b'{"device":"default/gpu0"}')
+        assert buf.degraded == "data dir full" and buf.latest() == {"default/gpu0": b'{"device":"default/gpu0"}'}
+        in_memory = buf.stats().memory_batches
+        assert in_memory > 0
+        waiting = _seqs(buf)
+        in_file = waiting[: len(waiting) - in_memory]
+        dropped_before = buf.drops["disk_full"]  # the oldest, dropped to make room while it ran
+        assert len(waiting) + dropped_before == total
+        buf.close()  # never raises: stores what the file takes, counts the rest
+        lost = buf.drops["disk_full"] - dropped_before
+        assert lost > 0 and buf.drop_samples["disk_full"] == (dropped_before + lost) * ROWS
+        again = _open(fs / "t.db", fake_clock)
+        stored = _seqs(again)
+        assert stored == sorted(stored) and len(stored) + lost == len(waiting)
+        assert stored[: len(in_file)] == in_file, "at close nothing in the file is dropped"
+        again.close()
+
+
+@NEEDS_ROOT
+def test_a_data_dir_whose_disk_fails_keeps_batches_in_memory_and_raises_nothing(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    """A file system that fails under the buffer (ext4 turning read-only after an error: every write an I/O
+    error): the batches go on into memory and out through ``pending``; nothing raises, not even ``close``, which
+    counts what it could not store."""
+    with ext4_that_fails(tmp_path / "ext4") as (fs, fail):
+        buf = _open(fs / "t.db", fake_clock, memory_max_bytes=1_000_000)
+        for seq in range(5):
+            buf.put(_real(fake_clock, seq))
+        fail()
+        for seq in range(5, 15):
+            buf.put(_real(fake_clock, seq))
+        buf.put_latest("default/gpu0", b"{}")
+        assert buf.degraded == "data dir unwritable"
+        assert buf.stats().degraded == "data dir unwritable" and buf.stats().memory_batches == 10
+        assert _seqs(buf) == list(range(15))
+        rows = buf.pending(100)
+        buf.ack_many([r.id for r in rows[3:7]])  # two in the file (deferred), two in memory
+        assert _seqs(buf) == [0, 1, 2, *range(7, 15)]
+        fake_clock.advance(2.0)
+        buf.put(_real(fake_clock, 15))  # tried again: still failing, kept
+        assert buf.stats().memory_batches == 9
+        buf.close()
+        assert buf.drops["unwritable"] == 9 and buf.drop_samples["unwritable"] == 9 * ROWS
+
+
+@NEEDS_ROOT
+def test_a_full_disk_met_first_by_a_state_snapshot_still_frees_the_reserve_and_stores(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    """Whichever write meets the full disk first (here a state snapshot, kept in memory), the next retry of the
+    file goes by the full-disk policy: the reserve goes and what memory holds is stored in its room."""
+    with small_tmpfs(tmp_path / "fs", 1024**2) as fs:
+        buf = _open(fs / "t.db", fake_clock, memory_max_bytes=1_000_000, reserve_bytes=128 * 1024)
+        for seq in range(5):
+            buf.put(_real(fake_clock, seq))
+        fill(fs)
+        snapshot = b'{"device":"default/gpu0","pad":"' + b"x" * 16_000 + b'"}'  # more than the WAL's free pages
+        buf.put_latest("default/gpu0", snapshot)
+        assert buf.degraded == "data dir full" and buf.reserve_path.exists()
+        fake_clock.advance(2.0)  # a retry is due
+        buf.put(_real(fake_clock, 5))
+        assert not buf.reserve_path.exists(), "the reserve went to make room"
+        assert buf.stats().memory_batches == 0 and _seqs(buf) == list(range(6))
+        assert buf.degraded == "data dir full", "no room to make the reserve again: still degraded"
+        buf.close()
+        again = _open(fs / "t.db", fake_clock)
+        assert _seqs(again) == list(range(6)) and again.latest() == {"default/gpu0": snapshot}
+        again.close()
+
+
+@NEEDS_ROOT
+def test_a_buffer_opened_on_a_full_data_dir_reads_its_file_keeps_new_batches_in_memory_and_stores_them_later(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    """A restart on a full data dir: SQLite cannot even open the file for writing. The buffer reads what the file
+    holds, keeps new batches in memory (ids above the file's), takes acks of both, and once space returns opens the
+    file for writing and stores them: all in one order, nothing moved aside."""
+    with small_tmpfs(tmp_path / "fs", 1024**2) as fs:
+        first = _open(fs / "t.db", fake_clock)
+        for seq in range(10):
+            first.put(_real(fake_clock, seq))
+        first.close()
+        filler = fill(fs)
+        with pytest.raises(sqlite3.OperationalError):  # what stopped the mapper's start before
+            sqlite3.connect(fs / "t.db").execute("PRAGMA journal_mode=WAL").fetchone()
+        buf = _open(fs / "t.db", fake_clock, memory_max_bytes=1_000_000)
+        assert buf.degraded == "data dir full"
+        assert _seqs(buf) == list(range(10)), "what the file holds is read"
+        for seq in range(10, 15):
+            buf.put(_real(fake_clock, seq))
+        rows = buf.pending(100)
+        assert [r.seq for r in rows] == list(range(15)) and buf.stats().memory_batches == 5
+        assert [r.id for r in rows] == sorted(r.id for r in rows)
+        buf.ack_many([rows[0].id, rows[12].id])  # one of the file's (deferred), one of memory's
+        expected = [s for s in range(15) if s not in (0, 12)]
+        assert _seqs(buf) == expected and buf.stats().batches == 13
+        filler.unlink()
+        fake_clock.advance(2.0)
+        buf.put(_real(fake_clock, 15))
+        assert buf.degraded == "" and buf.stats().memory_batches == 0
+        assert _seqs(buf) == [*expected, 15]
+        buf.close()
+        assert not list(fs.glob("*.corrupt-*"))
+        again = _open(fs / "t.db", fake_clock)
+        assert _seqs(again) == [*expected, 15] and again.stats().batches == 14
+        again.close()

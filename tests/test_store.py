@@ -10,7 +10,8 @@ import pytest
 
 from mapper.edge.control.desired import DesiredState
 from mapper.edge.storage.store import DEFAULT_FILE, SCHEMA_VERSION, DesiredStore
-from mapper.errors import InvalidValueError, PermanentError
+from mapper.errors import InvalidValueError, PermanentError, TransientError
+from tests.smallfs import NEEDS_ROOT, fill, small_tmpfs
 
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
 
@@ -130,3 +131,35 @@ def test_a_version_past_sqlites_integer_is_refused_with_a_mapper_error(tmp_path:
         store.save("default/gpu0", state, uuid="GPU-1")
         loaded = store.load("default/gpu0")
         assert loaded is not None and loaded.state.get("power_limit") is not None
+
+
+@NEEDS_ROOT
+def test_a_store_opened_on_a_full_data_dir_is_read_never_moved_aside_and_saves_once_it_can(tmp_path: Path) -> None:
+    """A restart on a full data dir: SQLite cannot even open the file (its -shm cannot grow). The store reads what
+    was saved (so it is enforced again), a save fails softly until space returns, and the file is never taken
+    for corrupt."""
+    with small_tmpfs(tmp_path / "fs", 1024**2) as fs:
+        with DesiredStore(fs) as store:
+            store.save("default/gpu-0", _state(), uuid=UUID)
+        filler = fill(fs)
+        with pytest.raises(sqlite3.OperationalError):  # what stopped the mapper's start before
+            sqlite3.connect(fs / DEFAULT_FILE).execute("PRAGMA journal_mode=WAL").fetchone()
+        store = DesiredStore(fs)
+        try:
+            assert store.read_only == "data dir full" and store.moved_aside is None
+            loaded = store.load("default/gpu-0")
+            assert loaded is not None and loaded.uuid == UUID
+            assert loaded.state.effective() == _state().effective()
+            newer = DesiredState.from_values({"power_limit": "350"}, "file", 9_000)
+            with pytest.raises(TransientError):
+                store.save("default/gpu-0", newer, uuid=UUID)
+            assert not list(fs.glob("*.corrupt-*"))
+            filler.unlink()
+            store.save("default/gpu-0", newer, uuid=UUID)  # opened for writing now
+            assert store.read_only == ""
+        finally:
+            store.close()
+        with DesiredStore(fs) as again:
+            loaded = again.load("default/gpu-0")
+        assert loaded is not None and set(loaded.state.effective()) == {"power_limit"}
+        assert loaded.state.effective()["power_limit"].raw == "350"

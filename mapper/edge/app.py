@@ -219,6 +219,8 @@ class MapperApp:
             max_age_s=s.buffer_max_age_s,
             clock=clock,
             shared_bytes=lambda: self.push_buffer.stored_bytes if self.push_buffer is not None else 0,
+            memory_max_bytes=s.buffer_memory_max_bytes,
+            reserve_bytes=s.buffer_reserve_bytes,
         )
         telemetry = self.buffer
         self.push_buffer = PushBuffer(
@@ -428,6 +430,7 @@ class MapperApp:
             self._beat,
             self.housekeeping_interval_s,
             config_errors=self.registry.config_errors,
+            retry_saves=self.bindings.save_unsaved,
         )
         self._built = True
 
@@ -575,10 +578,17 @@ class MapperApp:
         if self._built:
             # Whatever was sampled but not yet cut into a batch is stored now, after what a round cut and had not
             # stored yet (a collector that crashed in the middle of publishing its round).
-            self.streams.flush_all()
-            self.push.store_round()
-            if self.node_stream is not None:
-                self.node_stream.flush()
+            for what, flush in (
+                ("the last samples", self.streams.flush_all),
+                ("the push samples of the last round", self.push.store_round),
+                ("the node stream's last samples", self.node_stream.flush if self.node_stream is not None else None),
+            ):
+                if flush is None:
+                    continue
+                try:
+                    flush()
+                except Exception:  # a bug: what it could store is stored; the rest of the shutdown goes on
+                    log.exception("storing %s at shutdown failed", what)
             with contextlib.suppress(Exception):
                 await self.shipper.stop(timeout_s=2.0)
             await self.publisher.publish_offline(timeout_s=2.0)
@@ -599,11 +609,25 @@ class MapperApp:
                 self.housekeeping.write_status(self.snapshot())
             self.metrics.stop()
         if self.buffer is not None:
-            self.buffer.close()
+            try:
+                self.buffer.close()
+            except Exception:
+                log.exception("closing the buffer failed")
         if self.push_buffer is not None:
-            self.push_buffer.close()
+            try:
+                self.push_buffer.close()
+            except Exception:
+                log.exception("closing the push buffer failed")
         if self.store is not None:
-            self.store.close()
+            if self._built:
+                try:  # desired states a full data dir kept from being saved: saved now if it takes them
+                    self.bindings.save_unsaved()
+                except Exception:
+                    log.exception("saving the desired state at shutdown failed")
+            try:
+                self.store.close()
+            except Exception:
+                log.exception("closing the desired store failed")
         with contextlib.suppress(MapperError):
             await asyncio.to_thread(self.backend.shutdown)
 
@@ -661,7 +685,10 @@ class MapperApp:
     def readiness(self) -> Readiness:
         registered = self.dmi_client.registered if self.dmi_client is not None else False
         return Readiness(
-            nvml_initialised=self.nvml_ready, dmi_registered=registered, standalone=not self.settings.dmi_enabled
+            nvml_initialised=self.nvml_ready,
+            dmi_registered=registered,
+            standalone=not self.settings.dmi_enabled,
+            degraded=self.status.degraded() if self._built else (),
         )
 
     def snapshot(self) -> MapperSnapshot:

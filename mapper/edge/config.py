@@ -81,6 +81,10 @@ class Settings:
     telemetry_live: bool = False
     buffer_max_bytes: int = 256 * 1024**2
     buffer_max_age_s: float = 7 * 86400.0
+    #: While the data dir cannot be written (full, read-only): how much telemetry is kept in memory, and the reserve
+    #: file the buffer deletes at the first full write so that dropping the oldest can work (docs/telemetry.md).
+    buffer_memory_max_bytes: int = 16 * 1024**2
+    buffer_reserve_bytes: int = 4 * 1024**2
     replay_rate_bytes_per_s: int | None = None
     #: Backlog compaction (mapper.edge.outbox.compact): waiting batches merged per stream into ``buffer_compact_slot_s``
     #: batches once ``buffer_compact_after_s`` old (0 = off), and those again into one per
@@ -193,6 +197,8 @@ _FILE_KEYS: dict[str, tuple[str, str]] = {
     "telemetry_live": ("telemetry.live", "bool"),
     "buffer_max_bytes": ("buffer.maxBytes", "size"),
     "buffer_max_age_s": ("buffer.maxAge", "duration"),
+    "buffer_memory_max_bytes": ("buffer.memoryMaxBytes", "size"),
+    "buffer_reserve_bytes": ("buffer.reserveBytes", "size"),
     "replay_rate_bytes_per_s": ("buffer.replayRateLimit", "size"),
     "buffer_compact_after_s": ("buffer.compactAfter", "duration"),
     "buffer_compact_slot_s": ("buffer.compactSlot", "duration"),
@@ -351,6 +357,8 @@ def validate(settings: Settings) -> None:
         raise ConfigError(f"mqtt.inboundMaxBytes: must be 1KiB..16MiB, got {settings.inbound_max_bytes}")
     if not 64 * 1024 <= settings.dmi_max_message_bytes <= 256 * 1024**2:
         raise ConfigError(f"dmi.maxMessageBytes: must be 64KiB..256MiB, got {settings.dmi_max_message_bytes}")
+    if settings.buffer_memory_max_bytes < 0 or settings.buffer_reserve_bytes < 0:
+        raise ConfigError("buffer.memoryMaxBytes and buffer.reserveBytes: must not be negative")
     if settings.sim < 0 or settings.sim > 64:
         raise ConfigError(f"sim.count: must be 0..64, got {settings.sim}")
     if settings.sim_cost not in SIM_COST_PROFILES:

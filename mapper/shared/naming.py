@@ -355,6 +355,23 @@ BUFFER_DROPPED = _node(
     "telemetry batches dropped from the offline buffer, by reason",
     ("reason",),
 )
+BUFFER_DROPPED_SAMPLES = _node(
+    "gpu_mapper_buffer_dropped_samples",
+    "counter",
+    "samples (one GPU's readings at one time) in the telemetry batches dropped from the offline buffer, by reason",
+    ("reason",),
+)
+BUFFER_MEMORY_BATCHES = _node(
+    "gpu_mapper_buffer_memory_batches",
+    "gauge",
+    "telemetry batches kept in memory because the data dir cannot take them",
+)
+DEGRADED = _node(
+    "gpu_mapper_degraded",
+    "gauge",
+    "1 while the mapper runs degraded, by reason (data dir full, data dir read-only, ...)",
+    ("reason",),
+)
 REPLAY_REMAINING_BATCHES = _node(
     "gpu_mapper_replay_remaining_batches", "gauge", "batches still to replay after a reconnect"
 )
@@ -444,6 +461,9 @@ NODE_FAMILIES: tuple[Family, ...] = (
     BUFFER_MAX_BYTES,
     BUFFER_OLDEST_AGE,
     BUFFER_DROPPED,
+    BUFFER_DROPPED_SAMPLES,
+    BUFFER_MEMORY_BATCHES,
+    DEGRADED,
     REPLAY_REMAINING_BATCHES,
     REPLAY_REMAINING_BYTES,
     PUBLISHED_BATCHES,

@@ -10,7 +10,8 @@ before them sent): when the snapshot was taken (``at_ms``), the device ``state``
 ``{"index", "pci_bus_id", "driver_version"}``), the XID events seen by code (``xid_errors``: ``{"79": 1}``),
 the desired power limit in W (``power_limit_desired_w``, only when one is set) and the GPU's health (``health``,
 ``GpuHealth``: the status of each level, subsystem and driver check by name, the last CUDA probe, the probes run
-by outcome and the InfoROM versions; docs/telemetry.md). A reader skips keys it does not know.
+by outcome and the InfoROM versions; docs/telemetry.md) and what of the mapper runs degraded (``degraded``:
+``data dir full``; only while something does). A reader skips keys it does not know.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mapper.shared.naming import HEALTH_STATUSES
 STATE_AT_MS, STATE_STATE, STATE_GPU = "at_ms", "state", "gpu"
 STATE_XID_ERRORS, STATE_POWER_LIMIT_DESIRED_W = "xid_errors", "power_limit_desired_w"
 STATE_HEALTH = "health"
+STATE_DEGRADED = "degraded"
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ class GpuStatus:
     power_limit_desired_w: float | None = None
     #: The GPU's health; None: not sent.
     health: GpuHealth | None = None
+    #: What of the mapper runs degraded (``data dir full``); "" when nothing does (the key is left out).
+    degraded: str = ""
 
 
 def state_payload(device: str, sample: Sample, status: GpuStatus | None = None) -> bytes:
@@ -154,6 +158,8 @@ def state_payload(device: str, sample: Sample, status: GpuStatus | None = None) 
             doc[STATE_POWER_LIMIT_DESIRED_W] = status.power_limit_desired_w
         if status.health is not None:
             doc[STATE_HEALTH] = status.health.to_doc()
+        if status.degraded:
+            doc[STATE_DEGRADED] = status.degraded
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
@@ -193,6 +199,8 @@ class DeviceStatus:
     power_limit_desired_w: float | None = None
     #: The GPU's health; None: the message has none (a mapper before it).
     health: GpuHealth | None = None
+    #: What of the mapper runs degraded, "" when nothing does (or the message does not say).
+    degraded: str = ""
 
     @property
     def has_samples(self) -> bool:
@@ -246,6 +254,17 @@ def parse_state(payload: bytes) -> DeviceStatus:
         raise ValueError(f"{STATE_POWER_LIMIT_DESIRED_W} {desired!r} is not a number of W")
     health_doc = doc.get(STATE_HEALTH)
     health = None if health_doc is None else GpuHealth.from_doc(health_doc)
+    degraded = doc.get(STATE_DEGRADED) or ""
+    if not isinstance(degraded, str):
+        raise ValueError(f"{STATE_DEGRADED} {degraded!r} is not a string")
     return DeviceStatus(
-        device, uuid, identity, at_ms, state, tuple(xids), None if desired is None else float(desired), health
+        device,
+        uuid,
+        identity,
+        at_ms,
+        state,
+        tuple(xids),
+        None if desired is None else float(desired),
+        health,
+        degraded,
     )

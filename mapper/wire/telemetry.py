@@ -1938,6 +1938,23 @@ def decode_batch(data: bytes, codec: BatchCodec | None = None) -> DecodedBatch:
 _MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
+def batch_rows(data: bytes, codec: BatchCodec | None = None) -> int:
+    """How many samples (rows: one GPU's readings at one instant) a batch holds, without decoding its columns: the
+    first number of its body (a merged batch: of all its parts). 0 for what is not a batch this reader reads (a
+    status message)."""
+    try:
+        if data[:1] == MAGIC:
+            if len(data) < HEADER_BYTES or data[1] not in READABLE_VERSIONS:
+                return 0
+            body = (codec or BatchCodec(dictionary_id=0)).unpack(data[2], data[HEADER_BYTES:])
+            return _Reader(body).uvarint()
+        if data[:1] == b"{":
+            return len(_decode_json(data).samples)
+    except (BatchFormatError, ValueError, IndexError):
+        return 0
+    return 0
+
+
 def _decode_binary(data: bytes, codec: BatchCodec) -> DecodedBatch:
     if len(data) < HEADER_BYTES:
         raise BatchFormatError("batch truncated inside its header")

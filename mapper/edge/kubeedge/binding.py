@@ -116,6 +116,11 @@ class Bindings:
         self.rebind = rebind
         self.store = store
         self.max_delta_bytes = max_delta_bytes
+        #: The desired store's last error while saving fails ("" while it works): logged once, not every save.
+        self.store_error = ""
+        #: Devices whose desired state could not be saved (device key -> GPU uuid): saved again by
+        #: ``save_unsaved`` (each housekeeping round, and at shutdown) once the data dir takes writes again.
+        self._unsaved: dict[str, str] = {}
         self.config_errors: ConfigErrors = registry.config_errors
         #: Each devices file that parsed -> the Devices it defined then (kept while it fails to parse).
         self._file_devices: dict[str, set[str]] = {}
@@ -346,7 +351,35 @@ class Bindings:
         try:
             self.store.save(device_key, worker.desired, uuid=worker.uuid)
         except MapperError as exc:
-            log.error("could not persist the desired state of %s: %s", device_key, exc)
+            if not self.store_error:
+                log.error(
+                    "could not persist the desired state of %s (it is enforced from memory; logged once until a "
+                    "save works again): %s",
+                    device_key,
+                    exc,
+                )
+            self.store_error = str(exc)
+            self._unsaved[device_key] = worker.uuid
+            return
+        self._unsaved.pop(device_key, None)
+        if self.store_error and not self._unsaved:
+            log.info("the desired state is persisted again")
+            self.store_error = ""
+
+    def save_unsaved(self) -> None:
+        """Save again the desired states whose save failed (a full or read-only data dir), each still bound to the
+        GPU it was saved for; stops at the first that still fails."""
+        for device_key, uuid in list(self._unsaved.items()):
+            worker = self.workers.get(uuid)
+            if worker is None or worker.device_key != device_key:
+                self._unsaved.pop(device_key, None)  # unbound since: its removal decides what is stored
+                continue
+            self.save_desired(worker, device_key)
+            if device_key in self._unsaved:
+                return
+        if not self._unsaved and self.store_error:
+            log.info("the desired state is persisted again")
+            self.store_error = ""
 
     def restore_desired(self) -> None:
         """Desired state persisted by an earlier run is enforced again, with or without EdgeCore."""

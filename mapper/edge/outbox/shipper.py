@@ -183,6 +183,8 @@ class TelemetryShipper:
         self.replayed_bytes = 0
         self.states_published = 0
         self.buffer_failures = 0
+        #: The buffer's last error while it fails ("" while it works): logged once.
+        self._buffer_error = ""
         # replay progress
         self._replay_active = False
         self._replay_total = 0
@@ -279,10 +281,23 @@ class TelemetryShipper:
         return stored
 
     def update_state(self, device: str, payload: bytes) -> None:
-        """Keep a device's latest state snapshot (published retained first on every reconnect, and soon now)."""
-        self.buffer.put_latest(device, payload)
+        """Keep a device's latest state snapshot (published retained first on every reconnect, and soon now). A
+        buffer that cannot keep it is logged (once until it can again); the next snapshot tries again."""
+        try:
+            self.buffer.put_latest(device, payload)
+        except MapperError as exc:
+            self.buffer_failures += 1
+            self._log_buffer_error(f"telemetry: state snapshot of {device} not kept: {exc}")
+            return
+        self._buffer_error = ""
         self._dirty_states.add(device)
         self._wake.set()
+
+    def _log_buffer_error(self, text: str) -> None:
+        """An error of the buffer, logged once until the buffer works again."""
+        if not self._buffer_error:
+            log.error("%s (logged once until the buffer works again)", text)
+        self._buffer_error = text
 
     def busy_ids(self) -> set[int]:
         """Buffer rows this shipper holds a copy of and may still publish and ack: those in flight and those of
@@ -323,7 +338,13 @@ class TelemetryShipper:
                 continue
             if self._dirty_states and "" not in self._blocked:
                 await self._send_states(all_devices=False)
-            rows = self.buffer.pending(self.page_size, self._cursor)
+            try:
+                rows = self.buffer.pending(self.page_size, self._cursor)
+            except MapperError as exc:  # a file that cannot be read now: try again later, never stop
+                self._log_buffer_error(f"telemetry: cannot read the buffer: {exc}")
+                await self._sleep(self.retry_s)
+                continue
+            self._buffer_error = ""
             # Rows read but not handled yet: the shipper holds their payloads, so compaction leaves them alone.
             self._page = {row.id for row in rows}
             sent_any = False

@@ -44,6 +44,7 @@ class Housekeeping:
         beat: Callable[[str, float], None],
         interval_s: float = DEFAULT_INTERVAL_S,
         config_errors: ConfigErrors | None = None,
+        retry_saves: Callable[[], object] | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.write_status = write_status
@@ -53,6 +54,10 @@ class Housekeeping:
         self.beat = beat
         self.interval_s = interval_s
         self.config_errors = config_errors if config_errors is not None else ConfigErrors()
+        #: Called each round: the writes that failed on a full or read-only data dir tried again (the desired store).
+        self.retry_saves = retry_saves
+        #: Why the status file could not be written last time ("" when it was): logged once, not every round.
+        self.status_error = ""
         #: The config file's mtime as last looked at (0.0: not yet).
         self.config_mtime = 0.0
 
@@ -60,6 +65,8 @@ class Housekeeping:
         """The status file for ``gpu-mapper status --data-dir``, and config reloads (policies)."""
         while True:
             self.beat("housekeeping", self.interval_s)
+            if self.retry_saves is not None:
+                self.retry_saves()
             await self.write_status_file()
             self.maybe_reload_config()
             await asyncio.sleep(self.interval_s)
@@ -69,7 +76,13 @@ class Housekeeping:
         try:
             await asyncio.to_thread(self.write_status, self.snapshot())
         except (OSError, MapperError) as exc:
-            log.warning("could not write the status file: %s", exc)
+            if not self.status_error:
+                log.warning("could not write the status file (logged once until it works again): %s", exc)
+            self.status_error = str(exc) or type(exc).__name__
+            return
+        if self.status_error:
+            log.info("the status file is written again")
+        self.status_error = ""
 
     def maybe_reload_config(self) -> None:
         path = self.config_file

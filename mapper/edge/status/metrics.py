@@ -506,7 +506,8 @@ class MetricsServer(HttpServer):
             if problems:
                 return 503, TEXT, ("not ready: " + "; ".join(problems) + "\n").encode()
             mode = "standalone" if ready.standalone else "registered with EdgeCore"
-            return 200, TEXT, f"ready ({mode})\n".encode()
+            degraded = "".join(f"; degraded: {d}" for d in ready.degraded)
+            return 200, TEXT, f"ready ({mode}){degraded}\n".encode()
         if path == "/status":
             try:
                 snap = self.call(self._snapshot)

@@ -41,6 +41,12 @@ class BufferFigures(Protocol):
     def oldest_age_s(self) -> float | None: ...
     @property
     def drops_by_reason(self) -> Mapping[str, int]: ...
+    @property
+    def drop_samples_by_reason(self) -> Mapping[str, int]: ...
+    @property
+    def degraded(self) -> str: ...
+    @property
+    def memory_batches(self) -> int: ...
 
 
 class BufferLike(Protocol):
@@ -168,12 +174,20 @@ class StatusSource:
     def buffer_batches(self) -> int:
         return self.buffer.stats().batches if self.buffer is not None else 0
 
+    def degraded(self) -> tuple[str, ...]:
+        """What runs degraded now: the data dir that cannot be written (the buffer says why)."""
+        why = self.buffer.stats().degraded if self.buffer is not None else ""
+        return (why,) if why else ()
+
     def state_message(self, device_key: str, worker: GpuWorker) -> bytes:
         """A device's retained state message: its latest values and its GPU's status
         (``GpuSnapshot.state_message``)."""
         probes = self.health.probe_counts(worker.uuid) if self.health is not None else None
         g = gpu_snapshot(worker, self.node, self.collector.xids.get(worker.uuid, {}), probes)
-        return g.state_message(device_key, driver_version=self.driver_version, at_ms=self.clock.wall_ms())
+        degraded = "; ".join(self.degraded())
+        return g.state_message(
+            device_key, driver_version=self.driver_version, at_ms=self.clock.wall_ms(), degraded=degraded
+        )
 
     def snapshot(self) -> MapperSnapshot:
         xids = self.collector.xids
@@ -199,6 +213,9 @@ class StatusSource:
             buffer_max_bytes=self.buffer_max_bytes,
             buffer_oldest_age_s=buf.oldest_age_s if buf else None,
             buffer_drops=dict(buf.drops_by_reason) if buf else {},
+            buffer_dropped_samples=dict(buf.drop_samples_by_reason) if buf else {},
+            buffer_memory_batches=buf.memory_batches if buf else 0,
+            degraded=(buf.degraded,) if buf and buf.degraded else (),
             replay_remaining_batches=ship.replay_remaining_batches if ship else 0,
             replay_remaining_bytes=ship.replay_remaining_bytes if ship else 0,
             telemetry_published_batches=ship.published_batches if ship else 0,

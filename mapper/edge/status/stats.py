@@ -157,13 +157,13 @@ class GpuSnapshot:
             inforom=None if inforom is None else tuple(inforom.get(k, "N/A") for k in INFOROM_VERSIONS),
         )
 
-    def state_message(self, device: str, *, driver_version: str, at_ms: int) -> bytes:
+    def state_message(self, device: str, *, driver_version: str, at_ms: int, degraded: str = "") -> bytes:
         """The retained state message of ``device`` with this GPU's status (``mapper.wire.state``): what the
         bridge turns into ``gpu_mapper_device_state``, ``gpu_xid_errors_total``, ``gpu_power_limit_desired_watts``,
         the health families and the ``gpu``, ``driver_version`` and ``pci_bus_id`` labels, as the mapper's
         ``/metrics`` shows them.
         ``driver_version``: the node's, for a GPU that does not say its own; ``at_ms``: when the snapshot was
-        taken."""
+        taken; ``degraded``: what of the mapper runs degraded (``data dir full``), "" when nothing does."""
         i = self.info
         status = GpuStatus(
             at_ms=at_ms,
@@ -174,6 +174,7 @@ class GpuSnapshot:
             xid_errors=self.xid_errors,
             power_limit_desired_w=self.desired_power_limit_w,
             health=self.health_status(),
+            degraded=degraded,
         )
         return state_payload(device, self.sample if self.sample is not None else Sample(i.uuid, 0, {}), status)
 
@@ -195,8 +196,14 @@ class MapperSnapshot:
     buffer_max_bytes: int = 0
     #: Age of the oldest batch not yet acknowledged by the broker; None when the buffer is empty.
     buffer_oldest_age_s: float | None = None
-    #: Batches dropped from the buffer, by reason (``max-bytes``, ``max-age``, ``disk-full``, ``corrupt``...).
+    #: Batches dropped from the buffer, by reason (``size``, ``age``, ``disk_full``, ``unwritable``, ``corrupt``).
     buffer_drops: Mapping[str, int] = field(default_factory=dict)
+    #: Samples (rows) in the batches dropped, by reason (``corrupt`` drops are not counted: not read).
+    buffer_dropped_samples: Mapping[str, int] = field(default_factory=dict)
+    #: Batches the buffer keeps in memory because the data dir cannot take them.
+    buffer_memory_batches: int = 0
+    #: What runs degraded now (``data dir full``, ``data dir read-only``...); empty when nothing does.
+    degraded: tuple[str, ...] = ()
     replay_remaining_batches: int = 0
     replay_remaining_bytes: int = 0
     telemetry_published_batches: int = 0
@@ -272,6 +279,8 @@ class MapperSnapshot:
                 "max_bytes": self.buffer_max_bytes,
                 "oldest_age_s": self.buffer_oldest_age_s,
                 "drops": dict(self.buffer_drops),
+                "dropped_samples": dict(self.buffer_dropped_samples),
+                "memory_batches": self.buffer_memory_batches,
                 "replay_remaining_batches": self.replay_remaining_batches,
                 "replay_remaining_bytes": self.replay_remaining_bytes,
                 "published_batches": self.telemetry_published_batches,
@@ -308,6 +317,7 @@ class MapperSnapshot:
                 "gpus": [_workloads_to_dict(w) for w in self.workloads],
                 "errors": dict(self.process_errors),
             },
+            "degraded": list(self.degraded),
             "config": {
                 "errors": dict(self.config_errors),
                 "refused": [
@@ -370,6 +380,10 @@ class MapperSnapshot:
             buffer_max_bytes=buf.count("max_bytes"),
             buffer_oldest_age_s=buf.opt_number("oldest_age_s"),
             buffer_drops=buf.count_map("drops"),
+            # Absent from the status file of a mapper older than the data dir's degraded mode.
+            buffer_dropped_samples=buf.count_map("dropped_samples") if "dropped_samples" in buf.names() else {},
+            buffer_memory_batches=buf.count("memory_batches") if "memory_batches" in buf.names() else 0,
+            degraded=tuple(r.texts("degraded")) if "degraded" in r.names() else (),
             replay_remaining_batches=buf.count("replay_remaining_batches"),
             replay_remaining_bytes=buf.count("replay_remaining_bytes"),
             telemetry_published_batches=buf.count("published_batches"),
@@ -411,7 +425,7 @@ def _refused_from_reader(r: _Reader) -> ConfigProblem:
     source = r.text("source")
     for known in CONFIG_SOURCES:
         if source == known:
-            devices = tuple(r._list("devices", lambda v: isinstance(v, str), "a string"))
+            devices = tuple(r.texts("devices"))
             return ConfigProblem(known, r.text("where"), devices, r.text("reason"), r.text("detail"))
     raise SnapshotFormatError(f"{r.path}.source: {source!r} is not one of {', '.join(CONFIG_SOURCES)}")
 
@@ -767,6 +781,9 @@ class _Reader:
                 raise SnapshotFormatError(f"{self.path}.{key}[{i}]: expected {what}, got {x!r}")
         return list(v)
 
+    def texts(self, key: str) -> list[str]:
+        return self._list(key, lambda v: isinstance(v, str), "a string")
+
     def obj(self, key: str) -> _Reader:
         return _Reader(self._need(key), f"{self.path}.{key}")
 
@@ -815,6 +832,9 @@ class Readiness:
     nvml_initialised: bool
     dmi_registered: bool
     standalone: bool = False
+    #: What runs degraded (``data dir full``): said by ``/readyz``, which stays 200 for it (a mapper that
+    #: collects, enforces and publishes is ready; its /metrics must stay scraped to show the degradation).
+    degraded: tuple[str, ...] = ()
 
     def problems(self) -> list[str]:
         out: list[str] = []

@@ -9,6 +9,11 @@ A file that is not a readable database is moved aside (``<name>.corrupt-<ms>``) 
 logging an error: the mapper keeps running, and the cloud's next sync brings the desired values back. A file
 written by a newer mapper (unknown migrations) is refused with a ``PermanentError`` instead: it is not ours to
 destroy.
+
+A file the data dir does not let open for writing (full, read-only: ``read_only`` says why) is never moved
+aside: it is read through a read-only connection (so the desired state saved before is enforced again), each
+save first tries to open it for writing and, while it cannot, raises ``TransientError`` (the caller keeps the
+state in memory and saves it again later).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 from mapper.clock import SystemClock
 from mapper.edge.control.desired import SOURCES, DesiredState
-from mapper.edge.storage.sqlitefiles import move_aside
+from mapper.edge.storage.sqlitefiles import DEGRADED_AT_START, move_aside, open_read_only, unwritable_reason
 from mapper.errors import InvalidValueError, PermanentError, TransientError
 
 log = logging.getLogger(__name__)
@@ -97,14 +102,60 @@ class DesiredStore:
         self._lock = threading.Lock()
         #: Where a corrupt file was moved at open, if it was.
         self.moved_aside: Path | None = None
+        #: Why the file is open read-only ("" while it is open for writing): the data dir did not let it open.
+        self.read_only = ""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = self._open()
         except sqlite3.DatabaseError as exc:
             if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
                 raise TransientError(f"desired store {self.path}: database is locked: {exc}") from exc
+            why = unwritable_reason(exc, self.path.parent)
+            if why in DEGRADED_AT_START:
+                self._db = self._open_read_only(why, exc)
+                return
             self.moved_aside = self._move_aside(exc)
             self._db = self._open()
+
+    def _open_read_only(self, why: str, exc: sqlite3.Error) -> sqlite3.Connection:
+        """The file read through a read-only connection (``open_read_only``); an empty store in memory when even
+        that cannot read it (the file is left as it is)."""
+        self.read_only = why
+        db: sqlite3.Connection | None = None
+        try:
+            db = open_read_only(self.path, check_same_thread=False)
+            names = {str(r[0]) for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not {"devices", "desired", "restore", "migrations"} <= names:
+                raise sqlite3.DatabaseError("no desired store tables (yet)")
+            read = "the desired state saved before is read from it"
+        except sqlite3.Error as read_exc:
+            if db is not None:
+                db.close()
+            db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+            self._migrate(db)
+            read = f"nothing of it can be read now ({read_exc}); it is left as it is"
+        log.error(
+            "desired store %s: cannot open it for writing (%s: %s); %s; desired values are enforced from memory "
+            "and saved once it can be written",
+            self.path,
+            why,
+            exc,
+            read,
+        )
+        return db
+
+    def _writable(self) -> sqlite3.Connection:
+        """While open read-only: the file opened for writing now if the data dir lets it, else ``TransientError``
+        (called with the lock held)."""
+        try:
+            db = self._open()
+        except sqlite3.Error as exc:
+            raise TransientError(f"desired store {self.path}: {self.read_only}: not saved ({exc})") from None
+        self._db.close()
+        self._db = db
+        log.warning("desired store %s: open for writing again (it was: %s)", self.path, self.read_only)
+        self.read_only = ""
+        return db
 
     # --- opening -------------------------------------------------------------------------------------
     def _open(self) -> sqlite3.Connection:
@@ -268,6 +319,8 @@ class DesiredStore:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._locked() as db:
+            if self.read_only:
+                db = self._writable()
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
