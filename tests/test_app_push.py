@@ -237,9 +237,9 @@ def test_the_mapper_pushes_to_http_and_otel_through_an_outage_with_nothing_lost(
         assert hanging["state"] == "down" and "no answer within 2 s" in hanging["last_error"], hanging
         assert hanging["delivered_samples"] == 0 and hanging["backlog_samples"] >= 5, hanging
         assert not [p for p in http.snapshot() if p.path == "/silent"]
-        # ``gpu-mapper status`` against the running mapper says the same, one line per destination.
+        # ``gpu-mapper status --wide`` against the running mapper says the same, one line per destination.
         shown = subprocess.run(
-            [sys.executable, "-m", "mapper.cli", "status", "--url", mapper.metrics],
+            [sys.executable, "-m", "mapper.cli", "status", "--wide", "--url", mapper.metrics],
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -119,3 +119,36 @@ def test_bad_bounds_are_refused(tmp_path: Path) -> None:
         PushBuffer(tmp_path / "p.db", max_bytes=0, max_age_s=1)
     with pytest.raises(Exception, match="max_age_s"):
         PushBuffer(tmp_path / "p.db", max_bytes=1, max_age_s=0)
+
+
+def test_a_push_buffer_opened_on_a_full_data_dir_degrades_keeps_its_file_and_opens_again_when_space_returns(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    """A restart on a full data dir (the push buffer beside the telemetry buffer): SQLite cannot open push.db for
+    writing. The mapper must still start: the push buffer says why, refuses new samples with a TransientError (the
+    router counts them) and, once space returns, opens the file with its backlog intact, nothing moved aside."""
+    import sqlite3
+
+    from mapper.errors import TransientError
+    from tests.smallfs import fill, small_tmpfs
+
+    with small_tmpfs(tmp_path / "fs", 1024**2) as fs:
+        first = PushBuffer(fs / "push.db", max_bytes=10**6, max_age_s=10**9, clock=fake_clock)
+        first.put_many(rows("http a", "spec-a", fake_clock.wall_ms(), 5))
+        first.close()
+        filler = fill(fs)
+        with pytest.raises(sqlite3.OperationalError):  # what stopped the mapper's start before
+            sqlite3.connect(fs / "push.db").execute("PRAGMA journal_mode=WAL").fetchone()
+        buf = PushBuffer(fs / "push.db", max_bytes=10**6, max_age_s=10**9, clock=fake_clock)
+        assert buf.degraded == "data dir full"
+        with pytest.raises(TransientError, match="data dir full"):
+            buf.put_many(rows("http a", "spec-a", fake_clock.wall_ms(), 1))
+        filler.unlink()
+        with pytest.raises(TransientError):  # tried again at most once a second
+            buf.put_many(rows("http a", "spec-a", fake_clock.wall_ms(), 1))
+        fake_clock.advance(1.5)
+        buf.put_many(rows("http a", "spec-a", fake_clock.wall_ms(), 1))
+        assert buf.degraded == "" and buf.backlog("http a")[0] == 6, "the file's five and the new one"
+        assert len(buf.pending("http a", 100)) == 6
+        buf.close()
+        assert not list(fs.glob("*.corrupt-*"))

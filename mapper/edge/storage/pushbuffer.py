@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from mapper.clock import Clock, SystemClock
-from mapper.edge.storage.sqlitefiles import move_aside
+from mapper.edge.storage.sqlitefiles import DEGRADED_AT_START, move_aside, unwritable_reason
 from mapper.errors import ConfigError, PermanentError, TransientError
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,9 @@ class PushBuffer:
         self._drops: dict[tuple[str, str], int] = {}
         self._last_drop_log: float | None = None
         self.files_moved_aside = 0
+        #: Why the file cannot be opened now (``data dir full``, ``data dir read-only``); "" while it is open.
+        self.degraded = ""
+        self._last_open_try = 0.0
         self._open()
 
     # ------------------------------------------------------------------------------------------ open
@@ -95,7 +98,31 @@ class PushBuffer:
             except (_Corrupt, sqlite3.Error) as exc2:
                 raise PermanentError(f"push buffer {self.path}: a fresh file does not open either: {exc2}") from None
         except sqlite3.Error as exc:
-            raise PermanentError(f"push buffer {self.path}: cannot open: {exc}") from None
+            why = unwritable_reason(exc, self.path.parent)
+            if why not in DEGRADED_AT_START:
+                raise PermanentError(f"push buffer {self.path}: cannot open: {exc}") from None
+            # A full or read-only data dir: the mapper runs without the push buffer until it opens (tried again
+            # at most once a second, at the next write); a backlog the file holds waits there, nothing is lost.
+            if not self.degraded:
+                log.error(
+                    "push buffer %s: cannot open it (%s: %s); the push destinations' samples are not kept until "
+                    "it opens again (what it holds waits in it)",
+                    self.path,
+                    why,
+                    exc,
+                )
+            self.degraded = why
+            self._last_open_try = self.clock.monotonic()
+
+    def _reopen(self) -> None:
+        """Open the file; while degraded, at most once a second (a call in between finds no connection)."""
+        if self.degraded and self.clock.monotonic() - self._last_open_try < 1.0:
+            return
+        was = self.degraded
+        self._open()
+        if was and self._conn is not None:
+            self.degraded = ""
+            log.warning("push buffer %s: open again (the data dir takes writes); storing resumes", self.path)
 
     def _connect(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,8 +194,9 @@ class PushBuffer:
             raise PermanentError(f"push buffer {self.path} is closed")
         for attempt in (1, 2):
             if self._conn is None:
-                self._open()
-            assert self._conn is not None
+                self._reopen()
+            if self._conn is None:
+                raise TransientError(f"push buffer {self.path}: {self.degraded}; nothing stored")
             try:
                 return op(self._conn)
             except sqlite3.DatabaseError as exc:
