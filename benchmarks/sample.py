@@ -46,21 +46,21 @@ NAMES = [p.name for p in NVML_PROPERTIES]
 
 
 class Recorder:
-    """Passes every call through to the simulator and writes down (function, args)."""
+    """Passes every call through to the simulator and writes down (function, args, keyword args)."""
 
     def __init__(self, sim: SimNvml) -> None:
         self._sim = sim
-        self.recording: list[tuple[str, tuple[Any, ...]]] | None = None
+        self.recording: list[tuple[str, tuple[Any, ...], dict[str, Any]]] | None = None
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._sim, name)
         if not callable(target) or not name.startswith("nvml") or isinstance(target, type):
             return target
 
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             if self.recording is not None:
-                self.recording.append((name, args))
-            return target(*args)
+                self.recording.append((name, args, kwargs))
+            return target(*args, **kwargs)
 
         return call
 
@@ -153,12 +153,12 @@ def main() -> None:
     backend.sample(uuids[0])
     calls = recorder.recording
     recorder.recording = None
-    per_gpu = {u: [(name, (backend._handles[u], *a[1:]) if a else a) for name, a in calls] for u in uuids}
-    bound = {u: [(getattr(sim, name), a) for name, a in per_gpu[u]] for u in uuids}
+    per_gpu = {u: [(name, (backend._handles[u], *a[1:]) if a else a, kw) for name, a, kw in calls] for u in uuids}
+    bound = {u: [(getattr(sim, name), a, kw) for name, a, kw in per_gpu[u]] for u in uuids}
 
     def raw(uuid: str) -> None:
-        for fn, a in bound[uuid]:
-            fn(*a)
+        for fn, a, kw in bound[uuid]:
+            fn(*a, **kw)
 
     ours = Subject(nvml, sim, clock, uuids)
     theirs = Subject(load_module(args.baseline), sim, clock, uuids) if args.baseline else None
