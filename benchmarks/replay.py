@@ -10,7 +10,8 @@ Everything runs in this process against one mosquitto started on a free port (lo
   ``TelemetryShipper.submit`` while the broker is unreachable, then replayed by the shipper. Values come from a
   cheap synthetic generator (random walks in NVML units: mW/1000, mJ/1000, KB/s x 1024) so that building a day
   takes seconds; the simulator is too slow for 25 M values here. ``ours_samples_per_s``: samples delivered per
-  second of the replay.
+  second of the replay. ``compacted_*``: the same backlog built again and merged as the mapper's backlog
+  compaction (on by default) leaves it after a long outage (its defaults, every slot cold), then replayed.
 * Baseline 1, the mapper's JSON batches (``telemetry.format: json``): the same path (encoder, buffer, shipper,
   subscriber) with JSON batches, on ``--json-hours`` (default 1 h: the rate is per sample). ``speedup_vs_json_batches``.
 * Baseline 2, one JSON message per sample row (one GPU's 36 values at one time, ``{"ts_ms","uuid","values"}``, as an
@@ -42,7 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mapper.clock import SystemClock
+from mapper.clock import FakeClock, SystemClock
+from mapper.edge.outbox.compact import CompactionSettings, Compactor
 from mapper.edge.outbox.shipper import TelemetryShipper
 from mapper.edge.storage.buffer import Buffer
 from mapper.net.mqtt import MqttSession
@@ -183,12 +185,13 @@ class Replayed:
     rss_full = 0.0
 
 
-async def backlog(work: Path, broker: Mosquitto, seconds: int, fmt: Format) -> Replayed:
-    """Build ``seconds`` of 8 GPUs' backlog in ``fmt`` batches while the broker is down, then replay it to the
-    broker and wait until a subscriber has every batch."""
+async def backlog(work: Path, broker: Mosquitto, seconds: int, fmt: Format, *, compact: bool = False) -> Replayed:
+    """Build ``seconds`` of 8 GPUs' backlog in ``fmt`` batches while the broker is down (``compact``: then merged
+    as the mapper's compaction does by the end of a long outage), replay it to the broker and wait until a
+    subscriber has every batch."""
     out = Replayed()
     broker.stop()  # offline: the backlog builds up
-    buf = Buffer(work / f"buffer-{fmt}.db", max_bytes=10**11, max_age_s=10**9)
+    buf = Buffer(work / f"buffer-{fmt}-{compact}.db", max_bytes=10**11, max_age_s=10**9)
     session = MqttSession(broker.url, f"mapper-{NODE}-{fmt}", reconnect_min_s=0.2, reconnect_max_s=1.0)
     await session.start()
     shipper = TelemetryShipper(buf, session.publish, node=NODE, clock=SystemClock(), retry_s=1.0)
@@ -211,6 +214,9 @@ async def backlog(work: Path, broker: Mosquitto, seconds: int, fmt: Format) -> R
         batch = enc.flush()
         if batch is not None:
             shipper.submit(batch)
+    if compact:  # the mapper's defaults, on a clock an hour past the backlog: every slot cold, merged
+        clock = FakeClock(start_wall_ms=T0 + seconds * 1000 + 3_600_000)
+        Compactor(buf, clock, CompactionSettings()).compact_all()
     out.build_s = time.perf_counter() - build_start
     out.rss_full = rss_mb()
     stats = buf.stats()
@@ -241,7 +247,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         row_rate = await per_row(broker, args.row_samples)
         rss_base = rss_mb()
         ours = await backlog(work, broker, round(args.hours * 3600), "binary")
-        peak = peak_rss_mb()  # (before the JSON baseline, which is not the mapper's own)
+        peak = peak_rss_mb()  # (before the other runs: the figure is of the one above)
+        compacted = await backlog(work, broker, round(args.hours * 3600), "binary", compact=True)
         as_json = await backlog(work, broker, round(args.json_hours * 3600), "json")
         ours_rate = ours.samples / ours.replay_s
         json_rate = as_json.samples / as_json.replay_s
@@ -258,6 +265,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             "replay_s": round(ours.replay_s, 2),
             "ours_samples_per_s": round(ours_rate),
             "ours_batches_per_s": round(ours.batches / ours.replay_s),
+            "compacted_rows": compacted.batches,
+            "compacted_bytes_per_sample": round(compacted.backlog_bytes / compacted.samples, 3),
+            "compacted_replay_s": round(compacted.replay_s, 2),
+            "compacted_samples_per_s": round(compacted.samples / compacted.replay_s),
             "json_batches_hours": args.json_hours,
             "json_batches_samples_per_s": round(json_rate),
             "json_batches_bytes_per_sample": round(as_json.backlog_bytes / as_json.samples, 3),

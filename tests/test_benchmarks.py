@@ -106,6 +106,7 @@ def _replay(out: dict[str, Any], tmp: Path) -> None:
     assert out["ours_samples_per_s"] > 0 and out["json_batches_samples_per_s"] > 0
     assert out["row_messages_samples_per_s"] > 0
     assert out["bytes_per_sample"] < out["json_batches_bytes_per_sample"]
+    assert 0 < out["compacted_rows"] < out["batches"] and out["compacted_samples_per_s"] > 0
 
 
 def _sample(out: dict[str, Any], tmp: Path) -> None:
