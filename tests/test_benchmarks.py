@@ -34,6 +34,7 @@ def _bridge(out: dict[str, Any], tmp: Path) -> None:
     assert out["samples"] > 0 and out["codec_samples_per_s"] > 0
     assert out["protobuf_lib_same_requests"] is True and out["protobuf_lib_samples"] == out["samples"]
     assert out["e2e_samples_in_prometheus"] >= out["samples"]
+    assert isinstance(out["target_met"], bool) and out["target_codec_samples_per_s"] == 200_000
 
 
 def _buffer(out: dict[str, Any], tmp: Path) -> None:
@@ -110,6 +111,7 @@ def _replay(out: dict[str, Any], tmp: Path) -> None:
     assert out["row_messages_samples_per_s"] > 0
     assert out["bytes_per_sample"] < out["json_batches_bytes_per_sample"]
     assert 0 < out["compacted_rows"] < out["batches"] and out["compacted_samples_per_s"] > 0
+    assert isinstance(out["target_met"], bool) and out["target_peak_rss_mb"] == 60
 
 
 def _sample(out: dict[str, Any], tmp: Path) -> None:
