@@ -10,7 +10,8 @@ Set-up, all on loopback:
   go to the broker as well as the telemetry batches; the SQLite buffer and desired store on; INFO logs to a
   file; ``/metrics`` scraped by this script every 15 s. ``--cadence catalog`` (the default: what the targets
   are for) keeps the catalog's collect cycles, ``--cadence heavy`` (the figures before issue 29) sets every
-  property to a 1000 ms collect cycle; twins are reported every 20 s (the default) either way;
+  property to a 1000 ms collect cycle; twins are reported every 20 s (the default) either way, every second with
+  ``--heavy`` (below);
 * the simulated NVML charges what each call costs on a real driver (``--sim-cost``, default ``h200``: the CPU
   and waits measured per call on an H200, ``mapper.edge.gpu.profiles.COST_PROFILES``; ``none``: free, as the
   figures before issue 29 were made). The JSON line says which (``sim_cost``);
