@@ -7,13 +7,15 @@ catalog (``dcgm_*``), which costs each batch its names.
 No real fleet recording was at hand: this file is the stand-in for "a stream we did not make", and is named as
 such wherever a figure measured on it is quoted.
 
-``python benchmarks/csvstream.py --gpus 8 --hours 1 [--foreign-names] --out FILE.csv``
+``python benchmarks/csvstream.py --gpus 8 --hours 1 [--foreign-names] --out FILE.csv`` (prints one JSON line last:
+what it wrote)
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import random
 import sys
 from pathlib import Path
@@ -97,6 +99,8 @@ def main() -> None:
     args = ap.parse_args()
     n = write(args.out, args.gpus, args.hours, args.seed, args.foreign_names)
     print(f"{n} samples written to {args.out}", file=sys.stderr)
+    summary = {"benchmark": "csvstream", "gpus": args.gpus, "hours": args.hours, "samples": n, "out": str(args.out)}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

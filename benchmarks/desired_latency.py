@@ -53,7 +53,8 @@ Baseline, same process, before the mapper starts: ``NvmlBackend.set_power_limit`
 (the NVML call and its read-back through the backend's worker thread): what the mapper adds on top.
 
 Run: ``.venv/bin/python benchmarks/desired_latency.py [--quick] [--changes N] [--twin-changes N] [--live-s S]
-[--reloads N] [--startup-rounds N]``.
+[--reloads N] [--startup-rounds N] [--smoke]``. ``--smoke`` (the benchmark smoke test): three changes a path,
+one twin change (1 s apart), one reload, one start-up (without the reserve0 baseline), 1 s of live samples.
 Prints one JSON line last. Target: p99 < 20 ms on loopback, re-apply within one collect cycle.
 """
 
@@ -343,7 +344,8 @@ def client_main(spec: dict[str, Any]) -> None:
             deferred: list[bool] = []
             version = 0
             changes = spec["twin_changes"] if twin else spec["changes"]
-            warmup = TWIN_WARMUP_CHANGES if twin else WARMUP_CHANGES
+            warmup = spec.get("twin_warmup", TWIN_WARMUP_CHANGES) if twin else spec.get("warmup", WARMUP_CHANGES)
+            twin_pause = spec.get("twin_pause_s", (TWIN_PAUSE_MIN_S, TWIN_PAUSE_MAX_S))
             try:
                 for i in range(changes + warmup):
                     value = VALUES_W[i % len(VALUES_W)]
@@ -359,7 +361,7 @@ def client_main(spec: dict[str, Any]) -> None:
                             latencies.append(None if hit is None else hit - t0)
                             deferred.append(bool(getattr(wait_on, "deferred", False)))
                     if twin:
-                        time.sleep(rng.uniform(TWIN_PAUSE_MIN_S, TWIN_PAUSE_MAX_S))
+                        time.sleep(rng.uniform(*twin_pause))
                     else:
                         time.sleep(rng.uniform(PAUSE_MIN_S, PAUSE_MAX_S))
             finally:
@@ -646,6 +648,7 @@ async def eventbus_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> tu
             "changes": args.changes,
             "twin_changes": args.twin_changes,
             "seed": args.seed,
+            **args.client_extra,
         }
         raw = await asyncio.to_thread(run_client, spec, 600)
         # Back to 450 W from the edge too, then the reload series.
@@ -694,12 +697,14 @@ async def dmi_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[st
                     "seed": args.seed + 1,
                     "socket": settings.socket,
                     "uuid": sim.gpus[0].uuid,
+                    **args.client_extra,
                 }
                 raw = await asyncio.to_thread(run_client, spec, 600)
                 # The ack series changes gpu0 every ~0.1 s: its prompt reports spend the DMI budget (one a second,
                 # above the 0.8/s refill). The twin series starts, as a quiet node would, with the budget back.
                 assert app.dmi_client is not None
-                await wait_until(lambda: app.dmi_client.bucket.tokens >= 9.0, 120, "the DMI budget to refill")
+                refilled = args.budget_tokens
+                await wait_until(lambda: app.dmi_client.bucket.tokens >= refilled, 120, "the DMI budget to refill")
                 raw.update(await asyncio.to_thread(run_client, dict(spec, variants=["dmi_twin"]), 600))
                 await asyncio.sleep(2.5)  # the last twin's report (well within; a missing one counts as a timeout)
         finally:
@@ -806,6 +811,7 @@ async def live_phase(tmp: Path, broker: Any, args: argparse.Namespace) -> dict[s
 
         app.collector.on_sample = timed
         spec = {"port": broker.port, "variants": ["live"], "live_s": args.live_s, "seed": args.seed + 2}
+        spec["hops"] = args.client_extra.get("hops", 300)
         raw = await asyncio.to_thread(run_client, spec, 120)
     from_read = [(wall_ms - ts) / 1000 for _, ts, _, wall_ms in raw["live"]]
     from_handoff = [t - handed_at[(u, ts)] for u, ts, t, _ in raw["live"] if (u, ts) in handed_at]
@@ -840,14 +846,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     broker.start()
     try:
         t0 = time.perf_counter()
+        phases_s: dict[str, float] = {}
         eb_raw, reload = await eventbus_phase(tmp, broker, args)
+        phases_s["eventbus"] = time.perf_counter() - t0
         dmi_raw = await dmi_phase(tmp, broker, args)
-        for reserve, name in ((None, "dmi_startup"), (0, "dmi_startup_reserve0")):
+        phases_s["dmi"] = time.perf_counter() - t0 - sum(phases_s.values())
+        for reserve, name in ((None, "dmi_startup"), (0, "dmi_startup_reserve0"))[: 1 if args.smoke else 2]:
             dmi_raw[name] = []
             for round_no in range(args.startup_rounds):
                 dmi_raw[name] += await startup_phase(tmp, args, round_no, reserve)
+        phases_s["startup"] = time.perf_counter() - t0 - sum(phases_s.values())
         live = await live_phase(tmp, broker, args)
         wall_s = time.perf_counter() - t0
+        phases_s["live"] = wall_s - sum(phases_s.values())
     finally:
         broker.stop()
         logging.getLogger().handlers[:] = []
@@ -866,6 +877,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "broker_config": args.broker_config,
         "mapper_nodelay": args.mapper_nodelay,
         "wall_s": round(wall_s, 1),
+        "phases_s": {k: round(v, 1) for k, v in phases_s.items()},
         "python": platform.python_version(),
     }
     base_p50 = baseline["p50_ms"]
@@ -915,10 +927,21 @@ def main() -> None:
         help="diagnostic: set TCP_NODELAY on the mapper's MQTT socket (what a fix in mapper/net/mqtt.py would gain)",
     )
     parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the benchmark smoke test: a few changes of each kind, short pauses, one start-up, no reserve0",
+    )
     args = parser.parse_args()
     if args.client:
         client_main(json.loads(args.client))
         return
+    args.client_extra = {}
+    args.budget_tokens = 9.0
+    if args.smoke:
+        args.changes, args.reloads, args.twin_changes, args.live_s, args.startup_rounds = 3, 1, 1, 1.0, 1
+        args.client_extra = {"warmup": 1, "twin_warmup": 1, "twin_pause_s": (1.0, 1.2), "hops": 30}
+        args.budget_tokens = 5.0
     args.changes = args.changes if args.changes is not None else (200 if args.quick else 300)
     args.reloads = args.reloads if args.reloads is not None else (4 if args.quick else 10)
     args.twin_changes = args.twin_changes if args.twin_changes is not None else (10 if args.quick else 24)

@@ -20,11 +20,12 @@ Scenarios:
 
 ``unhealthy_s``: from the fault to the step that made the twin unhealthy; ``recovered_s``: from that step (for XID
 79: from the reboot) to a healthy twin seen (polled every 5 ms). The last line printed is one JSON object with
-every figure. Run: ``.venv/bin/python benchmarks/health.py``
+every figure. Run: ``.venv/bin/python benchmarks/health.py [--window-s 10] [--smoke]`` (``--smoke``: 3 s windows).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -62,7 +63,7 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float) -> float | N
     return None
 
 
-async def scenario(name: str, folder: Path) -> dict[str, Any]:
+async def scenario(name: str, folder: Path, window_s: float = WINDOW_S) -> dict[str, Any]:
     clock = SystemClock()
     sim = SimNvml(1, "H100", seed=0, clock=clock.monotonic, cost=SIM_COST)
     backend = NvmlBackend(sim, clock=clock, lost_retry_s=2.0)
@@ -107,7 +108,7 @@ async def scenario(name: str, folder: Path) -> dict[str, Any]:
             sim.inject_probe_fault(info.uuid, "context", until_reset=True)
             monitor._gpu(info.uuid).next_probe_s = 0.0  # the probe runs now (as soon after an XID)
             monitor.wake.set()
-        polled = await wait_for(lambda: bool(first_unhealthy) or health_twin(worker) != "healthy", WINDOW_S)
+        polled = await wait_for(lambda: bool(first_unhealthy) or health_twin(worker) != "healthy", window_s)
         seen = first_unhealthy[0][1] if first_unhealthy else health_twin(worker)
         unhealthy_s = first_unhealthy[0][0] - started if first_unhealthy else polled
         # Recovery is timed from the moment the twin went unhealthy (for XID 79: from the reboot).
@@ -116,7 +117,7 @@ async def scenario(name: str, folder: Path) -> dict[str, Any]:
             await asyncio.sleep(2.0)
             recovered_from = time.perf_counter()
             sim.driver_reload(recover_lost=True)
-        back = await wait_for(lambda: health_twin(worker) == "healthy", WINDOW_S)
+        back = await wait_for(lambda: health_twin(worker) == "healthy", window_s)
         recovered_s = None if back is None else time.perf_counter() - recovered_from
         return {
             "unhealthy_s": None if unhealthy_s is None else round(unhealthy_s, 3),
@@ -132,17 +133,22 @@ async def scenario(name: str, folder: Path) -> dict[str, Any]:
         backend.shutdown()
 
 
-async def main_async() -> dict[str, Any]:
+async def main_async(window_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="health-bench-") as tmp:
         folder = Path(tmp)
-        return {
-            name: await scenario(name, folder) for name in ("xid79", "ecc_storm", "ecc_storm_no_reset", "probe_fail")
-        }
+        names = ("xid79", "ecc_storm", "ecc_storm_no_reset", "probe_fail")
+        return {name: await scenario(name, folder, window_s) for name in names}
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--window-s", type=float, default=WINDOW_S, help="how long each wait lasts at most (10)")
+    parser.add_argument("--smoke", action="store_true", help="3 s windows (the benchmark smoke test)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.window_s = 3.0
     started = time.perf_counter()
-    results = asyncio.run(main_async())
+    results = asyncio.run(main_async(args.window_s))
     for name, figures in results.items():
         print(f"{name:>18}: " + ", ".join(f"{k}={v}" for k, v in figures.items()), file=sys.stderr)
     print(
@@ -151,7 +157,7 @@ def main() -> int:
                 "benchmark": "health",
                 "gpu": "H100",
                 "sim_cost": SIM_COST,
-                "window_s": WINDOW_S,
+                "window_s": args.window_s,
                 "results": results,
                 "wall_s": round(time.perf_counter() - started, 2),
             },

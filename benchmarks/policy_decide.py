@@ -14,10 +14,12 @@ once per interval: the full decision every call after the crossing, to show it d
 decision of the two engines is compared (by ``repr``, as their classes differ); any mismatch is counted and
 reported.
 
-The baseline is ``git show REV:mapper/edge/control/policy.py`` (``--baseline``, default the commit before the fast
-path), loaded with importlib under another module name.
+The baseline is the policy module of ``--baseline`` (a revision, default the commit before the fast path, or a
+file), loaded with importlib under another module name; a revision from before the package layout change has it
+in ``mapper/policy.py``, its imports pointed at where those modules are now. ``--smoke``: 20 s, one repeat, this
+checkout's own file as the baseline (no history needed).
 
-Run: ``.venv/bin/python benchmarks/policy_decide.py [--seconds 300] [--repeats 5] [--baseline REV]``
+Run: ``.venv/bin/python benchmarks/policy_decide.py [--seconds 300] [--repeats 5] [--baseline REV|FILE] [--smoke]``
 (about 10 s). Prints one JSON line last.
 """
 
@@ -50,12 +52,28 @@ BASELINE_REV = "2969cf9"
 Ticks = list[tuple[float, list[tuple[str, dict[str, Value], Any]]]]
 
 
+#: Where the modules the policy imports were before the package layout changed (issue 26).
+_OLD_MODULES = {"mapper.config": "mapper.edge.config", "mapper.model": "mapper.shared.model"}
+
+
+def baseline_text(rev: str) -> str:
+    """The policy module of ``rev``, or of the file ``rev`` names. A revision from before the layout change keeps
+    it in ``mapper/policy.py``; its imports are pointed at where those modules are now."""
+    if Path(rev).is_file():
+        return Path(rev).read_text()
+    for path in ("mapper/edge/control/policy.py", "mapper/policy.py"):
+        shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode == 0:
+            text = shown.stdout
+            for old, new in _OLD_MODULES.items():
+                text = text.replace(f"from {old} import", f"from {new} import")
+            return text
+    raise SystemExit(f"no policy module at {rev!r} (neither a file nor a revision this clone holds)")
+
+
 def load_baseline(rev: str, folder: Path) -> ModuleType:
-    text = subprocess.run(
-        ["git", "show", f"{rev}:mapper/edge/control/policy.py"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout
     path = folder / "policy_baseline.py"
-    path.write_text(text)
+    path.write_text(baseline_text(rev))
     spec = importlib.util.spec_from_file_location("policy_baseline", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -106,8 +124,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--baseline", default=BASELINE_REV)
+    ap.add_argument("--baseline", default=BASELINE_REV, help="a revision or a file (default %(default)s)")
+    ap.add_argument("--smoke", action="store_true", help="20 s, one repeat, against this checkout's own file")
     args = ap.parse_args()
+    if args.smoke:
+        args.seconds, args.repeats, args.baseline = 20, 1, str(ROOT / "mapper/edge/control/policy.py")
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, Path(tmp))
         result: dict[str, Any] = {"baseline": args.baseline, "gpus": GPUS, "seconds": args.seconds, "sim_cost": "none"}

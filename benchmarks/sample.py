@@ -19,7 +19,9 @@ inline - sim, the backend's own Python work per sample.
 ``baseline`` object holds its figures and ``speedup`` = baseline us / our us. Passes are short and taken in turns
 (ours, the simulator, the baseline); every figure is the best of ``--repeats`` passes, so a noisy neighbour hurts
 all alike. Prints one JSON line last.
-Run: ``.venv/bin/python benchmarks/sample.py [--samples N] [--repeats R] [--baseline FILE]``.
+``--sim-cost h200``: the simulated calls charge what they cost on an H200 (CPU burnt, waits), for the sample's
+whole cost on that driver; the default ``none`` shows the backend's own Python beside the bare simulator.
+Run: ``.venv/bin/python benchmarks/sample.py [--samples N] [--repeats R] [--baseline FILE] [--sim-cost none|h200]``.
 """
 
 from __future__ import annotations
@@ -46,21 +48,21 @@ NAMES = [p.name for p in NVML_PROPERTIES]
 
 
 class Recorder:
-    """Passes every call through to the simulator and writes down (function, args)."""
+    """Passes every call through to the simulator and writes down (function, args, keyword args)."""
 
     def __init__(self, sim: SimNvml) -> None:
         self._sim = sim
-        self.recording: list[tuple[str, tuple[Any, ...]]] | None = None
+        self.recording: list[tuple[str, tuple[Any, ...], dict[str, Any]]] | None = None
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._sim, name)
         if not callable(target) or not name.startswith("nvml") or isinstance(target, type):
             return target
 
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             if self.recording is not None:
-                self.recording.append((name, args))
-            return target(*args)
+                self.recording.append((name, args, kwargs))
+            return target(*args, **kwargs)
 
         return call
 
@@ -137,11 +139,17 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2_000, help="samples per figure and pass (default 2000)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes, the best counts (default 5)")
     parser.add_argument("--baseline", type=Path, help="another mapper/edge/gpu/nvml.py to compare against")
+    parser.add_argument(
+        "--sim-cost",
+        choices=["none", "h200"],
+        default="none",
+        help="the simulated NVML's cost profile (none: the backend's own Python beside the bare simulator)",
+    )
     args = parser.parse_args()
     rounds = max(1, args.samples // GPUS)
 
     clock = FakeClock()
-    sim = SimNvml(GPUS, "H100", seed=0, clock=clock.monotonic, scenario="training")
+    sim = SimNvml(GPUS, "H100", seed=0, clock=clock.monotonic, scenario="training", cost=args.sim_cost)
     recorder = Recorder(sim)
     backend = nvml.NvmlBackend(recorder, clock=clock)
     uuids = [g.uuid for g in backend.list_gpus()]
@@ -153,12 +161,12 @@ def main() -> None:
     backend.sample(uuids[0])
     calls = recorder.recording
     recorder.recording = None
-    per_gpu = {u: [(name, (backend._handles[u], *a[1:]) if a else a) for name, a in calls] for u in uuids}
-    bound = {u: [(getattr(sim, name), a) for name, a in per_gpu[u]] for u in uuids}
+    per_gpu = {u: [(name, (backend._handles[u], *a[1:]) if a else a, kw) for name, a, kw in calls] for u in uuids}
+    bound = {u: [(getattr(sim, name), a, kw) for name, a, kw in per_gpu[u]] for u in uuids}
 
     def raw(uuid: str) -> None:
-        for fn, a in bound[uuid]:
-            fn(*a)
+        for fn, a, kw in bound[uuid]:
+            fn(*a, **kw)
 
     ours = Subject(nvml, sim, clock, uuids)
     theirs = Subject(load_module(args.baseline), sim, clock, uuids) if args.baseline else None
@@ -177,6 +185,7 @@ def main() -> None:
 
     result: dict[str, Any] = {
         "benchmark": "sample",
+        "sim_cost": args.sim_cost,
         "gpus": GPUS,
         "samples": rounds * GPUS,
         "repeats": args.repeats,

@@ -17,7 +17,8 @@ that is neither is lost. Prints batches and samples produced / delivered / lost,
 every GPU at the end, and the mapper's RSS and open file descriptors after a 30 s warm-up (the baseline) and at
 the end (RSS also about ten times along the way).
 
-Run: ``.venv/bin/python benchmarks/soak.py [--minutes 10] [--seed 1]``. Prints one JSON line last.
+Run: ``.venv/bin/python benchmarks/soak.py [--minutes 10] [--seed 1] [--gpus 8] [--smoke]``. ``--smoke`` (the
+benchmark smoke test): 2 GPUs for 15 s after a 2 s warm-up, the same faults seconds apart. Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -59,16 +60,24 @@ def proc_usage(pid: int) -> dict[str, int]:
     return {"rss_kb": rss_kb, "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
+#: The pace of the faults: (first fault and the gap between two, s), (broker down, s), (EdgeCore down, s),
+#: (a lost GPU found again after, s), no fault this close to the end (s), the warm-up before the baseline (s).
+PACE = {"gap": (15.0, 45.0), "broker": (2.0, 8.0), "edgecore": (1.0, 5.0), "lost": (5.0, 15.0)}
+PACE_TAIL_S, PACE_WARMUP_S = 20.0, 30.0
+#: ``--smoke``: the same faults, seconds apart.
+SMOKE_PACE = {"gap": (2.0, 4.0), "broker": (1.0, 2.0), "edgecore": (0.5, 1.0), "lost": (1.0, 2.0)}
+
+
 class EdgeThread:
     """The test EdgeCore on its own event loop in a thread (the benchmark's main thread is synchronous)."""
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, gpus: int = GPUS) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.edge = FakeEdgeCore(socket_path)
-        ids = uuids(GPUS)
+        ids = uuids(gpus)
         props = {"temperature": None, "power_limit": str(DESIRED_W)}
-        self.edge.devices = [pb_device(f"gpu{i}", ids[i], properties=props, cycle_ms=1000) for i in range(GPUS)]
+        self.edge.devices = [pb_device(f"gpu{i}", ids[i], properties=props, cycle_ms=1000) for i in range(gpus)]
         self.edge.models = [pb_model()]
 
     def call(self, coro: Any) -> Any:
@@ -129,17 +138,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=GPUS)
+    parser.add_argument(
+        "--smoke", action="store_true", help="2 GPUs, 15 s, a fault every 2-4 s, 2 s of warm-up (the smoke test)"
+    )
     args = parser.parse_args()
+    pace, tail_s, warmup_s = PACE, PACE_TAIL_S, PACE_WARMUP_S
+    if args.smoke:
+        args.gpus, args.minutes, pace, tail_s, warmup_s = 2, 0.25, SMOKE_PACE, 4.0, 2.0
+    gpus = args.gpus
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
     broker = PersistentBroker(tmp)
     broker.start()
     consumer = CountingConsumer(broker.port)
-    edge = EdgeThread(str(tmp / "dmi.sock"))
+    edge = EdgeThread(str(tmp / "dmi.sock"), gpus)
     edge.call(edge.edge.start())
     mapper = MapperProcess(
         tmp,
-        GPUS,
+        gpus,
         *("--edgecore-socket", str(tmp / "dmi.sock"), "--socket", str(tmp / "gpu.sock"), "--mqtt", broker.url),
         config="telemetry: {window: 10s}\n",
     )
@@ -148,11 +165,11 @@ def main() -> None:
     try:
         mapper.wait_started()
         wait(lambda: all(g["power_limit_w"] == DESIRED_W for g in mapper.gpu_state()), 60, "desired limits", 0.5)
-        time.sleep(30)  # warm-up: imports, first batches, the buffer's first pages
+        time.sleep(warmup_s)  # warm-up: imports, first batches, the buffer's first pages
         start_usage = proc_usage(mapper.proc.pid)
         log(f"warm; mapper {start_usage}")
         end_at = time.monotonic() + args.minutes * 60
-        next_fault = time.monotonic() + rng.uniform(15, 45)
+        next_fault = time.monotonic() + rng.uniform(*pace["gap"])
         # RSS along the way too (about ten readings), so that a bound being approached shows apart from a leak.
         rss_every_s = max(30.0, args.minutes * 6)
         rss_along = [start_usage["rss_kb"]]
@@ -166,22 +183,22 @@ def main() -> None:
                 mapper.control(op="reload", recover=True)
                 log(f"gpu{lost_gpu[0]} found again")
                 lost_gpu = None
-            if time.monotonic() < next_fault or time.monotonic() > end_at - 20:
+            if time.monotonic() < next_fault or time.monotonic() > end_at - tail_s:
                 continue
-            next_fault = time.monotonic() + rng.uniform(15, 45)
+            next_fault = time.monotonic() + rng.uniform(*pace["gap"])
             kind = rng.choice(sorted(faults))
             if kind == "gpu_lost_found" and lost_gpu is not None:
                 kind = "driver_reload"
             faults[kind] += 1
             if kind == "broker_restart":
                 broker.terminate()
-                down_s = rng.uniform(2, 8)
+                down_s = rng.uniform(*pace["broker"])
                 log(f"broker down for {down_s:.1f} s")
                 time.sleep(down_s)
                 broker.start()
             elif kind == "edgecore_restart":
                 edge.call(edge.edge.stop())
-                down_s = rng.uniform(1, 5)
+                down_s = rng.uniform(*pace["edgecore"])
                 log(f"EdgeCore down for {down_s:.1f} s")
                 time.sleep(down_s)
                 edge.call(edge.edge.start())
@@ -189,8 +206,8 @@ def main() -> None:
                 log("driver reload")
                 mapper.control(op="reload")
             else:
-                gpu = rng.randrange(GPUS)
-                lost_gpu = (gpu, time.monotonic() + rng.uniform(5, 15))
+                gpu = rng.randrange(gpus)
+                lost_gpu = (gpu, time.monotonic() + rng.uniform(*pace["lost"]))
                 log(f"gpu{gpu} lost")
                 mapper.control(op="lose", gpu=gpu)
         if lost_gpu is not None:
@@ -225,9 +242,10 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "soak",
+                "sim_cost": "none",  # the faults' child runs the simulator cost-free: its figures are counts
                 "minutes": args.minutes,
                 "seed": args.seed,
-                "gpus": GPUS,
+                "gpus": gpus,
                 "faults": faults,
                 "batches_produced": len(produced) + lost,
                 "batches_delivered": len(delivered),

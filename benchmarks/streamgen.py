@@ -25,13 +25,15 @@ any lossless store, ours and Prometheus' alike (about 8 bytes a sample for both)
 
 ``generate(gpus, hours, seed)`` yields ``(device, Sample)`` in time order, one Sample per device and round with
 the properties due in that round. ``python benchmarks/streamgen.py --gpus G --hours H --out FILE.csv`` writes
-it as the CSV that ``benchmarks/buffer.py --input`` reads (``ts_ms,device,property,value``).
+it as the CSV that ``benchmarks/buffer.py --input`` reads (``ts_ms,device,property,value``) and prints one JSON
+line last (what it wrote).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import random
 import sys
@@ -263,6 +265,8 @@ def main() -> None:
     args = ap.parse_args()
     n = write_csv(generate(args.gpus, args.hours, args.seed), args.out)
     print(f"{n} samples written to {args.out}", file=sys.stderr)
+    summary = {"benchmark": "streamgen", "gpus": args.gpus, "hours": args.hours, "samples": n, "out": str(args.out)}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

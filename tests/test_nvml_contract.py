@@ -1247,12 +1247,15 @@ def test_the_energy_counter_is_read_every_read_cycle_and_derived_from_power_in_b
             # power (a 1 s average, steady here) integrated: within 1 % of what the GPU used since the read
             assert value == pytest.approx(true_j, abs=0.01 * (true_j - last_read_j) + 0.01)
     assert [v for _, v, _, _ in seen] == sorted(v for _, v, _, _ in seen)  # a counter: never decreasing
-    # the process cycle takes the same counter: no read of the driver's between the collect cycle's reads
+    # the process cycle takes the same counter and never reads the driver's, even when a read is due (at 180 s
+    # here): that is left to the next collect sample (on the grid, read after the other GPUs of its round)
     reads_before = len(energy_reads(fields, start)), sim.calls["nvmlDeviceGetTotalEnergyConsumption"]
-    for _ in range(4):
+    for _ in range(12):
         fake_clock.advance(5)
         assert backend.processes(uuid).energy_j == pytest.approx(sim.gpu(uuid).energy_j, rel=0.01)
     assert (len(energy_reads(fields, start)), sim.calls["nvmlDeviceGetTotalEnergyConsumption"]) == reads_before
+    assert backend.sample(uuid, ENERGY_NAMES).values["energy_consumption_age"] == 0.0  # the collect sample reads it
+    assert energy_reads(fields, start) == [0, 60, 120, 191]
     assert backend.energy_clamps == {}
 
 
@@ -1282,6 +1285,7 @@ def test_a_read_below_the_derived_value_holds_the_counter_there_and_is_counted(
 def test_each_gpus_energy_read_falls_in_a_round_of_its_own(fake_clock: FakeClock, backends: Backends) -> None:
     sim, backend, uuids = build(fake_clock, backends, *["H200"] * 8, scenario="steady", energy_read_s=60.0)
     fields = record(sim, "nvmlDeviceGetFieldValues", fake_clock)
+    power = record(sim, "nvmlDeviceGetPowerUsage", fake_clock)  # (before the first sample binds the getter)
     start = fake_clock.monotonic()
     for _ in range(126):
         backend.sample_many([(u, ["power_usage", "energy_consumption"]) for u in uuids])
@@ -1290,6 +1294,17 @@ def test_each_gpus_energy_read_falls_in_a_round_of_its_own(fake_clock: FakeClock
     assert per_round[0] == 8  # each GPU's first read, at start-up
     assert max(n for second, n in per_round.items() if second > 0) == 1  # then never two GPUs in one round
     assert sum(per_round.values()) >= 2 * 8  # and each read again within two read cycles
+    # and in its round the GPU that reads the counter is read last: its dear read delays no other GPU's sample
+    fields.clear()
+    start = fake_clock.monotonic()
+    for _ in range(60):
+        backend.sample_many([(u, ["power_usage", "energy_consumption"]) for u in uuids])
+        fake_clock.advance(1)
+    reading = {round(t - start): uuid for t, _, (uuid, ids), _ in fields if list(ids) == [pynvml.NVML_FI_DEV_ENERGY]}
+    assert len(reading) == 8  # each GPU once in the read cycle, each in a round of its own
+    for second, uuid in reading.items():
+        order = [u for t, _, (u,), _ in power if round(t - start) == second]
+        assert sorted(order) == sorted(uuids) and order[-1] == uuid, (second, order, uuid)
 
 
 def test_without_a_power_reading_the_energy_counter_is_read_every_sample(fake_clock: FakeClock) -> None:

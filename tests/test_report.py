@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -538,3 +539,160 @@ async def test_a_listed_property_the_gpu_cannot_read_reports_unsupported_logged_
     last = [tw for _, k, tw in rig.sink.statuses if k == "default/gpu0"][-1]
     assert last["fan_speed"][1].isdigit()
     assert any("reads fan_speed again" in r.getMessage() for r in caplog.records)
+
+
+# --- short report cycles: the changed twins, every twin once per default cycle ----------------------------------
+
+
+@dataclass
+class ViewSink(Sink):
+    """A Sink that also keeps what EdgeCore would hold after each report (every twin of a report applied on its
+    own, the others kept) beside the Device's full twins at that moment (``device_twins`` of the worker)."""
+
+    workers: dict[str, GpuWorker] = field(default_factory=dict)
+    views: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    mismatches: list[tuple[float, str, dict[str, tuple[str, str]], dict[str, tuple[str, str]]]] = field(
+        default_factory=list
+    )
+
+    def offer_status(self, namespace: str, name: str, twins: Iterable[Twin], *, prompt: bool = False) -> None:
+        twins = list(twins)
+        super().offer_status(namespace, name, twins, prompt=prompt)
+        key = f"{namespace}/{name}"
+        view = self.views.setdefault(key, {})
+        view.update({t.name: (t.observed_desired, t.reported) for t in twins})
+        worker = next(w for w in self.workers.values() if w.device is not None and w.device.key == key)
+        full = {t.name: (t.observed_desired, t.reported) for t in device_twins(worker)}
+        if view != full:
+            self.mismatches.append((self.clock.monotonic(), key, dict(view), full))
+
+
+def short_cycle_rig(rig: Rig) -> tuple[ViewSink, dict[str, list[tuple[float, dict]]], list[tuple[float, str]]]:
+    """``rig`` with a ViewSink, EventBus updates by Device and the state messages recorded."""
+    sink = ViewSink(rig.clock, workers=rig.workers)
+    rig.sink = sink
+    rig.reporter.dmi = sink
+    bus: dict[str, list[tuple[float, dict]]] = {}
+
+    def publish(topic: str, payload: bytes) -> None:
+        if topic.endswith("/twin/update"):
+            key = topic.removeprefix("$hw/events/device/").removesuffix("/twin/update")
+            bus.setdefault(key, []).append((rig.clock.monotonic(), json.loads(payload)["twin"]))
+
+    rig.reporter.eventbus = publish
+    snapshots: list[tuple[float, str]] = []
+    rig.reporter.device_state = lambda key, payload: snapshots.append((rig.clock.monotonic(), key))
+    return sink, bus, snapshots
+
+
+async def run_stepping(rig: Rig, seconds: int) -> list[tuple[float, dict[str, tuple[str, str]]]]:
+    """``seconds`` of 1 s GPU steps, the report loop running in between as in the mapper. Returns the first
+    Device's every twin at the end of each second (after that second's report, before the next step)."""
+    first = next(iter(rig.workers.values()))
+    seen = []
+    for _ in range(seconds):
+        for worker in rig.workers.values():
+            rig.reporter.after_step(worker, await worker.tick())
+        rig.run_for(1.0)
+        seen.append((rig.clock.monotonic(), {t.name: (t.observed_desired, t.reported) for t in device_twins(first)}))
+    return seen
+
+
+async def test_a_one_second_cycle_sends_the_changed_twins_and_every_twin_once_per_default_cycle(rig: Rig) -> None:
+    sink, bus, snapshots = short_cycle_rig(rig)
+    for i, worker in enumerate(rig.workers.values()):
+        device = gpu_device(f"gpu{i}", worker.uuid, report_cycle_ms=1000)
+        worker.bind(device)
+        rig.reporter.bound(device)
+    start = rig.clock.monotonic()
+    seen = await run_stepping(rig, 65)
+
+    reports = [(t - start, tw) for t, k, tw in sink.statuses if k == "default/gpu0"]
+    every = {"temperature", "power_usage", "power_limit", "desired_status", "policy_state", "health"}
+    full_at = [round(t) for t, tw in reports if set(tw) == every]
+    # The first at once, then one every 20 s (defaults.reportCycle): 20 one-second cycles.
+    assert len(full_at) == 4 and [b - a for a, b in itertools.pairwise(full_at)] == [20, 20, 20], full_at
+    # In between, a second's report holds exactly the twins that differ from the second before (none: no report).
+    by_second = {round(t): set(tw) for t, tw in reports}
+    changed_seconds = 0
+    for (_, before), (t, now) in itertools.pairwise(seen):
+        second = round(t - start)
+        if second in full_at:
+            continue
+        expected = {name for name in now if before.get(name) != now[name]}
+        assert by_second.get(second, set()) == expected, (second, before, now)
+        changed_seconds += bool(expected)
+    assert 10 <= changed_seconds < len(seen) - 4, "some seconds changed something, some nothing"
+    assert all("power_limit" not in tw for t, tw in reports if round(t) not in full_at), "unchanged: full only"
+    assert sink.mismatches == [], "what EdgeCore holds after each report is the Device's every twin"
+
+    # EventBus: the same rule, and a changed twin there is the value the DMI report had.
+    updates = bus["default/gpu0"]
+    full_bus = [round(t - start) for t, tw in updates if set(tw) == every]
+    assert full_bus == full_at
+    view: dict[str, str] = {}
+    for _, tw in updates:
+        view.update({name: t["actual"]["value"] for name, t in tw.items()})
+    worker = next(iter(rig.workers.values()))
+    assert view == {t.name: t.reported for t in device_twins(worker)}
+
+    # The retained state message with the full reports only (the state did not change).
+    assert [round(t - start) for t, k in snapshots if k == "default/gpu0"] == full_at
+
+
+async def test_one_second_cycles_of_every_device_go_in_one_wake_up_on_the_grid(rig: Rig) -> None:
+    sink, _, _ = short_cycle_rig(rig)
+    passes: list[float] = []
+    real = rig.reporter.report_due
+
+    def report_due() -> float:
+        passes.append(rig.clock.monotonic())
+        return real()
+
+    rig.reporter.report_due = report_due  # type: ignore[method-assign]
+    for i, worker in enumerate(rig.workers.values()):
+        device = gpu_device(f"gpu{i}", worker.uuid, report_cycle_ms=1000)
+        worker.bind(device)
+        rig.reporter.bound(device)
+    await run_stepping(rig, 12)
+    # The loop wakes on whole seconds of the monotonic clock only (the GPU loops' grid), once each: both
+    # Devices' reports in the same pass. (With the default 20 s cycles they keep phases of their own: the first
+    # test of this module.)
+    assert passes == [pytest.approx(round(t), abs=1e-6) for t in passes], passes
+    # (Rig.run_for passes once more at the start of each second it runs: the same instant.)
+    assert sorted({round(t) for t in passes}) == list(range(round(passes[0]), round(passes[0]) + 13))
+    times = {t for t, _, _ in sink.statuses}
+    assert times and times <= set(passes)
+    both = {t for t, k, _ in sink.statuses if k == "default/gpu0"} & {
+        t for t, k, _ in sink.statuses if k != "default/gpu0"
+    }
+    assert len(both) > 3, "the two Devices' reports in the same wake-ups"
+
+
+async def test_after_a_reconnect_eventbus_gets_every_twin_again_and_a_state_change_its_snapshot(rig: Rig) -> None:
+    sink, bus, snapshots = short_cycle_rig(rig)
+    worker = next(iter(rig.workers.values()))
+    device = gpu_device("gpu0", worker.uuid, report_cycle_ms=1000)
+    worker.bind(device)
+    rig.reporter.bound(device)
+    await run_stepping(rig, 5)
+    every = {"temperature", "power_usage", "power_limit", "desired_status", "policy_state", "health"}
+    assert set(bus["default/gpu0"][-1][1]) != every, "a changed-only update by now"
+    dmi_before = len(sink.statuses)
+    rig.reporter.resend_all()
+    rig.run_for(0.05)
+    assert set(bus["default/gpu0"][-1][1]) == every, "every twin again at once on EventBus"
+    assert len(sink.statuses) == dmi_before, "the DMI path is not concerned"
+    # The broker back in the very pass a changed-only report is due: that report is every twin on EventBus.
+    await run_stepping(rig, 2)
+    rig.clock.advance(math.ceil(rig.clock.monotonic()) - rig.clock.monotonic())
+    sent = len(bus["default/gpu0"])
+    rig.reporter.resend_all()
+    rig.reporter.report_due()
+    assert len(bus["default/gpu0"]) == sent + 1 and set(bus["default/gpu0"][-1][1]) == every
+
+    before = len(snapshots)
+    rig.sim.inject_gpu_lost(worker.uuid)
+    rig.reporter.after_step(worker, await worker.tick())
+    rig.run_for(1.0)
+    assert worker.state == "offline" and len(snapshots) == before + 1, "the new state in the retained message"

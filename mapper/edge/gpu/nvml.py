@@ -370,7 +370,11 @@ class NvmlBackend:
         """``sample`` of several GPUs as one NVML job: per request (uuid, properties), in order, its Sample or the
         ``MapperError`` reading it raised (a lost or failing GPU does not stop the others; each GPU gets the
         re-initialise-and-retry-once of a single ``sample``). With ``events``, ``poll_events`` first, in the same
-        job (its error, if any, in ``events_error``). Bad property names raise at once, as ``sample``'s."""
+        job (its error, if any, in ``events_error``). Bad property names raise at once, as ``sample``'s.
+
+        The GPUs whose sample reads the driver's energy counter this round (~4 ms of CPU on an H200; one GPU a round
+        at most, the reads being spread over the read cycle) are read after the others, so that the dear read
+        delays no other GPU's sample."""
         wanted = [(uuid, self._wanted_set(properties)) for uuid, properties in requests]
 
         def run_all() -> SampleRound:
@@ -382,20 +386,24 @@ class NvmlBackend:
                     polled = self._guarded(self._poll_events, True)
                 except MapperError as exc:
                     events_error = exc
-            out: list[Sample | MapperError] = []
-            started: list[float] = []
+            out: list[Sample | MapperError | None] = [None] * len(wanted)
+            started = [0.0] * len(wanted)
             monotonic = self._clock.monotonic
-            for uuid, names in wanted:
-                started.append(monotonic())
+            now = monotonic()
+            dear = [i for i, (uuid, names) in enumerate(wanted) if self._energy_read_due(uuid, names, now)]
+            order = [i for i in range(len(wanted)) if i not in dear] + dear if dear else range(len(wanted))
+            for i in order:
+                uuid, names = wanted[i]
+                started[i] = monotonic()
                 try:
-                    out.append(self._guarded(partial(self._sample, uuid, names), True))
+                    out[i] = self._guarded(partial(self._sample, uuid, names), True)
                 except MapperError as exc:
-                    out.append(exc)
+                    out[i] = exc
             if polled and time.monotonic() - started_s > self._call_timeout_s:
                 # A read hung past the job's timeout: the caller has given up on this result, so the events it
                 # took from NVML go back to the next poll instead of being lost with it.
                 self._pending[:0] = polled
-            return SampleRound(out, polled, events_error, tuple(started))
+            return SampleRound([x for x in out if x is not None], polled, events_error, tuple(started))
 
         # Each read above is guarded on its own (init, re-init and retry once, backoff), as a batch of ``sample``
         # calls is: the job as a whole must neither initialise first nor, as a "successful call", reset the
@@ -1307,13 +1315,24 @@ class NvmlBackend:
             self._unsupported.setdefault(uuid, {})["power_usage"] = self._clock.monotonic() + self._unsupported_retry_s
             return None
 
-    def _energy(self, h: Any, uuid: str, now: float, power_w: float | None) -> tuple[float, float]:
+    def _energy_read_due(self, uuid: str, names: frozenset[str], now: float) -> bool:
+        """Whether a sample of ``names`` now would read the driver's energy counter (not derive it)."""
+        if "energy_consumption" not in names and "energy_consumption_age" not in names:
+            return False
+        track = self._energy_tracks.get(uuid)
+        return track is None or now >= track.next_read_s
+
+    def _energy(
+        self, h: Any, uuid: str, now: float, power_w: float | None, *, may_read: bool = True
+    ) -> tuple[float, float]:
         """The GPU's energy counter (J) and how long ago it was read from the driver (s). The driver's counter is
         read every ``energy_read_s`` (each GPU at its own offset within that cycle, so that their reads, ~4 ms of
         CPU each on an H200, fall in different rounds); in between the value is the last read plus ``power_w``
-        integrated since (``_EnergyTrack``). Without a power reading every call reads the driver's counter."""
+        integrated since (``_EnergyTrack``). Without a power reading every call reads the driver's counter.
+        ``may_read`` False (the process cycle): a read that is due is left to the next collect sample, which is
+        on the collect grid and read after the other GPUs of its round."""
         track = self._energy_tracks.get(uuid)
-        if track is not None and power_w is not None and now < track.next_read_s:
+        if track is not None and power_w is not None and (now < track.next_read_s or not may_read):
             return track.derive(now, power_w), now - track.read_s
         energy_j = self._read_energy(h, uuid, now)
         self._check_energy(uuid, energy_j)  # (a reload detected here forgets every GPU's track)
@@ -1439,7 +1458,12 @@ class NvmlBackend:
             # The collect samples' counter (read from the driver every energy_read_s, derived from power in
             # between), not a read of its own: the driver's counter costs ~4 ms of CPU a read.
             energy_j = self._probe(
-                uuid, "processes:energy", now, unsupported, "energy", lambda: self._energy(h, uuid, now, power_w)[0]
+                uuid,
+                "processes:energy",
+                now,
+                unsupported,
+                "energy",
+                lambda: self._energy(h, uuid, now, power_w, may_read=False)[0],
             )
         except NotFoundError:
             raise

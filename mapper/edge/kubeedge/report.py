@@ -8,7 +8,18 @@ DMI reporter's rate-limited, coalescing queue) and EventBus (``twin/update`` / `
   report after a binding goes out at once; the second comes between half a cycle and one and a half cycles
   later, at a phase of its own (the golden-ratio sequence over the bound Devices; twins and states alike), so
   Devices bound together (every GPU at start-up) do not report in one burst every cycle and the node-wide
-  budget stays free for the prompt reports below. Nothing moves a Device's phase afterwards.
+  budget stays free for the prompt reports below. Nothing moves a Device's phase afterwards. A cycle shorter than
+  ``GRID_BELOW_S`` (5 s) is not spread: such Devices report together on the clock's grid of their cycle (the
+  grid the GPU loops sample on), one wake-up for all.
+* **full and changed-only**: a periodic report is *full* (every twin of the Device) when the Device's cycle is at
+  least ``defaults.reportCycle`` (20 s unless configured; discover writes the same), and for a shorter cycle
+  once every ``defaults.reportCycle`` (the first report after a binding included); in between, each path gets
+  only the twins whose value differs from what that path was last sent (nothing at all when none changed).
+  EdgeCore applies each twin of a ``ReportDeviceStatus`` or an EventBus ``twin/update`` on its own and keeps
+  the others, so a changed-only report is an ordinary partial update; the full one puts right whatever a path
+  lost (a DMI report EdgeCore refused for good, an EventBus publish lost while the session still looked up).
+  A broker reconnect sends the full twins again on EventBus at once (below). The Device's retained state
+  message goes with the full reports and when its state changed, not with every changed-only one.
 * **prompt**: when a step changes what a Device's twins say about control (a desired value applied, rejected
   or restored: its property's twin and ``desired_status``; a policy starting or ending an override:
   ``policy_state`` and the capped property), or publishes an ack or a policy event, the affected twins go out
@@ -38,7 +49,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
-from mapper.clock import Clock, sleep_or_wake
+from mapper.clock import Clock, next_on_grid, sleep_or_wake
 from mapper.edge.control.collect import GpuWorker, TickResult, worker_sample
 from mapper.shared.model import PROPERTY_BY_NAME, UNSUPPORTED_TWIN, DeviceConfig, Twin, format_value
 from mapper.wire.eventbus import state_update_payload, twin_update_payload
@@ -56,8 +67,14 @@ PUSH_STATUS = "push_status"
 IDLE_WAIT_S = 5.0
 #: The least time between two prompt DMI reports of one Device: the changes of one second go in one report.
 PROMPT_INTERVAL_S = 1.0
+#: Stands for "the GPU cannot read it" in the values a changed-only report compares (its value is None then).
+_UNREADABLE = object()
 #: Spreads the phases of the periodic reports: the k-th bound Device reports at (k * this) mod 1 of its cycle.
 _GOLDEN = 0.6180339887498949
+#: Report cycles shorter than this are not spread: a Device reporting every few seconds offers more than the DMI
+#: budget carries whatever its phase (the DMI reporter coalesces), and on a small VM each wake-up of the report
+#: loop costs more CPU than the report it makes, so such Devices all report in one wake-up on the clock's grid.
+GRID_BELOW_S = 5.0
 
 
 class StatusSink(Protocol):
@@ -195,9 +212,21 @@ class Reporter:
         self._resend_state: set[str] = set()
         #: Per Device: its reported writable properties, and what the last step left of them and the status twins.
         self._writable_names: dict[str, tuple[str, ...]] = {}
+        #: Per Device: its reported properties, and those with the status twins whose change is reported promptly.
+        self._reported_names: dict[str, tuple[str, ...]] = {}
+        self._control_sets: dict[str, frozenset[str]] = {}
         self._signature: dict[str, tuple[object, ...]] = {}
         #: The unsupported twins already logged, per Device.
         self._unsupported_logged: dict[str, set[str]] = {}
+        #: Per Device and path: each twin as that path was last sent it, name -> (observedDesired, reported).
+        self._sent_dmi: dict[str, dict[str, tuple[str, str]]] = {}
+        self._sent_eventbus: dict[str, dict[str, tuple[str, str]]] = {}
+        #: Per Device: the raw values its last periodic report was made from (a changed-only report formats only
+        #: the reported read-only properties whose value differs), and periodic reports left until the next full.
+        self._basis: dict[str, dict[str, object]] = {}
+        self._until_full: dict[str, int] = {}
+        #: Per Device: the state its last retained state message carried.
+        self._snapshot_state: dict[str, str] = {}
         #: Reports offered, by kind: periodic, prompt (DMI), prompt_eventbus, state.
         self.counts: dict[str, int] = {"periodic": 0, "prompt": 0, "prompt_eventbus": 0, "state": 0}
         #: Set to look at once (a change, a device was bound, the broker came back).
@@ -215,6 +244,7 @@ class Reporter:
         self._last_control.pop(key, None)
         self._writable_names.pop(key, None)
         self._signature.pop(key, None)
+        self._forget_sent(key)
         self.wake.set()
 
     def removed(self, device: DeviceConfig) -> None:
@@ -226,6 +256,8 @@ class Reporter:
             pending.pop(key, None)
         self._writable_names.pop(key, None)
         self._signature.pop(key, None)
+        self._forget_sent(key)
+        self._snapshot_state.pop(key, None)
         self._resend.discard(key)
         self._resend_state.discard(key)
         if self.dmi is not None:
@@ -333,11 +365,12 @@ class Reporter:
                 continue
             at = self._next_report_s.get(key, 0.0)
             if now >= at:
-                self._next_report_s[key] = self._next_periodic(key, at, now, self.report_cycle_s(device))
-                self._resend.discard(key)
-                self._report_twins(device, worker, device_twins(worker), periodic=True)
+                cycle_s = self.report_cycle_s(device)
+                self._next_report_s[key] = self._next_periodic(key, at, now, cycle_s)
+                full = self._report_periodic(device, worker, cycle_s)
                 self.counts["periodic"] += 1
-                if self.device_state is not None:
+                if self.device_state is not None and (full or self._snapshot_state.get(key) != worker.state):
+                    self._snapshot_state[key] = worker.state
                     make = self.state_snapshot
                     payload = make(key, worker) if make is not None else state_payload(key, worker_sample(worker))
                     self.device_state(key, payload)
@@ -351,9 +384,84 @@ class Reporter:
             next_s = min(next_s, self._report_prompt(device, worker, now))
         return max(0.01, next_s - self.clock.monotonic())
 
+    def _report_periodic(self, device: DeviceConfig, worker: GpuWorker, cycle_s: float) -> bool:
+        """A periodic report: full, or each path's changed twins (see the module's docstring). Whether it was
+        full."""
+        key = device.key
+        left = self._until_full.get(key, 0)
+        names = self._report_names(device)
+        values, unsupported = worker.values, worker.unsupported
+        basis = {n: _UNREADABLE if (v := values.get(n)) is None and n in unsupported else v for n in names}
+        if left <= 0 or key not in self._basis:
+            # Every twin once per default report cycle (``report_cycle_ms``), the changed ones in between.
+            self._until_full[key] = max(1, round(self.report_cycle_ms / 1000 / cycle_s)) - 1
+            self._basis[key] = basis
+            self._resend.discard(key)
+            self._report_twins(device, worker, device_twins(worker), periodic=True)
+            self.counts["periodic_full"] = self.counts.get("periodic_full", 0) + 1
+            return True
+        self._until_full[key] = left - 1
+        before = self._basis[key]
+        self._basis[key] = basis
+        # A read-only value formats to the same twin when its raw value is the same: only the others are made.
+        control = self._control_names(device)
+        wanted = [n for n in names if n in control or basis[n] != before.get(n, _UNREADABLE)]
+        wanted += [n for n in STATUS_TWINS if n not in names]
+        twins = device_twins(worker, wanted)
+        # A path sent nothing yet (attached after the first report), or the broker came back since: every twin.
+        if self.eventbus is not None:
+            sent = self._sent_eventbus.get(key)
+            if key in self._resend or sent is None:
+                self._publish_twins(device, worker, device_twins(worker))
+            else:
+                self._publish_twins(
+                    device, worker, [t for t in twins if sent.get(t.name) != (t.observed_desired, t.reported)]
+                )
+        self._resend.discard(key)
+        if self.dmi is not None:
+            sent = self._sent_dmi.get(key)
+            changed = (
+                device_twins(worker)
+                if sent is None
+                else [t for t in twins if sent.get(t.name) != (t.observed_desired, t.reported)]
+            )
+            if changed:
+                self._note(device, worker, changed)
+                self._mark_sent(self._sent_dmi, key, changed)
+                self.dmi.offer_status(device.namespace, device.name, changed)
+        return False
+
+    def _report_names(self, device: DeviceConfig) -> tuple[str, ...]:
+        """The Device's reported properties in report order (``device_twins``' order, status twins left out)."""
+        names = self._reported_names.get(device.key)
+        if names is None:
+            names = self._reported_names[device.key] = tuple(p.name for p in device.properties if p.report_to_cloud)
+        return names
+
+    def _control_names(self, device: DeviceConfig) -> frozenset[str]:
+        names = self._control_sets.get(device.key)
+        if names is None:
+            names = self._control_sets[device.key] = frozenset(control_twins(device))
+        return names
+
+    def _forget_sent(self, key: str) -> None:
+        for book in (self._sent_dmi, self._sent_eventbus, self._basis, self._until_full):
+            book.pop(key, None)
+        self._reported_names.pop(key, None)
+        self._control_sets.pop(key, None)
+
+    @staticmethod
+    def _mark_sent(book: dict[str, dict[str, tuple[str, str]]], key: str, twins: Iterable[Twin]) -> None:
+        sent = book.setdefault(key, {})
+        for twin in twins:
+            sent[twin.name] = (twin.observed_desired, twin.reported)
+
     def _next_periodic(self, key: str, at: float, now: float, cycle_s: float) -> float:
         """The next periodic report after the one due ``at`` (0: the first after a binding, which fixes the
-        Device's phase in its cycle; later ones keep it)."""
+        Device's phase in its cycle; later ones keep it). A cycle shorter than ``GRID_BELOW_S`` lies on the
+        clock's grid of that cycle instead (the GPU loops' grid): every such Device in the same wake-up."""
+        if cycle_s < GRID_BELOW_S:
+            return next_on_grid(now, cycle_s, cycle_s / 2 if at == 0.0 else 0.0)
         if at == 0.0:
             return now + cycle_s * (0.5 + self._phase.get(key, 0.0))
         return max(at + cycle_s, now + 0.1)
@@ -376,6 +484,7 @@ class Reporter:
         if self.dmi is not None:
             twins = device_twins(worker, sorted(names))
             self._note(device, worker, twins)
+            self._mark_sent(self._sent_dmi, key, twins)
             self.dmi.offer_status(device.namespace, device.name, twins, prompt=True)
             self.counts["prompt"] += 1
         return float("inf")
@@ -405,6 +514,7 @@ class Reporter:
             return
         self._note(device, worker, twins)
         if self.dmi is not None:
+            self._mark_sent(self._sent_dmi, device.key, twins)
             self.dmi.offer_status(device.namespace, device.name, twins)
         if self.eventbus is not None:
             self._publish_twins(device, worker, twins)
@@ -414,6 +524,7 @@ class Reporter:
         if not twins:
             return
         self._note(device, worker, twins)
+        self._mark_sent(self._sent_eventbus, device.key, twins)
         values = {t.name: t.reported for t in twins}
         unsupported = [t.name for t in twins if t.reported == UNSUPPORTED_TWIN and t.name in worker.unsupported]
         payload = twin_update_payload(values, self.clock.wall_ms(), unsupported=unsupported)
