@@ -188,7 +188,13 @@ class PbBridge:
         wr = self.pb.WriteRequest()
         series: dict[tuple[Any, ...], Any] = {}
         for b, uuid, ident in batches:
-            base = {"device": naming.device_label(b.device), "node": b.node, "uuid": uuid, "gpu": ident.gpu}
+            base = {
+                "device": naming.device_label(b.device),
+                "node": b.node,
+                "uuid": uuid,
+                "gpu": ident.gpu,
+                "job": naming.BRIDGE_JOB,
+            }
             for row in b.samples:
                 for name, v in row.values.items():
                     for sname, extra, x in self._values(name, v, ident):
