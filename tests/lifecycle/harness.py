@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,17 @@ defaults: {reportCycle: 1000, stateReportCycle: 2000}
 #: Diagnostics only (never set in CI): invariants whose violations are noted and not raised, to see what else a
 #: sequence finds on a branch where one fault shows in every sequence.
 IGNORED = frozenset(filter(None, os.environ.get("GPU_MAPPER_LIFECYCLE_IGNORE", "").split(",")))
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)\b.*)$")
+
+
+def exit_cause(log: str) -> str:
+    """What a process's log says ended it: its 'crashed' line and the last exception's line (or 'no reason logged')."""
+    lines = log.splitlines()
+    crashed = next((ln.split(" ", 3)[-1] for ln in reversed(lines) if "crashed" in ln or "CRITICAL" in ln), "")
+    exc = next((m.group(1) for ln in reversed(lines) if (m := _EXC_LINE.match(ln.strip()))), "")
+    return " / ".join(x for x in (crashed, exc) if x) or "no reason logged"
 
 
 class Violation(Exception):
@@ -826,9 +838,11 @@ class Run:
     def check_alive(self) -> None:
         assert self.mapper is not None
         if not self.mapper.alive:
+            log = self.mapper.log()
             raise Violation(
                 "mapper-exited",
-                f"the mapper exited on its own with {self.mapper.proc.returncode}: {self._log_tail()}",
+                f"the mapper exited on its own with {self.mapper.proc.returncode} ({exit_cause(log)}); "
+                f"its log ends: {log[-3000:]}",
             )
         for i, w in enumerate(self.bridges):
             if w is not None and not w.alive and not w.stopped_by_harness:
