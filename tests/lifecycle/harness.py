@@ -218,6 +218,8 @@ class Run:
         self._expected_cache: dict[tuple[Any, ...], list[tuple[tuple[str, str, int], float]]] = {}
         self.mapper_starts = 0
         self.ignored: list[str] = []
+        #: The label sets of the series each sample was found in, the last time Prometheus was asked.
+        self._prom_labels: dict[tuple[str, str, int], list[dict[str, str]]] = {}
 
     # ==========================================================================================================
     # the world
@@ -997,11 +999,22 @@ class Run:
     def _prom(self) -> dict[tuple[str, str, int], list[float]]:
         window = int(time.time() - self.t0) + 120
         out: dict[tuple[str, str, int], list[float]] = {}
+        labels: dict[tuple[str, str, int], list[dict[str, str]]] = {}
         for s in self.prom.query(f'{{node="{self.node}",__name__=~"{PLAIN_RE}"}}[{window}s]', time.time() + 1):
             name, device = s["metric"]["__name__"], s["metric"].get("device", "")
             for t, v in s["values"]:
-                out.setdefault((name, device, round(float(t) * 1000)), []).append(float(v))
+                key = (name, device, round(float(t) * 1000))
+                out.setdefault(key, []).append(float(v))
+                labels.setdefault(key, []).append(s["metric"])
+        self._prom_labels = labels
         return out
+
+    def _label_diff(self, key: tuple[str, str, int]) -> str:
+        """How the series that hold one sample more than once differ (their labels that are not the same)."""
+        sets = self._prom_labels.get(key, [])
+        names = sorted({k for m in sets for k in m})
+        differ = [k for k in names if len({m.get(k) for m in sets}) > 1]
+        return "; ".join(f"{k}: {[m.get(k) for m in sets]}" for k in differ) or "no label differs"
 
     def _pipeline_up(self) -> bool:
         return self.broker_up and any(w is not None and w.alive for w in self.bridges)
@@ -1074,7 +1087,11 @@ class Run:
         twice = {k: v for k, v in prom.items() if len(v) > 1}
         if twice:
             k = sorted(twice)[0]
-            raise Violation("delivery", f"{len(twice)} samples twice in Prometheus, e.g. {k}: {twice[k]}")
+            raise Violation(
+                "delivery",
+                f"{len(twice)} samples twice in Prometheus, e.g. {k}: {twice[k]}, in series that differ in "
+                f"{self._label_diff(k)}",
+            )
         wrong = [
             (k, want[k], prom[k][0])
             for k in want
