@@ -200,6 +200,9 @@ class Run:
         #: GPUs lost when the running mapper started: NVML does not enumerate them, so that process never shows
         #: them (a reboot brings them back: ``step_gpu_found`` restarts the mapper then).
         self.absent: set[int] = set()
+        #: Devices (DMI) the running mapper refused because their GPU is absent from it (``is not on this node``):
+        #: EdgeCore keeps them, and the mapper takes them from its registration reply once the GPU is back.
+        self.unheld: set[str] = set()
         self.uuids: list[str] = []
         self.foreign: Path | None = None
         self.drops_by_process: dict[int, int] = {}
@@ -394,8 +397,14 @@ class Run:
         wait(lambda: self._folder_reads() > before, 5.0)
 
     def _dmi(self, method: str, request: Any) -> tuple[bool, str]:
-        assert self.edge is not None
-        return self.edge.call(f"{self.sock_dir}/gpu.sock", method, request)
+        assert self.edge is not None and self.mapper is not None
+        ok, err = self.edge.call(f"{self.sock_dir}/gpu.sock", method, request)
+        if not ok and ("UNAVAILABLE" in err or "CANCELLED" in err):
+            # The mapper stopping on its own answers so: say that, not the call's failure.
+            mapper = self.mapper
+            wait(lambda: not mapper.alive, 5.0)
+            self.check_alive()
+        return ok, err
 
     def _edge_list(self) -> None:
         """EdgeCore's own list of this node's Devices (what a MapperRegister reply carries), as the model says;
@@ -426,7 +435,11 @@ class Run:
         method = "RegisterDevice" if added else "UpdateDevice"
         request = (pb.RegisterDeviceRequest if added else pb.UpdateDeviceRequest)(device=self._pb(name))
         ok, err = self._dmi(method, request)
-        if not ok:
+        if ok:
+            self.unheld.discard(name)
+        elif self.devices[name].gpu in self.absent and "is not on this node" in err:
+            self.unheld.add(name)  # EdgeCore keeps it; the mapper takes it when the GPU is back (a reboot)
+        else:
             raise Violation("dmi", f"{method} {name} (a valid Device) refused: {err}")
 
     def _source_remove(self, names: list[str]) -> None:
@@ -440,8 +453,9 @@ class Run:
         self._edge_list()
         for name in names:
             ok, err = self._dmi("RemoveDevice", pb.RemoveDeviceRequest(deviceName=name, deviceNamespace="default"))
-            if not ok:
+            if not ok and name not in self.unheld:
                 raise Violation("dmi", f"RemoveDevice {name} refused: {err}")
+            self.unheld.discard(name)
 
     # ==========================================================================================================
     # the model
@@ -516,6 +530,8 @@ class Run:
         self.step_remove(name)
         uuid = self.uuids[dev.gpu]
         assert self.mapper is not None
+        if dev.gpu in self.lost:  # a lost GPU streams nothing to wait for
+            return self.step_add(name, dev.gpu, dev.value)
         # Until the mapper streams the GPU unbound again (the telemetry of a GPU no Device names), or 5 s.
         wait(lambda: self._gpu_status(uuid).get("device") == "", 5.0)
         seen = self._parts_of(f"_unbound/{uuid.lower()}")
@@ -663,6 +679,7 @@ class Run:
 
     def _after_mapper_restart(self) -> None:
         self._start_mapper()
+        self.unheld = {n for n, d in self.devices.items() if d.gpu in self.absent}
         # A Device whose source is broken at start was never read by this process: what it is bound to is not
         # said by anything the operator wrote (the GPU keeps its settings: nothing valid asked to change them).
         self.binding_unknown |= self.broken & set(self.devices)
