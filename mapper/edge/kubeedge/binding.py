@@ -54,6 +54,8 @@ class StoredLike(Protocol):
     def uuid(self) -> str: ...
     @property
     def state(self) -> DesiredState: ...
+    @property
+    def updated_at_ms(self) -> int: ...
 
 
 class DesiredStoreLike(Protocol):
@@ -307,12 +309,20 @@ class Bindings:
         """Desired state persisted by an earlier run is enforced again, with or without EdgeCore."""
         if self.store is None:
             return
+        # A GPU's desired state is one object, saved under the key of whatever named the GPU at the time
+        # (``_unbound/<uuid>``, a Device, the Device's next name): the record saved last is the state it had.
+        # An older record (a name the GPU had before, with its removal's "defaults to restore") must not win
+        # over it, or a restart would reset a GPU to its defaults that its current Device caps.
+        latest: dict[str, StoredLike] = {}
         for stored in self.store.load_all():
-            worker = self.workers.get(stored.uuid)
-            if worker is None:
+            if stored.uuid not in self.workers:
                 log.warning("persisted desired state of %s names GPU %s, not on this node", stored.device, stored.uuid)
                 continue
-            worker.desired = stored.state
+            kept = latest.get(stored.uuid)
+            if kept is None or stored.updated_at_ms >= kept.updated_at_ms:
+                latest[stored.uuid] = stored
+        for uuid, stored in latest.items():
+            self.workers[uuid].desired = stored.state
             log.info(
                 "restored desired state of %s (GPU %s): %s",
                 stored.device,
