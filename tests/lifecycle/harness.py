@@ -28,6 +28,7 @@ import os
 import re
 import sqlite3
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1240,6 +1241,10 @@ class Run:
             index = len(self.steps)
             self.finish()
         except Violation as v:
+            v.step = index
+            out.violation = v
+        except Exception as exc:  # the harness's own failure: reported with the sequence, the run goes on
+            v = Violation("harness-error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}")
             v.step = index
             out.violation = v
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -56,8 +57,11 @@ def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes] | None:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (OSError, ValueError):
+        try:
+            return exc.code, exc.read()
+        except (OSError, http.client.HTTPException):
+            return exc.code, b""
+    except (OSError, ValueError, http.client.HTTPException):
         return None
 
 
