@@ -17,7 +17,10 @@ The invariants (each a ``Violation.invariant`` name):
 * ``delivery``: a sample of a published batch is not in Prometheus once the pipeline had time to write it, or
   Prometheus holds it twice, with another value, or holds one that was never published; at the end, a seq
   missing from a stream beyond the batches the mapper counted as dropped;
-* ``foreign-file``: the mapper changed the mode of (or removed) a file it did not create.
+* ``foreign-file``: the mapper changed the mode of (or removed) a file it did not create;
+* ``healthz``: a running mapper's ``/healthz`` did not answer 200 within the view bound;
+* ``dmi``: the mapper refused a valid Device over DMI (or took a refused one);
+* ``harness-error``: the harness itself failed (reported with the sequence; the run goes on).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from tests.lifecycle.world import (
     MapperProc,
     Sniffer,
     TmpfsDir,
+    http_get,
     rmtree,
     short_socket_dir,
     wait,
@@ -848,7 +852,23 @@ class Run:
         self._checked(self.check_stream_identity)
         self._checked(lambda: self.check_delivery(final))
         self._checked(self.check_foreign)
+        self._checked(self.check_health)
         self._checked(self.check_alive)
+
+    def check_health(self) -> None:
+        """A running mapper's ``/healthz`` answers 200 within the view bound: it fails only while a loop's heartbeat
+        is stale (``mapper/net/http.py``); a full data dir, a lost GPU, a broker away must not fail it (issue 27)."""
+        assert self.mapper is not None
+        port = self.mapper.port
+        last: list[Any] = [None]
+
+        def healthy() -> bool:
+            last[0] = http_get(f"http://127.0.0.1:{port}/healthz", 2.0)
+            return last[0] is not None and last[0][0] == 200
+
+        if not wait(healthy, VIEW_BOUND_S, 0.2) and self.mapper.alive:
+            code, body = last[0] if last[0] is not None else ("nothing", b"")
+            raise Violation("healthz", f"/healthz answered {code}: {body[:300]!r}")
 
     def _checked(self, check: Any) -> None:
         try:
