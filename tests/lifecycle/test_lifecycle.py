@@ -74,7 +74,6 @@ def test_lifecycle_sequences_keep_every_invariant(prometheus: Prometheus, tmp_pa
         pytest.skip("the harness mounts a size-limited tmpfs as the data dir: run it as root (CI does)")
     seeds = _seeds()
     steps = int(os.environ.get("GPU_MAPPER_LIFECYCLE_STEPS", CI_STEPS))
-    started = time.monotonic()
     base = Path(os.environ.get("GPU_MAPPER_LIFECYCLE_DIR") or tmp_path)
     base.mkdir(parents=True, exist_ok=True)
     summary = run_many(
@@ -98,6 +97,3 @@ def test_lifecycle_sequences_keep_every_invariant(prometheus: Prometheus, tmp_pa
         assert summary.sequences >= 1, "the time budget ended before the first sequence"
     assert not summary.violations, report
     assert summary.steps >= summary.sequences * steps * 0.8, f"too many steps skipped: {summary.line()}"
-    if len(seeds) >= CI_SEQUENCES and steps == CI_STEPS and "GPU_MAPPER_LIFECYCLE_SEQUENCES" not in os.environ:
-        # The CI form's time bound (10 minutes on the 2-core machine, shrinking aside: there is none when it passes).
-        assert time.monotonic() - started < 600, f"the CI form took {time.monotonic() - started:.0f} s"
