@@ -231,3 +231,38 @@ async def test_a_restart_after_a_rename_and_a_typo_keeps_the_cap_the_gpu_has(tmp
         )
         assert sim.gpu(uuid).power_limit_w == 400 != default_w, "the restart changed the GPU's cap"
         assert settings_calls == [], f"the restart set the power limit: {settings_calls}"
+
+
+@pytest.mark.timeout(120)
+async def test_a_device_whose_file_was_broken_at_start_is_removed_when_the_file_is_deleted(tmp_path: Path) -> None:
+    """Found by the lifecycle harness (tests/lifecycle, seed 6): a Devices file that failed to parse when the
+    mapper started keeps the cap its Device set (restored from the store: bad input changes no GPU), but the
+    mapper never learnt which Devices the file defined, so deleting the file removed nothing and the cap stayed
+    on a GPU no Device names."""
+    sim = SimNvml(2, "H100", seed=0, scenario="idle")
+    uuids = [g.uuid for g in sim.gpus]
+    defaults = [sim.gpu(u).power_limit_w for u in uuids]
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    first, second = devices / "gpu0.yaml", devices / "gpu1.yaml"
+    first.write_text(DEVICE.format(name="gpu0", uuid=uuids[0], watts="400").lstrip("\n"))
+    second.write_text(DEVICE.format(name="gpu1", uuid=uuids[1], watts="410").lstrip("\n"))
+    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices))
+    async with running_app(settings, sim):
+        await wait_for(
+            lambda: [sim.gpu(u).power_limit_w for u in uuids] == [400, 410], timeout_s=20, what="both caps applied"
+        )
+    first.write_text(first.read_text().replace('value: "400"', 'value: "400', 1))  # an unclosed quote
+    async with running_app(settings, sim) as app:
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 10, timeout_s=60, what="10 collect rounds")
+        assert [sim.gpu(u).power_limit_w for u in uuids] == [400, 410], "a broken file changed a GPU at start"
+        first.unlink()  # the operator removes the Device
+        await wait_for(
+            lambda: sim.gpu(uuids[0]).power_limit_w == defaults[0], timeout_s=20, what="gpu0's default restored"
+        )
+        assert sim.gpu(uuids[1]).power_limit_w == 410, "the other Device keeps its cap"
+    async with running_app(settings, sim) as app:  # and it stays released across a restart
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 10, timeout_s=60, what="10 collect rounds")
+        assert [sim.gpu(u).power_limit_w for u in uuids] == [defaults[0], 410]

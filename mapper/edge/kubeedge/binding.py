@@ -235,6 +235,8 @@ class Bindings:
             problems.append(ConfigProblem("devices-file", where, named, refusal_reason(exc), f"{key}: {exc}"))
         self.config_errors.settle("devices-file", problems)
         self.mark_config_errors()
+        if not problems and not errors:
+            self._release_orphans()
         log.info(
             "devices folder: %d device(s), %d model(s), %d change(s)%s",
             len(contents.devices),
@@ -242,6 +244,25 @@ class Bindings:
             len(changes),
             f", {len(problems)} refused (the Devices they name keep their previous version)" if problems else "",
         )
+
+    def _release_orphans(self) -> None:
+        """After a read of the folder with nothing refused: a GPU no Device names that still holds values of this
+        source (restored from the store at start, its Device never read by this process: its file failed to
+        parse then, or was deleted while the mapper was down) had its Device removed; its values go, as a
+        removal's do (the defaults return)."""
+        now_ms = self.clock.wall_ms()
+        for worker in self.workers.values():
+            if worker.device is not None:
+                continue
+            changes = worker.desired.sync_source(self.source, {}, now_ms)
+            if changes:
+                log.info(
+                    "GPU %s: no Device names it in the devices folder; its desired %s from an earlier run released",
+                    worker.uuid,
+                    ", ".join(c.prop for c in changes),
+                )
+                self.save_desired(worker, worker.device_key)
+                worker.wake()
 
     def mark_config_errors(self) -> None:
         """Each bound GPU's ``config_error`` (its ``desired_status`` twin) as ``config_errors`` stands now; a GPU
