@@ -194,6 +194,8 @@ class Bindings:
                 self.config_errors.clear_device("dmi", given.key)
         self.config_errors.settle("dmi", problems, where="MapperRegister")
         self.mark_config_errors()
+        if not problems:
+            self._release_orphans()
         log.info("EdgeCore registration: %d device(s) on this mapper, %d changed", len(devices), len(changes))
 
     def apply_folder(self, contents: FolderContents) -> None:
@@ -246,10 +248,11 @@ class Bindings:
         )
 
     def _release_orphans(self) -> None:
-        """After a read of the folder with nothing refused: a GPU no Device names that still holds values of this
-        source (restored from the store at start, its Device never read by this process: its file failed to
-        parse then, or was deleted while the mapper was down) had its Device removed; its values go, as a
-        removal's do (the defaults return)."""
+        """After a whole list of Devices with nothing refused (a read of the devices folder, EdgeCore's
+        registration reply): a GPU no Device names that still holds values of this source (restored from the
+        store at start, its Device never seen by this process: deleted while the mapper was down or its GPU
+        absent, or its file failed to parse at start and was deleted since) had its Device removed; its values
+        go, as a removal's do (the defaults return)."""
         now_ms = self.clock.wall_ms()
         for worker in self.workers.values():
             if worker.device is not None:
@@ -257,7 +260,7 @@ class Bindings:
             changes = worker.desired.sync_source(self.source, {}, now_ms)
             if changes:
                 log.info(
-                    "GPU %s: no Device names it in the devices folder; its desired %s from an earlier run released",
+                    "GPU %s: no Device names it; its desired %s from an earlier run released",
                     worker.uuid,
                     ", ".join(c.prop for c in changes),
                 )
