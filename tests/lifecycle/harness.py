@@ -1151,7 +1151,15 @@ class Run:
             if k in prom and not math.isclose(want[k], prom[k][0], rel_tol=1e-9, abs_tol=1e-9)
         ]
         if wrong:
-            raise Violation("delivery", f"{len(wrong)} samples with another value in Prometheus, e.g. {wrong[0]}")
+            first = wrong[0][0]
+            versions = [
+                (key[:3], x) for key, part in self._published() for k, x in self._expected(key, part) if k == first
+            ]
+            raise Violation(
+                "delivery",
+                f"{len(wrong)} samples with another value in Prometheus, e.g. {wrong[0]}; published as "
+                f"(device, boot id, seq) -> value: {versions[:4]}",
+            )
         known = {k for key, part in self._published() for k, _ in self._expected(key, part)}
         unknown = [k for k in prom if k not in known]
         if unknown:
