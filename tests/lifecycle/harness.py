@@ -316,7 +316,7 @@ class Run:
         self.mapper = MapperProc(
             self._mapper_args(self.dir / "data", port), self.dir / "gpu-state.json", self.dir / "mapper.log", port
         )
-        if not self.mapper.wait_ready(60):
+        if not self.mapper.wait_ready(60, gpus=self.cfg.gpus - len(self.absent)):
             code = self.mapper.proc.poll()
             raise Violation("mapper-exited", f"the mapper did not start (exit {code}): {self._log_tail()}")
         if self.cfg.source == "edgecore":

@@ -236,12 +236,15 @@ class MapperProc:
             return None
         return parse_metrics(got[1].decode(errors="replace"))
 
-    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+    def wait_ready(self, timeout_s: float = 60.0, gpus: int = 1) -> bool:
+        """Until ``/status`` lists at least ``gpus`` GPUs (0: until it answers: every GPU lost), or the process
+        exited; True when it runs."""
+
         def ready() -> bool:
             if not self.alive:
                 return True
             st = self.status()
-            return bool(st and st.get("gpus"))
+            return st is not None and len(st.get("gpus") or []) >= gpus
 
         return bool(wait(ready, timeout_s, 0.05)) and self.alive
 
