@@ -227,6 +227,7 @@ class Run:
         self.sock_dir = ""
         self.step_kind = "start"
         self.t0 = time.time()
+        self.started_s = time.monotonic()
         self._expected_cache: dict[tuple[Any, ...], list[tuple[tuple[str, str, int], float]]] = {}
         self.mapper_starts = 0
         self.ignored: list[str] = []
@@ -1158,6 +1159,20 @@ class Run:
             # Two versions published under one (device, boot id, seq) is the stream's identity going backwards (the
             # consumer keeps the first); the sniffer may have seen the second after the identity check ran.
             twice = len({x for _, x in versions}) > 1 and len({v for v, _ in versions}) == 1
+            if twice:
+                assert self.sniffer is not None
+                _, conflicts, _ = self.sniffer.snapshot()
+                shown = [
+                    (
+                        [(ts, dict(vals).get(first[0].removeprefix("gpu_"), "-")) for ts, vals in old.samples][:6],
+                        [(ts, dict(vals).get(first[0].removeprefix("gpu_"), "-")) for ts, vals in new.samples][:6],
+                        old.arrived_s - self.started_s,
+                        new.arrived_s - self.started_s,
+                    )
+                    for key, old, new in conflicts
+                    if key == versions[0][0]
+                ]
+                versions = [*versions, ("the two versions' (sample ts, values) and arrival s", shown)]  # type: ignore[list-item]
             raise Violation(
                 "stream-identity" if twice else "delivery",
                 f"{len(wrong)} samples with another value in Prometheus, e.g. {wrong[0]}; published as "
