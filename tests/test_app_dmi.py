@@ -224,3 +224,36 @@ async def test_a_device_edgecore_sends_that_does_not_convert_or_validate_changes
         assert app.registry.config_errors.current == ()
         assert app.status.snapshot().config_errors == {"dmi": 2}
     await edge.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_device_deleted_while_the_mapper_was_down_gives_its_gpu_back_its_default(sock_dir, tmp_path):
+    """Found by the lifecycle harness (tests/lifecycle, seed 34): a Device removed while its GPU was absent from
+    the mapper (or the mapper down) is missing from the next registration reply, but the cap restored from the
+    store stayed enforced on a GPU no Device names. A reply with nothing refused releases it."""
+    sim = SimNvml(2, "A100", seed=3, scenario="steady")
+    uuid0, uuid1 = sim.gpus[0].uuid, sim.gpus[1].uuid
+    default0 = sim.gpu(uuid0).power_limit_w
+    edge = FakeEdgeCore(f"{sock_dir}/dmi.sock")
+    edge.devices = [
+        pb_device("gpu0", uuid0, properties={"temperature": None, "power_limit": "333"}, cycle_ms=200),
+        pb_device("gpu1", uuid1, properties={"temperature": None, "power_limit": "250"}, cycle_ms=200),
+    ]
+    edge.models = [pb_model()]
+    await edge.start()
+    try:
+        settings = fast_settings(str(tmp_path), edgecore_socket=edge.socket_path, socket=f"{sock_dir}/gpu.sock")
+        async with running_app(settings, sim):
+            await wait_for(
+                lambda: (sim.gpu(uuid0).power_limit_w, sim.gpu(uuid1).power_limit_w) == (333, 250),
+                what="both caps applied",
+            )
+        edge.devices = edge.devices[1:]  # gpu0 deleted in the cloud while the mapper was down
+        async with running_app(settings, sim) as app:
+            await wait_for(lambda: app.dmi_client is not None and app.dmi_client.registered, what="registered")
+            await wait_for(lambda: sim.gpu(uuid0).power_limit_w == default0, what="gpu0's default restored")
+            rounds = app.status.collect_duration.count
+            await wait_for(lambda: app.status.collect_duration.count >= rounds + 5, what="5 collect rounds")
+            assert sim.gpu(uuid1).power_limit_w == 250, "the Device still listed keeps its cap"
+    finally:
+        await edge.stop()

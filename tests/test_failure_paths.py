@@ -431,7 +431,40 @@ async def test_a_registry_listener_that_raises_does_not_starve_the_other_listene
     assert [c.kind for c in changes] == ["added"] and [(k, str(e)) for k, e in errors] == [
         ("default/gpu0", "a bug in a listener")
     ]
-    assert seen == ["added gpu0", "added gpu1", "removed gpu0"]
+    assert seen == ["added gpu0", "removed gpu0", "added gpu1"]
+
+
+def test_a_sync_that_renames_a_device_or_moves_one_to_the_gpu_another_leaves_makes_every_change() -> None:
+    """Found by the lifecycle harness (tests/lifecycle, seed 3): a Device renamed inside one devices file was
+    refused (``GPU ... already belongs to device <old name>``) while the old name was removed, and the GPU was
+    left unbound until the next edit."""
+    from mapper.edge.kubeedge.dmi.convert import device_from_pb
+    from mapper.edge.kubeedge.registry import Registry
+    from tests.fake_edgecore import pb_device
+
+    registry = Registry(node_gpus=lambda: ["GPU-1", "GPU-2", "GPU-3"])
+    seen: list[str] = []
+    registry.subscribe(lambda change: seen.append(f"{change.kind} {change.device.name}"))
+    changes, errors = registry.sync([device_from_pb(pb_device("spare", "GPU-1"))], [])
+    assert errors == [] and seen == ["added spare"]
+    # One version of the files: spare renamed to infer (same GPU).
+    changes, errors = registry.sync([device_from_pb(pb_device("infer", "GPU-1"))], [])
+    assert errors == []
+    assert sorted(f"{c.kind} {c.device.name}" for c in changes) == ["added infer", "removed spare"]
+    assert registry.get_device("default", "infer").uuid == "GPU-1"
+    # One version: a (infer) moves to GPU-3, b takes GPU-1, listed first so that its first try finds GPU-1 taken.
+    changes, errors = registry.sync(
+        [device_from_pb(pb_device("b", "GPU-1")), device_from_pb(pb_device("infer", "GPU-3"))], []
+    )
+    assert errors == []
+    assert registry.get_device("default", "infer").uuid == "GPU-3"
+    assert registry.get_device("default", "b").uuid == "GPU-1"
+    # Two Devices asking for one GPU: one is refused and named, the other keeps it.
+    changes, errors = registry.sync(
+        [device_from_pb(pb_device("b", "GPU-1")), device_from_pb(pb_device("c", "GPU-1"))], [], keep=["default/infer"]
+    )
+    assert [(k, "already belongs" in str(e)) for k, e in errors] == [("default/c", True)]
+    assert registry.get_device("default", "b").uuid == "GPU-1"
 
 
 # --- the shipper and the MQTT session failing while connected ---------------------------------------------------

@@ -174,3 +174,95 @@ async def test_a_devices_file_that_fails_to_parse_changes_no_gpu_says_so_and_the
             lambda: all(sim.gpu(u).power_limit_w == defaults[u] for u in uuids), timeout_s=20, what="defaults restored"
         )
         assert app.registry.devices() == []
+
+
+@pytest.mark.timeout(120)
+async def test_a_restart_after_a_rename_and_a_typo_keeps_the_cap_the_gpu_has(tmp_path: Path, caplog) -> None:
+    """Found by the lifecycle harness (tests/lifecycle, seed 5): the desired store keeps a record per name a GPU
+    had (its old Device name and ``_unbound/<uuid>`` with their removals' "defaults to restore"), and a restart
+    took whichever record came last in the store, not the newest: the GPU was reset to its default (a transient
+    700 W on every restart, and for good when the current Device's value was a typo the mapper refuses)."""
+    sim = SimNvml(1, "H100", seed=0, scenario="idle")
+    (uuid,) = [g.uuid for g in sim.gpus]
+    default_w = sim.gpu(uuid).power_limit_w
+    devices = tmp_path / "devices"
+    devices.mkdir()
+
+    def write(name: str, watts: str) -> None:
+        for old in devices.glob("*.yaml"):
+            old.unlink()
+        (devices / f"{name}.yaml").write_text(DEVICE.format(name=name, uuid=uuid, watts=watts).lstrip("\n"))
+
+    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices))
+    # "train" sorts after "spare": the older record (train's removal) comes last out of the store.
+    write("train", "400")
+    async with running_app(settings, sim) as app:
+        await wait_for(lambda: sim.gpu(uuid).power_limit_w == 400, timeout_s=20, what="train's cap applied")
+        write("spare", "400")  # renamed: train removed, spare added, on the same GPU
+        await wait_for(
+            lambda: app.workers[uuid].device is not None and app.workers[uuid].device.name == "spare",
+            what="the GPU bound to spare",
+        )
+        await wait_for(lambda: sim.gpu(uuid).power_limit_w == 400, timeout_s=20, what="spare's cap in force")
+        write("spare", "3OO")  # a typo: refused, the GPU keeps 400
+        await wait_for(
+            lambda: app.workers[uuid].desired_status.startswith("power_limit:rejected"), what="the typo refused"
+        )
+        assert sim.gpu(uuid).power_limit_w == 400
+    settings_calls: list[int] = []
+    setter = sim.nvmlDeviceSetPowerManagementLimit
+
+    def recording(handle: Any, limit: int) -> None:
+        settings_calls.append(limit)
+        setter(handle, limit)
+
+    sim.nvmlDeviceSetPowerManagementLimit = recording  # type: ignore[method-assign]
+    caplog.set_level("INFO", logger="mapper.edge.kubeedge.binding")
+    caplog.clear()
+    async with running_app(settings, sim) as app:
+        # What the restart enforces until the folder is read (when a step comes first, it acts on it): the newest
+        # record of the GPU, spare's, not train's older "defaults to restore".
+        restored = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restored desired state")]
+        assert restored == [f"restored desired state of default/spare (GPU {uuid}): power_limit=3OO"], restored
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 20, timeout_s=60, what="20 collect rounds")
+        await wait_for(
+            lambda: app.workers[uuid].desired_status.startswith("power_limit:rejected"), what="the typo refused again"
+        )
+        assert sim.gpu(uuid).power_limit_w == 400 != default_w, "the restart changed the GPU's cap"
+        assert settings_calls == [], f"the restart set the power limit: {settings_calls}"
+
+
+@pytest.mark.timeout(120)
+async def test_a_device_whose_file_was_broken_at_start_is_removed_when_the_file_is_deleted(tmp_path: Path) -> None:
+    """Found by the lifecycle harness (tests/lifecycle, seed 6): a Devices file that failed to parse when the
+    mapper started keeps the cap its Device set (restored from the store: bad input changes no GPU), but the
+    mapper never learnt which Devices the file defined, so deleting the file removed nothing and the cap stayed
+    on a GPU no Device names."""
+    sim = SimNvml(2, "H100", seed=0, scenario="idle")
+    uuids = [g.uuid for g in sim.gpus]
+    defaults = [sim.gpu(u).power_limit_w for u in uuids]
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    first, second = devices / "gpu0.yaml", devices / "gpu1.yaml"
+    first.write_text(DEVICE.format(name="gpu0", uuid=uuids[0], watts="400").lstrip("\n"))
+    second.write_text(DEVICE.format(name="gpu1", uuid=uuids[1], watts="410").lstrip("\n"))
+    settings = fast_settings(str(tmp_path / "data"), devices_dir=str(devices))
+    async with running_app(settings, sim):
+        await wait_for(
+            lambda: [sim.gpu(u).power_limit_w for u in uuids] == [400, 410], timeout_s=20, what="both caps applied"
+        )
+    first.write_text(first.read_text().replace('value: "400"', 'value: "400', 1))  # an unclosed quote
+    async with running_app(settings, sim) as app:
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 10, timeout_s=60, what="10 collect rounds")
+        assert [sim.gpu(u).power_limit_w for u in uuids] == [400, 410], "a broken file changed a GPU at start"
+        first.unlink()  # the operator removes the Device
+        await wait_for(
+            lambda: sim.gpu(uuids[0]).power_limit_w == defaults[0], timeout_s=20, what="gpu0's default restored"
+        )
+        assert sim.gpu(uuids[1]).power_limit_w == 410, "the other Device keeps its cap"
+    async with running_app(settings, sim) as app:  # and it stays released across a restart
+        rounds = app.status.collect_duration.count
+        await wait_for(lambda: app.status.collect_duration.count >= rounds + 10, timeout_s=60, what="10 collect rounds")
+        assert [sim.gpu(u).power_limit_w for u in uuids] == [defaults[0], 410]

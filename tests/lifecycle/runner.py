@@ -89,6 +89,8 @@ class Summary:
     outcomes: list[Outcome] = field(default_factory=list)
     shrunk: dict[str, Shrunk] = field(default_factory=dict)
     wall_s: float = 0.0
+    #: How many sequences were asked for (more than ran when the run stopped at its time budget).
+    requested: int = 0
 
     @property
     def sequences(self) -> int:
@@ -106,13 +108,19 @@ class Summary:
         return f"lifecycle: {self.sequences} sequences, {self.steps} steps, {len(self.violations)} violations"
 
     def report(self) -> str:
-        lines = [self.line() + f" ({self.wall_s:.0f} s)"]
+        head = self.line() + f" ({self.wall_s:.0f} s)"
+        if self.requested > self.sequences:
+            head += f"; {self.requested} requested, the rest not started: the run reached its time budget"
+        lines = [head]
         by_invariant: dict[str, list[Outcome]] = {}
         for o in self.violations:
             assert o.violation is not None
             by_invariant.setdefault(o.violation.invariant, []).append(o)
         for invariant, outs in sorted(by_invariant.items()):
             lines.append(f"\n== {invariant}: {len(outs)} sequence(s): seeds {', '.join(str(o.cfg.seed) for o in outs)}")
+            for o in outs:  # one line each, so that different causes of one invariant show
+                assert o.violation is not None
+                lines.append(f"   seed {o.cfg.seed} step {o.violation.step}: {o.violation.message[:200]!r}")
             first = outs[0]
             assert first.violation is not None
             lines.append(f"   first: {first.cfg}, after step {first.violation.step}: {first.violation.message[:1500]}")
@@ -138,23 +146,29 @@ def run_many(
     workers: int = 2,
     shrink_budget_s: float = 120.0,
     progress: bool = True,
+    until: float | None = None,
+    log: str | None = None,
 ) -> Summary:
-    summary = Summary()
+    """``until`` (a ``time.time()``): no sequence starts after it (the long form's time budget)."""
+    summary = Summary(requested=len(seeds))
     started = time.monotonic()
 
-    def one(seed: int) -> Outcome:
+    def one(seed: int) -> Outcome | None:
+        if until is not None and time.time() >= until:
+            return None
         cfg = config_for(seed)
         out = run_steps(cfg, generate(cfg, n_steps), prom, base)
+        what = f"VIOLATION {out.violation}"[:300] if out.violation else "ok"
+        line = f"[lifecycle] {cfg} : {out.executed} steps ({out.skipped} skipped) in {out.wall_s:.1f} s: {what}"
         if progress:
-            what = f"VIOLATION {out.violation}"[:300] if out.violation else "ok"
-            print(
-                f"[lifecycle] {cfg} : {out.executed} steps ({out.skipped} skipped) in {out.wall_s:.1f} s: {what}",
-                flush=True,
-            )
+            print(line, flush=True)
+        if log:
+            with _tag_lock, open(log, "a") as f:
+                f.write(line.replace("\n", " | ") + "\n")
         return out
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        summary.outcomes = list(pool.map(one, seeds))
+        summary.outcomes = [o for o in pool.map(one, seeds) if o is not None]
     deadline = time.monotonic() + shrink_budget_s
     for o in summary.violations:
         assert o.violation is not None

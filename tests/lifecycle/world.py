@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -56,8 +57,11 @@ def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes] | None:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (OSError, ValueError):
+        try:
+            return exc.code, exc.read()
+        except (OSError, http.client.HTTPException):
+            return exc.code, b""
+    except (OSError, ValueError, http.client.HTTPException):
         return None
 
 
@@ -232,12 +236,15 @@ class MapperProc:
             return None
         return parse_metrics(got[1].decode(errors="replace"))
 
-    def wait_ready(self, timeout_s: float = 60.0) -> bool:
+    def wait_ready(self, timeout_s: float = 60.0, gpus: int = 1) -> bool:
+        """Until ``/status`` lists at least ``gpus`` GPUs (0: until it answers: every GPU lost), or the process
+        exited; True when it runs."""
+
         def ready() -> bool:
             if not self.alive:
                 return True
             st = self.status()
-            return bool(st and st.get("gpus"))
+            return st is not None and len(st.get("gpus") or []) >= gpus
 
         return bool(wait(ready, timeout_s, 0.05)) and self.alive
 

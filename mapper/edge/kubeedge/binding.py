@@ -58,6 +58,8 @@ class StoredLike(Protocol):
     def uuid(self) -> str: ...
     @property
     def state(self) -> DesiredState: ...
+    @property
+    def updated_at_ms(self) -> int: ...
 
 
 class DesiredStoreLike(Protocol):
@@ -201,6 +203,8 @@ class Bindings:
                 self.config_errors.clear_device("dmi", given.key)
         self.config_errors.settle("dmi", problems, where="MapperRegister")
         self.mark_config_errors()
+        if not problems:
+            self._release_orphans()
         log.info("EdgeCore registration: %d device(s) on this mapper, %d changed", len(devices), len(changes))
 
     def apply_folder(self, contents: FolderContents) -> None:
@@ -242,6 +246,8 @@ class Bindings:
             problems.append(ConfigProblem("devices-file", where, named, refusal_reason(exc), f"{key}: {exc}"))
         self.config_errors.settle("devices-file", problems)
         self.mark_config_errors()
+        if not problems and not errors:
+            self._release_orphans()
         log.info(
             "devices folder: %d device(s), %d model(s), %d change(s)%s",
             len(contents.devices),
@@ -249,6 +255,26 @@ class Bindings:
             len(changes),
             f", {len(problems)} refused (the Devices they name keep their previous version)" if problems else "",
         )
+
+    def _release_orphans(self) -> None:
+        """After a whole list of Devices with nothing refused (a read of the devices folder, EdgeCore's
+        registration reply): a GPU no Device names that still holds values of this source (restored from the
+        store at start, its Device never seen by this process: deleted while the mapper was down or its GPU
+        absent, or its file failed to parse at start and was deleted since) had its Device removed; its values
+        go, as a removal's do (the defaults return)."""
+        now_ms = self.clock.wall_ms()
+        for worker in self.workers.values():
+            if worker.device is not None:
+                continue
+            changes = worker.desired.sync_source(self.source, {}, now_ms)
+            if changes:
+                log.info(
+                    "GPU %s: no Device names it; its desired %s from an earlier run released",
+                    worker.uuid,
+                    ", ".join(c.prop for c in changes),
+                )
+                self.save_desired(worker, worker.device_key)
+                worker.wake()
 
     def mark_config_errors(self) -> None:
         """Each bound GPU's ``config_error`` (its ``desired_status`` twin) as ``config_errors`` stands now; a GPU
@@ -385,12 +411,20 @@ class Bindings:
         """Desired state persisted by an earlier run is enforced again, with or without EdgeCore."""
         if self.store is None:
             return
+        # A GPU's desired state is one object, saved under the key of whatever named the GPU at the time
+        # (``_unbound/<uuid>``, a Device, the Device's next name): the record saved last is the state it had.
+        # An older record (a name the GPU had before, with its removal's "defaults to restore") must not win
+        # over it, or a restart would reset a GPU to its defaults that its current Device caps.
+        latest: dict[str, StoredLike] = {}
         for stored in self.store.load_all():
-            worker = self.workers.get(stored.uuid)
-            if worker is None:
+            if stored.uuid not in self.workers:
                 log.warning("persisted desired state of %s names GPU %s, not on this node", stored.device, stored.uuid)
                 continue
-            worker.desired = stored.state
+            kept = latest.get(stored.uuid)
+            if kept is None or stored.updated_at_ms >= kept.updated_at_ms:
+                latest[stored.uuid] = stored
+        for uuid, stored in latest.items():
+            self.workers[uuid].desired = stored.state
             log.info(
                 "restored desired state of %s (GPU %s): %s",
                 stored.device,

@@ -371,16 +371,10 @@ class Registry:
             except (InvalidValueError, PermanentError) as exc:
                 errors.append((model.key, exc))
         changes: list[DeviceChange] = []
-        wanted: set[str] = set(keep)
-        for device in devices:
-            wanted.add(device.key)
-            try:
-                change = self.upsert_device(device)
-            except Exception as exc:  # refused, or a listener's bug: one entry never stops the others
-                errors.append((device.key, exc))
-                continue
-            if change.kind != "unchanged":
-                changes.append(change)
+        devices = list(devices)
+        wanted: set[str] = set(keep) | {d.key for d in devices}
+        # Removals first: a Device renamed (or replaced by another on its GPU) in one version of the files is
+        # one removed and one added, and the added one's GPU must be free when it comes.
         for key in [k for k in self._devices if k not in wanted]:
             namespace, name = key.split("/", 1)
             try:
@@ -390,4 +384,24 @@ class Registry:
                 continue
             if removed is not None:
                 changes.append(removed)
+        # A Device may take the GPU another one of this version leaves (a Device moved to another GPU): what was
+        # refused for a GPU still in use is tried again while a pass makes progress.
+        pending = devices
+        while pending:
+            refused: list[tuple[DeviceConfig, Exception]] = []
+            for device in pending:
+                try:
+                    change = self.upsert_device(device)
+                except PreconditionError as exc:
+                    refused.append((device, exc))
+                    continue
+                except Exception as exc:  # refused, or a listener's bug: one entry never stops the others
+                    errors.append((device.key, exc))
+                    continue
+                if change.kind != "unchanged":
+                    changes.append(change)
+            if len(refused) == len(pending):
+                errors += [(d.key, exc) for d, exc in refused]
+                break
+            pending = [d for d, _ in refused]
         return changes, errors
