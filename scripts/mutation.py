@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -83,9 +84,26 @@ STATUS_BY_EXIT_CODE: dict[int | None, str] = {
     None: "not run",
 }
 
+#: A mutant that only writes the SQL keywords of a line in lower case (``SELECT`` to ``select``): SQL keywords are
+#: case-insensitive, so no test can notice it. Counted apart, and left out of the score.
+SQL_WORDS = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|FROM|WHERE|AND|OR|ORDER|LIMIT|SET|BEGIN|COMMIT|VALUES)\b")
+UPPER_WORD = re.compile(r"\b[A-Z]{2,}\b")
+
+
+def only_sql_case(diff: str) -> bool:
+    """True for a diff of one line whose mutant is the original with its upper-case words (SQL keywords) in lower
+    case and nothing else changed (a quoted value in another case would be no keyword: not equivalent)."""
+    minus = [line[1:] for line in diff.splitlines() if line.startswith("-")]
+    plus = [line[1:] for line in diff.splitlines() if line.startswith("+")]
+    if len(minus) != 1 or len(plus) != 1 or minus[0] == plus[0] or not SQL_WORDS.search(minus[0]):
+        return False
+    return UPPER_WORD.sub(lambda m: m.group(0).lower(), minus[0]) == plus[0]
+
+
 #: The statuses that mean the tests noticed the mutant. A timeout (the mutant made the tests hang or run far past
 #: their usual time) counts, and the report lists each one.
 NOTICED = {"killed", "timeout", "segfault"}
+EQUIVALENT = "equivalent (SQL letter case)"
 
 
 @dataclass
@@ -102,8 +120,16 @@ class Result:
         return sum(1 for s in self.status.values() if s in NOTICED)
 
     @property
+    def equivalent(self) -> list[str]:
+        return [m for m in self.sampled if self.status.get(m) == EQUIVALENT]
+
+    @property
     def survivors(self) -> list[str]:
-        return [m for m in self.sampled if self.status.get(m) not in NOTICED]
+        return [m for m in self.sampled if self.status.get(m) not in NOTICED | {EQUIVALENT}]
+
+    @property
+    def counted(self) -> int:
+        return len(self.sampled) - len(self.equivalent)
 
     @property
     def timeouts(self) -> list[str]:
@@ -111,7 +137,7 @@ class Result:
 
     @property
     def score(self) -> float:
-        return 100.0 * self.killed / len(self.sampled) if self.sampled else 100.0
+        return 100.0 * self.killed / self.counted if self.counted else 100.0
 
 
 def slug(module: str) -> str:
@@ -220,13 +246,15 @@ def run_module(module: str, tests: tuple[str, ...], args: argparse.Namespace) ->
         raise SystemExit(f"mutation: mutmut run for {module} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     for name in sample:
         result.status[name] = STATUS_BY_EXIT_CODE.get(meta.get(name), "suspicious")
-    for name in result.survivors:
+    for name in result.survivors:  # (no mutant is EQUIVALENT yet: every one not noticed is shown)
         shown = subprocess.run(
             [python, "-m", "mutmut", "show", name], cwd=work, capture_output=True, text=True, env=env
         ).stdout
         result.diffs[name] = "\n".join(
             line for line in shown.splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))
         )
+        if only_sql_case(result.diffs[name]):
+            result.status[name] = EQUIVALENT
     result.seconds = time.monotonic() - started
     return result
 
@@ -234,16 +262,20 @@ def run_module(module: str, tests: tuple[str, ...], args: argparse.Namespace) ->
 def report(results: list[Result], out: Path | None) -> None:
     lines = []
     for r in results:
-        lines.append(f"\n-- {r.module}: {r.killed}/{len(r.sampled)} killed ({r.score:.0f} %), {r.seconds:.0f} s")
+        lines.append(f"\n-- {r.module}: {r.killed}/{r.counted} killed ({r.score:.0f} %), {r.seconds:.0f} s")
         for name in r.timeouts:
             lines.append(f"   counted killed, {r.status[name]}: {name}")
+        for name in r.equivalent:
+            lines.append(f"   not counted, {r.status[name]}: {name}")
         for name in r.survivors:
             lines.append(f"   {r.status[name]}: {name}")
             lines += [f"      {d}" for d in r.diffs.get(name, "").splitlines()]
-    lines.append("\nmodule | mutants | sampled | killed | score")
-    lines.append("---|---|---|---|---")
+    lines.append("\nmodule | mutants | sampled | equivalent | killed | score")
+    lines.append("---|---|---|---|---|---")
     for r in results:
-        lines.append(f"`{r.module}` | {r.total} | {len(r.sampled)} | {r.killed} | {r.score:.0f} %")
+        lines.append(
+            f"`{r.module}` | {r.total} | {len(r.sampled)} | {len(r.equivalent)} | {r.killed} | {r.score:.0f} %"
+        )
     text = "\n".join(lines)
     print(text)
     if out is not None:
@@ -252,10 +284,13 @@ def report(results: list[Result], out: Path | None) -> None:
                 "module": r.module,
                 "mutants": r.total,
                 "sampled": len(r.sampled),
+                "equivalent": r.equivalent,
                 "killed": r.killed,
                 "score": round(r.score, 1),
                 "seconds": round(r.seconds),
-                "survivors": {m: {"status": r.status[m], "diff": r.diffs.get(m, "")} for m in r.survivors},
+                "survivors": {
+                    m: {"status": r.status[m], "diff": r.diffs.get(m, "")} for m in r.survivors + r.equivalent
+                },
             }
             for r in results
         ]
