@@ -29,6 +29,19 @@ def test_state_update_refuses_states_edgecore_drops():
         state_update_payload("disconnected", 5)
 
 
+def test_a_state_update_carries_the_base_fields_every_eventbus_message_has():
+    """EdgeCore reads ``event_id`` (a string, may be empty) and ``timestamp`` (int64 milliseconds) from every
+    message (docs kubeedge-interfaces, Base), and ``state`` from a StateUpdate: exactly these keys."""
+    assert json.loads(state_update_payload("unhealthy", 1748764800123)) == {
+        "event_id": "",
+        "timestamp": 1748764800123,
+        "state": "unhealthy",
+    }
+    doc = json.loads(state_update_payload("ok", 1748764800123.9, event_id="e7"))
+    assert doc == {"event_id": "e7", "timestamp": 1748764800123, "state": "ok"}
+    assert isinstance(doc["timestamp"], int)
+
+
 def test_delta_values_become_desired_values():
     topic = "$hw/events/device/default/gpu0-edge1/twin/update/delta"
     payload = json.dumps({"event_id": "e", "timestamp": 17, "twin": {}, "delta": {"power_limit": "300"}}).encode()
