@@ -502,3 +502,42 @@ async def test_publish_failures_count_each_failed_attempt_once(tmp_path: Path) -
     await shipper.stop(2)
     task.cancel()
     buf.close()
+
+
+async def test_a_row_that_failed_just_before_the_broker_came_back_is_sent_again_whatever_the_page_does(
+    tmp_path: Path,
+) -> None:
+    """The broker comes back (``notify_connected``) while the shipper is in the middle of a page, just after a row
+    of that page failed: the rewind to the failed row must hold (the rest of the page must not move the cursor
+    past it again), or the row waits in the buffer until some later outage."""
+    clock = FakeClock()
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9, clock=clock)
+    outcomes: list[tuple[int, bool]] = []
+    shipper: TelemetryShipper
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        seq = decode_batch(payload).seq
+        fail = not outcomes  # the first attempt: the broker is away
+        outcomes.append((seq, not fail))
+        if fail:
+            raise TransientError("broker away", reason="mqtt-offline")
+
+    async def sleep(s: float) -> None:  # the rate cap's pause between two rows of a page
+        clock.advance(s)
+        for _ in range(5):  # the failed send finishes meanwhile
+            await asyncio.sleep(0)
+        if outcomes == [(0, False)]:
+            shipper.notify_connected()  # and the broker is back right then
+
+    shipper = TelemetryShipper(
+        buf, publish, node="n1", clock=clock, rate_limit_bytes_per_s=1000.0, retry_s=3600.0, sleep=sleep
+    )
+    for seq in range(6):
+        shipper.submit(_batch("default/gpu0", seq))
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0, timeout_s=10)
+    delivered = [seq for seq, ok in outcomes if ok]
+    assert sorted(set(delivered)) == [0, 1, 2, 3, 4, 5], "every batch (a row sent before the rewind may go twice)"
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()

@@ -171,6 +171,8 @@ class TelemetryShipper:
         self._states_due: set[str] = {""}
         self._dirty_states: set[str] = set()
         self._cursor: int | None = None
+        #: How often ``_unblock`` moved the cursor back: a page read before that stops there.
+        self._rewinds = 0
         self._page: set[int] = set()
         self._closing = False
         self._next_send_at = 0.0
@@ -315,7 +317,12 @@ class TelemetryShipper:
             # Rows read but not handled yet: the shipper holds their payloads, so compaction leaves them alone.
             self._page = {row.id for row in rows}
             sent_any = False
+            rewinds = self._rewinds
             for row in rows:
+                if self._rewinds != rewinds:
+                    # A broker came back while this page waited (the rate cap, a free slot) and the cursor went
+                    # back to its oldest failed row: read again from there instead of moving the cursor past it.
+                    break
                 self._cursor = row.id
                 if self._closing:
                     break
@@ -460,6 +467,7 @@ class TelemetryShipper:
         if first is not None and (self._cursor is None or first - 1 < self._cursor):
             # Resume from the oldest row of that broker that was not acked.
             self._cursor = first - 1
+            self._rewinds += 1
         self._start_replay()
 
     def _retry_blocked(self) -> None:
