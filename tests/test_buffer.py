@@ -493,3 +493,12 @@ def test_compaction_rows_tell_merged_batches_and_cold_ones_apart_by_their_format
         (ids[1], True, False),
         (ids[2], True, True),
     ]
+
+
+def test_the_bytes_on_disk_are_the_database_file_and_its_wal(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    for seq in range(20):
+        _put(buf, fake_clock, seq, size=2000)
+    db, wal = tmp_path / "b.db", tmp_path / "b.db-wal"
+    assert wal.stat().st_size > 0, "WAL mode: the last commits are in the WAL"
+    assert buf.file_bytes() == db.stat().st_size + wal.stat().st_size
