@@ -69,6 +69,10 @@ DESELECT: dict[str, tuple[str, ...]] = {
     ),
 }
 
+#: What the tests read beside the package and tests/ (mutmut copies only those into its ``mutants`` folder): the
+#: protobuf sources (remote write, DMI) and the device models.
+ALSO_COPY = ("proto/", "device-models/", "deploy/", "scripts/")
+
 #: Lines whose expressions are not mutated (regular expressions over the source line; see the module doc).
 DO_NOT_MUTATE = (r"^\s*raise\b", r"\blog(ger)?\.(debug|info|warning|error|exception|critical)\(")
 
@@ -195,6 +199,7 @@ def write_config(work: Path, module: str, tests: tuple[str, ...]) -> None:
         f"pytest_add_cli_args_test_selection ={block(tests)}\n"
         f"pytest_add_cli_args ={block(['-p', 'no:cacheprovider', *deselect])}\n"
         f"do_not_mutate_patterns ={block(DO_NOT_MUTATE)}\n"
+        f"also_copy ={block(ALSO_COPY)}\n"
     )
 
 
@@ -314,12 +319,20 @@ def main(argv: list[str] | None = None) -> int:
     tree = snapshot(Path(args.workdir) / "tree")
     print(f"mutation: tree {tree}, seed {args.seed}, {args.sample} mutants per module, {args.max_children} at once")
     results = []
+    failed: list[str] = []
     for module in args.module or list(MODULES):
-        results.append(run_module(module, MODULES[module], args))
+        try:
+            results.append(run_module(module, MODULES[module], args))
+        except SystemExit as exc:  # mutmut could not run this module's tests: say so, go on with the others
+            print(exc, file=sys.stderr)
+            failed.append(module)
+            continue
         report(results[-1:], None)
     print("\n== all modules")
     report(results, args.json)
-    return 0 if all(r.score >= args.min_score for r in results) else 1
+    if failed:
+        print(f"\nmutation: not run (see above): {', '.join(failed)}")
+    return 0 if not failed and all(r.score >= args.min_score for r in results) else 1
 
 
 if __name__ == "__main__":
