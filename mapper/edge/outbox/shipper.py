@@ -321,7 +321,8 @@ class TelemetryShipper:
             for row in rows:
                 if self._rewinds != rewinds:
                     # A broker came back while this page waited (the rate cap, a free slot) and the cursor went
-                    # back to its oldest failed row: read again from there instead of moving the cursor past it.
+                    # back to its oldest failed row: read again from there instead of moving the cursor past it
+                    # (and sending newer rows before it).
                     break
                 self._cursor = row.id
                 if self._closing:
@@ -335,6 +336,11 @@ class TelemetryShipper:
                     continue
                 await self._throttle(len(row.payload) + len(row.topic))
                 await self._slots.acquire()
+                if self._rewinds != rewinds:
+                    # Rewound while this row waited: the older rows go first (it is read again after them).
+                    self._slots.release()
+                    self._page.discard(row.id)
+                    break
                 if row.address in self._blocked or self._closing:
                     self._slots.release()
                     if row.address in self._blocked:
