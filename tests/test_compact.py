@@ -480,3 +480,13 @@ def test_compaction_is_off_only_for_a_minimum_age_of_zero() -> None:
     assert settings is not None and (settings.min_age_s, settings.slot_s, settings.cold_slot_s) == (0.5, 60, 600)
     with pytest.raises(ConfigError, match=r"buffer: .*cold_slot_s"):
         compaction_settings(30, 600, 0)
+
+
+def test_every_merge_tells_the_shipper_how_many_rows_it_removed(tmp_path: Path) -> None:
+    clock = FakeClock(start_wall_ms=ALIGNED)
+    buf = _open(tmp_path, clock)
+    _store(buf, _batches(clock, "default/gpu0", 1800))  # three 600 s slots of 60 batches
+    clock.advance(700)
+    removed: list[int] = []
+    stats = Compactor(buf, clock, CompactionSettings(cold_slot_s=600), on_compacted=removed.append).compact_all()
+    assert removed == [59, 59, 59] and stats.rows_removed == 177

@@ -23,6 +23,13 @@ def test_twin_update_follows_kubeedge_json():
     assert twin_update_topic("default", "gpu0") == "$hw/events/device/default/gpu0/twin/update"
 
 
+def test_a_twin_update_is_compact_json() -> None:
+    twin = '{"temperature":{"actual":{"value":"61"},"metadata":{"type":"string"}}}'
+    assert (
+        twin_update_payload({"temperature": "61"}, 5) == b'{"event_id":"","timestamp":5,"twin":' + twin.encode() + b"}"
+    )
+
+
 def test_state_update_refuses_states_edgecore_drops():
     assert json.loads(state_update_payload("online", 5))["state"] == "online"
     with pytest.raises(ValueError, match="disconnected"):
