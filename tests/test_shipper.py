@@ -541,3 +541,73 @@ async def test_a_row_that_failed_just_before_the_broker_came_back_is_sent_again_
     await shipper.stop(2)
     task.cancel()
     buf.close()
+
+
+async def test_a_publisher_that_raises_anything_counts_a_failure_and_the_row_is_kept(tmp_path: Path) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    attempts: list[int] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        attempts.append(decode_batch(payload).seq)
+        if len(attempts) <= 2:
+            raise RuntimeError("a bug in a publisher")
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), retry_s=0.05, max_in_flight=1)
+    shipper.submit(_batch("default/gpu0", 0))
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0)
+    assert attempts == [0, 0, 0]
+    assert (shipper.stats().publish_failures, shipper.stats().published_batches) == (2, 1)
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_a_state_that_cannot_be_published_pauses_the_default_broker_until_it_is_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    sent: list[tuple[str, bool]] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        ok = len(sent) > 0
+        sent.append((topic.rsplit("/", 1)[-1], ok))
+        if not ok:
+            raise TransientError("broker away", reason="mqtt-offline")
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), retry_s=3600.0)
+    shipper.update_state("default/gpu0", b'{"temperature":61}')
+    shipper.submit(_batch("default/gpu0", 0))
+    with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
+        task = asyncio.create_task(shipper.run())
+        await _until(lambda: shipper.stats().publish_failures == 1)
+        assert any("broker 'default' unreachable" in r.getMessage() for r in caplog.records)
+        shipper.notify_connected()  # the broker is back: the state first, then the batch
+        await _until(lambda: buf.stats().batches == 0)
+    assert sent == [("state", False), ("state", True), ("telemetry", True)]
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_a_backlog_no_bigger_than_the_in_flight_window_is_no_replay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        return None
+
+    for backlog, replay in ((2, False), (3, True)):
+        shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), max_in_flight=2)
+        for seq in range(backlog):
+            shipper.submit(_batch("default/gpu0", seq))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
+            task = asyncio.create_task(shipper.run())
+            await _until(lambda: buf.stats().batches == 0)
+            await shipper.stop(2)
+            task.cancel()
+        starts = [r.getMessage() for r in caplog.records if "replay of" in r.getMessage()]
+        assert starts == ([f"telemetry: replay of {backlog} buffered batches starts"] if replay else [])
+    buf.close()
