@@ -10,6 +10,7 @@ import pytest
 from mapper.edge.processes.attribution import (
     OTHER,
     EnergyLedger,
+    EnergySplit,
     IdlePower,
     ProcessUse,
     WorkloadKey,
@@ -129,3 +130,54 @@ def test_top_processes_keeps_the_heaviest_and_sums_the_rest() -> None:
     )
     few, none = top_processes(uses[:3], 5)
     assert len(few) == 3 and none is None
+
+
+def test_beyond_a_top_of_one_the_rest_is_one_use_summing_every_ratio() -> None:
+    uses = [
+        ProcessUse(1, 100, sm_ratio=0.5, memory_ratio=0.1, encoder_ratio=0.2, decoder_ratio=0.3),
+        ProcessUse(2, 900, sm_ratio=0.1, memory_ratio=0.4),
+        ProcessUse(3, 50, sm_ratio=0.05, memory_ratio=0.02, encoder_ratio=0.1, decoder_ratio=0.05),
+        ProcessUse(4, 10, sm_ratio=0.01, memory_ratio=0.01, encoder_ratio=0.25),
+    ]
+    kept, rest = top_processes(uses, 1)
+    assert [u.pid for u in kept] == [1, 2], "the top by SM share and the top by memory"
+    assert rest is not None and (rest.pid, rest.memory_used_bytes) == (0, 60)
+    assert rest.sm_ratio == pytest.approx(0.06) and rest.memory_ratio == pytest.approx(0.03)
+    assert rest.encoder_ratio == pytest.approx(0.35) and rest.decoder_ratio == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        top_processes(uses, 0)
+
+
+def test_an_idle_power_below_one_watt_is_still_the_idle_part() -> None:
+    split = split_energy(10.0, 4.0, 0.5, {"p": 0.3})
+    assert (split.idle_j, split.by_key) == (2.0, {"p": 8.0})
+
+
+def test_energy_over_the_bound_goes_to_other_with_its_mean_power_however_small() -> None:
+    ledger = EnergyLedger(max_keys=2)
+    a, b, c, d = (WorkloadKey("ns", f"pod-{x}", "main") for x in "abcd")
+    ledger.add(EnergySplit(10.5, 2.0, 0.0, 0.0, {a: 6.0, b: 4.0, c: 0.5}), now_s=0.0)
+    assert ledger.slot(a) == a and ledger.slot(c) == OTHER and ledger.slot(d) == OTHER, "two keys, then other"
+    assert set(ledger.entries) == {a, b, OTHER}
+    assert (ledger.entries[OTHER].joules_total, ledger.entries[OTHER].power_w) == (0.5, 0.25)
+
+
+def test_a_key_once_summed_into_other_stays_there_after_a_slot_frees_up() -> None:
+    """Its energy so far is in ``other``: a series of its own from then on would start again from 0."""
+    ledger = EnergyLedger(max_keys=1, retention_s=600.0)
+    a, b = WorkloadKey("ns", "a", "main"), WorkloadKey("ns", "b", "main")
+    ledger.add(EnergySplit(2.0, 1.0, 0.0, 0.0, {a: 1.0, b: 1.0}), now_s=0.0)
+    ledger.add(EnergySplit(0.0, 1.0, 0.0, 0.0, {}), now_s=1000.0)  # a is forgotten
+    assert a not in ledger.entries
+    ledger.add(EnergySplit(1.0, 1.0, 0.0, 0.0, {b: 1.0}), now_s=1001.0)
+    assert b not in ledger.entries and ledger.entries[OTHER].joules_total == 2.0
+
+
+def test_four_times_the_bound_of_overflowed_keys_are_still_remembered() -> None:
+    """The overflow set is forgotten only once it holds more than 4 x ``max_keys`` keys."""
+    ledger = EnergyLedger(max_keys=1, retention_s=600.0)
+    keys = [WorkloadKey("ns", f"p{i}", "main") for i in range(5)]  # one with a series, four over the bound
+    ledger.add(EnergySplit(5.0, 1.0, 0.0, 0.0, dict.fromkeys(keys, 1.0)), now_s=0.0)
+    ledger.add(EnergySplit(0.0, 1.0, 0.0, 0.0, {}), now_s=1000.0)  # the first is forgotten
+    ledger.add(EnergySplit(1.0, 1.0, 0.0, 0.0, {keys[1]: 1.0}), now_s=1001.0)
+    assert keys[1] not in ledger.entries and ledger.entries[OTHER].joules_total == 5.0

@@ -266,6 +266,33 @@ def test_non_finite_and_string_values_write_nothing() -> None:
     assert got["gpu_temperature_celsius"] == [(1000, 40.0), (2000, 41.0)]
 
 
+def test_a_request_counts_every_sample_added_to_it_over_several_batches() -> None:
+    info, sample = a_sample()
+    req = PendingRequest(0.0)
+    conv = Converter()
+    added = []
+    for seq in range(3):
+        rows = [
+            replace(sample, ts_ms=1000 * (seq * 2 + i), values={"power_usage": 100.0 + i, "temperature": 40})
+            for i in range(2)
+        ]
+        batch = decode_batch(
+            encode_batch(rows, node="n", device="d/x", uuid=info.uuid, boot_id="ab12cd34", seq=seq).payload
+        )
+        added.append(conv.add(req, batch, info.uuid))
+    assert added == [4, 4, 4], "two values in each of two rows"
+    assert req.samples == 12 == sum(len(b.samples()) for b in req.series())
+
+
+def test_a_product_name_or_policy_state_that_is_no_text_writes_no_info_series() -> None:
+    info, sample = a_sample()
+    rows = [replace(sample, ts_ms=1000, values={"product_name": 7, "policy_state": 1, "temperature": 40})]
+    batch = decode_batch(encode_batch(rows, node="n", device="d/x", uuid=info.uuid, boot_id="ab12cd34", seq=0).payload)
+    req = PendingRequest(0.0)
+    assert Converter().add(req, batch, info.uuid) == 1
+    assert [dict(b.labels)["__name__"] for b in req.series()] == ["gpu_temperature_celsius"]
+
+
 # --------------------------------------------------------------------------------------------------
 # Dedup
 # --------------------------------------------------------------------------------------------------
@@ -288,6 +315,17 @@ def test_a_batch_seen_again_is_covered_and_a_merged_batch_overlaps_only_what_was
     d.record(K, 0, 6, 0, 69_000)
     assert d.check(K, 3, 4)[0] is True
     assert d.check(K, 6, 7) == (False, [(0, 69_000)])
+
+
+def test_ranges_one_sequence_apart_stay_apart_whichever_arrives_first() -> None:
+    """5..7 written, then 1..3: 4 was never written and must not read as a duplicate."""
+    d = SeqDedup()
+    d.record(K, 5, 7, 50_000, 79_000)
+    d.record(K, 1, 3, 10_000, 39_000)
+    assert d.check(K, 4, 4) == (False, [])
+    assert d.check(K, 3, 5) == (False, [(50_000, 79_000), (10_000, 39_000)])
+    d.record(K, 4, 4, 40_000, 49_000)
+    assert d.check(K, 1, 7) == (True, [(10_000, 79_000)]), "adjacent now: one range"
 
 
 def test_dedup_memory_is_bounded_and_forgetting_only_lets_duplicates_through() -> None:

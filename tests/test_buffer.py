@@ -670,3 +670,56 @@ def test_a_buffer_opened_on_a_full_data_dir_reads_its_file_keeps_new_batches_in_
         again = _open(fs / "t.db", fake_clock)
         assert _seqs(again) == [*expected, 15] and again.stats().batches == 14
         again.close()
+
+
+def test_a_retained_batch_is_stored_and_replayed_retained(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    fields = _item(fake_clock, 0)._asdict()
+    buf.put(**{**fields, "retain": True, "qos": 0, "address": "cloud"})
+    buf.put(**{**fields, "seq": 1})
+    assert [(r.retain, r.qos, r.address) for r in buf.pending(10)] == [(True, 0, "cloud"), (False, 1, "")]
+
+
+def test_a_full_disk_drops_a_tenth_of_the_stored_batches_at_a_time_not_all_of_them(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock, max_page_count=40)
+    for seq in range(300):
+        before = buf.stats()
+        _put(buf, fake_clock, seq, size=1000)
+        dropped = buf.stats().drops_by_reason["disk_full"] - before.drops_by_reason["disk_full"]
+        if dropped:
+            break
+    assert dropped, "the disk never filled"
+    assert before.batches >= 20
+    assert dropped == before.batches // 10, "the oldest tenth"
+    assert buf.stats().batches == before.batches - dropped + 1
+    assert [r.payload[0] for r in buf.pending(1000)] == [s % 256 for s in range(dropped, seq + 1)]
+
+
+def test_compaction_rows_tell_merged_batches_and_cold_ones_apart_by_their_format_version(
+    tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    """Only the first two bytes are read: ``G`` and the format version (2 plain, 3 merged, 4 merged and cold);
+    a payload that is no binary batch is no compaction row."""
+    buf = _open(tmp_path / "b.db", fake_clock)
+    fields = _item(fake_clock, 0, age_s=3600)._asdict()
+    ids = [
+        buf.put(**{**fields, "seq": seq, "payload": payload})
+        for seq, payload in enumerate([b"G\x02plain", b"G\x03merged", b"G\x04cold", b'{"json":1}'])
+    ]
+    rows = buf.compaction_rows(before_ms=fake_clock.wall_ms())
+    assert [(r.id, r.merged, r.cold) for r in rows] == [
+        (ids[0], False, False),
+        (ids[1], True, False),
+        (ids[2], True, True),
+    ]
+
+
+def test_the_bytes_on_disk_are_the_database_file_and_its_wal(tmp_path: Path, fake_clock: FakeClock) -> None:
+    buf = _open(tmp_path / "b.db", fake_clock)
+    for seq in range(20):
+        _put(buf, fake_clock, seq, size=2000)
+    db, wal = tmp_path / "b.db", tmp_path / "b.db-wal"
+    assert wal.stat().st_size > 0, "WAL mode: the last commits are in the WAL"
+    assert buf.file_bytes() == db.stat().st_size + wal.stat().st_size

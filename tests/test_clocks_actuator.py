@@ -135,6 +135,28 @@ def test_a_clock_cap_below_the_clouds_locks_overrides_them_and_says_so() -> None
     assert p.targets["locked_gpu_clocks"].value == (1005, 1500) and p.targets["locked_gpu_clocks"].origin == "desired"
 
 
+def test_a_clock_cap_below_the_clouds_upper_lock_alone_overrides_it_and_says_so() -> None:
+    """The cloud asks only for the upper lock: the cap still overrides what it asked for, and the ack says so."""
+    desired = DesiredState()
+    desired.set_many({"locked_gpu_clock_max": 1500}, "cloud", 1)
+    p = plan(desired.effective(), {}, H100, [PolicyLimit("power-saving", None, "idle", 1200)])
+    assert p.targets["locked_gpu_clocks"].value == (345, 1200)
+    assert p.statuses["locked_gpu_clock_max"].text == "overridden-power_saving"
+
+
+def test_a_clock_cap_equal_to_the_clouds_upper_lock_does_not_bind() -> None:
+    """Policies only tighten: a cap at exactly the clock the cloud locked changes nothing and overrides nothing."""
+    desired = DesiredState()
+    desired.set_many({"locked_gpu_clock_min": 1005, "locked_gpu_clock_max": 1500}, "cloud", 1)
+    p = plan(desired.effective(), {}, H100, [PolicyLimit("thermal", None, "x", 1500)])
+    assert p.targets["locked_gpu_clocks"].value == (1005, 1500)
+    assert p.targets["locked_gpu_clocks"].origin == "desired"
+    assert {prop: st.result for prop, st in p.statuses.items()} == {
+        "locked_gpu_clock_min": "pending",
+        "locked_gpu_clock_max": "pending",
+    }
+
+
 # --------------------------------------------------------------------------------------------------
 # The hot-hour workload on the simulator, through the real backend and reconciler
 # --------------------------------------------------------------------------------------------------

@@ -96,6 +96,15 @@ def test_removing_what_a_source_never_set_changes_nothing() -> None:
     assert state.effective()["power_limit"].value == 450.0
 
 
+def test_a_removal_reports_the_change_with_the_source_and_version_that_removed_it() -> None:
+    state = DesiredState()
+    state.set("power_limit", "450", "cloud", 1_000)
+    change = state.remove("power_limit", "cloud", 2_000)
+    assert change is not None
+    assert (change.prop, change.source, change.version_ms, change.removed) == ("power_limit", "cloud", 2_000, True)
+    assert change.before is not None and change.before.raw == "450"
+
+
 def test_sync_source_sets_new_values_and_removes_absent_ones() -> None:
     state = DesiredState()
     state.sync_source("cloud", {"power_limit": "450", "compute_mode": "default"}, 1_000)
@@ -134,6 +143,7 @@ def test_a_bad_raw_value_is_kept_with_its_rejection_reason_not_raised(prop: str,
     assert kept.reason == reason
     assert kept.value is None
     assert kept.message  # says what was wrong
+    assert (kept.prop, kept.raw, kept.source, kept.version_ms) == (prop, raw, "cloud", 1_000), "what was refused"
 
 
 def test_compute_mode_names_are_normalised() -> None:

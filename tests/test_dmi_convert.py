@@ -279,3 +279,37 @@ def test_a_fractional_float32_decodes_to_a_float_that_is_the_same_float32(number
 def test_encode_any_round_trips_every_scalar(value: str | bool | int | float) -> None:
     decoded = convert.decode_any(convert.encode_any(value), "k")
     assert decoded == value and type(decoded) is type(value)
+
+
+def test_a_value_whose_type_url_is_the_bare_type_name_decodes_and_an_empty_one_is_refused_naming_it() -> None:
+    wrapped = wrappers_pb2.StringValue(value="GPU-1").SerializeToString()
+    bare = any_pb2.Any(type_url="google.protobuf.StringValue", value=wrapped)
+    assert convert.decode_any(bare, "protocol.configData.uuid") == "GPU-1"
+    with pytest.raises(InvalidValueError, match=r"protocol.configData.uuid: unsupported value type \(empty type URL\)"):
+        convert.decode_any(any_pb2.Any(type_url="", value=wrapped), "protocol.configData.uuid")
+
+
+def test_a_device_model_goes_to_dmi_and_back_unchanged() -> None:
+    model = DeviceModelConfig(
+        namespace="gpus",
+        name="nvidia-h100",
+        properties=(
+            ModelProperty(
+                name="power_limit",
+                ptype="FLOAT",
+                access_mode="ReadWrite",
+                unit="W",
+                minimum="200",
+                maximum="700",
+                description="the power cap",
+            ),
+            ModelProperty(name="temperature", ptype="INT", access_mode="ReadOnly", unit="C"),
+        ),
+    )
+    sent = convert.model_to_pb(model)
+    assert (sent.namespace, sent.name, [p.type for p in sent.spec.properties]) == (
+        "gpus",
+        "nvidia-h100",
+        ["FLOAT", "INT"],
+    )
+    assert convert.model_from_pb(sent) == model

@@ -21,10 +21,30 @@ def test_twin_update_follows_kubeedge_json():
     assert twin_update_topic("default", "gpu0") == "$hw/events/device/default/gpu0/twin/update"
 
 
+def test_a_twin_update_is_compact_json() -> None:
+    twin = '{"temperature":{"actual":{"value":"61"},"metadata":{"type":"string"}}}'
+    assert (
+        twin_update_payload({"temperature": "61"}, 5) == b'{"event_id":"","timestamp":5,"twin":' + twin.encode() + b"}"
+    )
+
+
 def test_state_update_refuses_states_edgecore_drops():
     assert json.loads(state_update_payload("online", 5))["state"] == "online"
     with pytest.raises(ValueError, match="disconnected"):
         state_update_payload("disconnected", 5)
+
+
+def test_a_state_update_carries_the_base_fields_every_eventbus_message_has():
+    """EdgeCore reads ``event_id`` (a string, may be empty) and ``timestamp`` (int64 milliseconds) from every
+    message (docs kubeedge-interfaces, Base), and ``state`` from a StateUpdate: exactly these keys."""
+    assert json.loads(state_update_payload("unhealthy", 1748764800123)) == {
+        "event_id": "",
+        "timestamp": 1748764800123,
+        "state": "unhealthy",
+    }
+    doc = json.loads(state_update_payload("ok", 1748764800123.9, event_id="e7"))
+    assert doc == {"event_id": "e7", "timestamp": 1748764800123, "state": "ok"}
+    assert isinstance(doc["timestamp"], int)
 
 
 def test_delta_values_become_desired_values():

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from mapper.clock import FakeClock
-from mapper.edge.control.desired import DesiredState
-from mapper.edge.control.reconcile import Reconciler, ReconcileResult, desired_status_twin, parse_desired_status
+from mapper.edge.control.desired import DesiredState, make_desired
+from mapper.edge.control.reconcile import Reconciler, ReconcileResult, desired_status_twin, parse_desired_status, plan
 from mapper.edge.gpu.jetson import JetsonBackend
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simjetson import SimJetson, build_tree, nvpmodel_command
 from mapper.edge.gpu.simnvml import SimNvml
 from mapper.edge.storage.store import DesiredStore
-from mapper.shared.model import WRITABLE
+from mapper.shared.model import WRITABLE, Constraints
 from tests.test_jetson import as_nobody
 
 
@@ -259,3 +259,30 @@ def test_the_desired_status_twin_stays_twin_safe_with_every_group() -> None:
     statuses = {p: Status("rejected", "needs-reboot") for props in GROUPS.values() for p in props}
     text = desired_status_twin(statuses)
     assert text.count(":") == len(GROUPS) and len(text) <= 512
+
+
+def test_each_bad_side_of_a_desired_frequency_range_is_rejected_with_its_own_reason() -> None:
+    board = Constraints(gpu_freqs_mhz=(306.0, 714.0, 816.0, 1300.5), gpu_freq_default_mhz=(306.0, 1300.5))
+    desired = {
+        "gpu_min_freq": make_desired("gpu_min_freq", "abc", "cloud", 1),
+        "gpu_max_freq": make_desired("gpu_max_freq", "-5", "cloud", 1),
+    }
+    p = plan(desired, {}, board)
+    assert {prop: st.text for prop, st in p.statuses.items()} == {
+        "gpu_min_freq": "rejected-not-a-number",
+        "gpu_max_freq": "rejected-negative",
+    }
+    assert "gpu_freq_range" not in p.targets
+
+
+def test_a_removed_power_mode_returns_to_the_boards_default_mode_only_where_modes_are_restored() -> None:
+    board = Constraints(power_modes=((0, "MAXN"), (3, "MODE_50W")), power_mode_default=3)
+    p = plan({}, {"power_mode": 0}, board, restore={"power_mode"}, restore_modes=True)
+    assert p.targets["power_mode"].value == (3,) and p.targets["power_mode"].origin == "default"
+    assert [(a.group, a.op, a.value) for a in p.actions] == [("power_mode", "set", (3,))]
+    assert "power_mode" not in p.restored, "restored once the board reads the default mode"
+    p = plan({}, {"power_mode": 3}, board, restore={"power_mode"}, restore_modes=True)
+    assert p.actions == () and p.restored == frozenset({"power_mode"})
+    # without restore_modes the mode is left as it is
+    p = plan({}, {"power_mode": 0}, board, restore={"power_mode"})
+    assert p.targets == {} and p.actions == () and p.restored == frozenset({"power_mode"})

@@ -554,6 +554,9 @@ def test_not_supported_is_reported_once_and_not_retried_every_cycle(t4: Rig) -> 
     first = t4.cycle()
     assert first.statuses["locked_memory_clock_min"].text == "rejected-not-supported"
     assert [a.reason for a in first.acks] == ["not-supported", "not-supported"]
+    assert [(o.action.group, o.action.value, o.outcome) for o in first.actions] == [
+        ("locked_memory_clocks", (5001, 5001), "not-supported")
+    ], "the outcome names the action the GPU refused"
     tries = t4.calls("nvmlDeviceSetMemoryLockedClocks")
     assert tries == 1
     for _ in range(10):
@@ -568,6 +571,16 @@ def test_not_supported_is_reported_once_and_not_retried_every_cycle(t4: Rig) -> 
     retried = t4.cycle()
     assert retried.statuses["locked_memory_clock_min"].text == "rejected-not-supported"
     assert t4.calls("nvmlDeviceSetMemoryLockedClocks") == tries  # known unsupported: no call at all
+
+
+def test_an_ack_carries_a_desired_number_as_a_number_and_a_long_string_cut_to_512_characters(rig: Rig) -> None:
+    """A desired value from a file can be a JSON number: the ack keeps it (it is no string to cut); a string is
+    cut to 512 characters so that one huge value cannot swell every ack."""
+    rig.state.set("power_limit", 300, "file", 1_000)
+    rig.state.set("compute_mode", "x" * 600, "cloud", 1_000)
+    acks = {a.property: a for a in rig.cycle().acks}
+    assert acks["power_limit"].desired == 300 and acks["power_limit"].result == "applied"
+    assert acks["compute_mode"].desired == "x" * 512 and acks["compute_mode"].reason == "too-long"
 
 
 def test_not_supported_is_retried_at_once_when_the_desired_value_changes(t4: Rig) -> None:

@@ -138,3 +138,53 @@ def test_openmetrics_groups_families_orders_series_and_ends_in_eof() -> None:
         'gpu_power_usage_watts{uuid="G1"} NaN 1.500\n'
         "# EOF\n"
     )
+
+
+def test_varints_are_protobufs_base_128_groups_low_first() -> None:
+    # protobuf encoding docs: 1 -> 01, 127 -> 7f, 128 -> 80 01, 150 -> 96 01, 300 -> ac 02
+    assert [remotewrite.uvarint(n) for n in (1, 127, 128, 150, 300)] == [
+        b"\x01",
+        b"\x7f",
+        b"\x80\x01",
+        b"\x96\x01",
+        b"\xac\x02",
+    ]
+
+
+def test_a_request_with_other_fields_before_its_series_decodes_every_series(pb: ModuleType) -> None:
+    """A WriteRequest may carry metadata (field 3) and fields this decoder does not know (here a fixed32, wire
+    type 5) before and between its time series: they are skipped, never the series after them."""
+    req = pb.WriteRequest()
+    req.ParseFromString(encode_v1(two_series()))
+    expected = [
+        (dict((lb.name, lb.value) for lb in ts.labels), [(s.timestamp, s.value) for s in ts.samples])
+        for ts in req.timeseries
+    ]
+    meta = pb.WriteRequest()
+    md = meta.metadata.add()
+    md.metric_family_name, md.help = "gpu_power_usage_watts", "power"
+    fixed32 = bytes([(9 << 3) | 5]) + b"\x01\x02\x03\x04"  # field 9, four bytes
+    series = [b"\x0a" + remotewrite.uvarint(len(t.SerializeToString())) + t.SerializeToString() for t in req.timeseries]
+    body = meta.SerializeToString() + fixed32 + series[0] + fixed32 + series[1]
+    assert decode_v1(body) == expected
+
+
+def test_a_v2_series_without_help_has_no_help_ref(pb: ModuleType) -> None:
+    s = SeriesBuf(sorted_labels("gpu_power_usage_watts", {"uuid": "GPU-1"}))
+    s.add(1_780_000_000_000, 1.0)
+    req = pb.RequestV2()
+    req.ParseFromString(encode_v2([s]))
+    (ts,) = req.timeseries
+    assert ts.metadata.type == pb.MetricMetadata.GAUGE and ts.metadata.help_ref == 0
+    expected = pb.MetricMetadata()
+    expected.type = pb.MetricMetadata.GAUGE
+    assert ts.metadata.SerializeToString() == expected.SerializeToString(), "the type alone, nothing after it"
+
+
+def test_openmetrics_spells_infinities_and_types_a_counter_only_by_its_total_name() -> None:
+    series = [
+        ({"__name__": "a_total"}, [(1000, float("inf"))]),  # a gauge whose name ends in _total
+        ({"__name__": "b"}, [(1000, float("-inf"))]),  # a counter without _total
+    ]
+    text = "".join(render_openmetrics(series, {"a_total": "gauge", "b": "counter"}))
+    assert text == "# TYPE a_total gauge\na_total +Inf 1.000\n# TYPE b unknown\nb -Inf 1.000\n# EOF\n"

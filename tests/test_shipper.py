@@ -16,6 +16,7 @@ from mapper.clock import FakeClock, SystemClock
 from mapper.edge.outbox.records import StoredBatch
 from mapper.edge.outbox.shipper import PublishFn, TelemetryShipper
 from mapper.edge.storage.buffer import Buffer
+from mapper.errors import TransientError
 from mapper.net.mqtt import MqttSession
 from mapper.shared.model import Sample
 from mapper.wire.telemetry import EncodedBatch, Route, decode_batch, encode_batch
@@ -148,8 +149,9 @@ async def test_replay_sends_the_current_state_first_then_the_backlog_with_progre
     shipper = _shipper(buf, session, progress_log_s=0.0, max_in_flight=5, page_size=10)
     mosquitto.stop()
     await _until(lambda: not session.connected)
-    for seq in range(100):
-        shipper.submit(_batch("default/gpu0", seq))
+    batches = [_batch("default/gpu0", seq) for seq in range(100)]
+    for batch in batches:
+        shipper.submit(batch)
     shipper.update_state("default/gpu0", b'{"temperature":66}')
     mosquitto.start()
     with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
@@ -163,7 +165,8 @@ async def test_replay_sends_the_current_state_first_then_the_backlog_with_progre
     assert state_at < first_batch_at
     stats = shipper.stats()
     assert stats.replayed_batches >= 90
-    assert stats.replayed_bytes > 0
+    sizes = sorted(len(b.payload) for b in batches)
+    assert sum(sizes[: stats.replayed_batches]) <= stats.replayed_bytes <= sum(sizes[-stats.replayed_batches :])
     assert stats.states_published >= 1
     progress = [r.getMessage() for r in caplog.records if "replay" in r.getMessage()]
     assert any("%" in m and "ETA" in m for m in progress), progress
@@ -337,6 +340,10 @@ async def test_a_status_message_kept_offline_goes_out_in_order_between_the_batch
         shipper.submit(_batch("default/gpu0", 1))
         assert message_id is not None and shipper.stats().submitted_messages == 1
         assert buf.stats().batches == 3  # stored, not lost
+        # A row with no boot id is a status message to the buffer tool and to compaction, never a batch.
+        assert [(r.id, r.boot_id, r.topic) for r in buf.pending(10) if r.id == message_id] == [
+            (message_id, "", ack_topic)
+        ]
 
         mosquitto.start()
         assert await consumer.session.wait_subscribed(10), "the consumer's SUBACK"
@@ -403,6 +410,7 @@ async def test_submit_many_stores_a_round_in_one_call_wakes_the_loop_once_and_it
     assert (stats.submitted_batches, stats.buffer_failures) == (8, 0)
     assert shipper.submit(_batch("default/gpu0", 48)) == ids[-1] + 1  # submit goes the same way
     assert counting.calls == [8, 1] and wake.sets == 2
+    assert shipper.stats().submitted_batches == 9, "counted over every call"
 
     task = asyncio.create_task(shipper.run())
     await _until(lambda: buf.stats().batches == 0)
@@ -443,4 +451,164 @@ def test_submit_many_counts_every_batch_as_a_failure_when_the_buffer_cannot_stor
     assert shipper.submit_many([(_batch("default/gpu0", 2), None)]) != [None]  # the buffer still works
     assert (shipper.stats().submitted_batches, shipper.stats().buffer_failures, wake.sets) == (1, 3, 1)
     assert shipper.submit_many([]) == [] and wake.sets == 1
+    buf.close()
+
+
+async def test_a_state_update_publishes_that_devices_state_alone_retained_and_not_the_others_again(
+    tmp_path: Path,
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    sent: list[tuple[str, bytes, int, bool, float]] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        sent.append((topic, payload, qos, retain, timeout_s))
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), publish_timeout_s=3)
+    shipper.update_state("default/gpu0", b'{"temperature":61}')
+    shipper.update_state("default/gpu1", b'{"temperature":62}')
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: len(sent) == 2)  # the first pass: every device's state
+    shipper.update_state("default/gpu1", b'{"temperature":63}')
+    shipper.submit(_batch("default/gpu0", 0))  # goes out after the state the same pass sends
+    await _until(lambda: buf.stats().batches == 0)
+    state = "gpu-mapper/n1/default/{}/state"
+    assert sent[:3] == [
+        (state.format("gpu0"), b'{"temperature":61}', 1, True, 3),
+        (state.format("gpu1"), b'{"temperature":62}', 1, True, 3),
+        (state.format("gpu1"), b'{"temperature":63}', 1, True, 3),
+    ]
+    assert [t for t, *_ in sent[3:]] == ["gpu-mapper/n1/default/gpu0/telemetry"]
+    assert shipper.stats().states_published == 3
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_publish_failures_count_each_failed_attempt_once(tmp_path: Path) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    attempts: list[bool] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        fail = len(attempts) < 3
+        attempts.append(fail)
+        if fail:
+            raise TransientError("broker away", reason="mqtt-offline")
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), retry_s=0.05, max_in_flight=1)
+    shipper.submit(_batch("default/gpu0", 0))
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0)
+    assert attempts == [True, True, True, False]
+    assert (shipper.stats().publish_failures, shipper.stats().published_batches) == (3, 1)
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_a_row_that_failed_just_before_the_broker_came_back_is_sent_again_first_whatever_the_page_does(
+    tmp_path: Path,
+) -> None:
+    """The broker comes back (``notify_connected``) while the shipper is in the middle of a page, just after a row
+    of that page failed: the rewind to the failed row must hold (the rest of the page must not move the cursor
+    past it again, or the row waits in the buffer until some later outage), and the row that was waiting for its
+    turn when it came must not go out before the failed one (per-device order)."""
+    clock = FakeClock()
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9, clock=clock)
+    outcomes: list[tuple[int, bool]] = []
+    shipper: TelemetryShipper
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        seq = decode_batch(payload).seq
+        fail = not outcomes  # the first attempt: the broker is away
+        outcomes.append((seq, not fail))
+        if fail:
+            raise TransientError("broker away", reason="mqtt-offline")
+
+    async def sleep(s: float) -> None:  # the rate cap's pause between two rows of a page
+        clock.advance(s)
+        for _ in range(5):  # the failed send finishes meanwhile
+            await asyncio.sleep(0)
+        if outcomes == [(0, False)]:
+            shipper.notify_connected()  # and the broker is back right then
+
+    shipper = TelemetryShipper(
+        buf, publish, node="n1", clock=clock, rate_limit_bytes_per_s=1000.0, retry_s=3600.0, sleep=sleep
+    )
+    for seq in range(6):
+        shipper.submit(_batch("default/gpu0", seq))
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0, timeout_s=10)
+    assert [seq for seq, ok in outcomes if ok] == [0, 1, 2, 3, 4, 5], "every batch once, in order"
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_a_publisher_that_raises_anything_counts_a_failure_and_the_row_is_kept(tmp_path: Path) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    attempts: list[int] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        attempts.append(decode_batch(payload).seq)
+        if len(attempts) <= 2:
+            raise RuntimeError("a bug in a publisher")
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), retry_s=0.05, max_in_flight=1)
+    shipper.submit(_batch("default/gpu0", 0))
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0)
+    assert attempts == [0, 0, 0]
+    assert (shipper.stats().publish_failures, shipper.stats().published_batches) == (2, 1)
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_a_state_that_cannot_be_published_pauses_the_default_broker_until_it_is_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    sent: list[tuple[str, bool]] = []
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        ok = len(sent) > 0
+        sent.append((topic.rsplit("/", 1)[-1], ok))
+        if not ok:
+            raise TransientError("broker away", reason="mqtt-offline")
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), retry_s=3600.0)
+    shipper.update_state("default/gpu0", b'{"temperature":61}')
+    shipper.submit(_batch("default/gpu0", 0))
+    with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
+        task = asyncio.create_task(shipper.run())
+        await _until(lambda: shipper.stats().publish_failures == 1)
+        assert any("broker 'default' unreachable" in r.getMessage() for r in caplog.records)
+        shipper.notify_connected()  # the broker is back: the state first, then the batch
+        await _until(lambda: buf.stats().batches == 0)
+    assert sent == [("state", False), ("state", True), ("telemetry", True)]
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_a_backlog_no_bigger_than_the_in_flight_window_is_no_replay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        return None
+
+    for backlog, replay in ((2, False), (3, True)):
+        shipper = TelemetryShipper(buf, publish, node="n1", clock=SystemClock(), max_in_flight=2)
+        for seq in range(backlog):
+            shipper.submit(_batch("default/gpu0", seq))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
+            task = asyncio.create_task(shipper.run())
+            await _until(lambda: buf.stats().batches == 0)
+            await shipper.stop(2)
+            task.cancel()
+        starts = [r.getMessage() for r in caplog.records if "replay of" in r.getMessage()]
+        assert starts == ([f"telemetry: replay of {backlog} buffered batches starts"] if replay else [])
     buf.close()

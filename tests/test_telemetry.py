@@ -6,6 +6,7 @@ import io
 import itertools
 import json
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -735,3 +736,43 @@ def test_a_damaged_body_claiming_a_huge_size_is_refused_before_anything_is_alloc
     )
     with pytest.raises(BatchFormatError, match="claims 3530823218174624221 bytes"):
         decode_batch(damaged)
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def test_a_float_whose_stored_bits_claim_more_than_64_bits_is_refused_naming_its_series() -> None:
+    """A column of one float that is no short decimal (pi) keeps its IEEE 754 bits as one unsigned varint; damage
+    that makes them 2**64 more is a format error naming the series, not a crash of the decoder."""
+    samples = [Sample(UUID, T0 + i * 1000, {"power_usage": math.pi}) for i in range(3)]
+    payload = encode_batch(samples, node="n1", device="default/gpu0", uuid=UUID, boot_id="b", seq=0).payload
+    assert payload[2] == 0, "a batch this small is stored uncompressed"
+    bits = _uvarint(struct.unpack("<Q", struct.pack("<d", math.pi))[0])
+    at = payload.find(bits)
+    assert at > 0 and payload.count(bits) == 1
+    damaged = (
+        payload[:at] + _uvarint(struct.unpack("<Q", struct.pack("<d", math.pi))[0] + 2**64) + payload[at + len(bits) :]
+    )
+    with pytest.raises(BatchFormatError, match="series 'power_usage': float bits beyond 64"):
+        decode_batch(damaged)
+
+
+def test_an_int_column_damaged_to_a_difference_order_as_long_as_itself_is_refused_naming_it() -> None:
+    """Two values can have a difference order of 0 or 1 (one seed, one difference), never 2: among all the
+    one-byte damages of a two-sample batch, one claims order 2 for a column of 2 values, and it is refused."""
+    samples = [Sample(UUID, T0, {"temperature": 61}), Sample(UUID, T0 + 1000, {"temperature": 67})]
+    payload = encode_batch(samples, node="n1", device="default/gpu0", uuid=UUID, boot_id="b", seq=0).payload
+    errors = set()
+    for at in range(3, len(payload)):
+        for flip in (1, 2, 3):
+            try:
+                decode_batch(payload[:at] + bytes([payload[at] ^ flip]) + payload[at + 1 :])
+            except BatchFormatError as exc:
+                errors.add(str(exc))
+    assert "int column of 2 values cannot have difference order 2" in errors

@@ -165,6 +165,8 @@ class TelemetryShipper:
         self._states_due: set[str] = {""}
         self._dirty_states: set[str] = set()
         self._cursor: int | None = None
+        #: How often ``_unblock`` moved the cursor back: a page read before that stops there.
+        self._rewinds = 0
         self._page: set[int] = set()
         self._closing = False
         #: The byte-rate cap: burst 1, taken from in debt by each message, so each waits until the one before it
@@ -348,7 +350,13 @@ class TelemetryShipper:
             # Rows read but not handled yet: the shipper holds their payloads, so compaction leaves them alone.
             self._page = {row.id for row in rows}
             sent_any = False
+            rewinds = self._rewinds
             for row in rows:
+                if self._rewinds != rewinds:
+                    # A broker came back while this page waited (the rate cap, a free slot) and the cursor went
+                    # back to its oldest failed row: read again from there instead of moving the cursor past it
+                    # (and sending newer rows before it).
+                    break
                 self._cursor = row.id
                 if self._closing:
                     break
@@ -361,6 +369,11 @@ class TelemetryShipper:
                     continue
                 await self._throttle(len(row.payload) + len(row.topic))
                 await self._slots.acquire()
+                if self._rewinds != rewinds:
+                    # Rewound while this row waited: the older rows go first (it is read again after them).
+                    self._slots.release()
+                    self._page.discard(row.id)
+                    break
                 if row.address in self._blocked or self._closing:
                     self._slots.release()
                     if row.address in self._blocked:
@@ -495,6 +508,7 @@ class TelemetryShipper:
         if first is not None and (self._cursor is None or first - 1 < self._cursor):
             # Resume from the oldest row of that broker that was not acked.
             self._cursor = first - 1
+            self._rewinds += 1
 
     def _retry_blocked(self) -> None:
         now = self.clock.monotonic()
