@@ -674,9 +674,8 @@ def test_a_buffer_opened_on_a_full_data_dir_reads_its_file_keeps_new_batches_in_
 
 def test_a_retained_batch_is_stored_and_replayed_retained(tmp_path: Path, fake_clock: FakeClock) -> None:
     buf = _open(tmp_path / "b.db", fake_clock)
-    fields = _item(fake_clock, 0)._asdict()
-    buf.put(**{**fields, "retain": True, "qos": 0, "address": "cloud"})
-    buf.put(**{**fields, "seq": 1})
+    buf.put(_item(fake_clock, 0, retain=True, qos=0, address="cloud"))
+    buf.put(_item(fake_clock, 1))
     assert [(r.retain, r.qos, r.address) for r in buf.pending(10)] == [(True, 0, "cloud"), (False, 1, "")]
 
 
@@ -703,9 +702,8 @@ def test_compaction_rows_tell_merged_batches_and_cold_ones_apart_by_their_format
     """Only the first two bytes are read: ``G`` and the format version (2 plain, 3 merged, 4 merged and cold);
     a payload that is no binary batch is no compaction row."""
     buf = _open(tmp_path / "b.db", fake_clock)
-    fields = _item(fake_clock, 0, age_s=3600)._asdict()
     ids = [
-        buf.put(**{**fields, "seq": seq, "payload": payload})
+        buf.put(_item(fake_clock, seq, age_s=3600, payload=payload))
         for seq, payload in enumerate([b"G\x02plain", b"G\x03merged", b"G\x04cold", b'{"json":1}'])
     ]
     rows = buf.compaction_rows(before_ms=fake_clock.wall_ms())
