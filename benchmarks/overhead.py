@@ -48,8 +48,22 @@ is the same window's lateness of a thread of this script that only wakes on a 10
 its twin reported every second too (``reportCycle: 1000``; discover writes 20 s), the mapper's
 ``defaults.reportCycle`` left at 20 s. Target: < 0.8 of the naive loop's CPU.
 
+``--real``: on a machine with NVIDIA GPUs, the measured figure beside the projected one, READ-ONLY. The mapper
+runs over the real pynvml and the real driver (no ``--sim``), started through ``python -m tests.readonly_nvml``,
+which makes every NVML function that changes state (found from pynvml's own names: Set, Reset, Clear, Create,
+...) raise before the mapper is imported, at the wrappers, at pynvml's C-function lookup and on the loaded
+library; what it refused is listed in the JSON line (``setters_refused``: must be empty). Its config file sets
+``policies.dryRun: true`` and ``policies.health.recovery.enabled: false`` (no ``nvidia-smi -r``); the Devices are
+discover's, with no desired values; the GPU count, names and driver version are read from the machine (through
+the same read-only pynvml). The naive loop reads the same GPUs through the same read-only pynvml. The JSON line
+says ``"hardware": "real"``; unless ``--no-projection``, the same benchmark then runs over the simulator with the
+h200 cost profile for the same GPU count, and its figures are under ``projected``. Without a usable GPU
+``--real`` exits 2 with a message naming what NVML said. ``scripts/gpu-check.sh`` runs it (``--quick``) after
+the ``gpu``-marked tests.
+
 Run: ``.venv/bin/python benchmarks/overhead.py [--quick] [--dmi] [--cadence catalog|heavy] [--heavy]
-[--sim-cost h200|none] [--nvml sim|standin] [--seconds S] [--warmup-s W] [--check]``. Default 60 s measured
+[--sim-cost h200|none] [--nvml sim|standin] [--gpus N] [--real [--no-projection]] [--seconds S] [--warmup-s W]
+[--check]``. Default 60 s measured
 (30 s with --quick). Prints one JSON line last, with ``target_met`` (the targets of the configuration that ran,
 named in ``target_keys``; ``--check``: exit 1 when it is False). Targets (issue 29, ``--cadence catalog`` with
 the h200 cost profile): the mapper at most 0.1 % of a core per GPU (0.8 % for the 8), the p99 of the collect
@@ -162,12 +176,12 @@ def import_only_rss_mb(modules: str) -> float:
     raise RuntimeError("no VmHWM in the child's status")
 
 
-def sim_gpus(profile: str) -> list[Any]:
-    """The GpuInfo of the 8 simulated GPUs ``gpu-mapper run --sim 8`` will see (same profile and seed)."""
+def sim_gpus(profile: str, count: int = GPUS) -> list[Any]:
+    """The GpuInfo of the simulated GPUs ``gpu-mapper run --sim N`` will see (same profile and seed)."""
     from mapper.edge.gpu.nvml import NvmlBackend
     from mapper.edge.gpu.simnvml import SimNvml
 
-    backend = NvmlBackend(SimNvml(GPUS, profile, seed=SEED, scenario=SCENARIO))
+    backend = NvmlBackend(SimNvml(count, profile, seed=SEED, scenario=SCENARIO))
     backend.init()
     try:
         return backend.list_gpus()
@@ -176,16 +190,16 @@ def sim_gpus(profile: str) -> list[Any]:
 
 
 def write_devices_folder(
-    folder: Path, profile: str, heavy: bool, report_cycle_ms: int | None = None
+    folder: Path, gpus: list[Any], heavy: bool, report_cycle_ms: int | None = None
 ) -> tuple[int, float]:
-    """8 Devices and the model: the catalog's collect cycles, or (``heavy``) every property at a 1000 ms collect
-    cycle; ``report_cycle_ms``: every property's report cycle, else discover's (20 s). The property count, and the
-    values read per second per GPU."""
+    """A Device per GPU (``gpus``: their GpuInfo) and the model: the catalog's collect cycles, or (``heavy``) every
+    property at a 1000 ms collect cycle; ``report_cycle_ms``: every property's report cycle, else discover's
+    (20 s); no desired values. The property count, and the values read per second per GPU."""
     import yaml
 
     from mapper.tools.discover import device_yaml, model_yaml
 
-    docs = [d for d in yaml.safe_load_all(device_yaml(sim_gpus(profile), NODE)) if d]
+    docs = [d for d in yaml.safe_load_all(device_yaml(gpus, NODE)) if d]
     for doc in docs:
         for prop in doc["spec"]["properties"]:
             if heavy:
@@ -401,6 +415,67 @@ def standin_child(argv: list[str]) -> None:
     sys.exit(cli_main(argv))
 
 
+class NoGpu(Exception):
+    """``--real`` on a machine without a usable NVIDIA GPU."""
+
+
+#: ``--real``: the mapper's config file. Policies decide and report but change no cap; the health loop never
+#: resets a GPU (docs/policies.md "dryRun", docs/health.md "Configuration").
+READ_ONLY_CONFIG = """\
+policies:
+  dryRun: true
+  health:
+    action: none
+    recovery:
+      enabled: false
+      allowReset: false
+"""
+
+
+def real_machine() -> dict[str, Any]:
+    """The GPUs of this machine (GpuInfo), NVML's driver version and the binding's version, read through the
+    read-only pynvml; ``NoGpu`` where NVML cannot start or sees no GPU."""
+    from importlib.metadata import version
+
+    import pynvml
+
+    from mapper.edge.gpu.nvml import NvmlBackend
+    from tests.readonly_nvml import make_read_only
+
+    guard = make_read_only(pynvml)
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise NoGpu(f"nvmlInit failed: {exc}") from None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if count == 0:
+            raise NoGpu("NVML started but sees no GPU")
+        backend = NvmlBackend(pynvml, call_timeout_s=30.0)
+        try:
+            gpus = backend.list_gpus()
+            driver = backend.driver_version()
+        finally:
+            backend.shutdown()
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+    if guard.refused:
+        raise RuntimeError(f"reading the machine's GPUs reached a setter: {guard.refused}")
+    return {"gpus": gpus, "driver_version": driver, "nvidia_ml_py": version("nvidia-ml-py")}
+
+
+def projection_profile(names: list[str]) -> str:
+    """The simulator's profile closest to the real GPUs (the first whose name is in the first GPU's), else H200."""
+    from mapper.edge.gpu.profiles import PROFILES
+
+    name = names[0].upper().replace(" ", "") if names else ""
+    matches = [key for key in PROFILES if key.upper() in name]
+    return max(matches, key=len) if matches else PROFILE
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.brokers import Mosquitto, free_port
 
@@ -413,8 +488,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         folder = tmp / "devices"
         report_cycle_ms = HEAVY_REPORT_CYCLE_MS if args.heavy else None
+        gpu_infos = args.machine["gpus"] if args.real else sim_gpus(args.profile, args.gpus)
         props_per_device, reads_per_gpu_s = write_devices_folder(
-            folder, args.profile, args.cadence == "heavy", report_cycle_ms
+            folder, gpu_infos, args.cadence == "heavy", report_cycle_ms
         )
         broker_m, broker_n = Mosquitto(tmp), Mosquitto(tmp)
         for b in (broker_m, broker_n):
@@ -433,19 +509,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         launcher = [exe]
         if args.nvml == "standin":
             launcher = [sys.executable, str(Path(__file__).resolve()), "--standin-child"]
+        mapper_env = dict(os.environ)
+        refused_report = tmp / "setters-refused.txt"
+        if args.real:
+            # The real pynvml made read-only in the mapper's process before the mapper imports it.
+            launcher = [sys.executable, "-m", "tests.readonly_nvml"]
+            mapper_env["GPU_MAPPER_READONLY_REPORT"] = str(refused_report)
+            mapper_env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+            (tmp / "config.yaml").write_text(READ_ONLY_CONFIG)
+            source = ["--config", str(tmp / "config.yaml")]
+        else:
+            source = ["--sim", str(args.gpus), "--sim-profile", args.profile, "--sim-cost", args.sim_cost,
+                      "--sim-seed", str(SEED), "--sim-scenario", SCENARIO]  # fmt: skip
         mapper_cmd = [
             *launcher,
             "run",
-            "--sim",
-            str(GPUS),
-            "--sim-profile",
-            args.profile,
-            "--sim-cost",
-            args.sim_cost,
-            "--sim-seed",
-            str(SEED),
-            "--sim-scenario",
-            SCENARIO,
+            *source,
             "--node-name",
             NODE,
             *(
@@ -467,25 +546,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             str(ROOT / "benchmarks" / "overhead_naive.py"),
             "--port",
             str(broker_n.port),
-            "--gpus",
-            str(GPUS),
-            "--profile",
-            args.profile,
-            "--cost",
-            args.sim_cost,
-            "--seed",
-            str(SEED),
-            "--scenario",
-            SCENARIO,
+            *(
+                ["--real", "--readonly-report", str(refused_report)]
+                if args.real
+                else [
+                    "--gpus",
+                    str(args.gpus),
+                    "--profile",
+                    args.profile,
+                    "--cost",
+                    args.sim_cost,
+                    "--seed",
+                    str(SEED),
+                    "--scenario",
+                    SCENARIO,
+                ]
+            ),
             "--node",
             NODE,
         ]
         log = (tmp / "mapper.log").open("wb")
-        mapper = subprocess.Popen(mapper_cmd, stdout=log, stderr=log, cwd=ROOT)
+        mapper = subprocess.Popen(mapper_cmd, stdout=log, stderr=log, cwd=ROOT, env=mapper_env)
         procs.append(mapper)
-        naive = subprocess.Popen(naive_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        naive = subprocess.Popen(naive_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=mapper_env)
         procs.append(naive)
-        wait_http(base + "/readyz", 30)
+        wait_http(base + "/readyz", 120 if args.real else 30)
 
         time.sleep(args.warmup_s)
         for name, p in (("the mapper", mapper), ("the naive loop", naive)):
@@ -534,6 +619,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if naive.returncode != 0:
             raise RuntimeError(f"the naive loop exited with {naive.returncode}: {naive_err.decode()[-2000:]}")
         published = mapper_values_in_window(status_before, status_after)
+        from tests.readonly_nvml import refused_names
+
+        setters_refused = refused_names(str(refused_report))
     except BaseException:
         args.keep = True  # the logs and databases explain the failure
         print(f"overhead: failed; logs kept in {tmp}", file=sys.stderr)
@@ -572,18 +660,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mapper.edge.app, mapper.cli, mapper.edge.kubeedge.dmi.client, mapper.edge.kubeedge.dmi.server"
     )
     import_none = import_only_rss_mb("sys")
-    values_per_s = GPUS * reads_per_gpu_s
+    gpus = len(gpu_infos)
+    values_per_s = gpus * reads_per_gpu_s
     lateness = lateness_in_window(status_before, status_after)
     behind = lateness_in_window(status_before, status_after, "behind_other_gpus")
     p99_ms = lateness["p99_ms"]
-    per_gpu_pct = cpu["mapper"] * 100 / GPUS
+    per_gpu_pct = cpu["mapper"] * 100 / gpus
     result: dict[str, Any] = {
         "benchmark": "overhead",
         "mode": "dmi" if args.dmi else "standalone",
-        "gpus": GPUS,
-        "gpu_profile": args.profile,
-        "sim_cost": args.sim_cost,
-        "nvml": "pynvml over the stand-in library over the simulator" if args.nvml == "standin" else "simulator",
+        "hardware": "real" if args.real else "simulator",
+        "gpus": gpus,
+        "gpu_profile": None if args.real else args.profile,
+        "sim_cost": None if args.real else args.sim_cost,
+        "nvml": (
+            "the real pynvml over the real driver, read-only (tests/readonly_nvml.py)"
+            if args.real
+            else "pynvml over the stand-in library over the simulator"
+            if args.nvml == "standin"
+            else "simulator"
+        ),
         "cadence": args.cadence,
         "heavy": args.heavy,
         "collect_cycle_ms": HEAVY_CYCLE_MS if args.cadence == "heavy" else "catalog",
@@ -646,6 +742,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         guarded = ["cpu_under_0.5pct", "cpu_under_fifth_of_naive", "rss_at_most_60mb"]
     result["target_met"] = all(targets[k] for k in guarded)
     result["target_keys"] = guarded
+    if args.real:
+        machine = args.machine
+        result["driver_version"] = machine["driver_version"]
+        result["nvidia_ml_py"] = machine["nvidia_ml_py"]
+        result["gpu_names"] = [g.name for g in gpu_infos]
+        result["gpu_uuids"] = [g.uuid for g in gpu_infos]
+        result["setters_refused"] = setters_refused
+        result["read_only"] = {"policies_dry_run": True, "health_recovery": False, "desired_values": 0}
+        # The real pass's guard: its targets, and nothing refused (a refusal is a bug of the read-only mode).
+        result["target_met"] = result["target_met"] and not setters_refused
     if args.dmi:
         result["edgecore"] = edgecore_counts
     if args.keep:
@@ -689,13 +795,55 @@ def main() -> None:
         standin_child(sys.argv[2:])
         return
     parser.add_argument("--check", action="store_true", help="exit 1 when a target of this configuration is missed")
+    parser.add_argument("--gpus", type=int, default=GPUS, help=f"simulated GPUs (default {GPUS})")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="this machine's NVIDIA GPUs through the real driver, read-only (every NVML setter refused)",
+    )
+    parser.add_argument(
+        "--no-projection",
+        action="store_true",
+        help="with --real: skip the simulator run (h200 cost profile, same GPU count) that gives the projection",
+    )
     args = parser.parse_args()
     if args.heavy:
         args.cadence = "heavy"
     args.seconds = args.seconds if args.seconds is not None else (30.0 if args.quick else 60.0)
-    if args.seconds <= 0 or args.warmup_s < 0:
-        parser.error("--seconds must be positive and --warmup-s not negative")
+    if args.seconds <= 0 or args.warmup_s < 0 or args.gpus < 1:
+        parser.error("--seconds and --gpus must be positive and --warmup-s not negative")
+    if args.real and args.nvml != "sim":
+        parser.error("--real runs the real pynvml over the real driver: leave --nvml out")
+    if args.real:
+        try:
+            args.machine = real_machine()
+        except NoGpu as exc:
+            print(
+                f"overhead.py: --real needs a usable NVIDIA GPU on this machine, and there is none: {exc}. "
+                "Without --real the benchmark projects a real driver's cost over the simulator "
+                "(--sim-cost h200); docs/benchmarks.md has those figures.",
+                file=sys.stderr,
+            )
+            sys.exit(2)
     result = run(args)
+    if args.real and not args.no_projection:
+        names = result["gpu_names"]
+        sim_args = argparse.Namespace(**{**vars(args), "real": False, "gpus": len(names), "sim_cost": "h200",
+                                         "profile": projection_profile(names), "keep": False})  # fmt: skip
+        projected = run(sim_args)
+        result["projected"] = {
+            k: projected[k]
+            for k in ("hardware", "gpus", "gpu_profile", "sim_cost", "mapper_cpu_pct_of_core",
+                      "mapper_cpu_pct_of_core_per_gpu", "collect_lateness_p99_ms", "mapper_peak_rss_mb",
+                      "naive_cpu_pct_of_core", "cpu_ratio_mapper_over_naive", "load_average_1m", "target_met")
+        }  # fmt: skip
+        result["measured_over_projected_cpu"] = (
+            round(result["mapper_cpu_pct_of_core"] / projected["mapper_cpu_pct_of_core"], 2)
+            if projected["mapper_cpu_pct_of_core"] > 0
+            else None
+        )
+    elif args.real:
+        result["projected"] = "docs/benchmarks.md, 'Issue 29: the mapper with the H200 cost profile' (8 GPUs)"
     print(json.dumps(result))
     if args.check and not result["target_met"]:
         sys.exit(1)

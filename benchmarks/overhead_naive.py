@@ -6,7 +6,9 @@ as a hand-written exporter does) and publishes ONE JSON message per value with Q
 (``naive/<node>/<uuid>/<property>``). No batching, no buffer, no metrics: the baseline the mapper is compared to.
 
 Run by overhead.py: ``python benchmarks/overhead_naive.py --port P [--gpus 8] [--cost h200] [--seconds S]``; also
-usable by hand. ``--cost``: the simulated NVML's cost profile (the same as the mapper's in overhead.py). Prints
+usable by hand. ``--cost``: the simulated NVML's cost profile (the same as the mapper's in overhead.py).
+``--real`` (overhead.py ``--real``): every GPU of this machine through the real pynvml made read-only
+(``tests/readonly_nvml.py``: every setter refused; ``--readonly-report FILE`` collects what was refused). Prints
 one JSON line (messages sent) when it stops (after ``--seconds``, or on SIGTERM).
 """
 
@@ -99,6 +101,8 @@ def main() -> None:
     parser.add_argument("--node", default="edge-1")
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: until SIGTERM)")
+    parser.add_argument("--real", action="store_true", help="this machine's GPUs, real pynvml, read-only")
+    parser.add_argument("--readonly-report", default=None, help="with --real: append refused setters to this file")
     args = parser.parse_args()
     if args.gpus < 1 or args.interval_s <= 0:
         parser.error("--gpus must be >= 1 and --interval-s > 0")
@@ -110,7 +114,16 @@ def main() -> None:
         stop = True
 
     signal.signal(signal.SIGTERM, on_term)
-    nvml = SimNvml(args.gpus, args.profile, seed=args.seed, scenario=args.scenario, cost=args.cost)
+    nvml: Any
+    if args.real:
+        import pynvml
+
+        from tests.readonly_nvml import make_read_only
+
+        make_read_only(pynvml, args.readonly_report)
+        nvml = pynvml
+    else:
+        nvml = SimNvml(args.gpus, args.profile, seed=args.seed, scenario=args.scenario, cost=args.cost)
     nvml.nvmlInit()
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     uuids = [nvml.nvmlDeviceGetUUID(h) for h in handles]
@@ -144,7 +157,8 @@ def main() -> None:
                 "sent": sent,
                 "read_errors": errors,
                 "seconds": round(time.monotonic() - started, 1),
-                "sim_cost": nvml.cost_profile,
+                "sim_cost": None if args.real else nvml.cost_profile,
+                "hardware": "real" if args.real else "simulator",
             }
         )
     )

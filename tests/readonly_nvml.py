@@ -1,0 +1,195 @@
+"""A read-only ``pynvml``: for a run on a lent, real GPU that must leave the card as it found it.
+
+``make_read_only(module)`` changes one loaded pynvml module in place so that no function that changes GPU,
+driver or system state can reach the driver, at three levels:
+
+1. every such Python wrapper the module exports (found from the module's own names, ``write_functions``: not a
+   hand list) is replaced by one that raises ``SetterRefused``;
+2. ``_nvmlGetFunctionPointer`` (which every wrapper goes through to find its C function) refuses such a C name,
+   and the cache of C functions already resolved loses them;
+3. the loaded library (``nvmlLib``, also once ``nvmlInit`` loads it later) is wrapped so that looking such a C
+   function up on it directly raises too.
+
+A name is a write when one of its CamelCase words is a verb that changes something (``WRITE_VERBS``: Set,
+Reset, Clear, Create, ...; ``EventSet`` is the noun of the process-local event sets), unless it is one of the
+few decided by name (``READ_NAMES``). A name that is neither a write nor a read (a ``Get``/``Query`` word) is
+refused as well: a new verb in a later
+nvidia-ml-py is refused until someone decides it is a read. Every refusal is recorded (``refused``), logged at
+ERROR and, where ``GPU_MAPPER_READONLY_REPORT`` names a file, appended to it (one name a line), so that the
+process that started a guarded one can say whether anything tried.
+
+``python -m tests.readonly_nvml ARGS``: ``gpu-mapper ARGS`` with the real ``pynvml`` made read-only before the
+mapper imports it (``benchmarks/overhead.py --real`` starts the mapper so).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: CamelCase words of a function name that change GPU, driver or system state.
+WRITE_VERBS = frozenset(
+    {"Set", "Reset", "Clear", "Create", "Destroy", "Modify", "Remove", "Discover", "Freeze", "Activate", "Update",
+     "Force", "Write", "Unload"}
+)  # fmt: skip
+#: Words that make a name a read (when no write verb is in it).
+READ_VERBS = frozenset({"Get", "Query", "Read", "Is", "Validate"})
+#: Names decided one by one (before the verbs): NVML's session, error texts, a question about two handles, the
+#: event sets and GPM samples (process-local objects: created, waited on, freed; registering for events changes
+#: no GPU), and pynvml's own Python helpers (no C call). ``_v<N>`` suffixes are stripped before the lookup.
+READ_NAMES = frozenset(
+    {"nvmlInit", "nvmlInitWithFlags", "nvmlShutdown", "nvmlErrorString", "nvmlDeviceOnSameBoard",
+     "nvmlEventSetCreate", "nvmlEventSetFree", "nvmlEventSetWait", "nvmlDeviceRegisterEvents",
+     "nvmlSystemEventSetCreate", "nvmlSystemEventSetFree", "nvmlSystemEventSetWait", "nvmlSystemRegisterEvents",
+     "nvmlEventSetRegisterGpuOperationalEvents", "nvmlGpmSampleAlloc", "nvmlGpmSampleFree",
+     "nvmlExceptionClass", "nvmlFriendlyObjectToStruct", "nvmlStructToFriendlyObject"}
+)  # fmt: skip
+#: Set in the environment of a guarded process: the file each refused name is appended to.
+REPORT_ENV = "GPU_MAPPER_READONLY_REPORT"
+
+_SUFFIX = re.compile(r"_v\d+$")
+
+
+class SetterRefused(RuntimeError):
+    """A function that changes GPU state was called (or looked up) in a read-only NVML process."""
+
+
+def _words(name: str) -> list[str]:
+    base = _SUFFIX.sub("", name[len("nvml") :]).replace("EventSet", "Eventset")  # the noun, not the verb
+    return re.findall(r"[A-Z][a-z0-9]*", base)
+
+
+def is_read(name: str) -> bool:
+    """True when the NVML function ``name`` (a pynvml wrapper or a C function) only reads."""
+    if not name.startswith("nvml"):
+        return False
+    if _SUFFIX.sub("", name) in READ_NAMES:
+        return True
+    words = _words(name)
+    return not WRITE_VERBS.intersection(words) and bool(READ_VERBS.intersection(words))
+
+
+def nvml_functions(module: ModuleType) -> list[str]:
+    """The NVML functions a pynvml module exports (its plain functions named ``nvml...``; not its structs)."""
+    return sorted(n for n in dir(module) if n.startswith("nvml") and callable(getattr(module, n)) and not
+                  isinstance(getattr(module, n), type))  # fmt: skip
+
+
+def write_functions(module: ModuleType) -> list[str]:
+    """Every function of ``module`` the guard refuses: the writes, and anything not known to be a read."""
+    return [n for n in nvml_functions(module) if not is_read(n)]
+
+
+class _ReadOnlyLibrary:
+    """The loaded libnvidia-ml, minus its writes: attribute or item lookup of one raises."""
+
+    def __init__(self, library: Any, refuse: Callable[[str], None]) -> None:
+        object.__setattr__(self, "_library", library)
+        object.__setattr__(self, "_refuse", refuse)
+
+    def __getattr__(self, name: str) -> Any:
+        if not is_read(name) and name.startswith("nvml"):
+            self._refuse(name)
+        return getattr(self._library, name)
+
+    def __getitem__(self, name: str) -> Any:
+        if not is_read(name) and name.startswith("nvml"):
+            self._refuse(name)
+        return self._library[name]
+
+
+class Guard:
+    """What ``make_read_only`` did to one module: the names it refused so far (``refused``)."""
+
+    def __init__(self, module: ModuleType, report: str | None) -> None:
+        self.module = module
+        self.refused: list[str] = []
+        self.replaced = write_functions(module)
+        self._report = report
+        self._lock = threading.Lock()
+
+    def refuse(self, name: str) -> None:
+        with self._lock:
+            self.refused.append(name)
+            if self._report:
+                with open(self._report, "a") as fh:
+                    fh.write(name + "\n")
+        log.error("read-only NVML: %s refused (this process must not change a GPU)", name)
+        raise SetterRefused(f"read-only NVML: {name} changes GPU state and is refused in this process")
+
+
+def make_read_only(module: ModuleType, report: str | None = None) -> Guard:
+    """Make the loaded pynvml ``module`` read-only in place (see the module docstring); idempotent per module."""
+    existing = getattr(module, "_gpu_mapper_readonly_guard", None)
+    if isinstance(existing, Guard):
+        return existing
+    guard = Guard(module, report)
+
+    def refusing(name: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            guard.refuse(name)
+
+        refused.__name__ = name
+        return refused
+
+    for name in guard.replaced:
+        setattr(module, name, refusing(name))
+
+    lookup = module._nvmlGetFunctionPointer
+    cache: dict[str, Any] = module._nvmlGetFunctionPointer_cache
+
+    def get_function_pointer(name: str) -> Any:
+        if not is_read(name):
+            guard.refuse(name)
+        return lookup(name)
+
+    for name in [n for n in cache if not is_read(n)]:
+        del cache[name]
+    module._nvmlGetFunctionPointer = get_function_pointer
+
+    def wrap_library() -> None:
+        library = module.nvmlLib
+        if library is not None and not isinstance(library, _ReadOnlyLibrary):
+            module.nvmlLib = _ReadOnlyLibrary(library, guard.refuse)
+
+    load = module._LoadNvmlLibrary
+
+    def load_library() -> None:
+        load()
+        wrap_library()
+
+    module._LoadNvmlLibrary = load_library
+    wrap_library()
+    module._gpu_mapper_readonly_guard = guard
+    return guard
+
+
+def refused_names(report: str) -> list[str]:
+    """The names a guarded process refused, from its report file (none when the file is absent)."""
+    try:
+        with open(report) as fh:
+            return [line.strip() for line in fh if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """``gpu-mapper ARGS`` over the real pynvml made read-only."""
+    import pynvml
+
+    make_read_only(pynvml, os.environ.get(REPORT_ENV))
+    from mapper.cli import main as cli_main
+
+    return cli_main(list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
