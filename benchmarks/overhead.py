@@ -437,12 +437,10 @@ def real_machine() -> dict[str, Any]:
     read-only pynvml; ``NoGpu`` where NVML cannot start or sees no GPU."""
     from importlib.metadata import version
 
-    import pynvml
-
     from mapper.edge.gpu.nvml import NvmlBackend
-    from tests.readonly_nvml import make_read_only
+    from tests.readonly_nvml import real_pynvml
 
-    guard = make_read_only(pynvml)
+    pynvml, guard = real_pynvml()
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:

@@ -116,12 +116,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_term)
     nvml: Any
     if args.real:
-        import pynvml
+        from tests.readonly_nvml import real_pynvml
 
-        from tests.readonly_nvml import make_read_only
-
-        make_read_only(pynvml, args.readonly_report)
-        nvml = pynvml
+        nvml, _guard = real_pynvml(args.readonly_report)
     else:
         nvml = SimNvml(args.gpus, args.profile, seed=args.seed, scenario=args.scenario, cost=args.cost)
     nvml.nvmlInit()

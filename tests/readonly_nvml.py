@@ -19,7 +19,11 @@ ERROR and, where ``GPU_MAPPER_READONLY_REPORT`` names a file, appended to it (on
 process that started a guarded one can say whether anything tried.
 
 ``python -m tests.readonly_nvml ARGS``: ``gpu-mapper ARGS`` with the real ``pynvml`` made read-only before the
-mapper imports it (``benchmarks/overhead.py --real`` starts the mapper so).
+mapper imports it (``benchmarks/overhead.py --real`` starts the mapper so). ``real_pynvml`` is how each process of
+that benchmark gets its pynvml. A rehearsal for tests: with ``GPU_MAPPER_READONLY_STANDIN=N`` in the
+environment, ``real_pynvml`` makes ``pynvml`` in that process the real binding over the C stand-in library over N
+simulated H100s (same seed in every process, so the same UUIDs), so that the ``--real`` path runs end to end on a
+machine without a GPU; unset (as on a lent GPU), it is the installed pynvml over the real driver.
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ READ_NAMES = frozenset(
 )  # fmt: skip
 #: Set in the environment of a guarded process: the file each refused name is appended to.
 REPORT_ENV = "GPU_MAPPER_READONLY_REPORT"
+#: Tests only: ``real_pynvml`` over the stand-in library over this many simulated GPUs (see the docstring).
+STANDIN_ENV = "GPU_MAPPER_READONLY_STANDIN"
+STANDIN_PROFILE = "H100"
+STANDIN_SEED = 0
 
 _SUFFIX = re.compile(r"_v\d+$")
 
@@ -181,11 +189,33 @@ def refused_names(report: str) -> list[str]:
         return []
 
 
+def standin_pynvml(count: int) -> ModuleType:
+    """The real binding over the stand-in library over ``count`` simulated GPUs (the rehearsal's pynvml)."""
+    from mapper.edge.gpu.simnvml import SimNvml
+    from tests.nvml_standin import StandIn, installed_binding, standin_library
+
+    sim = SimNvml(count, STANDIN_PROFILE, seed=STANDIN_SEED, scenario="steady")
+    standin = StandIn(sim, standin_library(), installed_binding())
+    module = standin.pynvml
+    module.standin = standin  # kept alive: its ctypes callbacks are what the library calls
+    return module
+
+
+def real_pynvml(report: str | None = None) -> tuple[ModuleType, Guard]:
+    """This process's ``pynvml`` made read-only, and its guard: the installed binding over the real driver, or,
+    with ``GPU_MAPPER_READONLY_STANDIN=N`` (tests), the rehearsal's, put in ``sys.modules`` for ``import pynvml``."""
+    count = os.environ.get(STANDIN_ENV)
+    if count:
+        module = standin_pynvml(int(count))
+        sys.modules["pynvml"] = module
+    else:
+        import pynvml as module
+    return module, make_read_only(module, report)
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     """``gpu-mapper ARGS`` over the real pynvml made read-only."""
-    import pynvml
-
-    make_read_only(pynvml, os.environ.get(REPORT_ENV))
+    real_pynvml(os.environ.get(REPORT_ENV))
     from mapper.cli import main as cli_main
 
     return cli_main(list(sys.argv[1:] if argv is None else argv))

@@ -5,6 +5,7 @@ NVML cannot start: a clear message and a non-zero exit, not a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -151,3 +152,34 @@ def test_overhead_real_without_a_gpu_says_so_and_exits_non_zero() -> None:
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert "--real needs a usable NVIDIA GPU" in out.stderr and "Driver Not Loaded" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overhead_real_rehearsed_over_the_standin_runs_end_to_end_read_only() -> None:
+    """The whole ``--real`` path (the machine read, the guarded mapper launcher, the naive loop, the projection)
+    with each process's pynvml the real binding over the stand-in library over 2 simulated H100s."""
+    sim = SimNvml(2, "H100", seed=0, scenario="steady")  # what each process of the rehearsal simulates
+    sim.nvmlInit()
+    handles = [sim.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+    expected_uuids = [sim.nvmlDeviceGetUUID(h) for h in handles]
+    expected_names = [sim.nvmlDeviceGetName(h) for h in handles]
+    expected_driver = sim.nvmlSystemGetDriverVersion()
+    env = dict(os.environ, GPU_MAPPER_READONLY_STANDIN="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    argv = [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--real", "--seconds", "3", "--warmup-s", "3"]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["hardware"] == "real" and out["gpus"] == 2 and out["sim_cost"] is None
+    assert out["gpu_uuids"] == expected_uuids and out["gpu_names"] == expected_names
+    assert out["driver_version"] == expected_driver
+    assert out["setters_refused"] == [] and out["read_only"]["policies_dry_run"] is True
+    assert out["naive"]["hardware"] == "real" and out["naive"]["sent"] > 0
+    assert out["mapper_cpu_pct_of_core"] > 0 and out["mapper_peak_rss_mb"] > 0
+    projected = out["projected"]
+    assert projected["hardware"] == "simulator" and projected["gpus"] == 2 and projected["sim_cost"] == "h200"
+    assert projected["gpu_profile"] == "H100" and projected["mapper_cpu_pct_of_core"] > 0
+    assert out["measured_over_projected_cpu"] == pytest.approx(
+        out["mapper_cpu_pct_of_core"] / projected["mapper_cpu_pct_of_core"], abs=0.01
+    )
