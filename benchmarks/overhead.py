@@ -52,7 +52,8 @@ its twin reported every second too (``reportCycle: 1000``; discover writes 20 s)
 runs over the real pynvml and the real driver (no ``--sim``), started through ``python -m tests.readonly_nvml``,
 which makes every NVML function that changes state (found from pynvml's own names: Set, Reset, Clear, Create,
 ...) raise before the mapper is imported, at the wrappers, at pynvml's C-function lookup and on the loaded
-library; what it refused is listed in the JSON line (``setters_refused``: must be empty). Its config file sets
+library; what it refused is listed in the JSON line (``setters_refused``: must be empty), and
+``read_only.mapper_and_naive_guarded`` says both processes were guarded. Its config file sets
 ``policies.dryRun: true`` and ``policies.health.recovery.enabled: false`` (no ``nvidia-smi -r``); the Devices are
 discover's, with no desired values; the GPU count, names and driver version are read from the machine (through
 the same read-only pynvml). The naive loop reads the same GPUs through the same read-only pynvml. The JSON line
@@ -617,9 +618,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if naive.returncode != 0:
             raise RuntimeError(f"the naive loop exited with {naive.returncode}: {naive_err.decode()[-2000:]}")
         published = mapper_values_in_window(status_before, status_after)
-        from tests.readonly_nvml import refused_names
+        from tests.readonly_nvml import guarded_pids, refused_names
 
         setters_refused = refused_names(str(refused_report))
+        both_guarded = {mapper.pid, naive.pid} <= set(guarded_pids(str(refused_report)))
     except BaseException:
         args.keep = True  # the logs and databases explain the failure
         print(f"overhead: failed; logs kept in {tmp}", file=sys.stderr)
@@ -747,9 +749,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["gpu_names"] = [g.name for g in gpu_infos]
         result["gpu_uuids"] = [g.uuid for g in gpu_infos]
         result["setters_refused"] = setters_refused
-        result["read_only"] = {"policies_dry_run": True, "health_recovery": False, "desired_values": 0}
-        # The real pass's guard: its targets, and nothing refused (a refusal is a bug of the read-only mode).
-        result["target_met"] = result["target_met"] and not setters_refused
+        result["read_only"] = {
+            "policies_dry_run": True,
+            "health_recovery": False,
+            "desired_values": 0,
+            "mapper_and_naive_guarded": both_guarded,
+        }
+        # The real pass's guard: its targets, both processes guarded, nothing refused (a refusal is a bug).
+        result["target_met"] = result["target_met"] and not setters_refused and both_guarded
     if args.dmi:
         result["edgecore"] = edgecore_counts
     if args.keep:

@@ -15,8 +15,9 @@ Reset, Clear, Create, ...; ``EventSet`` is the noun of the process-local event s
 few decided by name (``READ_NAMES``). A name that is neither a write nor a read (a ``Get``/``Query`` word) is
 refused as well: a new verb in a later
 nvidia-ml-py is refused until someone decides it is a read. Every refusal is recorded (``refused``), logged at
-ERROR and, where ``GPU_MAPPER_READONLY_REPORT`` names a file, appended to it (one name a line), so that the
-process that started a guarded one can say whether anything tried.
+ERROR and, where ``GPU_MAPPER_READONLY_REPORT`` names a file, appended to it (one name a line; each guarded
+process first writes a ``# guarded pid N`` line), so that the process that started guarded ones can say that
+they were guarded and whether anything tried.
 
 ``python -m tests.readonly_nvml ARGS``: ``gpu-mapper ARGS`` with the real ``pynvml`` made read-only before the
 mapper imports it (``benchmarks/overhead.py --real`` starts the mapper so). ``real_pynvml`` is how each process of
@@ -177,16 +178,28 @@ def make_read_only(module: ModuleType, report: str | None = None) -> Guard:
     module._LoadNvmlLibrary = load_library
     wrap_library()
     module._gpu_mapper_readonly_guard = guard
+    if report:
+        with open(report, "a") as fh:
+            fh.write(f"# guarded pid {os.getpid()}: {len(guard.replaced)} functions refused\n")
     return guard
 
 
-def refused_names(report: str) -> list[str]:
-    """The names a guarded process refused, from its report file (none when the file is absent)."""
+def _report_lines(report: str) -> list[str]:
     try:
         with open(report) as fh:
             return [line.strip() for line in fh if line.strip()]
     except FileNotFoundError:
         return []
+
+
+def refused_names(report: str) -> list[str]:
+    """The names guarded processes refused, from their report file (none when the file is absent)."""
+    return [line for line in _report_lines(report) if not line.startswith("#")]
+
+
+def guarded_pids(report: str) -> list[int]:
+    """The processes that made their pynvml read-only with this report file (each writes a line when it does)."""
+    return [int(line.split()[3].rstrip(":")) for line in _report_lines(report) if line.startswith("# guarded pid ")]
 
 
 def standin_pynvml(count: int) -> ModuleType:

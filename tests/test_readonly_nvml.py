@@ -18,7 +18,7 @@ import pytest
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from tests.nvml_standin import NVML_SIGNATURES, StandIn, installed_binding, standin_env, standin_library
-from tests.readonly_nvml import SetterRefused, make_read_only, refused_names, write_functions
+from tests.readonly_nvml import SetterRefused, guarded_pids, make_read_only, refused_names, write_functions
 from tests.test_nvml_real_gpu import WRITE_PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def test_every_setter_pynvml_exports_is_refused_and_reads_go_through(standin: St
         assert name not in n._nvmlGetFunctionPointer_cache
     assert limits_mw(n) == before, "a setter reached the simulated GPU"
     assert standin.sim.calls.get("nvmlDeviceSetPowerManagementLimit", 0) == 0
-    assert refused_names(str(report)) == guard.refused
+    assert refused_names(str(report)) == guard.refused and guarded_pids(str(report)) == [os.getpid()]
     assert guard.refused[: len(setters)] == setters
 
     # Reads go through: the backend lists and samples every GPU over the guarded binding.
@@ -175,6 +175,7 @@ def test_overhead_real_rehearsed_over_the_standin_runs_end_to_end_read_only() ->
     assert out["gpu_uuids"] == expected_uuids and out["gpu_names"] == expected_names
     assert out["driver_version"] == expected_driver
     assert out["setters_refused"] == [] and out["read_only"]["policies_dry_run"] is True
+    assert out["read_only"]["mapper_and_naive_guarded"] is True, "both processes made their pynvml read-only"
     assert out["naive"]["hardware"] == "real" and out["naive"]["sent"] > 0
     assert out["mapper_cpu_pct_of_core"] > 0 and out["mapper_peak_rss_mb"] > 0
     projected = out["projected"]
