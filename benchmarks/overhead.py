@@ -503,9 +503,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             edgecore = EdgeCoreThread(folder, edge_socket)
         metrics_port = free_port()
         base = f"http://127.0.0.1:{metrics_port}"
-        exe = shutil.which("gpu-mapper", path=str(Path(sys.executable).parent)) or "gpu-mapper"
+        exe = shutil.which("gpu-mapper", path=str(Path(sys.executable).parent))
         # --nvml standin: this script in the child, the real pynvml over the stand-in library over the simulator
-        launcher = [exe]
+        # The installed command, else the module (a checkout run with PYTHONPATH, as on a lent GPU machine).
+        launcher = [exe] if exe else [sys.executable, "-m", "mapper.cli"]
         if args.nvml == "standin":
             launcher = [sys.executable, str(Path(__file__).resolve()), "--standin-child"]
         mapper_env = dict(os.environ)
