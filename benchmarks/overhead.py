@@ -54,7 +54,8 @@ which makes every NVML function that changes state (found from pynvml's own name
 ...) raise before the mapper is imported, at the wrappers, at pynvml's C-function lookup and on the loaded
 library; what it refused is listed in the JSON line (``setters_refused``: must be empty), and
 ``read_only.mapper_and_naive_guarded`` says both processes were guarded. Its config file sets
-``policies.dryRun: true`` and ``policies.health.recovery.enabled: false`` (no ``nvidia-smi -r``); the Devices are
+``policies.dryRun: true`` and ``policies.health.recovery.enabled: false`` (no ``nvidia-smi -r``; a ``nvidia-smi``
+first on the mapper's PATH lets only queries through, ``tests.readonly_nvml.nvidia_smi_shim``); the Devices are
 discover's, with no desired values; the GPU count, names and driver version are read from the machine (through
 the same read-only pynvml). The naive loop reads the same GPUs through the same read-only pynvml. The JSON line
 says ``"hardware": "real"``; unless ``--no-projection``, the same benchmark then runs over the simulator with the
@@ -515,6 +516,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The real pynvml made read-only in the mapper's process before the mapper imports it.
             launcher = [sys.executable, "-m", "tests.readonly_nvml"]
             mapper_env["GPU_MAPPER_READONLY_REPORT"] = str(refused_report)
+            real_smi = shutil.which("nvidia-smi")
+            if real_smi:  # the recovery flow is off; should anything run nvidia-smi, only its queries get through
+                from tests.readonly_nvml import nvidia_smi_shim
+
+                nvidia_smi_shim(tmp / "readonly-bin", real_smi, str(refused_report))
+                mapper_env["PATH"] = f"{tmp / 'readonly-bin'}{os.pathsep}{mapper_env.get('PATH', '')}"
             mapper_env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
             (tmp / "config.yaml").write_text(READ_ONLY_CONFIG)
             source = ["--config", str(tmp / "config.yaml")]
@@ -755,6 +762,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "health_recovery": False,
             "desired_values": 0,
             "mapper_and_naive_guarded": both_guarded,
+            "nvidia_smi": "queries only (a shim first on PATH)" if shutil.which("nvidia-smi") else "not installed",
         }
         # The real pass's guard: its targets, both processes guarded, nothing refused (a refusal is a bug).
         result["target_met"] = result["target_met"] and not setters_refused and both_guarded

@@ -19,6 +19,9 @@ ERROR and, where ``GPU_MAPPER_READONLY_REPORT`` names a file, appended to it (on
 process first writes a ``# guarded pid N`` line), so that the process that started guarded ones can say that
 they were guarded and whether anything tried.
 
+``nvidia_smi_shim`` writes a ``nvidia-smi`` for the front of such a process's PATH that runs the real one only
+for queries (``-q``, ``-L``) and refuses (and reports) anything else, such as ``-r`` or ``-pl``.
+
 ``python -m tests.readonly_nvml ARGS``: ``gpu-mapper ARGS`` with the real ``pynvml`` made read-only before the
 mapper imports it (``benchmarks/overhead.py --real`` starts the mapper so). ``real_pynvml`` is how each process of
 that benchmark gets its pynvml. A rehearsal for tests: with ``GPU_MAPPER_READONLY_STANDIN=N`` in the
@@ -32,9 +35,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -224,6 +229,37 @@ def real_pynvml(report: str | None = None) -> tuple[ModuleType, Guard]:
     else:
         import pynvml as module
     return module, make_read_only(module, report)
+
+
+#: ``nvidia-smi`` options that only read (the recovery's self-check runs ``nvidia-smi -q -i UUID``).
+SMI_READ_OPTIONS = ("-q", "--query", "-L", "--list-gpus", "-i", "--id", "-d", "--display", "-x", "--xml-format")
+
+
+def nvidia_smi_shim(folder: Path, real: str, report: str) -> Path:
+    """A ``nvidia-smi`` in ``folder`` (to be first on the guarded process's PATH) that runs the ``real`` one only
+    for reads: the first argument must be a query (``-q``, ``-L``; no subcommand) and every option one of
+    ``SMI_READ_OPTIONS`` (``--id=X`` and ``--display=X`` too; a value such as a UUID does not start with ``-``).
+    Anything else (``-r``, ``-pl``, ``-pm``, ``-lgc``, ...) is refused before the real tool runs: appended to
+    ``report`` as ``nvidia-smi ARGS``, exit 1."""
+    allowed = " | ".join([*SMI_READ_OPTIONS, "--id=*", "--display=*"])
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "nvidia-smi"
+    shim.write_text(
+        "#!/bin/sh\n"
+        "# tests/readonly_nvml.py: nvidia-smi for reads only; anything else is refused before the real tool runs.\n"
+        'case "$1" in -q | --query | -L | --list-gpus) ;; *) echo "nvidia-smi $*" >>' + shlex.quote(report) + "\n"
+        '  echo "read-only run: nvidia-smi $* refused" >&2; exit 1 ;; esac\n'
+        'for a in "$@"; do\n'
+        '  case "$a" in\n'
+        f"    {allowed}) ;;\n"
+        '    -*) echo "nvidia-smi $*" >>' + shlex.quote(report) + "\n"
+        '        echo "read-only run: nvidia-smi $* refused" >&2; exit 1 ;;\n'
+        "  esac\n"
+        "done\n"
+        f'exec {shlex.quote(real)} "$@"\n'
+    )
+    shim.chmod(0o755)
+    return shim
 
 
 def main(argv: Iterable[str] | None = None) -> int:

@@ -18,7 +18,14 @@ import pytest
 from mapper.edge.gpu.nvml import NvmlBackend
 from mapper.edge.gpu.simnvml import SimNvml
 from tests.nvml_standin import NVML_SIGNATURES, StandIn, installed_binding, standin_env, standin_library
-from tests.readonly_nvml import SetterRefused, guarded_pids, make_read_only, refused_names, write_functions
+from tests.readonly_nvml import (
+    SetterRefused,
+    guarded_pids,
+    make_read_only,
+    nvidia_smi_shim,
+    refused_names,
+    write_functions,
+)
 from tests.test_nvml_real_gpu import WRITE_PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,6 +143,22 @@ def test_write_functions_keep_what_the_mapper_reads() -> None:
     used = {x for x in backend_names() if x.startswith("nvml") and callable(getattr(pynvml, x, None))}
     assert used - refused, "the backend reads something"
     assert {x for x in used & refused if not x.startswith(WRITE_PREFIXES)} == set()
+
+
+def test_the_nvidia_smi_shim_lets_queries_through_and_refuses_the_rest(tmp_path: Path) -> None:
+    ran = tmp_path / "ran.txt"
+    real = tmp_path / "real-nvidia-smi"  # stands for the real tool: records what reached it
+    real.write_text(f'#!/bin/sh\necho "$*" >> {ran}\n')
+    real.chmod(0o755)
+    report = tmp_path / "refused.txt"
+    shim = nvidia_smi_shim(tmp_path / "bin", str(real), str(report))
+    reads = [["-q", "-i", "GPU-1"], ["-L"], ["--query", "--id=GPU-1", "-d", "POWER"], ["-q", "-x"]]
+    writes = [["-r", "-i", "GPU-1"], ["-i", "GPU-1", "-pl", "300"], ["-q", "-pm", "1"], ["mig", "-cgi", "9"],
+              ["-lgc", "900,900"], ["-rgc"], ["--gpu-reset"], []]  # fmt: skip
+    for argv in reads + writes:
+        subprocess.run([str(shim), *argv], capture_output=True, timeout=10)
+    assert ran.read_text().splitlines() == [" ".join(a) for a in reads]
+    assert refused_names(str(report)) == [" ".join(["nvidia-smi", *a]) for a in writes]
 
 
 def test_overhead_real_without_a_gpu_says_so_and_exits_non_zero() -> None:
