@@ -669,3 +669,28 @@ async def test_every_state_goes_out_again_before_the_backlog_whenever_the_broker
     await shipper.stop(2)
     task.cancel()
     buf.close()
+
+
+async def test_a_replay_slower_than_a_batch_a_second_still_gets_an_eta(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9, clock=clock)
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        clock.advance(4.0)  # a slow link: 4 s a batch
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=clock, max_in_flight=1, page_size=2, progress_log_s=0.0)
+    for seq in range(8):
+        shipper.submit(_batch("default/gpu0", seq))
+    with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
+        task = asyncio.create_task(shipper.run())
+        await _until(lambda: buf.stats().batches == 0)
+    progress = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert progress[0].endswith("(8 of 8 batches remaining, 0 batches/s, ETA unknown)"), "nothing sent yet"
+    # then one batch every 4 s: what remains takes 4 s a batch
+    later = [m.split("(", 1)[1] for m in progress[1:]]
+    assert later and all(m.endswith(f"ETA {4 * int(m.split()[0])}s)") for m in later), later
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
