@@ -1,8 +1,9 @@
 """The mutation check (``scripts/mutation.sh``): small realistic bugs put into the critical modules one at a time by
 mutmut, the module's covering tests run against each; a bug no test notices is a survivor.
 
-For each module of ``MODULES`` (or those named with ``--module``), in a copy of the working tree (tracked files and
-untracked ones git does not ignore, so uncommitted edits are checked too) under ``--workdir``:
+The working tree (tracked files and untracked ones git does not ignore, so uncommitted edits are checked too) is
+copied once under ``--workdir``; then for each module of ``MODULES`` (or those named with ``--module``), in a copy
+of that copy:
 
 1. mutmut generates every mutant of the module (mutmut's operators: comparison and arithmetic operators, and/or,
    numbers off by one, strings, a call's arguments dropped or set to None, ``x = ...`` to ``x = None``, break and
@@ -12,8 +13,9 @@ untracked ones git does not ignore, so uncommitted edits are checked too) under 
    run while the module's mutants stay the same);
 3. mutmut runs, for each sampled mutant, the covering tests that reach the mutated function (its stats run of the
    covering tests tells which), in forked children, ``--max-children`` at a time;
-4. the score: killed (a test failed, or the run hung past mutmut's limit) over sampled. Every survivor is printed
-   with its diff; ``mutmut show <name>`` in the module's folder under ``--workdir`` shows one again.
+4. the score: killed (a test failed, or the run hung past mutmut's limit) over sampled, less the mutants that only
+   write a line's SQL keywords in lower case (equivalent: listed, not counted). Every survivor is printed with its
+   diff; ``mutmut show <name>`` in the module's folder under ``--workdir`` shows one again.
 
 Needs ``mutmut`` 3.8.1 in the virtualenv (``.venv/bin/pip install -e '.[mutation]'``); it uses a few of mutmut's
 own functions to list the mutants before running a sample of them, hence the exact version.

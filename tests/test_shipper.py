@@ -137,6 +137,7 @@ async def test_batches_buffer_while_the_broker_is_down_and_all_arrive_in_order_w
     assert stats.published_batches >= 405
     assert stats.publish_failures >= 1
     assert stats.replay_remaining_batches == 0
+    await _until(lambda: shipper.stats().replay_active is False)  # noticed once the loop is idle
     await shipper.stop(2)
     task.cancel()
     buf.close()
@@ -614,4 +615,86 @@ async def test_a_backlog_no_bigger_than_the_in_flight_window_is_no_replay(
         assert [m.startswith(f"telemetry: replay of {backlog} buffered batches (") for m in starts] == (
             [True] if replay else []
         )
+    buf.close()
+
+
+class _Recorder:
+    """A publisher that records (last topic part, device, ok) and fails while ``down``."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, bool]] = []
+        self.down = False
+
+    async def __call__(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10
+    ) -> None:
+        parts = topic.split("/")
+        self.sent.append((parts[-1], parts[3], not self.down))
+        if self.down:
+            raise TransientError("broker away", reason="mqtt-offline")
+
+
+async def test_the_states_a_previous_run_stored_go_out_first_when_the_next_one_starts(tmp_path: Path) -> None:
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    earlier = TelemetryShipper(buf, _Recorder(), node="n1", clock=SystemClock())
+    earlier.update_state("default/gpu1", b'{"temperature":62}')
+    earlier.submit(_batch("default/gpu1", 0))  # the mapper stopped before sending either
+    rec = _Recorder()
+    shipper = TelemetryShipper(buf, rec, node="n1", clock=SystemClock())
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: buf.stats().batches == 0)
+    assert rec.sent == [("state", "gpu1", True), ("telemetry", "gpu1", True)]
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_every_state_goes_out_again_before_the_backlog_whenever_the_broker_is_back(tmp_path: Path) -> None:
+    """Back after a failed publish (retried after ``retry_s``), and back after a reconnect the shipper only hears
+    of (``notify_connected``, nothing failed): each time every device's state first."""
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9)
+    rec = _Recorder()
+    shipper = TelemetryShipper(buf, rec, node="n1", clock=SystemClock(), retry_s=0.2)
+    shipper.update_state("default/gpu0", b'{"temperature":61}')
+    task = asyncio.create_task(shipper.run())
+    await _until(lambda: len(rec.sent) == 1)
+    rec.down = True
+    shipper.submit(_batch("default/gpu0", 0))
+    await _until(lambda: shipper.stats().publish_failures >= 1)
+    rec.down = False  # the retry after retry_s finds it back
+    await _until(lambda: buf.stats().batches == 0)
+    ok = [(kind, dev) for kind, dev, good in rec.sent if good]
+    assert ok == [("state", "gpu0"), ("state", "gpu0"), ("telemetry", "gpu0")]
+    rec.sent.clear()
+    shipper.notify_connected()
+    shipper.submit(_batch("default/gpu0", 1))
+    await _until(lambda: buf.stats().batches == 0)
+    assert rec.sent == [("state", "gpu0", True), ("telemetry", "gpu0", True)]
+    await shipper.stop(2)
+    task.cancel()
+    buf.close()
+
+
+async def test_a_replay_slower_than_a_batch_a_second_still_gets_an_eta(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    buf = Buffer(tmp_path / "buf.db", max_bytes=50_000_000, max_age_s=10**9, clock=clock)
+
+    async def publish(topic: str, payload: bytes, qos: int = 1, retain: bool = False, timeout_s: float = 10) -> None:
+        clock.advance(4.0)  # a slow link: 4 s a batch
+
+    shipper = TelemetryShipper(buf, publish, node="n1", clock=clock, max_in_flight=1, page_size=2, progress_log_s=0.0)
+    for seq in range(8):
+        shipper.submit(_batch("default/gpu0", seq))
+    with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
+        task = asyncio.create_task(shipper.run())
+        await _until(lambda: buf.stats().batches == 0)
+    progress = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert progress[0].endswith("(8 of 8 batches remaining, 0 batches/s, ETA unknown)"), "nothing sent yet"
+    # then one batch every 4 s: what remains takes 4 s a batch
+    later = [m.split("(", 1)[1] for m in progress[1:]]
+    assert later and all(m.endswith(f"ETA {4 * int(m.split()[0])}s)") for m in later), later
+    await shipper.stop(2)
+    task.cancel()
     buf.close()

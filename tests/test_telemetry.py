@@ -776,3 +776,31 @@ def test_an_int_column_damaged_to_a_difference_order_as_long_as_itself_is_refuse
             except BatchFormatError as exc:
                 errors.add(str(exc))
     assert "int column of 2 values cannot have difference order 2" in errors
+
+
+def test_a_sparse_column_damaged_to_a_difference_order_as_long_as_its_exceptions_is_refused_naming_it() -> None:
+    """A merged batch in its cold form (format 4) keeps a column that is one value but for two exceptions as that
+    value, the gaps between the exceptions and their values: two numbers each, so a difference order of at most 1.
+    Among all the one-byte damages of such a batch (uncompressed: it is small), one claims order 2 for them, and
+    it is refused rather than decoded to wrong values."""
+    parts = []
+    for seq in range(3):
+        temps = [60] * 40
+        if seq == 1:
+            temps[10], temps[30] = 70, 75
+        rows = [Sample("GPU-1", T0 + (seq * 40 + i) * 1000, {"temperature": v}) for i, v in enumerate(temps)]
+        parts.append(
+            decode_batch(
+                encode_batch(rows, node="n1", device="default/gpu0", uuid="GPU-1", boot_id="b", seq=seq).payload
+            )
+        )
+    payload = telemetry.merge_batches(parts, BatchCodec(), version=telemetry.MERGED_FORMAT_VERSION).payload
+    assert payload[1:3] == bytes([telemetry.MERGED_FORMAT_VERSION, 0]), "format 4, uncompressed"
+    errors = set()
+    for at in range(3, len(payload)):
+        for flip in (1, 2, 3):
+            try:
+                decode_batch(payload[:at] + bytes([payload[at] ^ flip]) + payload[at + 1 :])
+            except BatchFormatError as exc:
+                errors.add(str(exc))
+    assert "int column of 2 values cannot have difference order 2" in errors
