@@ -114,8 +114,8 @@ def test_every_series_the_bridge_writes_is_one_the_mappers_metrics_show_with_the
     # the node stream: 16 gauges and counters without labels (GPUs, 5 of the buffer, 2 of replay, 2 published,
     # 4 of MQTT, DMI registered, standalone), build info, one drop reason, one RPC, one process error, the collect
     # duration histogram's 12 buckets (11 bounds and +Inf), sum and count, and the two lateness histograms' 15
-    # buckets (14 bounds and +Inf), sum and count each
-    assert n_node == 16 + 1 + 1 + 1 + 1 + (12 + 2) + 2 * (15 + 2)
+    # buckets (14 bounds and +Inf), sum and count each, and gpu_mapper_degraded's 0 (nothing runs degraded)
+    assert n_node == 16 + 1 + 1 + 1 + 1 + (12 + 2) + 2 * (15 + 2) + 1
     assert n + n_status + n_node == len(bridge_side)
     assert bridge_side == mapper_side
     assert ("gpu_clock_event_reason_active", ()) not in bridge_side

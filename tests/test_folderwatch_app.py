@@ -155,8 +155,10 @@ async def test_a_devices_file_that_fails_to_parse_changes_no_gpu_says_so_and_the
         assert refused["reason"] == "parse-error" and refused["where"] == str(path)
         assert "while scanning a quoted scalar" in refused["detail"]
         metrics = await asyncio.to_thread(_http_text, app.metrics.url + "/metrics")
-        assert 'gpu_mapper_config_errors_total{source="devices-file"} 1.0' in metrics
-        assert 'gpu_mapper_config_refused{source="devices-file"} 1.0' in metrics
+        # (the mapper's own series carry its node, as the bridge writes them from the node stream)
+        node = status["node"]
+        assert f'gpu_mapper_config_errors_total{{node="{node}",source="devices-file"}} 1.0' in metrics
+        assert f'gpu_mapper_config_refused{{node="{node}",source="devices-file"}} 1.0' in metrics
 
         # Fixed: the next valid version applies, and the refusal is gone.
         fixed = [300, 310, 320, 330]

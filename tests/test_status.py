@@ -32,6 +32,9 @@ class Figures:
     batches: int = 3
     oldest_age_s: float | None = 12.5
     drops_by_reason: dict[str, int] = field(default_factory=lambda: {"full": 2})
+    drop_samples_by_reason: dict[str, int] = field(default_factory=lambda: {"full": 20})
+    degraded: str = ""
+    memory_batches: int = 0
 
 
 class FakeBuffer:

@@ -369,7 +369,8 @@ BUFFER_MEMORY_BATCHES = _node(
 DEGRADED = _node(
     "gpu_mapper_degraded",
     "gauge",
-    "1 while the mapper runs degraded, by reason (data dir full, data dir read-only, ...)",
+    "1 while the mapper runs degraded, by reason (data dir full, data dir read-only, ...); 0 without a reason while "
+    "nothing does",
     ("reason",),
 )
 REPLAY_REMAINING_BATCHES = _node(

@@ -1330,9 +1330,14 @@ class NvmlBackend:
         CPU each on an H200, fall in different rounds); in between the value is the last read plus ``power_w``
         integrated since (``_EnergyTrack``). Without a power reading every call reads the driver's counter.
         ``may_read`` False (the process cycle): a read that is due is left to the next collect sample, which is
-        on the collect grid and read after the other GPUs of its round."""
+        on the collect grid and read after the other GPUs of its round (unless ``energy_read_s`` is 0: every call
+        reads the counter, the process cycle's too)."""
         track = self._energy_tracks.get(uuid)
-        if track is not None and power_w is not None and (now < track.next_read_s or not may_read):
+        if (
+            track is not None
+            and power_w is not None
+            and (now < track.next_read_s or (not may_read and self._energy_read_s > 0))
+        ):
             return track.derive(now, power_w), now - track.read_s
         energy_j = self._read_energy(h, uuid, now)
         self._check_energy(uuid, energy_j)  # (a reload detected here forgets every GPU's track)

@@ -37,7 +37,9 @@ def node_series(snap: MapperSnapshot) -> list[NodeSample]:
         (n.BUFFER_DROPPED, _keyed(s.buffer_drops)),
         (n.BUFFER_DROPPED_SAMPLES, _keyed(s.buffer_dropped_samples)),
         (n.BUFFER_MEMORY_BATCHES, s.buffer_memory_batches),
-        (n.DEGRADED, {(why,): 1.0 for why in s.degraded}),
+        # (always a sample, so that a store fed by the bridge alone has the series: 0 with no reason while nothing
+        # runs degraded)
+        (n.DEGRADED, {(why,): 1.0 for why in s.degraded} or {("",): 0.0}),
         (n.REPLAY_REMAINING_BATCHES, s.replay_remaining_batches),
         (n.REPLAY_REMAINING_BYTES, s.replay_remaining_bytes),
         (n.PUBLISHED_BATCHES, s.telemetry_published_batches),
