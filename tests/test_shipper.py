@@ -687,6 +687,7 @@ async def test_a_replay_slower_than_a_batch_a_second_still_gets_an_eta(
     shipper = TelemetryShipper(buf, publish, node="n1", clock=clock, max_in_flight=1, page_size=2, progress_log_s=0.0)
     for seq in range(8):
         shipper.submit(_batch("default/gpu0", seq))
+    shipper.notify_connected()  # the link is up: the replay starts before anything is sent
     with caplog.at_level(logging.INFO, logger="mapper.edge.outbox.shipper"):
         task = asyncio.create_task(shipper.run())
         await _until(lambda: buf.stats().batches == 0)
