@@ -12,12 +12,13 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.lifecycle.harness import Outcome, Run
+from tests.lifecycle.harness import BAD_INPUT_STEPS, Outcome, Run
 from tests.lifecycle.plan import SeqConfig, Step, config_for, generate
 from tests.lifecycle.world import rmtree
 from tests.promserver import Prometheus
@@ -84,6 +85,45 @@ def shrink(first: Outcome, prom: Prometheus, base: Path, budget_s: float) -> Shr
     return Shrunk(best, current, runs, time.monotonic() <= deadline)
 
 
+#: Faults the harness found that are open (docs/reliability.md, "Found and NOT fixed"), each told apart from any
+#: other violation of its invariant by what the violation itself shows. A run reports them with their seeds and does
+#: not fail on them; any other violation fails it. Each entry goes once its fault is fixed.
+_BROKER_RESTART = re.compile(
+    r"^(\d+) of \d+ published samples not in Prometheus after .*? \((\d+) of them published within [\d.]+ s after a "
+    r"broker restart\)"
+)
+_TWICE_BY_IDENTITY = re.compile(r"samples twice in Prometheus, .* in series that differ in gpu: ")
+
+
+def known_open_fault(o: Outcome) -> str:
+    """The open fault ``o``'s violation is an instance of ("" when it is none of them)."""
+    v = o.violation
+    if v is None:
+        return ""
+    if v.invariant == "delivery":
+        m = _BROKER_RESTART.match(v.message)
+        if m is not None and m.group(1) == m.group(2):
+            # every missing sample went out just after a broker restart: mosquitto 2.0.11 restores no shared
+            # subscription from its persistence file, so it reached no bridge
+            return "broker-restart-shared-subscription"
+        if _TWICE_BY_IDENTITY.search(v.message):
+            # a batch written before the bridge knew its GPU's identity, delivered again and written with it
+            return "written-again-with-identity"
+    if v.invariant == "gpu-setting" and v.message.startswith("desired value not in force"):
+        # the restore race: a Device removed (or renamed) after a refused value of it, the GPU left at the earlier
+        # valid value instead of its default (never "bad input changed a GPU setting": that is no open fault)
+        typo_devices: set[str] = set()
+        for step in o.steps[: v.step + 1]:
+            named = str(step.args[0]) if step.args else ""
+            if step.kind in BAD_INPUT_STEPS and named:
+                typo_devices.add(named)
+                continue
+            gone = step.kind == "remove_all" or (step.kind in ("rename", "remove") and named in typo_devices)
+            if gone and typo_devices:
+                return "restore-race-after-refused-value"
+    return ""
+
+
 @dataclass
 class Summary:
     outcomes: list[Outcome] = field(default_factory=list)
@@ -104,8 +144,16 @@ class Summary:
     def violations(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.violation is not None]
 
+    @property
+    def unknown_violations(self) -> list[Outcome]:
+        """The violations that are no instance of an open fault (``known_open_fault``): what fails a run."""
+        return [o for o in self.violations if not known_open_fault(o)]
+
     def line(self) -> str:
-        return f"lifecycle: {self.sequences} sequences, {self.steps} steps, {len(self.violations)} violations"
+        known = len(self.violations) - len(self.unknown_violations)
+        return f"lifecycle: {self.sequences} sequences, {self.steps} steps, {len(self.violations)} violations" + (
+            f" ({known} of them open faults, docs/reliability.md)" if known else ""
+        )
 
     def report(self) -> str:
         head = self.line() + f" ({self.wall_s:.0f} s)"
@@ -120,7 +168,9 @@ class Summary:
             lines.append(f"\n== {invariant}: {len(outs)} sequence(s): seeds {', '.join(str(o.cfg.seed) for o in outs)}")
             for o in outs:  # one line each, so that different causes of one invariant show
                 assert o.violation is not None
-                lines.append(f"   seed {o.cfg.seed} step {o.violation.step}: {o.violation.message[:200]!r}")
+                known = known_open_fault(o)
+                tag = f" [open fault: {known}]" if known else ""
+                lines.append(f"   seed {o.cfg.seed} step {o.violation.step}{tag}: {o.violation.message[:200]!r}")
             first = outs[0]
             assert first.violation is not None
             lines.append(f"   first: {first.cfg}, after step {first.violation.step}: {first.violation.message[:1500]}")
@@ -170,7 +220,7 @@ def run_many(
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         summary.outcomes = [o for o in pool.map(one, seeds) if o is not None]
     deadline = time.monotonic() + shrink_budget_s
-    for o in summary.violations:
+    for o in summary.unknown_violations:  # (an open fault's instances are not shrunk again)
         assert o.violation is not None
         invariant = o.violation.invariant
         left = deadline - time.monotonic()

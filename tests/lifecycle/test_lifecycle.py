@@ -95,5 +95,7 @@ def test_lifecycle_sequences_keep_every_invariant(prometheus: Prometheus, tmp_pa
         assert summary.sequences == len(seeds)
     else:
         assert summary.sequences >= 1, "the time budget ended before the first sequence"
-    assert not summary.violations, report
+    # An instance of a fault the harness found and that is open (``known_open_fault``, docs/reliability.md) is
+    # reported above and fails nothing; any other violation fails the run.
+    assert not summary.unknown_violations, report
     assert summary.steps >= summary.sequences * steps * 0.8, f"too many steps skipped: {summary.line()}"
