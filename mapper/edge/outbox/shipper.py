@@ -38,6 +38,9 @@ _T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
+#: A broker first reached within this long of a publish that failed before it is a start-up race, not an outage.
+STARTUP_RACE_S = 5.0
+
 
 class BufferStatsLike(Protocol):
     @property
@@ -198,6 +201,8 @@ class TelemetryShipper:
         self._outages: dict[str, _Outage] = {}
         self._returns: dict[str, _Return] = {}
         self._link_up: set[str] = set()
+        #: Brokers whose link has been up since start.
+        self._ever_up: set[str] = set()
 
     # ------------------------------------------------------------------------------------------ inputs
 
@@ -535,11 +540,16 @@ class TelemetryShipper:
     def _link_came_up(self, address: str) -> None:
         """A broker's link is up (it connected, or a publish went through): what waited goes out now, as a
         replay when it is long; the return is logged once it has gone out."""
+        first = address not in self._ever_up
+        self._ever_up.add(address)
         self._link_up.add(address)
         outage = self._outages.pop(address, None)
-        if outage is not None:
+        now = self.clock.monotonic()
+        # A broker's first connection a moment after a publish that raced it (the node stream's first sample goes
+        # out at start) is no return from an outage: no "back after 0.01 s" line at every start.
+        if outage is not None and not (first and now - outage.since < STARTUP_RACE_S):
             batches, nbytes = self._backlog_and_bytes()
-            self._returns[address] = _Return(address, outage.since, self.clock.monotonic(), batches, nbytes)
+            self._returns[address] = _Return(address, outage.since, now, batches, nbytes)
         self._start_replay()
 
     def _report_outages(self) -> None:
